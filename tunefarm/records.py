@@ -1,0 +1,242 @@
+"""Plain records that cross process (and later network) boundaries.
+
+Data flow of one measurement::
+
+    Candidate --(realize)--> BuildInput --(builder)--> BuildResult
+              --(runner)--> RunResult --(tuner)--> MeasureRecord --(store)--> JSON line
+
+Every record here is a frozen dataclass of plain values (str, int, float, tuples), so it
+pickles into a worker process, serialises to JSON and can go into a queue unchanged.
+Measurement errors are data: an `ErrorKind` plus a message, and an infinite cost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+RECORD_VERSION = 1
+"""Version of the JSON-lines record format (`MeasureRecord.to_json`)."""
+
+
+class ErrorKind(StrEnum):
+    """Why a measured candidate has no valid cost."""
+
+    NONE = "none"
+    BUILD_ERROR = "build_error"  # lowering / codegen / link failed
+    BUILD_TIMEOUT = "build_timeout"  # the build worker took longer than its limit
+    RUN_CRASH = "run_crash"  # the runner process died (segfault, abort, OOM kill)
+    RUN_ERROR = "run_error"  # the kernel raised (bad launch, load failure...)
+    RUN_TIMEOUT = "run_timeout"  # the kernel did not finish within its limit
+    WRONG_RESULT = "wrong_result"  # output differs from the reference
+
+    @property
+    def is_error(self) -> bool:
+        return self is not ErrorKind.NONE
+
+
+DecisionValue = int | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A complete program of the search space: a sketch plus a value for each of its slots.
+
+    `decisions` is sorted by slot name so that equal programs have equal keys.
+    """
+
+    sketch: int
+    decisions: tuple[tuple[str, DecisionValue], ...]
+
+    @staticmethod
+    def make(sketch: int, decisions: dict[str, DecisionValue]) -> Candidate:
+        return Candidate(sketch, tuple(sorted((k, _freeze(v)) for k, v in decisions.items())))
+
+    @property
+    def key(self) -> str:
+        return f"{self.sketch}:" + json.dumps(self.decisions, separators=(",", ":"))
+
+    def as_dict(self) -> dict[str, DecisionValue]:
+        return dict(self.decisions)
+
+
+def _freeze(value: Any) -> DecisionValue:
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return int(value)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        import numpy as np
+
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class BuildInput:
+    """What a builder needs: the workload, the schedule as a TVM trace, and the target."""
+
+    candidate_key: str
+    workload_json: str  # tvm.ir.save_json of the workload IRModule
+    trace_json: str  # json.dumps of Trace.as_json(); "" means the unscheduled program
+    target: dict[str, Any]
+    timeout_secs: float = 60.0
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    candidate_key: str
+    artifact: str | None  # path of the shared library, None on error
+    build_secs: float
+    error_kind: ErrorKind = ErrorKind.NONE
+    error_msg: str = ""
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    """How a runner times one kernel (TVM's time_evaluator underneath).
+
+    One untimed warm-up run (which is also the run whose output is checked), then
+    `repeat` timed repeats, each at least `min_repeat_ms` long, with the CPU caches
+    flushed before each repeat. The cost of a repeat is its mean per-call time; the
+    record keeps all of them and reports their median.
+    """
+
+    repeat: int = 5
+    min_repeat_ms: float = 40.0
+    flush_cache: bool = True
+    # A kernel whose warm-up run already takes this long is timed once only: it cannot
+    # be the best, and timing it properly would cost more than it tells.
+    slow_cutoff_secs: float = 1.0
+
+
+@dataclass(frozen=True)
+class RunInput:
+    candidate_key: str
+    artifact: str
+    task_data: str  # .npz with the inputs (and expected outputs when `verify`)
+    n_inputs: int
+    n_outputs: int
+    verify: bool
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    timeout_secs: float = 30.0
+    # When set, the runner writes the kernel's outputs to this .npz (keys "output_0", ...)
+    # after the warm-up run. Used to compute reference outputs with the naive program.
+    save_outputs: str = ""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    candidate_key: str
+    costs: tuple[float, ...]  # seconds per call, one per timed repeat; () on error
+    run_secs: float  # wall time of the whole run step
+    error_kind: ErrorKind = ErrorKind.NONE
+    error_msg: str = ""
+    verified: bool = False  # output was compared to the reference and matched
+
+    @property
+    def median(self) -> float:
+        return median_cost(self.costs) if not self.error_kind.is_error else math.inf
+
+
+def median_cost(costs: tuple[float, ...] | list[float]) -> float:
+    if not costs:
+        return math.inf
+    s = sorted(costs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+@dataclass(frozen=True)
+class MeasureRecord:
+    """One measured candidate: one line of the records file.
+
+    JSON line (version 1)::
+
+        {"v": 1, "task": <task key>, "workload": <name>, "target": <target dict>,
+         "sketch": <int>, "sketch_sig": <str>, "decisions": {<slot>: int | [int...]},
+         "trace": <TVM Trace.as_json()>, "costs": [seconds...], "error": <ErrorKind>,
+         "error_msg": <str>, "build_secs": <float>, "run_secs": <float>,
+         "verified": <bool>, "time": <unix seconds>}
+    """
+
+    task: str
+    workload: str
+    target: dict[str, Any]
+    sketch: int
+    sketch_sig: str
+    decisions: tuple[tuple[str, DecisionValue], ...]
+    trace: Any  # TVM trace JSON (nested lists), replayable without our search code
+    costs: tuple[float, ...]
+    error_kind: ErrorKind
+    error_msg: str
+    build_secs: float
+    run_secs: float
+    verified: bool
+    timestamp: float
+
+    @property
+    def candidate(self) -> Candidate:
+        return Candidate(self.sketch, self.decisions)
+
+    @property
+    def cost(self) -> float:
+        return math.inf if self.error_kind.is_error else median_cost(self.costs)
+
+    @property
+    def is_valid(self) -> bool:
+        return not self.error_kind.is_error and bool(self.costs)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "v": RECORD_VERSION,
+                "task": self.task,
+                "workload": self.workload,
+                "target": self.target,
+                "sketch": self.sketch,
+                "sketch_sig": self.sketch_sig,
+                "decisions": {k: list(v) if isinstance(v, tuple) else v for k, v in self.decisions},
+                "trace": self.trace,
+                "costs": list(self.costs),
+                "error": str(self.error_kind),
+                "error_msg": self.error_msg,
+                "build_secs": round(self.build_secs, 6),
+                "run_secs": round(self.run_secs, 6),
+                "verified": self.verified,
+                "time": round(self.timestamp, 3),
+            },
+            separators=(",", ":"),
+        )
+
+    @staticmethod
+    def from_json(line: str) -> MeasureRecord:
+        d = json.loads(line)
+        if d.get("v") != RECORD_VERSION:
+            raise ValueError(f"record version {d.get('v')!r} is not {RECORD_VERSION}")
+        return MeasureRecord(
+            task=str(d["task"]),
+            workload=str(d["workload"]),
+            target=dict(d["target"]),
+            sketch=int(d["sketch"]),
+            sketch_sig=str(d["sketch_sig"]),
+            decisions=Candidate.make(int(d["sketch"]), d["decisions"]).decisions,
+            trace=d["trace"],
+            costs=tuple(float(c) for c in d["costs"]),
+            error_kind=ErrorKind(d["error"]),
+            error_msg=str(d.get("error_msg", "")),
+            build_secs=float(d.get("build_secs", 0.0)),
+            run_secs=float(d.get("run_secs", 0.0)),
+            verified=bool(d.get("verified", False)),
+            timestamp=float(d.get("time", 0.0)),
+        )

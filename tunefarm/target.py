@@ -1,0 +1,74 @@
+"""Target detection and parsing. TVM 0.27 takes JSON-dict targets only."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tunefarm.errors import TargetError
+
+
+def physical_cores() -> int:
+    """Cores the kernels may use: the physical ones when psutil knows them."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except Exception:  # psutil missing or unsupported platform
+        n = None
+    return int(n or os.cpu_count() or 1)
+
+
+def host_target_dict() -> dict[str, Any]:
+    """The host CPU as a TVM target dict: LLVM with the detected mcpu and core count.
+
+    Without mcpu LLVM emits SSE-only code (TVM_NOTES section 4), so it is always set.
+    """
+    import tvm
+
+    mcpu = str(tvm.target.codegen.llvm_get_system_cpu())
+    return {"kind": "llvm", "mcpu": mcpu, "num-cores": physical_cores()}
+
+
+def parse_target(text: str | None) -> dict[str, Any]:
+    """`None` -> the host; otherwise a JSON dict, inline or in a file."""
+    if text is None:
+        return host_target_dict()
+    raw = text
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise TargetError(f"--target must be a JSON dict or a JSON file, got {text!r}")
+        raw = path.read_text()
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise TargetError(f"--target is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(data, dict) or "kind" not in data:
+        raise TargetError('--target must be a JSON object with a "kind", e.g. {"kind": "llvm", "mcpu": "skylake"}')
+    to_tvm_target(data)  # validate now, not in a worker
+    return data
+
+
+def to_tvm_target(data: dict[str, Any]):
+    import tvm
+
+    try:
+        return tvm.target.Target(data)
+    except Exception as exc:  # TVM raises ValueError / TVMError with long texts
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetError(f"TVM rejects the target {json.dumps(data)}: {first}") from None
+
+
+def num_cores(target: dict[str, Any]) -> int:
+    return int(target.get("num-cores") or physical_cores())
+
+
+def describe(target: dict[str, Any]) -> str:
+    parts = [str(target.get("kind"))]
+    for key in ("mcpu", "mtriple", "arch", "num-cores"):
+        if key in target:
+            parts.append(f"{key}={target[key]}")
+    return " ".join(parts)

@@ -1,0 +1,169 @@
+"""The `Workload` record and the two ways to make one (TE tensors or a PrimFunc)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from tunefarm.errors import WorkloadError
+from tunefarm.records import TensorSpec
+
+Reference = Callable[..., Sequence[np.ndarray]]
+"""numpy reference: called with the input arrays, returns the output arrays."""
+
+MEMORY_BOUND_INTENSITY = 4.0
+"""FLOPs per byte moved below which a workload is reported in GB/s rather than GFLOPS."""
+
+
+@dataclass(frozen=True, eq=False)
+class Workload:
+    """One tensor computation to tune. `mod` is an IRModule with a single "main" PrimFunc
+    whose parameters are the inputs, then the outputs."""
+
+    name: str
+    mod: object  # tvm.IRModule (kept untyped so importing this module does not import tvm)
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    flops: float
+    reference: Reference | None = None
+    memory_bound: bool = False
+
+    @cached_property
+    def structural_hash(self) -> int:
+        import tvm_ffi
+
+        return int(tvm_ffi.structural_hash(self.mod)) & 0xFFFFFFFFFFFFFFFF
+
+    @property
+    def key(self) -> str:
+        """Stable identity across processes and runs: records are matched by it."""
+        return f"{self.name}#{self.structural_hash:016x}"
+
+    @property
+    def args(self) -> tuple[TensorSpec, ...]:
+        return self.inputs + self.outputs
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes every run must at least read and write (for GB/s)."""
+        return sum(t.nbytes for t in self.args)
+
+    def to_json(self) -> str:
+        import tvm
+
+        return tvm.ir.save_json(self.mod)
+
+    def throughput(self, seconds: float) -> float:
+        """GFLOPS, or GB/s when memory bound."""
+        if not seconds or seconds == float("inf"):
+            return 0.0
+        work = self.moved_bytes if self.memory_bound else self.flops
+        return work / seconds / 1e9
+
+    @property
+    def throughput_unit(self) -> str:
+        return "GB/s" if self.memory_bound else "GFLOPS"
+
+
+def _spec_of_buffer(buf) -> TensorSpec:
+    shape = tuple(int(s) for s in buf.shape)
+    return TensorSpec(str(buf.name), shape, str(buf.dtype))
+
+
+def workload_from_prim_func(
+    name: str,
+    func,
+    *,
+    n_outputs: int | None = None,
+    flops: float | None = None,
+    reference: Reference | None = None,
+    memory_bound: bool | None = None,
+) -> Workload:
+    """A workload from a PrimFunc. Outputs are the trailing parameters the function writes
+    (or the last `n_outputs` when given)."""
+    import tvm
+
+    if not isinstance(func, tvm.tirx.PrimFunc):
+        raise WorkloadError(f"{name}: expected a PrimFunc, got {type(func).__name__}")
+    func = func.with_attr("global_symbol", "main")
+    mod = tvm.IRModule({"main": func})
+    buffers = list(func.params)  # in TVM 0.27 a PrimFunc's parameters are its buffers
+    if any(not hasattr(b, "shape") or b.shape is None for b in buffers):
+        raise WorkloadError(f"{name}: every parameter of the PrimFunc must be a buffer")
+    for b in buffers:
+        if any(not isinstance(s, (int, tvm.tirx.IntImm)) for s in b.shape):
+            raise WorkloadError(f"{name}: buffer {b.name} has a symbolic shape {list(b.shape)}; give static shapes")
+    if n_outputs is None:
+        written = _written_buffers(func)
+        n_outputs = 0
+        for b in reversed(buffers):
+            if b.name in written:
+                n_outputs += 1
+            else:
+                break
+        if n_outputs == 0:
+            raise WorkloadError(f"{name}: the PrimFunc writes none of its trailing parameters")
+    specs = [_spec_of_buffer(b) for b in buffers]
+    inputs, outputs = tuple(specs[: len(specs) - n_outputs]), tuple(specs[len(specs) - n_outputs :])
+    if flops is None:
+        flops = estimate_flops(mod)
+    wl = Workload(name, mod, inputs, outputs, float(flops), reference, False)
+    if memory_bound is None:
+        memory_bound = wl.flops / max(1, wl.moved_bytes) < MEMORY_BOUND_INTENSITY
+    return Workload(name, mod, inputs, outputs, float(flops), reference, bool(memory_bound))
+
+
+def workload_from_te(
+    name: str,
+    tensors: Sequence,
+    *,
+    flops: float | None = None,
+    reference: Reference | None = None,
+    memory_bound: bool | None = None,
+) -> Workload:
+    """A workload from TE tensors: the placeholders are the inputs (in the given order),
+    the computed tensors the outputs."""
+    from tvm import te
+
+    tensors = list(tensors)
+    if not tensors or not all(isinstance(t, te.Tensor) for t in tensors):
+        raise WorkloadError(f"{name}: expected a list of TE tensors (inputs first, outputs last)")
+    inputs = [t for t in tensors if isinstance(t.op, te.PlaceholderOp)]
+    outputs = [t for t in tensors if not isinstance(t.op, te.PlaceholderOp)]
+    if not outputs:
+        raise WorkloadError(f"{name}: no computed tensor among the returned ones (only placeholders)")
+    if tensors != inputs + outputs:
+        raise WorkloadError(f"{name}: return the inputs first and the outputs last")
+    try:
+        func = te.create_prim_func(inputs + outputs)
+    except Exception as exc:
+        raise WorkloadError(f"{name}: TVM cannot turn these tensors into a PrimFunc: {_first_line(exc)}") from None
+    return workload_from_prim_func(
+        name, func, n_outputs=len(outputs), flops=flops, reference=reference, memory_bound=memory_bound
+    )
+
+
+def estimate_flops(mod) -> float:
+    from tvm.s_tir.analysis import estimate_tir_flops
+
+    try:
+        return float(estimate_tir_flops(mod))
+    except Exception:
+        return 0.0
+
+
+def _written_buffers(func) -> set[str]:
+    import tvm
+    import tvm_ffi
+
+    names: set[str] = set()
+    tvm_ffi.structural_walk(func.body, (tvm.tirx.BufferStore, lambda s: names.add(str(s.buffer.name))))
+    return names
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
