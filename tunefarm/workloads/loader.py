@@ -67,16 +67,30 @@ def _import_file(path: Path):
 
 
 def _from_te_function(module, path: Path, func_name: str, params: dict[str, int]) -> Workload:
+    import inspect
+
+    import tvm
+
     fn = getattr(module, func_name, None)
+    if isinstance(fn, tvm.tirx.PrimFunc):
+        if params:
+            raise UsageError("--shape applies to functions returning TE tensors, not to a @T.prim_func")
+        return workload_from_prim_func(f"{path.name}:{func_name}", fn)
     if fn is None or not callable(fn):
         raise WorkloadError(f"{path} has no function {func_name!r}")
     try:
-        tensors = fn(**params)
+        bound = inspect.signature(fn).bind(**params)
     except TypeError as exc:
         raise WorkloadError(f"calling {path.name}:{func_name}({_kwargs(params)}) failed: {_first_line(exc)}") from None
+    bound.apply_defaults()
+    try:
+        tensors = fn(*bound.args, **bound.kwargs)
     except Exception as exc:
         raise WorkloadError(f"{path.name}:{func_name} raised {type(exc).__name__}: {_first_line(exc)}") from None
-    name = f"{path.name}:{func_name}" + (f"({_kwargs(params)})" if params else "")
+    # Name from the bound arguments (defaults included, signature order): the same
+    # workload gets the same name whatever order --shape was typed in.
+    shown = {k: v for k, v in bound.arguments.items() if isinstance(v, int)}
+    name = f"{path.name}:{func_name}" + (f"({_kwargs(shown)})" if shown else "")
     if not isinstance(tensors, (list, tuple)):
         raise WorkloadError(f"{path.name}:{func_name} must return a list of TE tensors (inputs first, outputs last)")
     return workload_from_te(name, tensors)

@@ -1,0 +1,221 @@
+"""Runners: load built kernels, check their output, and time them.
+
+A runner runs kernels strictly one at a time, so that no timed kernel shares the cores
+with another one, and never raises for a bad kernel: a crash, a hang, an exception or a
+wrong output is a `RunResult` with an `ErrorKind` and a message.
+
+`LocalRunner` runs in one long-lived isolated process on this machine; a device agent can
+call the same job function, `run_kernel`.
+
+What one run does (`run_kernel`), following `TimingConfig`:
+
+1. load the library and the task data (inputs, output shapes, expected outputs);
+2. one untimed warm-up call, whose output is saved (`save_outputs`) and checked
+   against the expected one (`verify`); a wrong output ends the run: WRONG_RESULT;
+3. time with TVM's time_evaluator: `repeat` repeats of at least `min_repeat_ms` each,
+   caches flushed before each (all arguments but the first); a kernel whose warm-up
+   took longer than `slow_cutoff_secs` is timed once.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.measurer.task_data import TaskData, read_task_data, save_outputs
+from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
+from tunefarm.records import ErrorKind, RunInput, RunResult
+
+VERIFY_RTOL = 1e-3
+"""Relative tolerance of the output check."""
+
+VERIFY_ATOL = 1e-3
+"""Absolute tolerance of the output check, relative to max(1, max |expected|)."""
+
+
+class Runner(ABC):
+    """Runs and times the built kernels of one measured batch, one kernel at a time."""
+
+    def start(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
+        """Called once before the first batch; may prepare the device so that the first
+        kernel does not pay its start-up."""
+
+    @abstractmethod
+    def run(self, inputs: Sequence[RunInput]) -> list[RunResult]:
+        """Called once per measured batch, after the build. Runs the kernels strictly one
+        at a time and returns one result per input, in input order. Never raises for a
+        bad kernel: errors are `RunResult.error_kind`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Called once when tuning is over. The runner is unusable after."""
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalRunner(Runner):
+    """Runs kernels in one isolated worker process with `num_threads` TVM threads.
+
+    Use one LocalRunner per machine, and build nothing while it runs: timings are only
+    meaningful when the kernel has the cores to itself.
+    """
+
+    def __init__(self, num_threads: int, *, start_timeout: float = 120.0):
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+        self.num_threads = num_threads
+        self._worker = IsolatedWorker(
+            env={"TVM_NUM_THREADS": str(num_threads)},
+            preload=["tvm", __name__],
+            start_timeout=start_timeout,
+            name="runner",
+        )
+
+    def start(self) -> None:
+        self._worker.start()
+
+    def run(self, inputs: Sequence[RunInput]) -> list[RunResult]:
+        return [self._run_one(inp) for inp in inputs]
+
+    def close(self) -> None:
+        self._worker.close()
+
+    def _run_one(self, inp: RunInput) -> RunResult:
+        outcome = self._worker.call(_RUN_JOB, inp, timeout=inp.timeout_secs)
+        if outcome.status is CallStatus.OK:
+            return replace(outcome.value, run_secs=outcome.secs)
+        if outcome.status is CallStatus.TIMED_OUT:
+            kind, msg = ErrorKind.RUN_TIMEOUT, f"run: {outcome.message}"
+        elif outcome.status is CallStatus.CRASHED:
+            kind, msg = ErrorKind.RUN_CRASH, outcome.message
+        else:
+            kind, msg = ErrorKind.RUN_ERROR, summarize_error(outcome.message)
+        return RunResult(inp.candidate_key, (), outcome.secs, kind, msg)
+
+
+def compare_outputs(
+    outputs: Sequence[np.ndarray], expected: Sequence[np.ndarray], *, rtol: float = VERIFY_RTOL
+) -> str:
+    """What differs between the outputs and the expected ones, and where ("" if nothing).
+
+    An element matches when |out - exp| <= atol + rtol * |exp|, with
+    atol = VERIFY_ATOL * max(1, max |exp|) (a scale-aware absolute floor for values near
+    zero). A NaN anywhere is a mismatch.
+    """
+    if len(outputs) != len(expected):
+        return f"{len(outputs)} outputs, {len(expected)} expected"
+    for k, (out, exp) in enumerate(zip(outputs, expected, strict=True)):
+        if out.shape != exp.shape:
+            return f"output_{k}: shape {out.shape}, expected {exp.shape}"
+        got, want = out.astype(np.float64), exp.astype(np.float64)
+        scale = float(np.max(np.abs(want), initial=0.0, where=np.isfinite(want)))
+        atol = VERIFY_ATOL * max(1.0, scale)
+        bad = ~np.isclose(got, want, rtol=rtol, atol=atol)
+        if not bad.any():
+            continue
+        n_bad, n = int(bad.sum()), bad.size
+        nan = np.isnan(got) & bad
+        if nan.any():
+            at = _index(np.argmax(nan), out.shape)
+            return f"output_{k}: NaN at {at} (expected {want[at]:.6g}); {n_bad} of {n} elements differ"
+        err = np.where(bad, np.abs(got - want), 0.0)
+        err = np.nan_to_num(err, nan=np.inf)
+        at = _index(np.argmax(err), out.shape)
+        return (
+            f"output_{k}: max abs error {err[at]:.3g} at {at} (got {got[at]:.6g}, expected {want[at]:.6g}, "
+            f"atol {atol:.3g}); {n_bad} of {n} elements differ"
+        )
+    return ""
+
+
+def _index(flat: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(int(flat), shape))
+
+
+# -- the job, run inside the worker process -----------------------------------------------
+
+_RUN_JOB = f"{__name__}:run_kernel"
+
+_TASK_DATA_CACHE_SIZE = 4
+"""Task data files kept in memory per worker process (keyed by path, mtime and size)."""
+
+_task_data: OrderedDict[tuple[str, int, int], TaskData] = OrderedDict()
+
+
+def run_kernel(inp: RunInput) -> RunResult:
+    """Run, check and time one kernel in this process (see the module docstring).
+
+    `run_secs` is this function's wall time; `LocalRunner` replaces it with the time the
+    parent saw. Exceptions (a missing file, a kernel that raises) propagate.
+    """
+    import tvm
+
+    t0 = time.perf_counter()
+    data = _load_task_data(inp.task_data)
+    if len(data.inputs) != inp.n_inputs or len(data.output_specs) != inp.n_outputs:
+        raise ValueError(
+            f"task data {inp.task_data} has {len(data.inputs)} inputs and {len(data.output_specs)} outputs, "
+            f"the kernel takes {inp.n_inputs} and {inp.n_outputs}"
+        )
+    dev = tvm.cpu(0)
+    lib = tvm.runtime.load_module(inp.artifact)
+    args = [tvm.runtime.tensor(a, dev) for a in data.inputs]
+    args += [tvm.runtime.empty(shape, dtype, dev) for shape, dtype in data.output_specs]
+    func = lib["main"]
+
+    warm0 = time.perf_counter()
+    func(*args)
+    warmup_secs = time.perf_counter() - warm0
+
+    verified = False
+    check = inp.verify and data.expected is not None
+    if inp.save_outputs or check:
+        outputs = [a.numpy() for a in args[inp.n_inputs :]]
+        if inp.save_outputs:
+            save_outputs(inp.save_outputs, outputs)
+        if check:
+            assert data.expected is not None
+            problem = compare_outputs(outputs, data.expected)
+            if problem:
+                return RunResult(
+                    inp.candidate_key, (), time.perf_counter() - t0, ErrorKind.WRONG_RESULT, problem
+                )
+            verified = True
+
+    timing = inp.timing
+    slow = warmup_secs > timing.slow_cutoff_secs
+    evaluator = lib.time_evaluator(
+        "main",
+        dev,
+        number=1,
+        repeat=1 if slow else timing.repeat,
+        min_repeat_ms=0 if slow else int(round(timing.min_repeat_ms)),  # TVM takes whole ms
+        f_preproc="cache_flush_cpu_non_first_arg" if timing.flush_cache else "",
+    )
+    costs = tuple(float(c) for c in evaluator(*args).results)
+    return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified)
+
+
+def _load_task_data(path: str) -> TaskData:
+    st = Path(path).stat()
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    data = _task_data.get(key)
+    if data is None:
+        data = read_task_data(path)
+        _task_data[key] = data
+        if len(_task_data) > _TASK_DATA_CACHE_SIZE:
+            _task_data.popitem(last=False)
+    else:
+        _task_data.move_to_end(key)
+    return data

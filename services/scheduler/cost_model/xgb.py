@@ -1,0 +1,430 @@
+"""Ansor's learned cost model: gradient-boosted trees with a "pack-sum" objective.
+
+Ansor paper §5.2 and appendix B; TVM ``auto_scheduler/cost_model/xgb_model.py`` and
+MetaSchedule ``cost_model/xgb_model.py``.
+
+The model
+    A tree ensemble f predicts one value per feature row (per innermost store); the score of a
+    program P is the sum over its rows, ``score(P) = sum_{s in P} f(s)``. The training label of
+    a measured program is its normalised throughput within its group (tuning task),
+    ``y = min_cost(group) / cost`` in (0, 1], 0 for a failed measurement. The loss is
+
+        L = sum_P  w_P * (score(P) - y_P)^2,   w_P = max(y_P, XGBConfig.min_weight)
+
+    The paper weighs each program by y ("loss weighted by normalised throughput"), so the model
+    is most accurate on the fast programs the search is after. With w = y alone a failed
+    program (y = 0) would carry no weight and the model would never learn that it is bad, so
+    every weight is floored at ``min_weight`` (0.05 by default: a failed or very slow program
+    counts like a program at 5% of the best throughput). Ansor reaches a similar end by giving
+    failed programs a cost of 1e10.
+
+Map of this module
+    `XGBConfig`            hyperparameters (one comment per field).
+    `XGBCostModel`         the `CostModel`: ``update`` appends to the history and retrains when
+                           due (`_should_train`), ``predict`` stacks rows, runs the booster once
+                           and sums per program; ``save``/``load`` use one ``.npz`` file.
+    `_History`             every measured program, rows stacked in growing arrays so retraining
+                           never restacks per program in Python.
+    `normalized_throughputs`, `pack_sum`, `pack_sum_loss`, `pack_sum_gradient`,
+    `weighted_p_rmse`      the objective and metric, pure numpy (tested against finite
+                           differences).
+
+XGBoost has no incremental training, so each training starts from scratch on the whole
+history; labels are recomputed each time because min_cost(group) falls as better programs are
+found. Early stopping watches the weighted p-rmse on the training set itself, as Ansor does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import numpy as np
+import xgboost as xgb
+
+from .base import INVALID_SCORE, CostModel, check_update_args, program_row_counts
+from .random import RandomCostModel
+
+logger = logging.getLogger(__name__)
+
+ADAPTIVE_TRAINING_RATIO = 0.2
+"""With adaptive training, retrain once the programs added since the last training number at
+least this fraction of the programs that training used (MetaSchedule's rule)."""
+
+HESSIAN_FLOOR = 1e-6
+"""Smallest per-row hessian handed to XGBoost, which divides by hessian sums."""
+
+_FORMAT = "tunefarm-xgb-cost-model/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class XGBConfig:
+    """Hyperparameters of `XGBCostModel`. Tree parameters are Ansor's (ANSOR.md §1.7)."""
+
+    max_depth: int = 10  # deepest tree; deep trees fit the interactions between features
+    gamma: float = 0.001  # smallest loss reduction that justifies a split (ends training, too)
+    min_child_weight: float = 0.0  # smallest hessian sum in a leaf; 0 lets leaves hold one row
+    eta: float = 0.2  # learning rate: shrinks each new tree's contribution
+    seed: int = 43  # seeds XGBoost and the random scores given during warm-up
+    # One thread: the search runs beside the measurements on a 2-core machine, and a trainer
+    # using both cores would slow the search and disturb the timings of the kernels measured
+    # at the same time. Retraining on a few thousand rows gains little from threads anyway.
+    nthread: int = 1
+    # Histogram bins per feature. Split finding costs nodes x features x bins, and trees of
+    # depth 10 have up to 1023 nodes, so 64 bins (XGBoost's default is 256) keep retraining
+    # fast; most features are log-scaled counts with few distinct values.
+    max_bin: int = 64
+    num_boost_round: int = 300  # cap on the number of trees (Ansor: 10000, never reached)
+    early_stopping_rounds: int = 50  # stop when the training p-rmse has not improved for this many
+    num_warmup_samples: int = 64  # below this many programs, predict gives random scores
+    adaptive_training: bool = True  # retrain only when the new data is >= 20% of the last training
+    min_weight: float = 0.05  # floor of the loss weight w = max(y, min_weight); see module doc
+
+    def xgb_params(self) -> dict[str, Any]:
+        """The parameter dict for ``xgboost.train``."""
+        return {
+            "max_depth": self.max_depth,
+            "gamma": self.gamma,
+            "min_child_weight": self.min_child_weight,
+            "eta": self.eta,
+            "seed": self.seed,
+            "nthread": self.nthread,
+            "max_bin": self.max_bin,
+            "tree_method": "hist",
+            # Rows start from 0 so an empty ensemble scores every program 0.
+            "base_score": 0.0,
+            # Only our p-rmse is evaluated (and drives early stopping).
+            "disable_default_eval_metric": 1,
+            "verbosity": 0,
+        }
+
+
+@dataclass(frozen=True)
+class TrainingStats:
+    """What the latest retraining did, for logs and benchmark reports."""
+
+    num_programs: int  # programs in the history at training time
+    num_rows: int  # feature rows trained on
+    num_trees: int  # trees kept (up to the best early-stopping round)
+    train_p_rmse: float  # weighted p-rmse on the training set at the best round
+    seconds: float  # wall time of the retraining
+
+
+# --- objective and metric (pure numpy) -------------------------------------------------------
+
+
+def normalized_throughputs(costs: np.ndarray, group_ids: np.ndarray, num_groups: int) -> np.ndarray:
+    """Label of each program: min_cost(its group) / its cost, in (0, 1]; 0 for an inf cost."""
+    best = np.full(num_groups, np.inf)
+    np.minimum.at(best, group_ids, costs)
+    finite = np.isfinite(costs)
+    y = np.zeros(len(costs))
+    y[finite] = best[group_ids[finite]] / costs[finite]
+    return y
+
+
+def pack_sum(row_values: np.ndarray, row_program: np.ndarray, num_programs: int) -> np.ndarray:
+    """Sum of the row values of each program (0 for a program without rows)."""
+    return np.bincount(row_program, weights=row_values, minlength=num_programs)
+
+
+def pack_sum_loss(row_preds: np.ndarray, row_program: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
+    """L = sum_P w_P * (sum of P's row predictions - y_P)^2."""
+    residual = pack_sum(row_preds, row_program, len(y)) - y
+    return float(np.sum(w * residual**2))
+
+
+def pack_sum_gradient(
+    row_preds: np.ndarray, row_program: np.ndarray, y: np.ndarray, w: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row gradient and hessian of `pack_sum_loss`, the XGBoost custom objective.
+
+    dL/d(row r of P) = 2 w_P (score(P) - y_P), the same for every row of P. The exact hessian
+    couples all rows of a program (2 w_P for every pair); XGBoost takes a diagonal, so each row
+    gets 2 w_P (floored at `HESSIAN_FLOOR`), as in Ansor.
+    """
+    residual = pack_sum(row_preds, row_program, len(y)) - y
+    grad = 2.0 * w * residual
+    hess = np.maximum(2.0 * w, HESSIAN_FLOOR)
+    return grad[row_program], hess[row_program]
+
+
+def weighted_p_rmse(row_preds: np.ndarray, row_program: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
+    """sqrt(sum_P w_P (score(P) - y_P)^2 / sum_P w_P): the early-stopping metric ("p-rmse")."""
+    return float(np.sqrt(pack_sum_loss(row_preds, row_program, y, w) / np.sum(w)))
+
+
+# --- history ---------------------------------------------------------------------------------
+
+
+class _GrowingArray:
+    """An array grown along axis 0 with amortised O(1) appends (capacity doubles)."""
+
+    def __init__(self, row_shape: tuple[int, ...], dtype: type) -> None:
+        self._data = np.empty((0, *row_shape), dtype=dtype)
+        self._size = 0
+
+    def extend(self, values: np.ndarray) -> None:
+        end = self._size + len(values)
+        if end > len(self._data):
+            grown = np.empty((max(end, 2 * len(self._data), 64), *self._data.shape[1:]), self._data.dtype)
+            grown[: self._size] = self._data[: self._size]
+            self._data = grown
+        self._data[self._size : end] = values
+        self._size = end
+
+    def view(self) -> np.ndarray:
+        """The filled part (C-contiguous, no copy); invalidated by the next `extend`."""
+        return self._data[: self._size]
+
+
+@dataclass(frozen=True)
+class _TrainingData:
+    rows: np.ndarray  # (R, F) float32, rows of the programs that have rows
+    row_program: np.ndarray  # (R,) index of each row's program in y / w
+    y: np.ndarray  # normalised throughput per program with rows
+    w: np.ndarray  # loss weight per program with rows
+
+
+class _History:
+    """Every program passed to `update`: rows, row -> program index, cost and group."""
+
+    def __init__(self) -> None:
+        self.num_features: int | None = None  # F, fixed by the first program with rows
+        self._rows: _GrowingArray | None = None  # created once F is known
+        self._row_program = _GrowingArray((), np.int64)
+        self._row_counts = _GrowingArray((), np.int64)
+        self._costs = _GrowingArray((), np.float64)
+        self._group_ids = _GrowingArray((), np.int64)
+        self.group_names: list[str] = []
+        self._group_index: dict[str, int] = {}
+
+    @property
+    def num_programs(self) -> int:
+        return len(self._costs.view())
+
+    def append(self, features: Sequence[np.ndarray], costs: np.ndarray, groups: Sequence[str]) -> None:
+        counts = program_row_counts(features)
+        rows = self.stack_rows(features, counts)
+        start = self.num_programs
+        if rows.shape[0]:
+            if self._rows is None:
+                self._rows = _GrowingArray(rows.shape[1:], np.float32)
+            self._rows.extend(rows)
+        self._row_program.extend(np.repeat(np.arange(start, start + len(counts)), counts))
+        self._row_counts.extend(counts)
+        self._costs.extend(costs)
+        self._group_ids.extend(np.array([self._group_id(g) for g in groups], dtype=np.int64))
+
+    def stack_rows(self, features: Sequence[np.ndarray], counts: np.ndarray) -> np.ndarray:
+        """Rows of all programs with rows, stacked as one (R, F) float32 array.
+
+        The first program with rows fixes F; any other width raises ValueError.
+        """
+        matrices = [f for f, n in zip(features, counts, strict=True) if n]
+        if not matrices:
+            return np.empty((0, self.num_features or 0), dtype=np.float32)
+        if any(np.ndim(m) != 2 for m in matrices):
+            raise ValueError("each program's features must be a 2-D (n_stores, F) matrix")
+        rows = np.concatenate(matrices, axis=0, dtype=np.float32)
+        if self.num_features is None:
+            self.num_features = rows.shape[1]
+        if rows.shape[1] != self.num_features:
+            raise ValueError(f"feature width {rows.shape[1]} differs from the model's {self.num_features}")
+        return rows
+
+    def training_data(self, min_weight: float) -> _TrainingData:
+        """Rows and freshly computed labels and weights of every program that has rows."""
+        costs = self._costs.view()
+        y = normalized_throughputs(costs, self._group_ids.view(), len(self.group_names))
+        w = np.maximum(y, min_weight)
+        has_rows = self._row_counts.view() > 0
+        # Renumber programs so that programs without rows (no loss term) drop out.
+        new_index = np.cumsum(has_rows) - 1
+        rows = self._rows.view() if self._rows is not None else np.empty((0, 0), np.float32)
+        return _TrainingData(rows, new_index[self._row_program.view()], y[has_rows], w[has_rows])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The history as plain arrays (for saving)."""
+        rows = self._rows.view() if self._rows is not None else np.empty((0, 0), np.float32)
+        return {
+            "rows": rows,
+            "row_counts": self._row_counts.view(),
+            "costs": self._costs.view(),
+            "group_ids": self._group_ids.view(),
+            "group_names": np.array(self.group_names, dtype=str),
+        }
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], num_features: int | None) -> _History:
+        history = cls()
+        history.num_features = num_features
+        if arrays["rows"].shape[0]:
+            history._rows = _GrowingArray(arrays["rows"].shape[1:], np.float32)
+            history._rows.extend(arrays["rows"])
+        counts = arrays["row_counts"]
+        history._row_program.extend(np.repeat(np.arange(len(counts)), counts))
+        history._row_counts.extend(counts)
+        history._costs.extend(arrays["costs"])
+        history._group_ids.extend(arrays["group_ids"])
+        history.group_names = [str(name) for name in arrays["group_names"]]
+        history._group_index = {name: i for i, name in enumerate(history.group_names)}
+        return history
+
+    def _group_id(self, group: str) -> int:
+        index = self._group_index.get(group)
+        if index is None:
+            index = self._group_index[group] = len(self.group_names)
+            self.group_names.append(group)
+        return index
+
+
+# --- the model -------------------------------------------------------------------------------
+
+
+class XGBCostModel(CostModel):
+    """Ansor's pack-sum XGBoost model; random scores until `num_warmup_samples` programs."""
+
+    def __init__(self, config: XGBConfig | None = None) -> None:
+        self._config = config or XGBConfig()
+        self._history = _History()
+        self._random = RandomCostModel(self._config.seed)  # answers during warm-up
+        self._booster: xgb.Booster | None = None
+        self._trained_on = 0
+        self._last_training: TrainingStats | None = None
+
+    @property
+    def config(self) -> XGBConfig:
+        return self._config
+
+    @property
+    def num_samples(self) -> int:
+        return self._history.num_programs
+
+    @property
+    def trained_on(self) -> int:
+        """Programs the current trees were trained on; 0 while predictions are random."""
+        return self._trained_on
+
+    @property
+    def last_training(self) -> TrainingStats | None:
+        """Statistics of the latest retraining in this process (None if none happened)."""
+        return self._last_training
+
+    def update(self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str]) -> None:
+        """Record the batch, then retrain from scratch on the whole history if due."""
+        cost_array = check_update_args(features, costs, groups)
+        if not len(features):
+            return
+        self._history.append(features, cost_array, groups)
+        if self._should_train():
+            self._train()
+
+    def predict(self, features: Sequence[np.ndarray]) -> np.ndarray:
+        """Sum of per-row predictions per program, one booster call for the whole batch."""
+        if self._booster is None:
+            return self._random.predict(features)
+        counts = program_row_counts(features)
+        rows = self._history.stack_rows(features, counts)
+        scores = np.full(len(features), INVALID_SCORE)
+        if rows.shape[0]:
+            row_preds = self._booster.inplace_predict(rows)
+            program = np.repeat(np.arange(len(counts)), counts)
+            valid = counts > 0
+            scores[valid] = pack_sum(row_preds, program, len(counts))[valid]
+        return scores
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write one ``.npz`` file (no pickles): the config as JSON, the trees in XGBoost's UBJSON
+        format, the whole history (rows, row counts, costs, groups) and the warm-up generator
+        state. The file is replaced atomically; ``path`` is used as given (no suffix added).
+        """
+        arrays = self._history.arrays()
+        state = {
+            "format": _FORMAT,
+            "config": dataclasses.asdict(self._config),
+            "num_features": self._history.num_features,
+            "trained_on": self._trained_on,
+            "rng_state": self._random.rng_state(),
+        }
+        booster = np.empty(0, np.uint8)
+        if self._booster is not None:
+            booster = np.frombuffer(self._booster.save_raw("ubj"), np.uint8)
+        directory = os.path.dirname(os.path.abspath(path))
+        with tempfile.NamedTemporaryFile(dir=directory, suffix=".tmp", delete=False) as f:
+            try:
+                np.savez(f, state=np.array(json.dumps(state)), booster=booster, **arrays)
+            except BaseException:
+                f.close()
+                os.unlink(f.name)
+                raise
+        os.replace(f.name, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Self:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {key: data[key] for key in data.files}
+        state = json.loads(str(arrays.pop("state")))
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"{os.fspath(path)} is not a saved XGBCostModel")
+        model = cls(XGBConfig(**state["config"]))
+        model._history = _History.from_arrays(arrays, state["num_features"])
+        model._random.set_rng_state(state["rng_state"])
+        model._trained_on = int(state["trained_on"])
+        booster_bytes = arrays["booster"]
+        if booster_bytes.size:
+            model._booster = xgb.Booster(model_file=bytearray(booster_bytes.tobytes()))
+            model._booster.set_param({"nthread": model._config.nthread})
+        return model
+
+    def _should_train(self) -> bool:
+        n = self._history.num_programs
+        if n < self._config.num_warmup_samples:
+            return False
+        if self._booster is None or not self._config.adaptive_training:
+            return True  # going past warm-up, or retraining after every batch
+        return n - self._trained_on >= ADAPTIVE_TRAINING_RATIO * self._trained_on
+
+    def _train(self) -> None:
+        start = time.perf_counter()
+        data = self._history.training_data(self._config.min_weight)
+        if not data.rows.shape[0]:
+            return  # only invalid programs so far: nothing to learn from
+
+        def objective(row_preds: np.ndarray, _: xgb.DMatrix) -> tuple[np.ndarray, np.ndarray]:
+            return pack_sum_gradient(row_preds, data.row_program, data.y, data.w)
+
+        def metric(row_preds: np.ndarray, _: xgb.DMatrix) -> tuple[str, float]:
+            return "p-rmse", weighted_p_rmse(row_preds, data.row_program, data.y, data.w)
+
+        dtrain = xgb.DMatrix(data.rows, nthread=self._config.nthread)
+        booster = xgb.train(
+            self._config.xgb_params(),
+            dtrain,
+            num_boost_round=self._config.num_boost_round,
+            evals=[(dtrain, "tr")],
+            obj=objective,
+            custom_metric=metric,
+            early_stopping_rounds=self._config.early_stopping_rounds,
+            verbose_eval=False,
+        )
+        # Keep the trees up to the best round only, so prediction and the saved file agree.
+        best = booster.best_iteration
+        self._booster = booster[: best + 1]
+        self._booster.set_param({"nthread": self._config.nthread})
+        self._trained_on = self._history.num_programs
+        self._last_training = TrainingStats(
+            num_programs=self._trained_on,
+            num_rows=int(data.rows.shape[0]),
+            num_trees=best + 1,
+            train_p_rmse=float(booster.best_score),
+            seconds=time.perf_counter() - start,
+        )
+        logger.info("cost model retrained: %s", self._last_training)

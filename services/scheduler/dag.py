@@ -1,0 +1,535 @@
+"""The workload as plain data: blocks, their iteration domains and their accesses.
+
+`analyse(prim_func)` is the only place sketch generation touches TVM: it walks the
+PrimFunc once and returns a `ComputeDag` of frozen dataclasses. Rules, the loop-nest
+model and the features then work on that data alone (Ansor §4.1 works on the
+ComputeDAG of TE stages in the same way).
+
+Indices are kept as `Affine` forms over the block's iteration variables; an index
+that is not affine (floordiv, a gather...) is approximated by the variables it uses,
+with `exact=False`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Affine:
+    """sum(coeff * var) + const; `terms` sorted by variable name, no zero coefficients."""
+
+    terms: tuple[tuple[str, int], ...] = ()
+    const: int = 0
+    exact: bool = True
+
+    def coeff(self, var: str) -> int:
+        for v, c in self.terms:
+            if v == var:
+                return c
+        return 0
+
+    @property
+    def vars(self) -> frozenset[str]:
+        return frozenset(v for v, _ in self.terms)
+
+    def is_single_var(self) -> str | None:
+        """The variable when the form is exactly `var` (coefficient 1, no constant)."""
+        if self.exact and self.const == 0 and len(self.terms) == 1 and self.terms[0][1] == 1:
+            return self.terms[0][0]
+        return None
+
+    @staticmethod
+    def of(terms: dict[str, int], const: int = 0, exact: bool = True) -> Affine:
+        return Affine(tuple(sorted((v, c) for v, c in terms.items() if c != 0)), const, exact)
+
+    def substitute(self, env: dict[str, Affine]) -> Affine:
+        """Replace variables by affine forms (variables missing from `env` stay)."""
+        acc: dict[str, int] = {}
+        const = self.const
+        exact = self.exact
+        for v, c in self.terms:
+            sub = env.get(v)
+            if sub is None:
+                acc[v] = acc.get(v, 0) + c
+                continue
+            const += c * sub.const
+            exact = exact and sub.exact
+            for w, d in sub.terms:
+                acc[w] = acc.get(w, 0) + c * d
+        return Affine.of(acc, const, exact)
+
+
+@dataclass(frozen=True)
+class OpCounts:
+    """Arithmetic in one evaluation of a block's stored value (Ansor feature group 1)."""
+
+    float_add_sub: int = 0
+    float_mul: int = 0
+    float_div_mod: int = 0
+    float_cmp: int = 0  # min, max, comparisons
+    float_math: int = 0  # exp, log, sqrt, tanh, ... calls
+    int_add_sub: int = 0
+    int_mul: int = 0
+    int_div_mod: int = 0
+    int_cmp: int = 0
+    bool_op: int = 0
+    select: int = 0  # if_then_else / Select
+    cast: int = 0
+
+    def __add__(self, other: OpCounts) -> OpCounts:
+        return OpCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def as_array(self) -> np.ndarray:
+        return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class IterSpec:
+    name: str
+    extent: int
+    kind: str  # "S" spatial or "R" reduction
+
+
+@dataclass(frozen=True)
+class AccessSpec:
+    buffer: str
+    indices: tuple[Affine, ...]
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str  # "input", "output" or "intermediate"
+
+    @property
+    def elem_bytes(self) -> int:
+        return int(np.dtype(self.dtype).itemsize) if self.dtype != "bool" else 1
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One leaf block: `write[...] = f(reads...)`, possibly a reduction with an init."""
+
+    name: str
+    iters: tuple[IterSpec, ...]
+    reads: tuple[AccessSpec, ...]  # without a reduction's read of its own output
+    write: AccessSpec
+    ops: OpCounts
+    has_init: bool = False
+    has_branch: bool = False  # if_then_else / select in the value
+    has_expensive_op: bool = False  # exp, log, ... : Ansor does not inline these on CPU
+
+    @property
+    def spatial(self) -> tuple[IterSpec, ...]:
+        return tuple(it for it in self.iters if it.kind == "S")
+
+    @property
+    def reduce(self) -> tuple[IterSpec, ...]:
+        return tuple(it for it in self.iters if it.kind == "R")
+
+    @property
+    def is_reduction(self) -> bool:
+        return any(it.kind == "R" for it in self.iters)
+
+    def iter(self, name: str) -> IterSpec:
+        for it in self.iters:
+            if it.name == name:
+                return it
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class ComputeDag:
+    """Blocks in program order (a topological order) and every buffer they touch."""
+
+    blocks: tuple[BlockSpec, ...]
+    buffers: tuple[BufferSpec, ...]
+
+    @cached_property
+    def _by_name(self) -> dict[str, BlockSpec]:
+        return {b.name: b for b in self.blocks}
+
+    @cached_property
+    def _buffers(self) -> dict[str, BufferSpec]:
+        return {b.name: b for b in self.buffers}
+
+    def block(self, name: str) -> BlockSpec:
+        return self._by_name[name]
+
+    def buffer(self, name: str) -> BufferSpec:
+        return self._buffers[name]
+
+    def has_block(self, name: str) -> bool:
+        return name in self._by_name
+
+    def writer_of(self, buffer: str) -> BlockSpec | None:
+        for b in self.blocks:
+            if b.write.buffer == buffer:
+                return b
+        return None
+
+    def consumers(self, name: str) -> list[BlockSpec]:
+        buf = self.block(name).write.buffer
+        return [b for b in self.blocks if b.name != name and any(a.buffer == buf for a in b.reads)]
+
+    def producers(self, name: str) -> list[BlockSpec]:
+        out = []
+        for a in self.block(name).reads:
+            w = self.writer_of(a.buffer)
+            if w is not None and w.name != name and w not in out:
+                out.append(w)
+        return out
+
+    def is_output(self, name: str) -> bool:
+        return self.buffer(self.block(name).write.buffer).role == "output"
+
+    def replace_blocks(self, blocks: Iterable[BlockSpec], buffers: Iterable[BufferSpec] | None = None) -> ComputeDag:
+        return ComputeDag(tuple(blocks), tuple(buffers) if buffers is not None else self.buffers)
+
+
+# ----------------------------------------------------------------------- the TVM walk
+
+
+class UnsupportedProgram(Exception):
+    """The PrimFunc has a shape the search space does not model (nested blocks...)."""
+
+
+_EXPENSIVE_CALLS = ("exp", "log", "pow", "tanh", "sigmoid", "erf", "exp2", "exp10", "log2", "log10")
+
+
+def analyse(func) -> ComputeDag:
+    """Walk a PrimFunc (in the form `te.create_prim_func` or TVMScript gives) once."""
+    from tvm.s_tir import SBlockRealize
+
+    root_realize = func.body
+    if not isinstance(root_realize, SBlockRealize):
+        raise UnsupportedProgram("the PrimFunc body is not a root block")
+    root = root_realize.block
+    buffers: dict[str, BufferSpec] = {}
+    params = list(func.params)
+    written = set()
+    blocks: list[BlockSpec] = []
+    for loops, realize in _leaf_blocks(root.body):
+        spec = _block_spec(loops, realize)
+        blocks.append(spec)
+        written.add(spec.write.buffer)
+    if not blocks:
+        raise UnsupportedProgram("the PrimFunc has no blocks to schedule")
+    for p in params:
+        role = "output" if str(p.name) in written else "input"
+        buffers[str(p.name)] = _buffer_spec(p, role)
+    for b in root.alloc_buffers:
+        buffers[str(b.name)] = _buffer_spec(b, "intermediate")
+    names = [b.name for b in blocks]
+    if len(set(names)) != len(names):
+        raise UnsupportedProgram("block names are not unique")
+    return ComputeDag(tuple(blocks), tuple(buffers.values()))
+
+
+def _buffer_spec(buf, role: str) -> BufferSpec:
+    return BufferSpec(str(buf.name), tuple(int(s) for s in buf.shape), str(buf.dtype), role)
+
+
+def _leaf_blocks(stmt, loops=()):
+    """Yield (enclosing loops, SBlockRealize) for every leaf block under `stmt`."""
+    import tvm
+    from tvm.s_tir import SBlockRealize
+
+    if isinstance(stmt, tvm.tirx.SeqStmt):
+        for s in stmt.seq:
+            yield from _leaf_blocks(s, loops)
+    elif isinstance(stmt, tvm.tirx.For):
+        yield from _leaf_blocks(stmt.body, (*loops, stmt))
+    elif isinstance(stmt, SBlockRealize):
+        if not isinstance(stmt.block.body, tvm.tirx.BufferStore):
+            raise UnsupportedProgram(f"block {stmt.block.name_hint} does not hold a single store")
+        yield loops, stmt
+    else:
+        raise UnsupportedProgram(f"unsupported statement {type(stmt).__name__} between blocks")
+
+
+def _block_spec(loops, realize) -> BlockSpec:
+    block = realize.block
+    iters = []
+    for iv in block.iter_vars:
+        kind = {0: "S", 2: "R"}.get(int(iv.iter_type))
+        if kind is None:
+            raise UnsupportedProgram(f"block {block.name_hint} has an iterator that is neither spatial nor reduction")
+        iters.append(IterSpec(str(iv.var.name), int(iv.dom.extent), kind))
+    # Trivial binding: loop k drives iterator k (the form TE and T.grid produce).
+    loop_vars = [str(lp.loop_var.name) for lp in loops]
+    bound = [str(v.name) if hasattr(v, "name") else None for v in realize.iter_values]
+    if len(loops) != len(iters) or bound != loop_vars:
+        raise UnsupportedProgram(f"block {block.name_hint} is not bound one loop per iterator")
+    for lp, it in zip(loops, iters):
+        if int(lp.extent) != it.extent:
+            raise UnsupportedProgram(f"block {block.name_hint}: loop extent differs from its iterator's")
+    store = block.body
+    iter_names = {it.name for it in iters}
+    walker = _ValueWalker(iter_names)
+    walker.visit(store.value)
+    write = AccessSpec(str(store.buffer.name), tuple(_affine(i, iter_names) for i in store.indices))
+    reads = tuple(a for a in walker.loads if a.buffer != write.buffer)
+    return BlockSpec(
+        name=str(block.name_hint),
+        iters=tuple(iters),
+        reads=reads,
+        write=write,
+        ops=walker.counts(),
+        has_init=block.init is not None,
+        has_branch=walker.branch,
+        has_expensive_op=walker.expensive,
+    )
+
+
+class _ValueWalker:
+    """Counts operations and collects loads in a stored value."""
+
+    def __init__(self, iter_names: set[str]):
+        self.iter_names = iter_names
+        self.loads: list[AccessSpec] = []
+        self.n: dict[str, int] = {}
+        self.branch = False
+        self.expensive = False
+
+    def counts(self) -> OpCounts:
+        return OpCounts(**self.n)
+
+    def _count(self, key: str) -> None:
+        self.n[key] = self.n.get(key, 0) + 1
+
+    def visit(self, e) -> None:
+        import tvm
+
+        name = type(e).__name__
+        is_float = "float" in _dtype(e)
+        prefix = "float" if is_float else "int"
+        if isinstance(e, tvm.ir.TensorLoad):
+            acc = AccessSpec(str(e.source.name), tuple(_affine(i, self.iter_names) for i in e.indices))
+            if acc not in self.loads:
+                self.loads.append(acc)
+            return
+        if name in ("Add", "Sub"):
+            self._count(f"{prefix}_add_sub")
+        elif name == "Mul":
+            self._count(f"{prefix}_mul")
+        elif name in ("Div", "Mod", "FloorDiv", "FloorMod"):
+            self._count(f"{prefix}_div_mod")
+        elif name in ("Min", "Max"):
+            self._count("float_cmp" if is_float else "int_cmp")
+        elif name in ("EQ", "NE", "LT", "LE", "GT", "GE"):
+            a_float = "float" in _dtype(e.a)
+            self._count("float_cmp" if a_float else "int_cmp")
+        elif name in ("And", "Or", "Not"):
+            self._count("bool_op")
+        elif name == "Select":
+            self._count("select")
+            self.branch = True
+        elif name == "Cast":
+            self._count("cast")
+        elif name == "Call":
+            op = str(getattr(e.op, "name", ""))
+            short = op.split(".")[-1]
+            if short == "if_then_else":
+                self._count("select")
+                self.branch = True
+            elif op.startswith("tirx.") or op.startswith("tir."):
+                self._count("float_math" if is_float else "int_mul")
+                if short in _EXPENSIVE_CALLS:
+                    self.expensive = True
+        for child in _children(e):
+            self.visit(child)
+
+
+def _children(e):
+    name = type(e).__name__
+    if name in ("IntImm", "FloatImm", "Var", "StringImm"):
+        return ()
+    if name == "Call":
+        return tuple(e.args)
+    if name == "Select":
+        return (e.condition, e.true_value, e.false_value)
+    if name == "Cast":
+        return (e.value,)
+    if name == "Not":
+        return (e.a,)
+    if hasattr(e, "a") and hasattr(e, "b"):
+        return (e.a, e.b)
+    return ()
+
+
+def _affine(e, iter_names: set[str]) -> Affine:
+    """An index expression as an Affine over block iterators (approximate if not affine)."""
+    terms, const = _linear(e)
+    if terms is not None:
+        return Affine.of(terms, const)
+    used: dict[str, int] = {}
+    _collect_vars(e, used)
+    return Affine.of({v: 1 for v in used if v in iter_names}, 0, exact=False)
+
+
+def _linear(e) -> tuple[dict[str, int] | None, int]:
+    name = type(e).__name__
+    if name == "IntImm":
+        return {}, int(e.value)
+    if name == "Var":
+        return {str(e.name): 1}, 0
+    if name == "Cast":
+        return _linear(e.value)
+    if name in ("Add", "Sub"):
+        ta, ca = _linear(e.a)
+        tb, cb = _linear(e.b)
+        if ta is None or tb is None:
+            return None, 0
+        sign = 1 if name == "Add" else -1
+        out = dict(ta)
+        for v, c in tb.items():
+            out[v] = out.get(v, 0) + sign * c
+        return out, ca + sign * cb
+    if name == "Mul":
+        ta, ca = _linear(e.a)
+        tb, cb = _linear(e.b)
+        if ta is None or tb is None:
+            return None, 0
+        if not ta:
+            return {v: c * ca for v, c in tb.items()}, ca * cb
+        if not tb:
+            return {v: c * cb for v, c in ta.items()}, ca * cb
+        return None, 0
+    return None, 0
+
+
+def _collect_vars(e, out: dict[str, int]) -> None:
+    if type(e).__name__ == "Var":
+        out[str(e.name)] = 1
+        return
+    for c in _children(e):
+        _collect_vars(c, out)
+    if type(e).__name__ == "TensorLoad":
+        for i in e.indices:
+            _collect_vars(i, out)
+
+
+# ------------------------------------------------------------ pure derived predicates
+
+
+def access_misses_spatial(block: BlockSpec, access: AccessSpec) -> bool:
+    """Some spatial iterator (extent > 1) does not appear in the access: data reuse."""
+    used = set().union(*(ix.vars for ix in access.indices)) if access.indices else set()
+    return any(it.extent > 1 and it.name not in used for it in block.spatial)
+
+
+def needs_multi_level_tiling(block: BlockSpec) -> bool:
+    """Ansor's NeedsMultilevelTiling ("HasDataReuse", §4.1): an input access misses a
+    spatial axis for two inputs, or for one input when the block also reduces."""
+    n_reuse = sum(1 for a in block.reads if access_misses_spatial(block, a))
+    return n_reuse >= 2 or (n_reuse >= 1 and block.is_reduction)
+
+
+def is_simple_access(block: BlockSpec, access: AccessSpec) -> bool:
+    """Every index is exact and uses at most one iterator with coefficient 1."""
+    for ix in access.indices:
+        if not ix.exact or len(ix.terms) > 1 or any(c != 1 for _, c in ix.terms):
+            return False
+    return True
+
+
+def is_strictly_inlineable(dag: ComputeDag, block: BlockSpec) -> bool:
+    """Ansor's CPU AlwaysInline condition: a spatial, non-output block with simple
+    accesses, no branch and no expensive operation."""
+    if block.is_reduction or dag.is_output(block.name) or not dag.consumers(block.name):
+        return False
+    if block.has_branch or block.has_expensive_op:
+        return False
+    if block.write.indices != tuple(Affine.of({it.name: 1}) for it in block.iters):
+        return False
+    return all(is_simple_access(block, a) for a in block.reads)
+
+
+def is_elementwise_write(block: BlockSpec) -> bool:
+    """The block writes its buffer at exactly its spatial iterators (in some order)."""
+    names = [ix.is_single_var() for ix in block.write.indices]
+    spatial = [it.name for it in block.spatial]
+    return None not in names and sorted(names) == sorted(spatial)
+
+
+def fusible_consumer(dag: ComputeDag, block: BlockSpec) -> BlockSpec | None:
+    """Ansor's "single element-wise matched consumer": the only consumer is spatial and
+    reads our output at exactly the position it writes its own."""
+    consumers = dag.consumers(block.name)
+    if len(consumers) != 1:
+        return None
+    c = consumers[0]
+    if c.is_reduction or not is_elementwise_write(c) or not is_elementwise_write(block):
+        return None
+    mine = [a for a in c.reads if a.buffer == block.write.buffer]
+    if len(mine) != 1 or mine[0].indices != c.write.indices:
+        return None
+    if tuple(int(s) for s in dag.buffer(block.write.buffer).shape) != tuple(
+        int(s) for s in dag.buffer(c.write.buffer).shape
+    ):
+        return None
+    return c
+
+
+def spatial_size(block: BlockSpec) -> int:
+    return int(np.prod([it.extent for it in block.spatial], dtype=np.int64)) if block.spatial else 1
+
+
+def reduce_size(block: BlockSpec) -> int:
+    return int(np.prod([it.extent for it in block.reduce], dtype=np.int64)) if block.reduce else 1
+
+
+def inline_into_consumers(dag: ComputeDag, name: str) -> ComputeDag:
+    """The DAG after `compute_inline(name)`: every consumer reads what the block read,
+    at composed indices, and does its arithmetic once per use."""
+    block = dag.block(name)
+    out_buf = block.write.buffer
+    blocks = []
+    for b in dag.blocks:
+        if b.name == name:
+            continue
+        uses = [a for a in b.reads if a.buffer == out_buf]
+        if not uses:
+            blocks.append(b)
+            continue
+        reads = [a for a in b.reads if a.buffer != out_buf]
+        ops = b.ops
+        for use in uses:
+            env = {}
+            for ix, dst in zip(block.write.indices, use.indices):
+                v = ix.is_single_var()
+                if v is not None:
+                    env[v] = dst
+            for a in block.reads:
+                new = AccessSpec(a.buffer, tuple(ix.substitute(env) for ix in a.indices))
+                if new not in reads:
+                    reads.append(new)
+            ops = ops + block.ops
+        blocks.append(
+            replace(
+                b,
+                reads=tuple(reads),
+                ops=ops,
+                has_branch=b.has_branch or block.has_branch,
+                has_expensive_op=b.has_expensive_op or block.has_expensive_op,
+            )
+        )
+    return dag.replace_blocks(blocks)
+
+
+def _dtype(e) -> str:
+    """The scalar type of an expression (`.ty` in TVM 0.27, `.dtype` before)."""
+    ty = getattr(e, "ty", None)
+    if ty is not None:
+        return str(ty)
+    return str(getattr(e, "dtype", ""))

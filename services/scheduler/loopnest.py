@@ -1,0 +1,655 @@
+"""The loop-nest model: a sketch plus decisions, applied without TVM.
+
+Map of this module:
+  build(dag, sketch, decider, num_cores) -> Program    apply every step, filling slots
+  Program.chain(block)                                 loops from the root to a block's store
+  Program.stores()                                     one `Store` per innermost statement
+                                                       (the feature extractor's input)
+  _tile / _fuse_consumer / _compute_location / ...     one function per sketch step
+
+Why a model: the evolutionary search scores thousands of programs per round, and
+replaying a schedule in TVM costs ~5 ms each on this machine, so the search works on
+this model (tens of microseconds) and only the programs picked for measurement are
+realized in TVM (`realize.py`). Both follow the same steps in the same order, and a
+test checks that the model's loops match TVM's on random programs.
+
+Semantics mirrored from TVM's schedule primitives:
+- split loops keep extent-1 parts; `compute_at` / `reverse_compute_at` create one loop
+  per block iterator whose region extent is > 1, in iterator order;
+- `rfactor` of a block with loops (spatial..., k) fused/split into (k0, k1) gives an
+  rf block with loops (spatial..., k0, k1) and a final block with (spatial..., rf);
+- `decompose_reduction` at the first reduction loop copies the spatial loops inside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from services.scheduler.dag import (
+    AccessSpec,
+    Affine,
+    BlockSpec,
+    BufferSpec,
+    ComputeDag,
+    IterSpec,
+    OpCounts,
+    inline_into_consumers,
+    is_elementwise_write,
+)
+from services.scheduler.sketch import (
+    FUSE_LEVELS,
+    AnnotateStep,
+    CacheWriteStep,
+    ComputeLocationStep,
+    FuseConsumerStep,
+    InlineStep,
+    RfactorStep,
+    Sketch,
+    TileStep,
+    apply_cache_write,
+    cache_write_names,
+    rfactor_names,
+)
+from services.scheduler.space import ChoiceDomain, Decider, TileDomain
+
+UNROLL_STEPS = (0, 16, 64, 512)
+"""Candidate values of `pragma_auto_unroll_max_step` (Ansor CPU)."""
+
+MAX_VECTOR = 64
+"""Longest loop the model vectorizes (Ansor: max_innermost_split_factor)."""
+
+MAX_INNERMOST_TILE = 64
+
+
+class InvalidProgram(Exception):
+    """The decisions do not give a program (an impossible location, an empty domain)."""
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One schedule primitive for `realize.py` to replay on TVM, with every position
+    already resolved by the model. Loop positions index `get_loops(block)`; negative
+    ones count from the innermost loop.
+
+      inline(block) | cache_write(block) -> new block | rfactor(block, factors, inner)
+      tile(block, structure, factors per iterator) | reverse_compute_at(block, producer, pos)
+      compute_at(block, consumer, pos) | split_inner(block, factors) | parallel(block, n)
+      vectorize(block) | unroll(block, pos, max_step) | decompose(block, pos)
+    """
+
+    op: str
+    block: str
+    args: tuple = ()
+
+    def describe(self) -> str:
+        return f"{self.op} {self.block}" + (f" {self.args}" if self.args else "")
+
+
+@dataclass
+class Loop:
+    key: str  # unique name in the program, used as the variable in Affine forms
+    extent: int
+    reduce: bool  # drives a reduction iterator of its block
+    kind: str = "serial"  # "serial", "parallel" or "vectorized"
+
+
+@dataclass
+class Nest:
+    """One block's own loops and how its iterators are bound to loop variables."""
+
+    spec: BlockSpec
+    loops: list[Loop]
+    binding: dict[str, Affine]  # iterator -> Affine over loop keys
+    attach: tuple[str, str] | None = None  # (owner block, loop key) it is computed under
+    tiled: bool = False
+    tile_groups: list[list[str]] = field(default_factory=list)  # loop keys per structure level
+    rf_inner: bool = False
+    parallel: int = 0  # number of leading own loops fused into one parallel loop
+    unroll: int = 0  # pragma_auto_unroll_max_step on the outermost own loop
+    init_at: int | None = None  # own-loop index of decompose_reduction
+
+
+@dataclass(frozen=True)
+class Access:
+    buffer: BufferSpec
+    indices: tuple[Affine, ...]  # over loop keys
+    is_write: bool
+    is_read: bool
+
+
+@dataclass(frozen=True)
+class Store:
+    """One innermost store statement: what the feature extractor looks at."""
+
+    block: str
+    loops: tuple[Loop, ...]  # root to innermost
+    accesses: tuple[Access, ...]
+    ops: OpCounts
+    unroll: int  # the auto-unroll pragma in effect (0 = none)
+    is_init: bool = False
+    alloc: BufferSpec | None = None  # intermediate buffer this store fills, if any
+    alloc_elems: int = 0  # its size after compaction (elements under its attach point)
+
+
+@dataclass
+class Program:
+    dag: ComputeDag
+    nests: dict[str, Nest]  # program order
+    order: list[str]
+    counter: int = 0
+    instructions: list[Instr] = field(default_factory=list)
+
+    def emit(self, op: str, block: str, *args) -> None:
+        self.instructions.append(Instr(op, block, tuple(args)))
+
+    def new_loop(self, extent: int, reduce: bool) -> Loop:
+        self.counter += 1
+        return Loop(f"l{self.counter}", int(extent), reduce)
+
+    def chain(self, name: str) -> list[Loop]:
+        nest = self.nests[name]
+        if nest.attach is None:
+            return list(nest.loops)
+        owner, key = nest.attach
+        outer = self.chain(owner)
+        pos = next(i for i, lp in enumerate(outer) if lp.key == key)
+        return outer[: pos + 1] + list(nest.loops)
+
+    def attached_keys(self) -> set[str]:
+        return {n.attach[1] for n in self.nests.values() if n.attach is not None}
+
+    def consumers(self, name: str) -> list[str]:
+        buf = self.nests[name].spec.write.buffer
+        return [n for n in self.order if n != name and any(a.buffer == buf for a in self.nests[n].spec.reads)]
+
+    def stores(self) -> list[Store]:
+        out = []
+        for name in self.order:
+            nest = self.nests[name]
+            chain = self.chain(name)
+            unroll = self._unroll_in_effect(name)
+            spec = nest.spec
+            reads = [self._access(a, nest, is_write=False) for a in spec.reads]
+            write = self._access(spec.write, nest, is_write=True)
+            buf = self.dag.buffer(spec.write.buffer)
+            alloc = buf if buf.role == "intermediate" else None
+            alloc_elems = _region_elems(self, name) if alloc is not None else 0
+            if spec.is_reduction:  # C = C + ...: the output is read and written
+                write = replace(write, is_read=True)
+            out.append(Store(name, tuple(chain), (write, *reads), spec.ops, unroll, False, alloc, alloc_elems))
+            if spec.has_init and nest.init_at is not None:
+                n_outer = len(chain) - len(nest.loops)
+                own_after = [lp for lp in nest.loops[nest.init_at :] if not lp.reduce]
+                init_loops = chain[: n_outer + nest.init_at] + own_after
+                init_write = self._access(spec.write, nest, is_write=True)
+                out.append(Store(name, tuple(init_loops), (init_write,), OpCounts(), unroll, True, alloc, alloc_elems))
+        return out
+
+    def _access(self, acc: AccessSpec, nest: Nest, is_write: bool) -> Access:
+        indices = tuple(ix.substitute(nest.binding) for ix in acc.indices)
+        return Access(self.dag.buffer(acc.buffer), indices, is_write, not is_write)
+
+    def _unroll_in_effect(self, name: str) -> int:
+        nest = self.nests[name]
+        if nest.unroll:
+            return nest.unroll
+        if nest.attach is not None:
+            return self._unroll_in_effect(nest.attach[0])
+        return 0
+
+
+# ------------------------------------------------------------------------------ build
+
+
+def build(dag: ComputeDag, sketch: Sketch, decider: Decider, num_cores: int) -> Program:
+    """Apply a sketch's steps in order; slots are filled by `decider`."""
+    prog = Program(dag, {}, [])
+    for b in dag.blocks:
+        _add_root_nest(prog, b)
+    for step in sketch.steps:
+        match step:
+            case InlineStep(block=b):
+                _inline(prog, b)
+            case CacheWriteStep(block=b):
+                _cache_write(prog, b)
+            case RfactorStep(block=b, inner=inner):
+                _rfactor(prog, b, inner, decider)
+            case TileStep(block=b, structure=s):
+                _tile(prog, b, s, decider)
+            case FuseConsumerStep(consumer=c, producer=p):
+                _fuse_consumer(prog, c, p, decider)
+            case ComputeLocationStep(block=b):
+                if b in prog.nests:
+                    _compute_location(prog, b, decider)
+            case AnnotateStep(block=b):
+                if b in prog.nests:  # gone when a location decision inlined it
+                    _annotate(prog, b, decider, num_cores)
+            case _:
+                raise TypeError(step)
+    return prog
+
+
+def _add_root_nest(prog: Program, spec: BlockSpec, after: str | None = None, before: str | None = None) -> Nest:
+    loops = [prog.new_loop(it.extent, it.kind == "R") for it in spec.iters]
+    binding = {it.name: Affine.of({lp.key: 1}) for it, lp in zip(spec.iters, loops)}
+    nest = Nest(spec, loops, binding)
+    prog.nests[spec.name] = nest
+    if after is not None:
+        prog.order.insert(prog.order.index(after) + 1, spec.name)
+    elif before is not None:
+        prog.order.insert(prog.order.index(before), spec.name)
+    else:
+        prog.order.append(spec.name)
+    return nest
+
+
+def _refresh_specs(prog: Program) -> None:
+    for b in prog.dag.blocks:
+        if b.name in prog.nests:
+            prog.nests[b.name].spec = b
+
+
+def _inline(prog: Program, name: str) -> None:
+    if prog.dag.is_output(name) or prog.nests[name].spec.is_reduction:
+        raise InvalidProgram(f"{name} cannot be inlined")
+    prog.emit("inline", name)
+    prog.dag = inline_into_consumers(prog.dag, name)
+    del prog.nests[name]
+    prog.order.remove(name)
+    _refresh_specs(prog)
+
+
+def _cache_write(prog: Program, name: str) -> None:
+    copy_name, _ = cache_write_names(prog.dag, name)
+    prog.emit("cache_write", name, copy_name)
+    prog.dag = apply_cache_write(prog.dag, name)
+    _refresh_specs(prog)
+    _add_root_nest(prog, prog.dag.block(copy_name), after=name)
+
+
+def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
+    nest = prog.nests[name]
+    spec = nest.spec
+    red = list(spec.reduce)
+    total = 1
+    for it in red:
+        total *= it.extent
+    f0, f1 = decider.decide(
+        f"{name}.rfactor", TileDomain(total, 2, MAX_INNERMOST_TILE if inner else total)
+    )
+    prog.emit("rfactor", name, (f0, f1), inner, rfactor_names(name), len(red))
+    rf_ext, rest_ext = (f1, f0) if inner else (f0, f1)
+    rf_iter = IterSpec(f"{name}.rf", rf_ext, "S")
+    rest_iter = IterSpec(f"{name}.rest", rest_ext, "R")
+    # Fused reduction index k = k0 * f1 + k1, with (k0, k1) = (rest, rf) or (rf, rest).
+    k = (
+        Affine.of({rest_iter.name: f1, rf_iter.name: 1})
+        if inner
+        else Affine.of({rf_iter.name: f1, rest_iter.name: 1})
+    )
+    red_names = [it.name for it in red]
+    new_buffers = list(prog.dag.buffers)
+    reads = []
+    for acc in spec.reads:
+        reads.append(_fuse_reduce_dims(prog.dag, acc, red_names, k, new_buffers))
+    rf_name = rfactor_names(name)
+    rf_buf = BufferSpec(
+        rf_name, (rf_ext, *(it.extent for it in spec.spatial)), prog.dag.buffer(spec.write.buffer).dtype, "intermediate"
+    )
+    new_buffers.append(rf_buf)
+    rf_write = AccessSpec(rf_name, (Affine.of({rf_iter.name: 1}), *(Affine.of({it.name: 1}) for it in spec.spatial)))
+    rf_spec = BlockSpec(
+        name=rf_name,
+        iters=(rf_iter, *spec.spatial, rest_iter),
+        reads=tuple(reads),
+        write=rf_write,
+        ops=spec.ops,
+        has_init=True,
+        has_branch=spec.has_branch,
+        has_expensive_op=spec.has_expensive_op,
+    )
+    final_iter = IterSpec(f"{name}.rf", rf_ext, "R")
+    combine = OpCounts(float_cmp=1) if spec.ops.float_cmp and not spec.ops.float_add_sub else OpCounts(float_add_sub=1)
+    final_spec = replace(
+        spec,
+        iters=(final_iter, *spec.spatial),  # TVM's order; its loops stay (spatial..., rf)
+        reads=(AccessSpec(rf_name, (Affine.of({final_iter.name: 1}), *(Affine.of({it.name: 1}) for it in spec.spatial))),),
+        ops=combine,
+        has_branch=False,
+        has_expensive_op=False,
+    )
+    blocks = []
+    for b in prog.dag.blocks:
+        if b.name == name:
+            blocks.extend([rf_spec, final_spec])
+        else:
+            blocks.append(b)
+    prog.dag = prog.dag.replace_blocks(blocks, new_buffers)
+    # rf block loops: (spatial..., k0, k1); final block loops: (spatial..., rf).
+    del prog.nests[name]
+    idx = prog.order.index(name)
+    prog.order.remove(name)
+    sp_loops = [prog.new_loop(it.extent, False) for it in spec.spatial]
+    k0 = prog.new_loop(f0, reduce=inner)
+    k1 = prog.new_loop(f1, reduce=not inner)
+    binding = {it.name: Affine.of({lp.key: 1}) for it, lp in zip(spec.spatial, sp_loops)}
+    binding[rf_iter.name] = Affine.of({(k1 if inner else k0).key: 1})
+    binding[rest_iter.name] = Affine.of({(k0 if inner else k1).key: 1})
+    prog.nests[rf_name] = Nest(rf_spec, [*sp_loops, k0, k1], binding, rf_inner=inner)
+    fsp = [prog.new_loop(it.extent, False) for it in spec.spatial]
+    frf = prog.new_loop(rf_ext, True)
+    fbinding = {it.name: Affine.of({lp.key: 1}) for it, lp in zip(spec.spatial, fsp)}
+    fbinding[final_iter.name] = Affine.of({frf.key: 1})
+    prog.nests[name] = Nest(final_spec, [*fsp, frf], fbinding)
+    prog.order[idx:idx] = [rf_name, name]
+
+
+def _fuse_reduce_dims(dag: ComputeDag, acc: AccessSpec, red: list[str], k: Affine, new_buffers: list) -> AccessSpec:
+    """Rewrite an access so the fused reduction index `k` replaces the reduction
+    iterators: a single one is substituted; several (consecutive dimensions, checked by
+    `rfactor_possible`) are merged into one dimension of a flattened view."""
+    dims = [i for i, ix in enumerate(acc.indices) if ix.vars & set(red)]
+    if not dims:
+        return acc
+    if len(red) == 1:
+        return AccessSpec(acc.buffer, tuple(ix.substitute({red[0]: k}) for ix in acc.indices))
+    buf = dag.buffer(acc.buffer)
+    lo, hi = dims[0], dims[-1] + 1
+    merged = 1
+    for s in buf.shape[lo:hi]:
+        merged *= s
+    view = BufferSpec(f"{buf.name}", (*buf.shape[:lo], merged, *buf.shape[hi:]), buf.dtype, buf.role)
+    view_name = f"{buf.name}@{lo}:{hi}"
+    view = replace(view, name=view_name)
+    if all(b.name != view_name for b in new_buffers):
+        new_buffers.append(view)
+    return AccessSpec(view_name, (*acc.indices[:lo], k, *acc.indices[hi:]))
+
+
+def _tile(prog: Program, name: str, structure: str, decider: Decider) -> None:
+    nest = prog.nests[name]
+    if nest.attach is not None or nest.tiled:
+        raise InvalidProgram(f"{name} cannot be tiled here")
+    spec = nest.spec
+    n_s, n_r = structure.count("S"), structure.count("R")
+    factors: dict[str, tuple[int, ...]] = {}
+    for it in spec.iters:
+        parts = n_s if it.kind == "S" else n_r
+        factors[it.name] = decider.decide(f"{name}.tile.{it.name}", TileDomain(it.extent, parts, MAX_INNERMOST_TILE))
+    prog.emit("tile", name, structure, tuple(factors[it.name] for it in spec.iters))
+    loops: list[Loop] = []
+    groups: list[list[str]] = []
+    terms: dict[str, dict[str, int]] = {it.name: {} for it in spec.iters}
+    level = {"S": 0, "R": 0}
+    for ch in structure:
+        lv = level[ch]
+        level[ch] += 1
+        group = []
+        for it in spec.iters:
+            if it.kind != ch:
+                continue
+            f = factors[it.name]
+            stride = 1
+            for x in f[lv + 1 :]:
+                stride *= x
+            lp = prog.new_loop(f[lv], ch == "R")
+            loops.append(lp)
+            group.append(lp.key)
+            terms[it.name][lp.key] = stride
+        groups.append(group)
+    nest.loops = loops
+    nest.binding = {it: Affine.of(t) for it, t in terms.items()}
+    nest.tiled = True
+    nest.tile_groups = groups
+    nest._structure = structure  # type: ignore[attr-defined]
+
+
+def _region(prog: Program, indices: list[Affine], chain: list[Loop], pos: int, shape) -> list[tuple[Affine, int]]:
+    """Per dimension: (start over the loops up to `pos`, extent) of what `indices`
+    touch while the loops after `pos` run; clipped to the buffer."""
+    inner = {lp.key: lp.extent for lp in chain[pos + 1 :]}
+    out = []
+    for d, ix in enumerate(indices):
+        ext = 1
+        low = 0
+        outer_terms = {}
+        for v, c in ix.terms:
+            if v in inner:
+                ext += abs(c) * (inner[v] - 1)
+                if c < 0:
+                    low += c * (inner[v] - 1)
+            else:
+                outer_terms[v] = c
+        ext = max(1, min(ext, int(shape[d])))
+        out.append((Affine.of(outer_terms, ix.const + low, ix.exact), ext))
+    return out
+
+
+def _attach_region_nest(prog: Program, name: str, owner: str, loop_key: str, region: list[tuple[Affine, int]]) -> None:
+    """Put block `name` under `loop_key`: one loop per iterator whose region extent is
+    > 1, in iterator order, bound to region start + loop."""
+    nest = prog.nests[name]
+    spec = nest.spec
+    dim_of = {}
+    for d, ix in enumerate(spec.write.indices):
+        v = ix.is_single_var()
+        if v is not None:
+            dim_of[v] = d
+    loops = []
+    binding = {}
+    for it in spec.iters:
+        if it.kind == "S":
+            if it.name not in dim_of:
+                raise InvalidProgram(f"{name}: iterator {it.name} is not a dimension of its output")
+            start, ext = region[dim_of[it.name]]
+        else:
+            start, ext = Affine(), it.extent
+        if ext > 1:
+            lp = prog.new_loop(ext, it.kind == "R")
+            loops.append(lp)
+            binding[it.name] = start.substitute({}).__class__.of(
+                {**dict(start.terms), lp.key: 1}, start.const, start.exact
+            )
+        else:
+            binding[it.name] = start
+    nest.loops = loops
+    nest.binding = binding
+    nest.attach = (owner, loop_key)
+
+
+def _owner_of(prog: Program, loop_key: str) -> str:
+    for n, nest in prog.nests.items():
+        if any(lp.key == loop_key for lp in nest.loops):
+            return n
+    raise KeyError(loop_key)
+
+
+def _fuse_consumer(prog: Program, consumer: str, producer: str, decider: Decider) -> None:
+    p = prog.nests[producer]
+    c = prog.nests[consumer]
+    if not p.tiled or c.attach is not None:
+        raise InvalidProgram(f"cannot fuse {consumer} into {producer}")
+    s_groups = [g for g, ch in zip(p.tile_groups, p._structure) if ch == "S"]  # type: ignore[attr-defined]
+    level = FUSE_LEVELS[decider.decide(f"{consumer}.fuse_level", ChoiceDomain(len(FUSE_LEVELS)))]
+    attach_key = s_groups[level - 1][-1]
+    chain = prog.chain(producer)
+    pos = next(i for i, lp in enumerate(chain) if lp.key == attach_key)
+    write = [ix.substitute(p.binding) for ix in p.spec.write.indices]
+    shape = prog.dag.buffer(p.spec.write.buffer).shape
+    region = _region(prog, write, chain, pos, shape)
+    prog.emit("reverse_compute_at", consumer, producer, pos)
+    # The consumer reads the producer's buffer at its own write index (elementwise),
+    # so dimension d of the producer's output is dimension d of the consumer's.
+    _attach_region_nest(prog, consumer, producer, attach_key, region)
+
+
+def _can_inline(prog: Program, name: str) -> bool:
+    spec = prog.nests[name].spec
+    return (
+        not spec.is_reduction
+        and not prog.dag.is_output(name)
+        and is_elementwise_write(spec)
+        and len(spec.write.indices) == len(spec.iters)
+        and bool(prog.consumers(name))
+    )
+
+
+def _compute_location(prog: Program, name: str, decider: Decider) -> None:
+    consumers = prog.consumers(name)
+    nest = prog.nests[name]
+    if not consumers or nest.attach is not None or nest.tiled:
+        return
+    chains = [prog.chain(c) for c in consumers]
+    common: list[Loop] = []
+    for loops in zip(*chains):
+        if all(lp.key == loops[0].key for lp in loops):
+            common.append(loops[0])
+        else:
+            break
+    options: list[str] = ["root"]
+    if _can_inline(prog, name):
+        options.append("inline")
+    if is_elementwise_write(nest.spec) or not nest.spec.spatial:
+        options.extend(lp.key for lp in common)
+    choice = options[decider.decide(f"{name}.location", ChoiceDomain(len(options)))]
+    if choice == "root":
+        return
+    if choice == "inline":
+        _inline(prog, name)
+        return
+    buf = nest.spec.write.buffer
+    shape = prog.dag.buffer(buf).shape
+    pos = next(i for i, lp in enumerate(common) if lp.key == choice)
+    region: list[tuple[Affine, int]] | None = None
+    for c, chain in zip(consumers, chains):
+        cnest = prog.nests[c]
+        for acc in cnest.spec.reads:
+            if acc.buffer != buf:
+                continue
+            idx = [ix.substitute(cnest.binding) for ix in acc.indices]
+            r = _region(prog, idx, chain, pos, shape)
+            region = r if region is None else _union(region, r, shape)
+    assert region is not None
+    prog.emit("compute_at", name, consumers[0], pos)
+    _attach_region_nest(prog, name, _owner_of(prog, choice), choice, region)
+
+
+def _union(a: list[tuple[Affine, int]], b: list[tuple[Affine, int]], shape) -> list[tuple[Affine, int]]:
+    out = []
+    for d, ((sa, ea), (sb, eb)) in enumerate(zip(a, b)):
+        if sa.terms == sb.terms:
+            lo = min(sa.const, sb.const)
+            hi = max(sa.const + ea, sb.const + eb)
+            out.append((Affine(sa.terms, lo, sa.exact and sb.exact), min(hi - lo, int(shape[d]))))
+        else:
+            out.append((sa, min(max(ea, eb), int(shape[d]))))
+    return out
+
+
+def _region_elems(prog: Program, name: str) -> int:
+    """Elements of a block's output after buffer compaction: its write footprint under
+    the loop it is computed at (the whole buffer at the root)."""
+    nest = prog.nests[name]
+    n = 1
+    for ix in nest.spec.write.indices:
+        ext = 1
+        for v, c in ix.substitute(nest.binding).terms:
+            lp = next((x for x in nest.loops if x.key == v), None)
+            if lp is not None:
+                ext += abs(c) * (lp.extent - 1)
+        n *= ext
+    return n
+
+
+def _annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None:
+    """Ansor's InitVectorization, InitParallel and InitUnroll for one block, then the
+    reduction's init split off (decompose_reduction), all as `realize.py` does them."""
+    nest = prog.nests[name]
+    spec = nest.spec
+    at_root = nest.attach is None
+    attached = prog.attached_keys()
+    # -- vectorize
+    if nest.loops:
+        last = nest.loops[-1]
+        if at_root and not nest.tiled and not nest.rf_inner and not last.reduce and last.extent > 1 and last.key not in attached:
+            outer_ext, vec = decider.decide(f"{name}.vector", TileDomain(last.extent, 2, MAX_VECTOR))
+            prog.emit("split_inner", name, (outer_ext, vec))
+            _split_last(prog, nest, outer_ext, vec)
+            if vec > 1:
+                nest.loops[-1].kind = "vectorized"
+                prog.emit("vectorize", name)
+        elif not last.reduce and 1 < last.extent <= MAX_VECTOR and last.key not in attached:
+            last.kind = "vectorized"
+            prog.emit("vectorize", name)
+    # -- parallel
+    if at_root:
+        prefix = 0
+        for lp in nest.loops:
+            if lp.reduce or lp.kind == "vectorized":
+                break
+            prefix += 1
+            if lp.key in attached:
+                break
+        if prefix:
+            n = decider.decide(f"{name}.parallel", ChoiceDomain(prefix + 1))
+            nest.parallel = n
+            for lp in nest.loops[:n]:
+                lp.kind = "parallel"
+            if n:
+                prog.emit("parallel", name, n)
+    # -- unroll
+    if (spec.is_reduction or nest.tiled) and nest.loops:
+        nest.unroll = UNROLL_STEPS[decider.decide(f"{name}.unroll", ChoiceDomain(len(UNROLL_STEPS)))]
+        if nest.unroll:
+            own = len(nest.loops) - max(nest.parallel - 1, 0)  # own loops after the parallel fuse
+            prog.emit("unroll", name, -own, nest.unroll)
+    # -- decompose the reduction's init at the first reduction loop
+    if spec.has_init:
+        nest.init_at = next((i for i, lp in enumerate(nest.loops) if lp.reduce), None)
+        if nest.init_at is not None:
+            prog.emit("decompose", name, -(len(nest.loops) - nest.init_at))
+
+
+def _split_last(prog: Program, nest: Nest, outer_ext: int, inner_ext: int) -> None:
+    last = nest.loops[-1]
+    outer = prog.new_loop(outer_ext, last.reduce)
+    inner = prog.new_loop(inner_ext, last.reduce)
+    nest.loops[-1:] = [outer, inner]
+    for it, aff in list(nest.binding.items()):
+        c = aff.coeff(last.key)
+        if c:
+            terms = {v: x for v, x in aff.terms if v != last.key}
+            terms[outer.key] = c * inner_ext
+            terms[inner.key] = c
+            nest.binding[it] = Affine.of(terms, aff.const, aff.exact)
+
+
+def expected_tvm_loops(prog: Program) -> dict[str, list[tuple[int, str]]]:
+    """What TVM's loop nest should look like for this program: {block: [(extent, kind)]},
+    with parallel prefixes fused into one loop and decomposed reductions split into
+    `<block>_init` / `<block>_update` (the names TVM gives them)."""
+
+    def collapse(name: str, loops: list[Loop]) -> list[tuple[int, str]]:
+        out: list[tuple[int, str]] = []
+        i = 0
+        # Parallel prefixes belong to root blocks; in a chain they are the leading loops.
+        while i < len(loops):
+            lp = loops[i]
+            if lp.kind == "parallel":
+                ext = 1
+                while i < len(loops) and loops[i].kind == "parallel":
+                    ext *= loops[i].extent
+                    i += 1
+                out.append((ext, "parallel"))
+                continue
+            out.append((lp.extent, lp.kind))
+            i += 1
+        return out
+
+    result: dict[str, list[tuple[int, str]]] = {}
+    for store in prog.stores():
+        nest = prog.nests[store.block]
+        decomposed = nest.spec.has_init and nest.init_at is not None
+        name = store.block if not decomposed else f"{store.block}_{'init' if store.is_init else 'update'}"
+        result[name] = collapse(name, list(store.loops))
+    return result

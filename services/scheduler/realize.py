@@ -1,0 +1,130 @@
+"""Realize a program in TVM: replay the model's instructions as schedule primitives.
+
+The loop-nest model (`loopnest.py`) resolves every decision and loop position; this
+module only maps each `Instr` to the matching `tvm.s_tir.Schedule` call. A TVM error
+means the model allowed something TVM does not: the candidate is rejected as invalid
+(counted, never measured).
+"""
+
+from __future__ import annotations
+
+import json
+
+from services.scheduler.loopnest import Instr
+
+
+class RealizeError(Exception):
+    """TVM refused one of the program's primitives."""
+
+
+def realize(mod, instructions: list[Instr]):
+    """A fresh `tvm.s_tir.Schedule` of `mod` with the instructions applied."""
+    from tvm.s_tir import Schedule
+
+    sch = Schedule(mod, debug_mask="none", enable_check=False, error_render_level="none")
+    blocks: dict[str, object] = {}
+
+    def rv(name: str):
+        if name not in blocks:
+            blocks[name] = sch.get_sblock(name)
+        return blocks[name]
+
+    for ins in instructions:
+        try:
+            _apply(sch, ins, rv, blocks)
+        except Exception as exc:  # ScheduleError, ValueError, TVMError
+            msg = str(exc).strip().splitlines()
+            raise RealizeError(f"{ins.describe()}: {msg[-1] if msg else type(exc).__name__}") from None
+    return sch
+
+
+def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
+    b = ins.block
+    match ins.op:
+        case "inline":
+            sch.compute_inline(rv(b))
+        case "cache_write":
+            (copy_name,) = ins.args
+            blocks[copy_name] = sch.cache_write(rv(b), 0, "global")
+        case "rfactor":
+            (f0, f1), inner, rf_name, n_reduce = ins.args
+            loops = sch.get_loops(rv(b))
+            red = loops[-n_reduce:]
+            k = sch.fuse(*red) if n_reduce > 1 else red[0]
+            k0, k1 = sch.split(k, [f0, f1])
+            blocks[rf_name] = sch.rfactor(k1 if inner else k0, factor_axis=0)
+        case "tile":
+            structure, factors = ins.args
+            block = rv(b)
+            loops = sch.get_loops(block)
+            kinds = [str(it_kind) for it_kind in _iter_kinds(sch, block)]
+            parts = [sch.split(lp, list(f)) for lp, f in zip(loops, factors)]
+            level = {"S": 0, "R": 0}
+            order = []
+            for ch in structure:
+                lv = level[ch]
+                level[ch] += 1
+                order.extend(p[lv] for p, k in zip(parts, kinds) if k == ch)
+            sch.reorder(*order)
+        case "reverse_compute_at":
+            producer, pos = ins.args
+            sch.reverse_compute_at(rv(b), sch.get_loops(rv(producer))[pos], preserve_unit_loops=False)
+        case "compute_at":
+            consumer, pos = ins.args
+            sch.compute_at(rv(b), sch.get_loops(rv(consumer))[pos], preserve_unit_loops=False)
+        case "split_inner":
+            (outer, inner) = ins.args[0]
+            sch.split(sch.get_loops(rv(b))[-1], [outer, inner])
+        case "parallel":
+            (n,) = ins.args
+            loops = sch.get_loops(rv(b))[:n]
+            sch.parallel(sch.fuse(*loops) if n > 1 else loops[0])
+        case "vectorize":
+            sch.vectorize(sch.get_loops(rv(b))[-1])
+        case "unroll":
+            pos, step = ins.args
+            loop = sch.get_loops(rv(b))[pos]
+            sch.annotate(loop, "pragma_auto_unroll_max_step", step)
+            sch.annotate(loop, "pragma_unroll_explicit", 1)
+        case "decompose":
+            (pos,) = ins.args
+            sch.decompose_reduction(rv(b), sch.get_loops(rv(b))[pos])
+        case _:
+            raise ValueError(f"unknown instruction {ins.op}")
+
+
+def _iter_kinds(sch, block) -> list[str]:
+    return [{0: "S", 2: "R"}.get(int(iv.iter_type), "O") for iv in sch.get(block).iter_vars]
+
+
+def trace_json(sch) -> list:
+    """The schedule's TVM trace as plain JSON data (IntImm/FloatImm unwrapped)."""
+    return json.loads(json.dumps(sch.trace.as_json(), default=lambda o: o.value))
+
+
+def loop_structure(sch) -> dict[str, list[tuple[int, str]]]:
+    """{block: [(extent, kind), ...]} of every leaf block, root to innermost: used by the
+    test that holds the model to TVM."""
+    import tvm
+
+    kinds = {0: "serial", 1: "parallel", 2: "vectorized", 3: "unrolled"}
+    out: dict[str, list[tuple[int, str]]] = {}
+
+    def walk(stmt, loops):
+        from tvm.s_tir import SBlockRealize
+
+        if isinstance(stmt, tvm.tirx.SeqStmt):
+            for s in stmt.seq:
+                walk(s, loops)
+        elif isinstance(stmt, tvm.tirx.For):
+            walk(stmt.body, [*loops, (int(stmt.extent), kinds.get(int(stmt.kind), "other"))])
+        elif isinstance(stmt, SBlockRealize):
+            blk = stmt.block
+            if blk.name_hint != "root":
+                out[str(blk.name_hint)] = loops
+            walk(blk.body, loops)
+        elif hasattr(stmt, "body"):
+            walk(stmt.body, loops)
+
+    walk(sch.mod["main"].body, [])
+    return out

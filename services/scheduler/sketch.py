@@ -1,0 +1,367 @@
+"""Sketch generation by derivation rules (Ansor §4.1, Table 1; CPU rule order).
+
+A sketch is the high-level structure of a program: which blocks are inlined, tiled,
+fused into a producer's tile, rfactored or given a cache-write stage. What a sketch
+leaves open (tile sizes, fusion level, compute locations, parallel granularity,
+vector length, unroll depth) are *slots*, filled by random annotation
+(`loopnest.build`) and changed by evolution.
+
+Derivation visits the DAG's blocks from the outputs towards the inputs. At each block
+the rules are tried in order; each returns SKIP, APPLY (new states, and the current
+state also goes on to the next rule) or APPLY_AND_SKIP_REST (new states only):
+
+  1. AlwaysInline                  strictly inlineable            -> APPLY_AND_SKIP_REST
+  2. AddRfactor                    reduction with little spatial  -> APPLY (inner, outer)
+                                   parallelism
+  3. AddCacheWrite                 needs tiling, no fusible       -> APPLY (block is
+                                   consumer                          visited again)
+  4. MultiLevelTilingWithFusion    needs tiling, fusible consumer -> APPLY, or
+                                                                     APPLY_AND_SKIP_REST
+                                                                     after a cache write
+  5. MultiLevelTiling              needs tiling                   -> APPLY_AND_SKIP_REST
+  6. Skip                          always                         -> APPLY
+
+A finished state gets a ComputeLocation step for every remaining flexible block
+(consumers first) and an Annotate step (parallel / vectorize / unroll) per block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from services.scheduler.dag import (
+    AccessSpec,
+    Affine,
+    BlockSpec,
+    BufferSpec,
+    ComputeDag,
+    IterSpec,
+    OpCounts,
+    fusible_consumer,
+    inline_into_consumers,
+    is_strictly_inlineable,
+    needs_multi_level_tiling,
+    reduce_size,
+    spatial_size,
+)
+
+CPU_TILE_STRUCTURE = "SSRSRS"
+"""Ansor's CPU multi-level tiling: i0 j0 | i1 j1 | k0 | i2 j2 | k1 | i3 j3."""
+
+FUSE_LEVELS = (1, 2)
+"""Spatial tile levels a fused consumer may be computed at (Ansor CPU: after S1 or S2)."""
+
+
+# ------------------------------------------------------------------------------ steps
+
+
+@dataclass(frozen=True)
+class InlineStep:
+    block: str
+
+
+@dataclass(frozen=True)
+class CacheWriteStep:
+    """The block writes into a new buffer `<out>_global`; block `<out>_global` copies it out."""
+
+    block: str
+
+
+@dataclass(frozen=True)
+class RfactorStep:
+    """Fuse the reduction loops, split them in two (slot `<block>.rfactor`) and factor
+    the reduction over the inner part (`inner`, vectorizable) or the outer part
+    (parallelizable) into block `<block>_rf`."""
+
+    block: str
+    inner: bool
+
+
+@dataclass(frozen=True)
+class TileStep:
+    """Multi-level tiling: slot `<block>.tile.<iter>` per iterator."""
+
+    block: str
+    structure: str = CPU_TILE_STRUCTURE
+
+
+@dataclass(frozen=True)
+class FuseConsumerStep:
+    """Compute `consumer` inside `producer`'s tile (slot `<consumer>.fuse_level`)."""
+
+    consumer: str
+    producer: str
+
+
+@dataclass(frozen=True)
+class ComputeLocationStep:
+    """Root, inline (spatial blocks) or under a loop of its consumers (slot `<block>.location`)."""
+
+    block: str
+
+
+@dataclass(frozen=True)
+class AnnotateStep:
+    """Parallel outer loops, vectorize the inner loop, auto-unroll pragma (Ansor §4.2)."""
+
+    block: str
+
+
+Step = InlineStep | CacheWriteStep | RfactorStep | TileStep | FuseConsumerStep | ComputeLocationStep | AnnotateStep
+
+
+@dataclass(frozen=True)
+class Sketch:
+    steps: tuple[Step, ...]
+
+    def describe(self) -> list[str]:
+        return [_describe(s) for s in self.steps]
+
+    @property
+    def signature(self) -> str:
+        """Identity of the sketch's structure, stored with records to match them on resume."""
+        return hashlib.sha1("\n".join(self.describe()).encode()).hexdigest()[:12]
+
+
+def _describe(step: Step) -> str:
+    match step:
+        case InlineStep(block=b):
+            return f"inline {b}"
+        case CacheWriteStep(block=b):
+            return f"cache-write {b}"
+        case RfactorStep(block=b, inner=inner):
+            return f"rfactor {b} ({'inner' if inner else 'outer'} part)"
+        case TileStep(block=b, structure=s):
+            return f"tile {b} {s}"
+        case FuseConsumerStep(consumer=c, producer=p):
+            return f"fuse {c} into the tile of {p}"
+        case ComputeLocationStep(block=b):
+            return f"compute-location {b}"
+        case AnnotateStep(block=b):
+            return f"annotate {b}"
+    raise TypeError(step)
+
+
+# ----------------------------------------------------------- DAG views of derived blocks
+
+
+def cache_write_names(dag: ComputeDag, block: str) -> tuple[str, str]:
+    """(copy block name, cache buffer name): TVM names both `<out buffer>_global`."""
+    name = f"{dag.block(block).write.buffer}_global"
+    return name, name
+
+
+def apply_cache_write(dag: ComputeDag, block: str) -> ComputeDag:
+    """The DAG after `cache_write(block)`: the block writes a cache buffer and a new
+    elementwise block copies it to the original buffer."""
+    b = dag.block(block)
+    out = dag.buffer(b.write.buffer)
+    copy_name, cache_name = cache_write_names(dag, block)
+    iters = tuple(IterSpec(f"v{d}", extent, "S") for d, extent in enumerate(out.shape))
+    index = tuple(Affine.of({it.name: 1}) for it in iters)
+    copy = BlockSpec(
+        name=copy_name,
+        iters=iters,
+        reads=(AccessSpec(cache_name, index),),
+        write=AccessSpec(out.name, index),
+        ops=OpCounts(),
+    )
+    compute = replace(b, write=AccessSpec(cache_name, b.write.indices))
+    blocks = []
+    for x in dag.blocks:
+        if x.name == block:
+            blocks.extend([compute, copy])
+        else:
+            blocks.append(x)
+    buffers = (*dag.buffers, BufferSpec(cache_name, out.shape, out.dtype, "intermediate"))
+    return dag.replace_blocks(blocks, buffers)
+
+
+def rfactor_names(block: str) -> str:
+    return f"{block}_rf"
+
+
+def rfactor_possible(block: BlockSpec) -> bool:
+    """The reduction iterators can be fused into one affine index: a single one, or
+    several that every read uses as consecutive dimensions in iterator order."""
+    red = [it.name for it in block.reduce]
+    if len(red) <= 1:
+        return len(red) == 1
+    for acc in block.reads:
+        used = [i for i, ix in enumerate(acc.indices) if ix.vars & set(red)]
+        if not used:
+            continue
+        names = [acc.indices[i].is_single_var() for i in used]
+        if names != red or used != list(range(used[0], used[0] + len(red))):
+            return False
+    return True
+
+
+# ------------------------------------------------------------------------- derivation
+
+
+class RuleResult(Enum):
+    SKIP = 0
+    APPLY = 1
+    APPLY_AND_SKIP_REST = 2
+
+
+@dataclass(frozen=True)
+class _State:
+    dag: ComputeDag
+    steps: tuple[Step, ...]
+    pending: tuple[str, ...]  # blocks still to visit, next first
+    cache_written: frozenset[str] = frozenset()
+    tiled: frozenset[str] = frozenset()
+    fused: frozenset[str] = frozenset()  # consumers computed inside a producer's tile
+    rfactored: frozenset[str] = frozenset()
+
+    def advance(self, **changes) -> _State:
+        return replace(self, pending=self.pending[1:], **changes)
+
+
+def needs_rfactor(block: BlockSpec, num_cores: int) -> bool:
+    """Ansor's NeedsRfactor: little spatial parallelism against the reduction."""
+    if not block.is_reduction or not rfactor_possible(block):
+        return False
+    space, red = spatial_size(block), reduce_size(block)
+    if needs_multi_level_tiling(block):
+        return space < red and space <= 16 * num_cores
+    return red > num_cores
+
+
+def _rule_always_inline(st: _State, b: BlockSpec, num_cores: int):
+    if b.name in st.cache_written or not is_strictly_inlineable(st.dag, b):
+        return RuleResult.SKIP, []
+    new = st.advance(dag=inline_into_consumers(st.dag, b.name), steps=(*st.steps, InlineStep(b.name)))
+    return RuleResult.APPLY_AND_SKIP_REST, [new]
+
+
+def _rule_add_rfactor(st: _State, b: BlockSpec, num_cores: int):
+    if b.name in st.cache_written or not needs_rfactor(b, num_cores):
+        return RuleResult.SKIP, []
+    out = []
+    for inner in (True, False):
+        out.append(
+            st.advance(
+                steps=(*st.steps, RfactorStep(b.name, inner)),
+                rfactored=st.rfactored | {b.name},
+            )
+        )
+    return RuleResult.APPLY, out
+
+
+def _rule_add_cache_write(st: _State, b: BlockSpec, num_cores: int):
+    if b.name in st.cache_written or not needs_multi_level_tiling(b) or fusible_consumer(st.dag, b):
+        return RuleResult.SKIP, []
+    new = replace(
+        st,
+        dag=apply_cache_write(st.dag, b.name),
+        steps=(*st.steps, CacheWriteStep(b.name)),
+        cache_written=st.cache_written | {b.name},
+    )  # not advanced: the block is visited again and gets tiling with fusion
+    return RuleResult.APPLY, [new]
+
+
+def _rule_tiling_with_fusion(st: _State, b: BlockSpec, num_cores: int):
+    if not needs_multi_level_tiling(b):
+        return RuleResult.SKIP, []
+    consumer = fusible_consumer(st.dag, b)
+    if consumer is None:
+        return RuleResult.SKIP, []
+    new = st.advance(
+        steps=(*st.steps, TileStep(b.name), FuseConsumerStep(consumer.name, b.name)),
+        tiled=st.tiled | {b.name},
+        fused=st.fused | {consumer.name},
+    )
+    result = RuleResult.APPLY_AND_SKIP_REST if b.name in st.cache_written else RuleResult.APPLY
+    return result, [new]
+
+
+def _rule_tiling(st: _State, b: BlockSpec, num_cores: int):
+    if not needs_multi_level_tiling(b):
+        return RuleResult.SKIP, []
+    new = st.advance(steps=(*st.steps, TileStep(b.name)), tiled=st.tiled | {b.name})
+    return RuleResult.APPLY_AND_SKIP_REST, [new]
+
+
+def _rule_skip(st: _State, b: BlockSpec, num_cores: int):
+    return RuleResult.APPLY, [st.advance()]
+
+
+CPU_RULES = (
+    _rule_always_inline,
+    _rule_add_rfactor,
+    _rule_add_cache_write,
+    _rule_tiling_with_fusion,
+    _rule_tiling,
+    _rule_skip,
+)
+
+
+def generate_sketches(dag: ComputeDag, num_cores: int) -> list[Sketch]:
+    """All sketches of a DAG, in a deterministic order."""
+    pending = tuple(b.name for b in reversed(dag.blocks))
+    stack = [_State(dag, (), pending)]
+    finished: list[_State] = []
+    while stack:
+        st = stack.pop()
+        if not st.pending:
+            finished.append(st)
+            continue
+        block = st.dag.block(st.pending[0])
+        produced: list[_State] = []
+        for rule in CPU_RULES:
+            result, new_states = rule(st, block, num_cores)
+            if result is RuleResult.SKIP:
+                continue
+            produced.extend(new_states)
+            if result is RuleResult.APPLY_AND_SKIP_REST:
+                break
+        stack.extend(reversed(produced))
+    sketches = []
+    seen = set()
+    for st in finished:
+        sk = _finish(st)
+        if sk.steps not in seen:
+            seen.add(sk.steps)
+            sketches.append(sk)
+    return sketches
+
+
+def derived_dag(dag: ComputeDag, sketch: Sketch) -> ComputeDag:
+    """The DAG view after a sketch's inline, cache-write and rfactor steps (the rfactor
+    view is built by the loop-nest model, which needs the split sizes; here the rf
+    block is left out)."""
+    for step in sketch.steps:
+        if isinstance(step, InlineStep):
+            dag = inline_into_consumers(dag, step.block)
+        elif isinstance(step, CacheWriteStep):
+            dag = apply_cache_write(dag, step.block)
+    return dag
+
+
+def _finish(st: _State) -> Sketch:
+    """Add compute-location steps (consumers first) and annotation steps."""
+    steps = list(st.steps)
+    names = [b.name for b in st.dag.blocks]
+    rf_blocks = {rfactor_names(b) for b in st.rfactored}
+    # Block order of the final program: the rf block comes right before its block.
+    order: list[str] = []
+    for n in names:
+        if n in st.rfactored:
+            order.append(rfactor_names(n))
+        order.append(n)
+    flexible = []
+    for n in reversed(order):
+        if n in st.tiled or n in st.fused:
+            continue
+        if n in rf_blocks:
+            flexible.append(n)  # its consumer is always the final reduction block
+        elif st.dag.consumers(n):
+            flexible.append(n)
+    steps.extend(ComputeLocationStep(n) for n in flexible)
+    steps.extend(AnnotateStep(n) for n in order)
+    return Sketch(tuple(steps))

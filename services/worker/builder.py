@@ -1,0 +1,190 @@
+"""Builders: turn `BuildInput`s (workload + schedule trace + target) into shared libraries.
+
+A builder never raises for a bad candidate: a failed build is a `BuildResult` with an
+`ErrorKind` and a message. `LocalBuilder` builds in long-lived isolated processes on this
+machine; a queue-backed builder can call the same job function, `build_module`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
+from tunefarm.records import BuildInput, BuildResult, ErrorKind
+
+
+class Builder(ABC):
+    """Builds the candidates of one measured batch."""
+
+    def start(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
+        """Called once before the first batch; may prepare workers so that the first
+        batch does not pay their start-up."""
+
+    @abstractmethod
+    def build(self, inputs: Sequence[BuildInput]) -> list[BuildResult]:
+        """Called once per measured batch. Returns one result per input, in input order.
+        Never raises for a bad candidate: errors are `BuildResult.error_kind`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Called once when tuning is over; releases workers. The builder is unusable after."""
+
+    def __enter__(self) -> Builder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalBuilder(Builder):
+    """Builds a batch in parallel over `n_workers` isolated worker processes.
+
+    Artifacts go to `work_dir`, named by a hash of what determines the program (workload,
+    trace, target, candidate key), so equal programs share one file and different tasks
+    never overwrite each other's. Nothing is deleted: `work_dir` is the caller's.
+    """
+
+    def __init__(self, work_dir: str | os.PathLike[str], n_workers: int = 2, *, start_timeout: float = 120.0):
+        if n_workers < 1:
+            raise ValueError(f"n_workers must be at least 1, got {n_workers}")
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._workers = [
+            IsolatedWorker(
+                env={"TVM_NUM_THREADS": "1"},  # a build runs no kernels; keep TVM's pool small
+                preload=["tvm", __name__],
+                start_timeout=start_timeout,
+                name=f"builder{i}",
+            )
+            for i in range(n_workers)
+        ]
+        self._idle: queue.SimpleQueue[IsolatedWorker] = queue.SimpleQueue()
+        for w in self._workers:
+            self._idle.put(w)
+        self._pool = ThreadPoolExecutor(n_workers, thread_name_prefix="builder")
+
+    def start(self) -> None:
+        """Start all workers (in parallel) and wait until they have imported TVM."""
+        for f in [self._pool.submit(w.start) for w in self._workers]:
+            f.result()
+
+    def build(self, inputs: Sequence[BuildInput]) -> list[BuildResult]:
+        futures = [self._pool.submit(self._build_one, inp) for inp in inputs]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for w in self._workers:
+            w.close()
+
+    def artifact_path(self, inp: BuildInput) -> Path:
+        h = hashlib.sha1()
+        target = json.dumps(inp.target, sort_keys=True)
+        for part in (inp.candidate_key, target, inp.trace_json, inp.workload_json):
+            h.update(part.encode())
+            h.update(b"\0")
+        return self.work_dir / f"{h.hexdigest()}.so"
+
+    def _build_one(self, inp: BuildInput) -> BuildResult:
+        worker = self._idle.get()
+        try:
+            path = self.artifact_path(inp)
+            outcome = worker.call(
+                _BUILD_JOB, inp.workload_json, inp.trace_json, inp.target, str(path), timeout=inp.timeout_secs
+            )
+        finally:
+            self._idle.put(worker)
+        if outcome.status is CallStatus.OK:
+            return BuildResult(inp.candidate_key, str(path), float(outcome.value))
+        if outcome.status is CallStatus.TIMED_OUT:
+            kind, msg = ErrorKind.BUILD_TIMEOUT, f"build: {outcome.message}"
+        elif outcome.status is CallStatus.CRASHED:
+            kind, msg = ErrorKind.BUILD_ERROR, f"builder process crashed: {outcome.message}"
+        else:
+            kind, msg = ErrorKind.BUILD_ERROR, summarize_error(outcome.message.removeprefix("BuildError: "))
+        return BuildResult(inp.candidate_key, None, outcome.secs, kind, msg)
+
+
+# -- the job, run inside a worker process -------------------------------------------------
+
+_BUILD_JOB = f"{__name__}:build_module"
+
+_WORKLOAD_CACHE_SIZE = 16
+"""Parsed workloads kept per worker process (a tuning round builds many candidates of few tasks)."""
+
+_workloads: OrderedDict[str, Any] = OrderedDict()
+
+
+class BuildError(Exception):
+    """One step of `build_module` failed; the message names the step and TVM's reason."""
+
+
+def build_module(workload_json: str, trace_json: str, target: dict[str, Any], out_path: str) -> float:
+    """Build one candidate: parse the workload, replay the schedule trace on it (none when
+    `trace_json` is ""), compile for `target` and export the shared library to `out_path`.
+
+    Returns the wall time of the build in seconds. Raises `BuildError` naming the step that
+    failed. Plain arguments, so any worker (an isolated process, an RQ job) can call it.
+    """
+    import tvm
+
+    t0 = time.perf_counter()
+    mod = _step("parsing the workload", _load_workload, workload_json)
+    if trace_json:
+        mod = _step("replaying the schedule trace", _apply_trace, mod, trace_json)
+    tvm_target = _step("making the target", tvm.target.Target, target)
+    ex = _step("compiling", tvm.compile, mod, target=tvm_target)
+    _step("exporting the library", _export, ex, out_path)
+    return time.perf_counter() - t0
+
+
+def _step(what: str, func: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return func(*args, **kwargs)
+    except Exception as exc:
+        raise BuildError(f"{what} failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
+
+
+def _load_workload(text: str) -> Any:
+    import tvm
+
+    key = hashlib.sha1(text.encode()).hexdigest()
+    mod = _workloads.get(key)
+    if mod is None:
+        mod = tvm.ir.load_json(text)
+        _workloads[key] = mod
+        if len(_workloads) > _WORKLOAD_CACHE_SIZE:
+            _workloads.popitem(last=False)
+    else:
+        _workloads.move_to_end(key)
+    return mod
+
+
+def _apply_trace(mod: Any, trace_json: str) -> Any:
+    import tvm
+
+    sch = tvm.s_tir.Schedule(mod)
+    tvm.s_tir.Trace.apply_json_to_schedule(json.loads(trace_json), sch)
+    return sch.mod
+
+
+def _export(ex: Any, out_path: str) -> None:
+    """Export under a temporary name, then rename: a reader never loads half a library,
+    and two workers building the same program do not collide."""
+    tmp = f"{out_path}.{os.getpid()}.tmp.so"
+    try:
+        ex.export_library(tmp)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
