@@ -189,14 +189,14 @@ def test_load_registry_op_with_shape():
 
 def test_load_te_function_passes_shape_as_ints(tmp_path):
     path = _write(tmp_path, "ops.py", TE_FILE)
-    wl = load_workload(f"{path}:matmul", "M=4,N=6")
-    assert wl.name == "ops.py:matmul(M=4,N=6)"
+    wl = load_workload(f"{path}:matmul", "N=6,M=4")
+    assert wl.name == "ops.py:matmul(M=4,N=6,K=8)"  # signature order, defaults included
     assert [t.shape for t in wl.inputs] == [(4, 8), (8, 6)]
     assert [t.shape for t in wl.outputs] == [(4, 6)]
     assert wl.flops == 2 * 4 * 6 * 8
     a, b = _random_inputs(wl)
     np.testing.assert_allclose(_run(wl, [a, b])[0], a @ b, rtol=1e-5, atol=1e-5)
-    assert load_workload(f"{path}:matmul").name == "ops.py:matmul"
+    assert load_workload(f"{path}:matmul").name == "ops.py:matmul(M=8,N=8,K=8)"
 
 
 def test_load_tvmscript_file(tmp_path):
