@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from enum import StrEnum
 from multiprocessing.connection import Connection
@@ -120,6 +121,7 @@ class IsolatedWorker:
         self._closed = False
         fd, self.log_path = tempfile.mkstemp(prefix=f"tunefarm-{name}-", suffix=".log")
         os.close(fd)
+        _WORKERS.add(self)
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -175,7 +177,6 @@ class IsolatedWorker:
             finally:
                 child_sock.close()
                 os.close(lifeline_r)
-        _LIVE.add(self._proc)
         self._lifeline = lifeline_w
         self._conn = Connection(parent_sock.detach())
         self._ready = False
@@ -305,8 +306,6 @@ class IsolatedWorker:
             self._conn.close()
         if self._lifeline is not None:
             os.close(self._lifeline)
-        if self._proc is not None:
-            _LIVE.discard(self._proc)
         self._proc = None
         self._conn = None
         self._lifeline = None
@@ -365,15 +364,19 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-_LIVE: set[subprocess.Popen[bytes]] = set()
-"""Children not yet reaped; killed at interpreter exit as a safety net."""
+_WORKERS: weakref.WeakSet[IsolatedWorker] = weakref.WeakSet()
+"""Workers not yet garbage-collected; their children are killed at interpreter exit."""
 
 
 @atexit.register
-def _kill_live_children() -> None:
-    for proc in list(_LIVE):
-        _kill_group(proc)
-    _LIVE.clear()
+def _kill_children_at_exit() -> None:
+    for worker in list(_WORKERS):
+        if worker._proc is not None:
+            _kill_group(worker._proc)
+        try:
+            os.unlink(worker.log_path)
+        except OSError:
+            pass
 
 
 # -- child side ---------------------------------------------------------------------------

@@ -1,0 +1,377 @@
+"""Per-store features of a program, for the cost model (Ansor §5.2, Appendix B).
+
+One row per innermost store statement (`loopnest.Store`); a program is a matrix of
+rows and its predicted score is the sum of the rows' predictions ("pack-sum").
+Everything is computed from the loop-nest model, never from TVM, so scoring a
+candidate costs well under a millisecond.
+
+Counts and sizes enter as log2(1 + x) (Ansor's `slog`), so trees split on orders of
+magnitude. FEATURE_VERSION changes whenever the layout below changes: saved cost
+models and cached feature matrices are keyed by it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.scheduler.loopnest import Access, Program, Store
+
+FEATURE_VERSION = 1
+
+CACHE_LINE_BYTES = 64
+MAX_BUFFERS = 5
+CURVE_SAMPLES = 10
+
+# ---- layout: (name, meaning), in order. One comment per feature. ------------------
+_COMPUTE = [
+    ("float_add_sub", "float additions/subtractions executed (count x trip count)"),
+    ("float_mul", "float multiplications executed"),
+    ("float_div_mod", "float divisions executed"),
+    ("float_cmp", "float min/max/comparisons executed"),
+    ("float_math", "float math calls executed (exp, sqrt, ...)"),
+    ("int_add_sub", "integer additions executed"),
+    ("int_mul", "integer multiplications executed"),
+    ("int_div_mod", "integer divisions/modulos executed"),
+    ("int_cmp", "integer comparisons executed"),
+    ("bool_op", "boolean and/or/not executed"),
+    ("select", "if_then_else/select executed"),
+    ("cast", "casts executed"),
+]
+_POSITIONS = ["none", "inner_spatial", "middle_spatial", "outer_spatial", "inner_reduce", "middle_reduce", "outer_reduce", "mixed"]
+_ANNOTATION = []
+for _kind in ("vec", "par"):
+    _ANNOTATION += [
+        (f"{_kind}_len", f"extent of the innermost {_kind} loop"),
+        (f"{_kind}_prod", f"product of the extents of all {_kind} loops"),
+        (f"{_kind}_num", f"number of {_kind} loops"),
+    ]
+    _ANNOTATION += [(f"{_kind}_pos_{p}", f"{_kind} loop position: {p}") for p in _POSITIONS]
+_ANNOTATION += [
+    ("unroll_max_step", "auto-unroll pragma in effect (max step)"),
+    ("unroll_num", "innermost loops the pragma unrolls"),
+    ("unroll_prod", "product of the extents of the unrolled loops"),
+]
+_BUFFER = [
+    ("acc_read", "access type: read only"),
+    ("acc_write", "access type: write only"),
+    ("acc_rw", "access type: read and write"),
+    ("bytes", "bytes accessed over the whole nest"),
+    ("unique_bytes", "distinct bytes accessed (footprint)"),
+    ("lines", "cache lines accessed"),
+    ("unique_lines", "distinct cache lines accessed"),
+    ("reuse_loop", "reuse type: a loop re-reads the same data"),
+    ("reuse_serial", "reuse type: several accesses to the buffer in the statement"),
+    ("reuse_none", "reuse type: none"),
+    ("reuse_dis_iter", "iterations between reuses (inner loops of the reuse loop)"),
+    ("reuse_dis_bytes", "bytes touched between reuses"),
+    ("reuse_ct", "times the data is reused"),
+    ("bytes_d_reuse_ct", "bytes / reuse count"),
+    ("unique_bytes_d_reuse_ct", "unique bytes / reuse count"),
+    ("lines_d_reuse_ct", "lines / reuse count"),
+    ("unique_lines_d_reuse_ct", "unique lines / reuse count"),
+    ("stride", "elements between consecutive iterations of the innermost loop used"),
+]
+_CURVE = [(f"intensity_{i}", f"arithmetic intensity (flops/byte) at loop depth sample {i}") for i in range(CURVE_SAMPLES)]
+_ALLOC = [
+    ("alloc_is_intermediate", "the store fills an intermediate buffer"),
+    ("alloc_bytes", "its size after compaction"),
+    ("alloc_outer_prod", "times it is (re)filled: product of the loops above its attach point"),
+    ("alloc_inner_prod", "iterations of the store's own loops"),
+]
+_OTHER = [
+    ("outer_prod", "trip count of the whole nest"),
+    ("num_loops", "loops around the store"),
+    ("is_init", "the store is a reduction's initialisation"),
+    ("is_reduction_update", "the store accumulates (reads and writes its output)"),
+]
+
+FEATURE_NAMES: list[str] = (
+    [n for n, _ in _COMPUTE]
+    + [n for n, _ in _ANNOTATION]
+    + [f"b{i}_{n}" for i in range(MAX_BUFFERS) for n, _ in _BUFFER]
+    + [n for n, _ in _CURVE]
+    + [n for n, _ in _ALLOC]
+    + [n for n, _ in _OTHER]
+)
+NUM_FEATURES = len(FEATURE_NAMES)
+
+
+def slog(x):
+    """log2(1 + x) for x >= 0 (0 elsewhere), elementwise on arrays."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.log2(1.0 + np.maximum(x, 0.0))
+
+
+def program_features(prog: Program) -> np.ndarray:
+    """(n_stores, NUM_FEATURES) float32 matrix of one program."""
+    return batch_features([prog])[0]
+
+
+def batch_features(progs: list[Program]) -> list[np.ndarray]:
+    """Feature matrices of many programs at once: all stores of all programs are
+    padded into arrays and every feature is computed with a few numpy operations."""
+    stores: list[Store] = []
+    owner: list[int] = []
+    for i, prog in enumerate(progs):
+        for st in prog.stores():
+            stores.append(st)
+            owner.append(i)
+    if not stores:
+        return [np.zeros((0, NUM_FEATURES), dtype=np.float32) for _ in progs]
+    rows = _store_rows(stores)
+    out: list[list[np.ndarray]] = [[] for _ in progs]
+    counts = np.bincount(np.asarray(owner), minlength=len(progs))
+    splits = np.split(rows, np.cumsum(counts)[:-1])
+    return [np.ascontiguousarray(m, dtype=np.float32) for m in splits]
+
+
+class _Batch:
+    """Stores and their (merged-by-buffer) accesses as padded arrays.
+
+    S stores, A accesses, L = longest loop chain, D = most dimensions. Loops are left
+    aligned; padding loops have extent 1 and no coefficient, so they change nothing.
+    """
+
+    def __init__(self, stores: list[Store]):
+        S = len(stores)
+        L = max(1, max(len(st.loops) for st in stores))
+        accs: list[tuple[int, Access, int]] = []
+        for si, st in enumerate(stores):
+            for acc, count in _merge_accesses(st.accesses):
+                accs.append((si, acc, count))
+        A = len(accs)
+        D = max(1, max((len(a.indices) for _, a, _ in accs), default=1))
+        self.S, self.L, self.A, self.D = S, L, A, D
+        self.ext = np.ones((S, L))
+        self.reduce = np.zeros((S, L), dtype=bool)
+        self.vec = np.zeros((S, L), dtype=bool)
+        self.par = np.zeros((S, L), dtype=bool)
+        self.nloops = np.zeros(S, dtype=np.int64)
+        self.ops = np.zeros((S, len(_COMPUTE)))
+        self.unroll = np.zeros(S)
+        self.is_init = np.zeros(S)
+        self.alloc = np.zeros((S, 2))  # (is intermediate, bytes)
+        self.acc_store = np.zeros(A, dtype=np.int64)
+        self.coef = np.zeros((A, D, L))
+        self.dims = np.ones((A, D))
+        self.elem = np.zeros(A)
+        self.count = np.zeros(A)
+        self.is_read = np.zeros(A, dtype=bool)
+        self.is_write = np.zeros(A, dtype=bool)
+        for si, st in enumerate(stores):
+            n = len(st.loops)
+            self.nloops[si] = n
+            for j, lp in enumerate(st.loops):
+                self.ext[si, j] = lp.extent
+                self.reduce[si, j] = lp.reduce
+                self.vec[si, j] = lp.kind == "vectorized"
+                self.par[si, j] = lp.kind == "parallel"
+            self.ops[si] = st.ops.as_array()
+            self.unroll[si] = st.unroll
+            self.is_init[si] = st.is_init
+            if st.alloc is not None:
+                self.alloc[si] = (1.0, st.alloc_elems * st.alloc.elem_bytes)
+        positions = [{lp.key: j for j, lp in enumerate(st.loops)} for st in stores]
+        for ai, (si, acc, count) in enumerate(accs):
+            self.acc_store[ai] = si
+            pos = positions[si]
+            for d, ix in enumerate(acc.indices):
+                for v, c in ix.terms:
+                    j = pos.get(v)
+                    if j is not None:
+                        self.coef[ai, d, j] += abs(c)
+            shape = acc.buffer.shape
+            self.dims[ai, : len(shape)] = shape
+            self.elem[ai] = acc.buffer.elem_bytes
+            self.count[ai] = count
+            self.is_read[ai] = acc.is_read
+            self.is_write[ai] = acc.is_write
+        self.ndim = np.array([len(a.indices) for _, a, _ in accs], dtype=np.int64)
+
+
+def _store_rows(stores: list[Store]) -> np.ndarray:
+    b = _Batch(stores)
+    S, L, A, D = b.S, b.L, b.A, b.D
+    trip = np.prod(b.ext, axis=1)  # (S,)
+    cols: list[np.ndarray] = []
+    # -- compute: op counts x trip count
+    cols.append(slog(b.ops * trip[:, None]))
+    # -- vectorize / parallel / unroll
+    cols.append(_annotation(b.vec, b))
+    cols.append(_annotation(b.par, b))
+    cols.append(_unroll(b))
+    # -- buffers
+    cols.append(_buffers(b, trip))
+    # -- arithmetic intensity curve
+    cols.append(b._curve)
+    # -- allocation
+    alloc_elems_over = np.where(b.alloc[:, 1] > 0, trip / np.maximum(b.alloc[:, 1], 1.0), 0.0)
+    cols.append(
+        np.stack(
+            [b.alloc[:, 0], slog(b.alloc[:, 1]), b.alloc[:, 0] * slog(alloc_elems_over), b.alloc[:, 0] * slog(trip)],
+            axis=1,
+        )
+    )
+    # -- other
+    is_update = np.zeros(S)
+    np.maximum.at(is_update, b.acc_store, (b.is_read & b.is_write).astype(float))
+    cols.append(np.stack([slog(trip), b.nloops.astype(float), b.is_init, is_update], axis=1))
+    out = np.concatenate(cols, axis=1)
+    assert out.shape[1] == NUM_FEATURES
+    return out
+
+
+def _annotation(mask: np.ndarray, b: _Batch) -> np.ndarray:
+    S, L = mask.shape
+    idx = np.arange(L)[None, :]
+    n = b.nloops[:, None]
+    num = mask.sum(axis=1)
+    prod = np.prod(np.where(mask, b.ext, 1.0), axis=1)
+    last = np.where(mask, idx, -1).max(axis=1)
+    length = np.where(last >= 0, b.ext[np.arange(S), np.maximum(last, 0)], 0.0)
+    where = np.where(idx == n - 1, 0, np.where(idx == 0, 2, 1))  # inner, middle, outer
+    cat = 1 + where + 3 * b.reduce  # 1..6 as in _POSITIONS
+    cat_m = np.where(mask, cat, 0)
+    first_cat = cat_m.max(axis=1)
+    mixed = (np.where(mask, cat, 99).min(axis=1) != first_cat) & (num > 0)
+    pos = np.where(num == 0, 0, np.where(mixed, 7, first_cat))
+    onehot = np.zeros((S, len(_POSITIONS)))
+    onehot[np.arange(S), pos] = 1.0
+    return np.concatenate([np.stack([slog(length), slog(np.where(num > 0, prod, 0.0)), num.astype(float)], axis=1), onehot], axis=1)
+
+
+def _unroll(b: _Batch) -> np.ndarray:
+    """TVM's UnrollLoop unrolls the innermost loops while their extent product stays
+    within the pragma's max step (vectorized loops are left to the vectorizer)."""
+    S, L = b.ext.shape
+    ext = np.where(b.vec, 1.0, b.ext)
+    rev = ext[:, ::-1]
+    cum = np.cumprod(rev, axis=1)
+    real = (np.arange(L)[None, :] < b.nloops[:, None])[:, ::-1]
+    within = (cum <= b.unroll[:, None]) & real
+    # count leading True of `within` per row
+    stop = np.where(~within, np.arange(L)[None, :], L).min(axis=1)
+    prod = np.where(stop > 0, cum[np.arange(S), np.maximum(stop - 1, 0)], 1.0)
+    on = b.unroll > 0
+    return np.stack([slog(b.unroll), np.where(on, stop, 0).astype(float), np.where(on, slog(prod), 0.0)], axis=1)
+
+
+def _buffers(b: _Batch, trip: np.ndarray) -> np.ndarray:
+    S, L, A, D = b.S, b.L, b.A, b.D
+    ext = b.ext[b.acc_store]  # (A, L)
+    span = b.coef * (ext - 1.0)[:, None, :]  # (A, D, L)
+    suffix = np.cumsum(span[:, :, ::-1], axis=2)[:, :, ::-1]  # footprint - 1 when loops j.. vary
+    foot = np.minimum(1.0 + suffix, b.dims[:, :, None])  # (A, D, L)
+    elems_at = np.concatenate([np.prod(foot, axis=1), np.ones((A, 1))], axis=1)  # (A, L+1)
+    unique = elems_at[:, 0]
+    used = b.coef.sum(axis=1) > 0  # (A, L)
+    used_trip = np.prod(np.where(used, ext, 1.0), axis=1)
+    last_dim = np.maximum(b.ndim - 1, 0)
+    ar = np.arange(A)
+    # innermost loop the access depends on
+    j_used = np.where(used, np.arange(L)[None, :], -1).max(axis=1)
+    has_used = j_used >= 0
+    jj = np.maximum(j_used, 0)
+    # element stride of that loop (row-major flattening)
+    dim_stride = _row_major_strides(b.dims, b.ndim)
+    coef_j = b.coef[ar, :, jj]  # (A, D)
+    stride = np.where(has_used, (coef_j * dim_stride).sum(axis=1), 0.0)
+    c_last = coef_j[ar, last_dim]
+    c_other = coef_j.sum(axis=1) - c_last
+    contiguous = has_used & (c_other == 0) & (c_last * b.elem < CACHE_LINE_BYTES)
+    frac = np.maximum(c_last * b.elem / CACHE_LINE_BYTES, 1.0 / np.maximum(ext[ar, jj], 1.0))
+    lines = np.where(contiguous, used_trip * frac, used_trip) * b.count
+    last_foot = foot[ar, last_dim, 0]
+    unique_lines = unique / np.maximum(last_foot, 1.0) * np.ceil(last_foot * b.elem / CACHE_LINE_BYTES)
+    nbytes = trip[b.acc_store] * b.elem * b.count
+    unique_bytes = unique * b.elem
+    # reuse: innermost loop with extent > 1 that the access does not depend on
+    cand = (~used) & (ext > 1)
+    j_reuse = np.where(cand, np.arange(L)[None, :], -1).max(axis=1)
+    loop_reuse = j_reuse >= 0
+    jr = np.maximum(j_reuse, 0)
+    inner_iter = np.concatenate([np.cumprod(ext[:, ::-1], axis=1)[:, ::-1][:, 1:], np.ones((A, 1))], axis=1)  # iterations strictly inside loop j
+    dis_iter = np.where(loop_reuse, inner_iter[ar, jr], np.where(b.count > 1, 1.0, 0.0))
+    # bytes every access of the same store touches inside the reuse loop
+    bytes_inside = elems_at * b.elem[:, None]  # (A, L+1)
+    store_bytes_at = np.zeros((S, L + 1))
+    np.add.at(store_bytes_at, b.acc_store, bytes_inside)
+    dis_bytes = np.where(loop_reuse, store_bytes_at[b.acc_store, jr + 1], 0.0)
+    reuse_ct = np.where(loop_reuse, ext[ar, jr], np.where(b.count > 1, b.count, 0.0))
+    serial = (~loop_reuse) & (b.count > 1)
+    none = (~loop_reuse) & (b.count <= 1)
+    ct = np.maximum(reuse_ct, 1.0)
+    feats = np.stack(
+        [
+            (b.is_read & ~b.is_write).astype(float),
+            (b.is_write & ~b.is_read).astype(float),
+            (b.is_write & b.is_read).astype(float),
+            slog(nbytes),
+            slog(unique_bytes),
+            slog(lines),
+            slog(unique_lines),
+            loop_reuse.astype(float),
+            serial.astype(float),
+            none.astype(float),
+            slog(dis_iter),
+            slog(dis_bytes),
+            slog(reuse_ct),
+            slog(nbytes / ct),
+            slog(unique_bytes / ct),
+            slog(lines / ct),
+            slog(unique_lines / ct),
+            slog(stride),
+        ],
+        axis=1,
+    )  # (A, 18)
+    # arithmetic intensity curve, per store (needs all of a store's accesses)
+    b._curve = _curve(b, store_bytes_at)
+    # place each store's accesses into its slots, largest bytes first
+    out = np.zeros((S, MAX_BUFFERS, len(_BUFFER)))
+    order = np.lexsort((-nbytes, b.acc_store))
+    slot = np.zeros(A, dtype=np.int64)
+    sorted_store = b.acc_store[order]
+    first = np.searchsorted(sorted_store, sorted_store, side="left")
+    slot[order] = np.arange(A) - first
+    keep = slot < MAX_BUFFERS
+    out[b.acc_store[keep], slot[keep]] = feats[keep]
+    return out.reshape(S, MAX_BUFFERS * len(_BUFFER))
+
+
+def _row_major_strides(dims: np.ndarray, ndim: np.ndarray) -> np.ndarray:
+    """Elements per step of each dimension of a row-major buffer (padding dims: 0)."""
+    A, D = dims.shape
+    valid = np.arange(D)[None, :] < ndim[:, None]
+    d = np.where(valid, dims, 1.0)
+    rev = np.cumprod(d[:, ::-1], axis=1)[:, ::-1]  # product of dims from d on
+    strides = np.concatenate([rev[:, 1:], np.ones((A, 1))], axis=1)
+    return np.where(valid, strides, 0.0)
+
+
+def _curve(b: _Batch, store_bytes_at: np.ndarray) -> np.ndarray:
+    S, L = b.ext.shape
+    flops = b.ops[:, :5].sum(axis=1)  # float arithmetic per iteration
+    inner_trip = np.concatenate([np.cumprod(b.ext[:, ::-1], axis=1)[:, ::-1], np.ones((S, 1))], axis=1)  # (S, L+1)
+    intensity = flops[:, None] * inner_trip / np.maximum(store_bytes_at, 1.0)
+    out = np.zeros((S, CURVE_SAMPLES))
+    for si in range(S):
+        n = int(b.nloops[si])
+        if n == 0 or flops[si] == 0:
+            continue
+        xs = np.linspace(0.0, n, CURVE_SAMPLES)
+        out[si] = np.interp(xs, np.arange(n + 1), intensity[si, : n + 1])
+    return slog(out)
+
+
+def _merge_accesses(accesses: tuple[Access, ...]) -> list[tuple[Access, int]]:
+    """Group the accesses by buffer: (representative access, number of accesses)."""
+    groups: dict[str, list[Access]] = {}
+    for a in accesses:
+        groups.setdefault(a.buffer.name, []).append(a)
+    out = []
+    for accs in groups.values():
+        first = accs[0]
+        is_read = any(a.is_read for a in accs)
+        is_write = any(a.is_write for a in accs)
+        out.append((Access(first.buffer, first.indices, is_write, is_read), len(accs)))
+    return out
