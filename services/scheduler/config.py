@@ -1,0 +1,64 @@
+"""Search and tuning hyperparameters: typed, keyword-only, one comment per field.
+
+Defaults follow Ansor's SketchPolicy (ANSOR.md §1.6) except where a field says why.
+`as_dict()` is logged at the start of every run together with the seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tunefarm.records import TimingConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    # Programs per generation. Ansor uses 2048, MetaSchedule 512; scoring one program
+    # with our loop-nest model costs ~1 ms, so 512 keeps search under ~10% of a round.
+    population: int = 512
+    # Generations of mutation/crossover after the initial population (Ansor: 4).
+    generations: int = 4
+    # Chance that an offspring is a mutation of its parent (Ansor: 0.85).
+    mutation_prob: float = 0.85
+    # Chance that an offspring is a crossover of two parents of the same sketch
+    # (Ansor §5.1 describes node-based crossover; ours swaps whole blocks' decisions).
+    crossover_prob: float = 0.05
+    # Share of each measured batch picked at random from the initial population (Ansor: 0.05).
+    eps_greedy: float = 0.05
+    # Share of the initial population seeded with the best measured programs (Ansor: 0.2).
+    use_measured_ratio: float = 0.2
+    # Mutation kinds and their weights (Ansor CPU: tile 0.90, unroll 0.04,
+    # compute location 0.05, parallel 0.01).
+    mutation_weights: dict[str, float] = field(
+        default_factory=lambda: {"tile": 0.90, "unroll": 0.04, "location": 0.05, "parallel": 0.01}
+    )
+    # Give up sampling when this many consecutive draws are invalid.
+    max_invalid_draws: int = 200
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneConfig:
+    # Measurements in total for the task (records resumed from the file count).
+    trials: int
+    # Candidates measured per round (Ansor: num_measures_per_round = 64).
+    batch_size: int = 64
+    # Seed of every random choice of the run (sampling, evolution, the random model).
+    seed: int = 1
+    # How each kernel is timed.
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    # Seconds a build may take before it is a BUILD_TIMEOUT.
+    build_timeout: float = 60.0
+    # Seconds a whole run step (warm-up, check, timing) may take before RUN_TIMEOUT.
+    run_timeout: float = 30.0
+    # Seconds the unscheduled program may take to produce reference outputs (user
+    # workloads without a numpy reference).
+    reference_timeout: float = 600.0
+    # Stop after this many trials without improving the best (None: never).
+    early_stopping: int | None = None
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,148 @@
+"""Evolutionary search guided by the cost model (Ansor §5.1; SketchPolicy::SearchOneRound).
+
+One round, `EvolutionarySearch.next_batch`:
+  1. initial population: fresh random programs plus the best measured ones
+     (`use_measured_ratio` of the population);
+  2. `generations` times: score the population with the cost model, remember the best
+     unmeasured programs seen so far, and breed the next population — parents drawn
+     with probability proportional to their score, each offspring a mutation
+     (`mutation_prob`), a crossover (`crossover_prob`) or a copy;
+  3. pick the batch epsilon-greedily: the best-scored unmeasured programs, plus an
+     `eps_greedy` share of random unmeasured ones from the initial population.
+While the cost model has too little data to be trusted (`model_ready` False), the
+evolution is skipped and the batch is random, as Ansor does with its random model.
+Nothing already measured is proposed again.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.scheduler.config import SearchConfig
+from services.scheduler.cost_model import CostModel
+from services.scheduler.program_space import Built, ProgramSpace
+from tunefarm.records import Candidate
+
+
+@dataclass
+class RoundStats:
+    sampled: int = 0  # random programs drawn for the initial population
+    scored: int = 0  # programs scored by the cost model (with repeats)
+    generations: int = 0
+    invalid: int = 0  # draws, mutations or crossovers that gave no valid program
+    seconds: float = 0.0
+
+
+class EvolutionarySearch:
+    def __init__(self, space: ProgramSpace, config: SearchConfig, rng: random.Random):
+        self.space = space
+        self.config = config
+        self.rng = rng
+
+    def next_batch(
+        self,
+        model: CostModel,
+        n: int,
+        measured: set[str],
+        best_measured: list[Candidate],
+        model_ready: bool,
+    ) -> tuple[list[Built], RoundStats]:
+        """Up to `2 n` unmeasured programs, the ones to measure first at the front; the
+        caller takes them in order and skips any TVM rejects."""
+        t0 = time.perf_counter()
+        stats = RoundStats()
+        cfg = self.config
+        invalid_before = self.space.invalid_draws
+        n_seed = min(len(best_measured), int(cfg.use_measured_ratio * cfg.population)) if model_ready else 0
+        fresh = self.space.sample_many(cfg.population - n_seed, self.rng, cfg.max_invalid_draws)
+        stats.sampled = len(fresh)
+        unmeasured_fresh = [b for b in fresh if b.candidate.key not in measured]
+        if not model_ready:
+            self.rng.shuffle(unmeasured_fresh)
+            stats.invalid = self.space.invalid_draws - invalid_before
+            stats.seconds = time.perf_counter() - t0
+            return unmeasured_fresh[: 2 * n], stats
+        seeds = [b for b in (self.space.rebuild(c) for c in best_measured[:n_seed]) if b is not None]
+        population = fresh + seeds
+        best: dict[str, tuple[float, Built]] = {}
+        for gen in range(cfg.generations + 1):
+            if not population:
+                break
+            scores = model.predict(self.space.features(population))
+            stats.scored += len(population)
+            for b, s in zip(population, scores):
+                key = b.candidate.key
+                if key not in measured and math.isfinite(s) and (key not in best or best[key][0] < s):
+                    best[key] = (float(s), b)
+            if gen == cfg.generations:
+                break
+            population = self._breed(population, scores)
+            stats.generations += 1
+        ranked = [b for _, b in sorted(best.values(), key=lambda t: -t[0])]
+        picks = self._eps_greedy(ranked, unmeasured_fresh, n)
+        stats.invalid = self.space.invalid_draws - invalid_before
+        stats.seconds = time.perf_counter() - t0
+        return picks, stats
+
+    def _breed(self, population: list[Built], scores: np.ndarray) -> list[Built]:
+        cfg = self.config
+        weights = np.where(np.isfinite(scores), np.maximum(scores, 0.0), 0.0)
+        if weights.sum() <= 0:
+            weights = np.ones(len(population))
+        weights = weights + 1e-3 * weights.max()  # every parent keeps a small chance
+        cum = np.cumsum(weights)
+        total = cum[-1]
+
+        def parent() -> Built:
+            return population[int(np.searchsorted(cum, self.rng.random() * total, side="right").clip(0, len(population) - 1))]
+
+        children: list[Built] = []
+        seen: set[str] = set()
+        tries = 0
+        while len(children) < cfg.population and tries < 3 * cfg.population:
+            tries += 1
+            p = parent()
+            r = self.rng.random()
+            if r < cfg.mutation_prob:
+                child = self.space.mutate(p, self.rng, cfg.mutation_weights)
+            elif r < cfg.mutation_prob + cfg.crossover_prob:
+                child = self.space.crossover(p, parent(), self.rng)
+            else:
+                child = p
+            if child is None or child.candidate.key in seen:
+                continue
+            seen.add(child.candidate.key)
+            children.append(child)
+        return children
+
+    def _eps_greedy(self, ranked: list[Built], randoms: list[Built], n: int) -> list[Built]:
+        n_random = int(round(self.config.eps_greedy * n))
+        picks: list[Built] = []
+        taken: set[str] = set()
+
+        def take(b: Built) -> None:
+            if b.candidate.key not in taken:
+                taken.add(b.candidate.key)
+                picks.append(b)
+
+        for b in ranked[: n - n_random]:
+            take(b)
+        pool = [b for b in randoms if b.candidate.key not in taken]
+        self.rng.shuffle(pool)
+        for b in pool[:n_random]:
+            take(b)
+        # backups, in order of preference, for programs TVM rejects
+        for b in ranked[n - n_random :]:
+            if len(picks) >= 2 * n:
+                break
+            take(b)
+        for b in pool[n_random:]:
+            if len(picks) >= 2 * n:
+                break
+            take(b)
+        return picks

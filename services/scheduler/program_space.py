@@ -1,0 +1,197 @@
+"""A task's search space: its sketches and the programs they give.
+
+`ProgramSpace` turns decisions into programs (via the loop-nest model) and back:
+sampling draws every slot at random (Ansor §4.2), mutation changes one slot, crossover
+mixes two parents' blocks (§5.1), and every program is identified by its `Candidate`
+(sketch index + decisions). Feature matrices are cached by candidate key, so a program
+the evolution meets again costs nothing. Pure Python: no TVM here.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.scheduler.dag import ComputeDag
+from services.scheduler.features import NUM_FEATURES, batch_features
+from services.scheduler.loopnest import InvalidProgram, Program, build
+from services.scheduler.sketch import Sketch
+from services.scheduler.space import ChoiceDomain, Decider, Domain, InvalidDecision, TileDomain
+from tunefarm.records import Candidate, DecisionValue
+
+EMPTY_FEATURES = np.zeros((0, NUM_FEATURES), dtype=np.float32)
+
+
+def slot_kind(slot: str) -> str:
+    """Which mutation rule a slot belongs to (see SearchConfig.mutation_weights)."""
+    tail = slot.rsplit(".", 1)[-1]
+    if ".tile." in slot or tail in ("rfactor", "vector"):
+        return "tile"
+    if tail == "unroll":
+        return "unroll"
+    if tail in ("location", "fuse_level"):
+        return "location"
+    if tail == "parallel":
+        return "parallel"
+    return "other"
+
+
+def slot_block(slot: str, blocks: set[str]) -> str:
+    """The block a slot belongs to (block names may contain dots, slots add one or two)."""
+    for cut in (slot.rsplit(".", 1)[0], slot.rsplit(".", 2)[0]):
+        if cut in blocks:
+            return cut
+    return slot.rsplit(".", 1)[0]
+
+
+@dataclass
+class Built:
+    candidate: Candidate
+    program: Program
+    domains: dict[str, Domain]
+
+
+class ProgramSpace:
+    def __init__(self, dag: ComputeDag, sketches: list[Sketch], num_cores: int):
+        if not sketches:
+            raise ValueError("a program space needs at least one sketch")
+        self.dag = dag
+        self.sketches = sketches
+        self.num_cores = num_cores
+        self._features: dict[str, np.ndarray] = {}
+        self._domains: dict[str, dict[str, Domain]] = {}
+        self.invalid_draws = 0
+
+    # -- building
+    def build(self, sketch: int, decisions: dict[str, DecisionValue], rng: random.Random | None = None) -> Built:
+        """The program of a sketch and decisions; with `rng`, slots missing or outside
+        their domain are drawn at random. Raises InvalidProgram."""
+        decider = Decider(decisions, rng)
+        try:
+            prog = build(self.dag, self.sketches[sketch], decider, self.num_cores)
+        except InvalidDecision as exc:
+            raise InvalidProgram(str(exc)) from None
+        cand = Candidate.make(sketch, decider.decisions)
+        self._domains.setdefault(cand.key, decider.domains)
+        return Built(cand, prog, decider.domains)
+
+    def program(self, cand: Candidate) -> Program:
+        return self.build(cand.sketch, cand.as_dict()).program
+
+    def sample(self, rng: random.Random) -> Built | None:
+        sketch = rng.randrange(len(self.sketches))
+        try:
+            return self.build(sketch, {}, rng)
+        except InvalidProgram:
+            self.invalid_draws += 1
+            return None
+
+    def sample_many(self, n: int, rng: random.Random, max_invalid: int = 200) -> list[Built]:
+        out: list[Built] = []
+        seen: set[str] = set()
+        invalid_streak = 0
+        while len(out) < n and invalid_streak < max_invalid:
+            b = self.sample(rng)
+            if b is None or b.candidate.key in seen:
+                invalid_streak += 1
+                continue
+            invalid_streak = 0
+            seen.add(b.candidate.key)
+            out.append(b)
+        return out
+
+    # -- evolution operators
+    def mutate(self, parent: Built, rng: random.Random, weights: dict[str, float]) -> Built | None:
+        """Change one slot, chosen by mutation kind weight (Ansor's mutation rules)."""
+        by_kind: dict[str, list[str]] = {}
+        for slot, dom in parent.domains.items():
+            if isinstance(dom, TileDomain) and (dom.extent == 1 or dom.parts == 1):
+                continue
+            if isinstance(dom, ChoiceDomain) and dom.n <= 1:
+                continue
+            by_kind.setdefault(slot_kind(slot), []).append(slot)
+        kinds = [k for k in by_kind if weights.get(k, 0) > 0]
+        if not kinds:
+            return None
+        kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
+        slot = rng.choice(by_kind[kind])
+        decisions = parent.candidate.as_dict()
+        new = parent.domains[slot].mutate(decisions[slot], rng)
+        if new is None:
+            return None
+        decisions[slot] = new
+        try:
+            return self.build(parent.candidate.sketch, decisions, rng)
+        except InvalidProgram:
+            self.invalid_draws += 1
+            return None
+
+    def crossover(self, a: Built, b: Built, rng: random.Random) -> Built | None:
+        """Take each block's decisions from one parent or the other (same sketch only)."""
+        if a.candidate.sketch != b.candidate.sketch:
+            return None
+        blocks = set(self.dag_blocks())
+        da, db = a.candidate.as_dict(), b.candidate.as_dict()
+        owners = {slot_block(s, blocks) for s in set(da) | set(db)}
+        take_b = {blk for blk in owners if rng.random() < 0.5}
+        if not take_b or take_b == owners:
+            return None
+        mixed = {s: (db if slot_block(s, blocks) in take_b else da).get(s) for s in set(da) | set(db)}
+        mixed = {s: v for s, v in mixed.items() if v is not None}
+        try:
+            return self.build(a.candidate.sketch, mixed, rng)
+        except InvalidProgram:
+            self.invalid_draws += 1
+            return None
+
+    def dag_blocks(self) -> list[str]:
+        names = [b.name for b in self.dag.blocks]
+        return names + [f"{n}_rf" for n in names] + [f"{b.write.buffer}_global" for b in self.dag.blocks]
+
+    def domains_of(self, cand: Candidate) -> dict[str, Domain]:
+        if cand.key not in self._domains:
+            self.build(cand.sketch, cand.as_dict())
+        return self._domains[cand.key]
+
+    def rebuild(self, cand: Candidate) -> Built | None:
+        try:
+            return self.build(cand.sketch, cand.as_dict())
+        except InvalidProgram:
+            return None
+
+    # -- features
+    def features(self, built: list[Built]) -> list[np.ndarray]:
+        """Feature matrices (cached by candidate key)."""
+        missing = [b for b in built if b.candidate.key not in self._features]
+        if missing:
+            uniq: dict[str, Built] = {b.candidate.key: b for b in missing}
+            mats = batch_features([b.program for b in uniq.values()])
+            for key, m in zip(uniq, mats):
+                self._features[key] = m
+        return [self._features[b.candidate.key] for b in built]
+
+    def features_of(self, cands: list[Candidate]) -> list[np.ndarray]:
+        """Features of candidates given by decisions (e.g. from records); invalid ones
+        (say, records of another sketch set) get an empty matrix."""
+        built, idx = [], []
+        out = [EMPTY_FEATURES] * len(cands)
+        for i, c in enumerate(cands):
+            if c.key in self._features:
+                out[i] = self._features[c.key]
+                continue
+            if not 0 <= c.sketch < len(self.sketches):
+                continue
+            b = self.rebuild(c)
+            if b is not None:
+                built.append(b)
+                idx.append(i)
+        for i, m in zip(idx, self.features(built)):
+            out[i] = m
+        return out
+
+    def forget_features(self, keep: set[str]) -> None:
+        """Drop cached features except `keep` (bounds memory across rounds)."""
+        self._features = {k: v for k, v in self._features.items() if k in keep}
+        self._domains = {k: v for k, v in self._domains.items() if k in keep}

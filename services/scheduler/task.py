@@ -1,0 +1,57 @@
+"""A search task: one workload on one target, with its DAG, sketches and program space."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from services.scheduler.dag import ComputeDag, analyse
+from services.scheduler.program_space import ProgramSpace
+from services.scheduler.sketch import Sketch, generate_sketches
+from tunefarm import target as targets
+from tunefarm.errors import WorkloadError
+from tunefarm.workloads import Workload
+
+
+def target_key(target: dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(target, sort_keys=True).encode()).hexdigest()[:8]
+
+
+@dataclass(eq=False)
+class SearchTask:
+    workload: Workload
+    target: dict[str, Any]
+    dag: ComputeDag
+    sketches: list[Sketch]
+
+    @property
+    def key(self) -> str:
+        """Records match a task by this key: the workload's identity plus the target's."""
+        return f"{self.workload.key}@{target_key(self.target)}"
+
+    @property
+    def num_cores(self) -> int:
+        return targets.num_cores(self.target)
+
+    @cached_property
+    def space(self) -> ProgramSpace:
+        return ProgramSpace(self.dag, self.sketches, self.num_cores)
+
+    def sketch_signature(self, index: int) -> str:
+        return self.sketches[index].signature
+
+
+def make_task(workload: Workload, target: dict[str, Any]) -> SearchTask:
+    from services.scheduler.dag import UnsupportedProgram
+
+    try:
+        dag = analyse(workload.mod["main"])
+    except UnsupportedProgram as exc:
+        raise WorkloadError(f"{workload.name}: {exc}") from None
+    sketches = generate_sketches(dag, targets.num_cores(target))
+    if not sketches:
+        raise WorkloadError(f"{workload.name}: no sketch could be derived")
+    return SearchTask(workload, target, dag, sketches)
