@@ -1,0 +1,1 @@
+"""tunefarm services: scheduler (search engine), worker (build), measurer (run), api (HTTP)."""

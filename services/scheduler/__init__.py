@@ -1,0 +1,1 @@
+"""The search engine: sketch rules, annotation, evolution, cost model, tuner."""

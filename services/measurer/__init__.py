@@ -1,0 +1,1 @@
+"""Running built kernels on a device and timing them (a local process now; gRPC agents later)."""

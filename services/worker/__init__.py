@@ -1,0 +1,1 @@
+"""Building candidates into shared libraries (local worker processes now; RQ workers later)."""

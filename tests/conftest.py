@@ -1,0 +1,23 @@
+"""Shared helpers for the test-suite.
+
+Small workloads are built with TE here so that tests do not depend on the registry's
+benchmark-sized defaults.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def te_workload(name: str, build):
+    """A Workload from a function returning TE tensors (inputs first, outputs last)."""
+    from tunefarm.workloads import workload_from_te
+
+    return workload_from_te(name, build())
+
+
+@pytest.fixture(scope="session")
+def host_target():
+    from tunefarm.target import host_target_dict
+
+    return host_target_dict()

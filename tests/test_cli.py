@@ -1,0 +1,55 @@
+"""The command line: bad input gets one line and exit status 2; sketches are printed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tunefarm.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["tune-op", "nosuchop"], "unknown workload 'nosuchop'"),
+        (["tune-op", "matmul", "--shape", "M=x"], "M must be an integer"),
+        (["tune-op", "matmul", "--shape", "Q=3"], "unknown parameter 'Q'"),
+        (["tune-op", "matmul", "--trials", "0"], "--trials must be at least 1"),
+        (["tune-op", "matmul", "--target", "{nope"], "not valid JSON"),
+        (["tune-op", "matmul", "--target", '{"kind": "nosuchkind"}'], "TVM rejects the target"),
+        (["tune-op", "missing_file.py:f"], "no such file"),
+        (["apply-best", "missing.jsonl", "--out", "x.so"], "no such records file"),
+        (["tune-op"], "required"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_empty_records_file(tmp_path, capsys):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("not json\n")
+    assert main(["apply-best", str(path), "--out", str(tmp_path / "x.so")]) == 2
+    assert "holds no records (1 unreadable lines)" in capsys.readouterr().err
+
+
+def test_sketches_command_prints_the_fusion_sketch(capsys):
+    assert main(["sketches", "matmul_relu", "--shape", "M=64,N=64,K=64"]) == 0
+    out = capsys.readouterr().out
+    assert "2 sketches" in out
+    assert "fuse relu into the tile of C" in out
+    assert "fusible-consumer=relu" in out
+
+
+def test_console_script_runs():
+    out = subprocess.run(
+        [sys.executable, "-m", "tunefarm.cli", "tune-op", "nosuchop"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and out.stderr.startswith("tunefarm: error:")

@@ -1,0 +1,68 @@
+"""The loop-nest model against TVM: the model scores programs without TVM, so its loops
+must be the ones TVM actually builds (a fast path checked against the reference path)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.scheduler.dag import analyse
+from services.scheduler.features import NUM_FEATURES, batch_features, program_features
+from services.scheduler.loopnest import build, expected_tvm_loops
+from services.scheduler.realize import loop_structure, realize
+from services.scheduler.sketch import generate_sketches
+from services.scheduler.space import Decider
+from tunefarm.workloads import registry
+
+SMALL = {
+    "matmul": {"M": 64, "N": 48, "K": 32},
+    "matmul_relu": {"M": 32, "N": 64, "K": 16},
+    "batch_matmul": {"B": 3, "M": 16, "N": 32, "K": 8},
+    "conv2d": {"N": 1, "C": 8, "H": 14, "W": 14, "F": 16},
+    "conv2d_1x1": {"N": 1, "C": 16, "H": 7, "W": 7, "F": 32},
+    "depthwise_conv2d": {"N": 1, "C": 8, "H": 16, "W": 16},
+    "conv3d": {"N": 1, "C": 4, "D": 6, "H": 6, "W": 6, "F": 8},
+    "conv2d_transpose": {"N": 1, "C": 4, "H": 6, "W": 6, "F": 8},
+    "softmax": {"B": 2, "M": 8, "N": 32},
+    "layer_norm": {"M": 8, "N": 96},
+    "norm2": {"M": 32, "N": 64},
+    "conv1d": {"N": 1, "C": 8, "L": 32, "F": 8},
+}
+
+
+@pytest.mark.parametrize("op", sorted(SMALL))
+def test_model_loops_match_tvm(op):
+    wl = registry.make(op, SMALL[op])
+    dag = analyse(wl.mod["main"])
+    sketches = generate_sketches(dag, num_cores=2)
+    rng = random.Random(7)
+    for i in range(2 * len(sketches) + 6):
+        decider = Decider(None, rng)
+        prog = build(dag, sketches[i % len(sketches)], decider, 2)
+        sch = realize(wl.mod, prog.instructions)
+        assert loop_structure(sch) == expected_tvm_loops(prog), (op, decider.decisions)
+
+
+def test_batched_features_equal_one_by_one():
+    wl = registry.make("conv2d", SMALL["conv2d"])
+    dag = analyse(wl.mod["main"])
+    sketches = generate_sketches(dag, 2)
+    rng = random.Random(3)
+    progs = [build(dag, sketches[i % len(sketches)], Decider(None, rng), 2) for i in range(12)]
+    batched = batch_features(progs)
+    for prog, mat in zip(progs, batched):
+        single = program_features(prog)
+        assert mat.shape == single.shape and mat.shape[1] == NUM_FEATURES
+        assert (mat == single).all()
+
+
+def test_features_tell_tilings_apart():
+    wl = registry.make("matmul", {"M": 256, "N": 256, "K": 256})
+    dag = analyse(wl.mod["main"])
+    sk = generate_sketches(dag, 2)[1]  # plain tiling
+    base = {"C.tile.v_i": (4, 4, 4, 4), "C.tile.v_j": (4, 4, 4, 4), "C.tile.v_k": (16, 16), "C.parallel": 1, "C.unroll": 0}
+    other = dict(base, **{"C.tile.v_j": (1, 1, 16, 16)})
+    fa = program_features(build(dag, sk, Decider(base), 2))
+    fb = program_features(build(dag, sk, Decider(other), 2))
+    assert fa.shape == fb.shape and not (fa == fb).all()

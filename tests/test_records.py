@@ -1,0 +1,81 @@
+"""The JSON-lines record store: round trip, torn lines, the workloads sidecar."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tunefarm.errors import RecordError
+from tunefarm.records import Candidate, ErrorKind, MeasureRecord, median_cost
+from tunefarm.store import JsonlRecordStore
+
+
+def rec(i: int, costs=(1e-3, 2e-3, 1.5e-3), error=ErrorKind.NONE, task="t#1") -> MeasureRecord:
+    return MeasureRecord(
+        task=task,
+        workload="w",
+        target={"kind": "llvm"},
+        sketch=i % 2,
+        sketch_sig="abc",
+        decisions=Candidate.make(i % 2, {"C.tile.v_i": [i + 1, 2], "C.unroll": i}).decisions,
+        trace=[[["GetSBlock", [], ["C", "main"], ["b0"]]], []],
+        costs=costs if error is ErrorKind.NONE else (),
+        error_kind=error,
+        error_msg="" if error is ErrorKind.NONE else "boom",
+        build_secs=0.1,
+        run_secs=0.2,
+        verified=error is ErrorKind.NONE,
+        timestamp=1700000000.0 + i,
+    )
+
+
+def test_round_trip_keeps_every_field(tmp_path):
+    store = JsonlRecordStore(tmp_path / "r.jsonl")
+    records = [rec(0), rec(1, error=ErrorKind.RUN_TIMEOUT), rec(2, task="other#2")]
+    store.append(records)
+    assert store.load() == records
+    assert store.load("other#2") == [records[2]]
+    assert records[0].cost == pytest.approx(1.5e-3) and records[0].is_valid
+    assert math.isinf(records[1].cost) and not records[1].is_valid
+    assert records[0].candidate == Candidate(0, records[0].decisions)
+
+
+def test_a_torn_line_is_skipped_and_later_appends_survive(tmp_path):
+    path = tmp_path / "r.jsonl"
+    store = JsonlRecordStore(path)
+    store.append([rec(0), rec(1)])
+    with open(path, "a") as f:
+        f.write(rec(2).to_json()[:40])  # the tuner was killed mid-write
+    assert len(store.load()) == 2 and store.skipped_lines == 1
+    store.append([rec(3)])
+    loaded = store.load()
+    assert [r.timestamp for r in loaded] == [rec(0).timestamp, rec(1).timestamp, rec(3).timestamp]
+    assert store.skipped_lines == 1
+
+
+def test_workloads_sidecar(tmp_path):
+    store = JsonlRecordStore(tmp_path / "r.jsonl")
+    assert store.get_workload("t#1") is None
+    store.put_workload("t#1", "w", '{"mod": 1}')
+    store.put_workload("t#1", "w", '{"mod": 2}')  # the first one is kept
+    assert store.get_workload("t#1") == ("w", '{"mod": 1}')
+    assert store.workloads_path.name == "r.jsonl.workloads"
+
+
+def test_directory_is_not_a_records_file(tmp_path):
+    with pytest.raises(RecordError):
+        JsonlRecordStore(tmp_path).load()
+
+
+def test_candidate_keys_ignore_decision_order():
+    a = Candidate.make(1, {"x": 1, "y": [2, 3]})
+    b = Candidate.make(1, {"y": (2, 3), "x": 1})
+    assert a == b and a.key == b.key
+    assert Candidate.make(0, {"x": 1}).key != a.key
+
+
+def test_median():
+    assert median_cost([3.0, 1.0, 2.0]) == 2.0
+    assert median_cost([1.0, 2.0]) == 1.5
+    assert math.isinf(median_cost([]))
