@@ -38,7 +38,9 @@ def load_or_new_model(path: Path | None, seed: int) -> CostModel:
             return XGBCostModel.load(path)
         except Exception as exc:
             raise UsageError(f"--cost-model {path}: not a tunefarm cost model ({exc})") from None
-    return XGBCostModel(XGBConfig(seed=seed))
+    # Retrain after every measured batch (the contract), not only when the
+    # data grew by 20% as MetaSchedule's adaptive training does.
+    return XGBCostModel(XGBConfig(seed=seed, adaptive_training=False))
 
 
 def tune_workload(

@@ -103,6 +103,7 @@ class Nest:
     attach: tuple[str, str] | None = None  # (owner block, loop key) it is computed under
     tiled: bool = False
     tile_groups: list[list[str]] = field(default_factory=list)  # loop keys per structure level
+    tile_structure: str = ""  # e.g. "SSRSRS": the level kind of each tile group
     rf_inner: bool = False
     parallel: int = 0  # number of leading own loops fused into one parallel loop
     unroll: int = 0  # pragma_auto_unroll_max_step on the outermost own loop
@@ -401,7 +402,7 @@ def _tile(prog: Program, name: str, structure: str, decider: Decider) -> None:
     nest.binding = {it: Affine.of(t) for it, t in terms.items()}
     nest.tiled = True
     nest.tile_groups = groups
-    nest._structure = structure  # type: ignore[attr-defined]
+    nest.tile_structure = structure
 
 
 def _region(prog: Program, indices: list[Affine], chain: list[Loop], pos: int, shape) -> list[tuple[Affine, int]]:
@@ -447,9 +448,7 @@ def _attach_region_nest(prog: Program, name: str, owner: str, loop_key: str, reg
         if ext > 1:
             lp = prog.new_loop(ext, it.kind == "R")
             loops.append(lp)
-            binding[it.name] = start.substitute({}).__class__.of(
-                {**dict(start.terms), lp.key: 1}, start.const, start.exact
-            )
+            binding[it.name] = Affine.of({**dict(start.terms), lp.key: 1}, start.const, start.exact)
         else:
             binding[it.name] = start
     nest.loops = loops
@@ -469,7 +468,7 @@ def _fuse_consumer(prog: Program, consumer: str, producer: str, decider: Decider
     c = prog.nests[consumer]
     if not p.tiled or c.attach is not None:
         raise InvalidProgram(f"cannot fuse {consumer} into {producer}")
-    s_groups = [g for g, ch in zip(p.tile_groups, p._structure) if ch == "S"]  # type: ignore[attr-defined]
+    s_groups = [g for g, ch in zip(p.tile_groups, p.tile_structure) if ch == "S"]
     level = FUSE_LEVELS[decider.decide(f"{consumer}.fuse_level", ChoiceDomain(len(FUSE_LEVELS)))]
     attach_key = s_groups[level - 1][-1]
     chain = prog.chain(producer)

@@ -164,6 +164,9 @@ class TaskTuner:
         if usable:
             feats = task.space.features_of([r.candidate for r in usable])
             self.model.update(feats, [r.cost for r in usable], [task.key] * len(usable))
+        skipped = getattr(self.store, "skipped_lines", 0)
+        if skipped:
+            self.log(f"warning: {skipped} unreadable lines in the records file were skipped (left in place)")
         if records:
             self.log(
                 f"resuming {task.workload.name}: {len(records)} records "
