@@ -21,7 +21,7 @@ import numpy as np
 # ----------------------------------------------------------------------------- records
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Affine:
     """sum(coeff * var) + const; `terms` sorted by variable name, no zero coefficients."""
 
@@ -47,7 +47,10 @@ class Affine:
 
     @staticmethod
     def of(terms: dict[str, int], const: int = 0, exact: bool = True) -> Affine:
-        return Affine(tuple(sorted((v, c) for v, c in terms.items() if c != 0)), const, exact)
+        items = [(v, c) for v, c in terms.items() if c]
+        if len(items) > 1:
+            items.sort()
+        return Affine(tuple(items), const, exact)
 
     def substitute(self, env: dict[str, Affine]) -> Affine:
         """Replace variables by affine forms (variables missing from `env` stay)."""

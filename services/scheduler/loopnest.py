@@ -85,7 +85,7 @@ class Instr:
         return f"{self.op} {self.block}" + (f" {self.args}" if self.args else "")
 
 
-@dataclass
+@dataclass(slots=True)
 class Loop:
     key: str  # unique name in the program, used as the variable in Affine forms
     extent: int
@@ -110,7 +110,7 @@ class Nest:
     init_at: int | None = None  # own-loop index of decompose_reduction
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Access:
     buffer: BufferSpec
     indices: tuple[Affine, ...]  # over loop keys
