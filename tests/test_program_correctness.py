@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.program_space import ProgramSpace
-from services.scheduler.realize import realize
+from services.scheduler.realize import realize, trace_json
 from services.scheduler.task import make_task
 from tunefarm.workloads import registry
 
@@ -35,7 +35,10 @@ def _check(op: str, seed: int, target: dict) -> None:
     built = space.sample(random.Random(seed))
     assert built is not None
     sch = realize(wl.mod, built.program.instructions)
-    ex = tvm.compile(sch.mod, target=tvm.target.Target(target))
+    # Build what the builder builds: the trace JSON replayed on a fresh, checked schedule.
+    replayed = tvm.s_tir.Schedule(wl.mod)
+    tvm.s_tir.Trace.apply_json_to_schedule(trace_json(sch), replayed)
+    ex = tvm.compile(replayed.mod, target=tvm.target.Target(target))
     rng = np.random.default_rng(seed)
     inputs = [rng.uniform(-1, 1, size=t.shape).astype(t.dtype) for t in wl.inputs]
     outs = [tvm.runtime.empty(t.shape, t.dtype, tvm.cpu()) for t in wl.outputs]
@@ -47,6 +50,6 @@ def _check(op: str, seed: int, target: dict) -> None:
 
 @pytest.mark.parametrize("op", sorted(CASES))
 @given(seed=st.integers(1, 2**30))
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_sampled_programs_compute_the_reference(op, seed, host_target):
     _check(op, seed, host_target)

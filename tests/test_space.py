@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from services.scheduler.space import (
     ChoiceDomain,
     Decider,
+    IntRange,
     InvalidDecision,
     TileDomain,
     divisors,
@@ -74,3 +75,26 @@ def test_decider_draws_and_repairs_with_rng():
 def test_divisors():
     assert divisors(36) == (1, 2, 3, 4, 6, 9, 12, 18, 36)
     assert divisors(1) == (1,)
+
+
+def test_int_range():
+    dom = IntRange(2, 4)
+    rng = random.Random(0)
+    assert all(dom.contains(dom.sample(rng)) for _ in range(20))
+    assert {dom.mutate(3, rng) for _ in range(30)} == {2, 4}
+    assert IntRange(3, 3).mutate(3, rng) is None
+
+
+def test_vector_split_prefers_real_vectors():
+    dom = TileDomain(128, 2, 64, min_innermost=2)
+    assert all(o[-1] >= 2 for o in dom.options())
+    assert TileDomain(7, 2, 64, min_innermost=2).options() == ((1, 7),)
+
+
+def test_parallel_range_gives_every_core_work_and_stops_at_16_jobs_per_core():
+    from services.scheduler.loopnest import parallel_range
+
+    # extents of the leading loops (e.g. a tiled conv: n0=1, f0=2, y0=7, x0=1, ...)
+    assert parallel_range([1, 2, 7, 1, 1, 4], num_cores=2) == (2, 6)
+    assert parallel_range([1, 1, 64], num_cores=2) == (3, 3)
+    assert parallel_range([1, 1, 1], num_cores=2) == (3, 3)  # no parallelism to be had

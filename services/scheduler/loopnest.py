@@ -50,7 +50,7 @@ from services.scheduler.sketch import (
     cache_write_names,
     rfactor_names,
 )
-from services.scheduler.space import ChoiceDomain, Decider, TileDomain
+from services.scheduler.space import ChoiceDomain, Decider, IntRange, TileDomain
 
 UNROLL_STEPS = (0, 16, 64, 512)
 """Candidate values of `pragma_auto_unroll_max_step` (Ansor CPU)."""
@@ -227,7 +227,19 @@ def build(dag: ComputeDag, sketch: Sketch, decider: Decider, num_cores: int) -> 
                     _annotate(prog, b, decider, num_cores)
             case _:
                 raise TypeError(step)
+    _decompose_reductions(prog)
     return prog
+
+
+def _decompose_reductions(prog: Program) -> None:
+    """Split every reduction's init off at its first reduction loop. Last, after all
+    parallel annotations: TVM will not parallelize a loop over a decomposed reduction."""
+    for name in prog.order:
+        nest = prog.nests[name]
+        if nest.spec.has_init:
+            nest.init_at = next((i for i, lp in enumerate(nest.loops) if lp.reduce), None)
+            if nest.init_at is not None:
+                prog.emit("decompose", name, -(len(nest.loops) - nest.init_at))
 
 
 def _add_root_nest(prog: Program, spec: BlockSpec, after: str | None = None, before: str | None = None) -> Nest:
@@ -571,7 +583,7 @@ def _annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> Non
     if nest.loops:
         last = nest.loops[-1]
         if at_root and not nest.tiled and not nest.rf_inner and not last.reduce and last.extent > 1 and last.key not in attached:
-            outer_ext, vec = decider.decide(f"{name}.vector", TileDomain(last.extent, 2, MAX_VECTOR))
+            outer_ext, vec = decider.decide(f"{name}.vector", TileDomain(last.extent, 2, MAX_VECTOR, min_innermost=2))
             prog.emit("split_inner", name, (outer_ext, vec))
             _split_last(prog, nest, outer_ext, vec)
             if vec > 1:
@@ -590,7 +602,8 @@ def _annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> Non
             if lp.key in attached:
                 break
         if prefix:
-            n = decider.decide(f"{name}.parallel", ChoiceDomain(prefix + 1))
+            lo, hi = parallel_range([lp.extent for lp in nest.loops[:prefix]], num_cores)
+            n = decider.decide(f"{name}.parallel", IntRange(lo, hi))
             nest.parallel = n
             for lp in nest.loops[:n]:
                 lp.kind = "parallel"
@@ -602,11 +615,28 @@ def _annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> Non
         if nest.unroll:
             own = len(nest.loops) - max(nest.parallel - 1, 0)  # own loops after the parallel fuse
             prog.emit("unroll", name, -own, nest.unroll)
-    # -- decompose the reduction's init at the first reduction loop
-    if spec.has_init:
-        nest.init_at = next((i for i, lp in enumerate(nest.loops) if lp.reduce), None)
-        if nest.init_at is not None:
-            prog.emit("decompose", name, -(len(nest.loops) - nest.init_at))
+    # The reduction's init is split off later, by `_decompose_reductions`.
+
+
+PARALLEL_JOBS_PER_CORE = 16
+"""Fusing outer loops past this many parallel jobs per core gains nothing (Ansor and
+MetaSchedule both stop at 16 x cores)."""
+
+
+def parallel_range(extents: list[int], num_cores: int) -> tuple[int, int]:
+    """How many leading loops the parallel loop may fuse: from the fewest that give every
+    core work to the fewest that give 16 jobs per core (Ansor's InitParallel default)."""
+    prod, lo, hi = 1, None, len(extents)
+    for k, e in enumerate(extents, 1):
+        prod *= e
+        if lo is None and prod >= num_cores:
+            lo = k
+        if prod > PARALLEL_JOBS_PER_CORE * num_cores:
+            hi = k
+            break
+    if lo is None:  # too little parallelism anywhere: fuse all of it
+        lo = hi
+    return lo, hi
 
 
 def _split_last(prog: Program, nest: Nest, outer_ext: int, inner_ext: int) -> None:

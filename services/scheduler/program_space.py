@@ -18,7 +18,7 @@ from services.scheduler.dag import ComputeDag
 from services.scheduler.features import NUM_FEATURES, batch_features
 from services.scheduler.loopnest import InvalidProgram, Program, build
 from services.scheduler.sketch import Sketch
-from services.scheduler.space import ChoiceDomain, Decider, Domain, InvalidDecision, TileDomain
+from services.scheduler.space import ChoiceDomain, Decider, Domain, IntRange, InvalidDecision, TileDomain
 from tunefarm.records import Candidate, DecisionValue
 
 EMPTY_FEATURES = np.zeros((0, NUM_FEATURES), dtype=np.float32)
@@ -110,6 +110,8 @@ class ProgramSpace:
             if isinstance(dom, TileDomain) and (dom.extent == 1 or dom.parts == 1):
                 continue
             if isinstance(dom, ChoiceDomain) and dom.n <= 1:
+                continue
+            if isinstance(dom, IntRange) and dom.hi <= dom.lo:
                 continue
             by_kind.setdefault(slot_kind(slot), []).append(slot)
         kinds = [k for k in by_kind if weights.get(k, 0) > 0]

@@ -21,7 +21,9 @@ def realize(mod, instructions: list[Instr]):
     """A fresh `tvm.s_tir.Schedule` of `mod` with the instructions applied."""
     from tvm.s_tir import Schedule
 
-    sch = Schedule(mod, debug_mask="none", enable_check=False, error_render_level="none")
+    # Checks on: the builder replays the trace with TVM's default checks, so a program
+    # that only passes unchecked must be rejected here, before it costs a trial.
+    sch = Schedule(mod, error_render_level="none")
     blocks: dict[str, object] = {}
 
     def rv(name: str):

@@ -49,13 +49,10 @@ class TileDomain:
     extent: int
     parts: int
     max_innermost: int = 64
+    min_innermost: int = 1  # e.g. 2 for a loop that is split off to be vectorized
 
     def options(self) -> tuple[tuple[int, ...], ...]:
-        opts = factorizations(self.extent, self.parts, self.max_innermost)
-        if not opts:  # a prime extent above max_innermost: only the trivial inner 1
-            opts = factorizations(self.extent, self.parts, self.extent)
-            opts = tuple(o for o in opts if o[-1] == 1) or opts
-        return opts
+        return _tile_options(self.extent, self.parts, self.max_innermost, self.min_innermost)
 
     def sample(self, rng: random.Random) -> tuple[int, ...]:
         return rng.choice(self.options())
@@ -66,7 +63,11 @@ class TileDomain:
         prod = 1
         for v in value:
             prod *= v
-        return prod == self.extent and (value[-1] <= self.max_innermost or value in self.options())
+        if prod != self.extent:
+            return False
+        if self.min_innermost <= value[-1] <= self.max_innermost:
+            return True
+        return value in self.options()  # the fallbacks of _tile_options
 
     def mutate(self, value: tuple[int, ...], rng: random.Random) -> tuple[int, ...] | None:
         """Ansor's MutateTileSize: move a divisor of one level's factor to another level."""
@@ -89,6 +90,40 @@ class TileDomain:
         return f"tile {self.extent} into {self.parts} (inner <= {self.max_innermost})"
 
 
+@lru_cache(maxsize=4096)
+def _tile_options(extent: int, parts: int, max_inner: int, min_inner: int) -> tuple[tuple[int, ...], ...]:
+    opts = factorizations(extent, parts, max_inner)
+    if not opts:  # a prime extent above max_innermost: only the trivial inner 1
+        opts = factorizations(extent, parts, extent)
+        opts = tuple(o for o in opts if o[-1] == 1) or opts
+    if min_inner > 1:
+        opts = tuple(o for o in opts if o[-1] >= min_inner) or opts
+    return opts
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """An integer in [lo, hi]: e.g. how many outer loops to fuse into the parallel loop."""
+
+    lo: int
+    hi: int
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.randint(self.lo, self.hi)
+
+    def contains(self, value: DecisionValue) -> bool:
+        return isinstance(value, int) and self.lo <= value <= self.hi
+
+    def mutate(self, value: int, rng: random.Random) -> int | None:
+        if self.hi <= self.lo:
+            return None
+        new = rng.randint(self.lo, self.hi - 1)
+        return new if new < value else new + 1
+
+    def describe(self) -> str:
+        return f"integer in [{self.lo}, {self.hi}]"
+
+
 @dataclass(frozen=True)
 class ChoiceDomain:
     n: int
@@ -109,7 +144,7 @@ class ChoiceDomain:
         return f"choice of {self.n}"
 
 
-Domain = TileDomain | ChoiceDomain
+Domain = TileDomain | ChoiceDomain | IntRange
 
 
 class Decider:
