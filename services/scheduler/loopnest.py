@@ -290,7 +290,10 @@ def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
     f0, f1 = decider.decide(
         f"{name}.rfactor", TileDomain(total, 2, MAX_INNERMOST_TILE if inner else total)
     )
-    prog.emit("rfactor", name, (f0, f1), inner, rfactor_names(name), len(red))
+    # The rf axis goes last when it is the vectorized one (contiguous partial sums),
+    # first when it is the parallel one (each thread owns a contiguous block).
+    factor_axis = len(spec.spatial) if inner else 0
+    prog.emit("rfactor", name, (f0, f1), inner, rfactor_names(name), len(red), factor_axis)
     rf_ext, rest_ext = (f1, f0) if inner else (f0, f1)
     rf_iter = IterSpec(f"{name}.rf", rf_ext, "S")
     rest_iter = IterSpec(f"{name}.rest", rest_ext, "R")
@@ -306,11 +309,13 @@ def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
     for acc in spec.reads:
         reads.append(_fuse_reduce_dims(prog.dag, acc, red_names, k, new_buffers))
     rf_name = rfactor_names(name)
-    rf_buf = BufferSpec(
-        rf_name, (rf_ext, *(it.extent for it in spec.spatial)), prog.dag.buffer(spec.write.buffer).dtype, "intermediate"
-    )
+    sp_shape = [it.extent for it in spec.spatial]
+    sp_index = [Affine.of({it.name: 1}) for it in spec.spatial]
+    rf_shape = (*sp_shape[:factor_axis], rf_ext, *sp_shape[factor_axis:])
+    rf_buf = BufferSpec(rf_name, rf_shape, prog.dag.buffer(spec.write.buffer).dtype, "intermediate")
     new_buffers.append(rf_buf)
-    rf_write = AccessSpec(rf_name, (Affine.of({rf_iter.name: 1}), *(Affine.of({it.name: 1}) for it in spec.spatial)))
+    rf_index = (*sp_index[:factor_axis], Affine.of({rf_iter.name: 1}), *sp_index[factor_axis:])
+    rf_write = AccessSpec(rf_name, rf_index)
     rf_spec = BlockSpec(
         name=rf_name,
         iters=(rf_iter, *spec.spatial, rest_iter),
@@ -326,7 +331,7 @@ def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
     final_spec = replace(
         spec,
         iters=(final_iter, *spec.spatial),  # TVM's order; its loops stay (spatial..., rf)
-        reads=(AccessSpec(rf_name, (Affine.of({final_iter.name: 1}), *(Affine.of({it.name: 1}) for it in spec.spatial))),),
+        reads=(AccessSpec(rf_name, (*sp_index[:factor_axis], Affine.of({final_iter.name: 1}), *sp_index[factor_axis:])),),
         ops=combine,
         has_branch=False,
         has_expensive_op=False,

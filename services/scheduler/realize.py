@@ -49,12 +49,12 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
             (copy_name,) = ins.args
             blocks[copy_name] = sch.cache_write(rv(b), 0, "global")
         case "rfactor":
-            (f0, f1), inner, rf_name, n_reduce = ins.args
+            (f0, f1), inner, rf_name, n_reduce, factor_axis = ins.args
             loops = sch.get_loops(rv(b))
             red = loops[-n_reduce:]
             k = sch.fuse(*red) if n_reduce > 1 else red[0]
             k0, k1 = sch.split(k, [f0, f1])
-            blocks[rf_name] = sch.rfactor(k1 if inner else k0, factor_axis=0)
+            blocks[rf_name] = sch.rfactor(k1 if inner else k0, factor_axis=factor_axis)
         case "tile":
             structure, factors = ins.args
             block = rv(b)
