@@ -49,14 +49,14 @@ def gemm(reference=True, wrong=False):
 
 @T.prim_func(s_tir=True)
 def aborting(A: T.Buffer((16, 16), "float32"), B: T.Buffer((16, 16), "float32"), C: T.Buffer((16, 16), "float32")):
-    for i in range(1):
+    for _i in range(1):
         with T.sblock("abort"):
             T.evaluate(T.call_extern("int32", "abort"))
 
 
 @T.prim_func(s_tir=True)
 def sleeping(A: T.Buffer((16, 16), "float32"), B: T.Buffer((16, 16), "float32"), C: T.Buffer((16, 16), "float32")):
-    for i in range(1):
+    for _i in range(1):
         with T.sblock("sleep"):
             T.evaluate(T.call_extern("int32", "sleep", 1000))
 

@@ -119,7 +119,6 @@ def batch_features(progs: list[Program]) -> list[np.ndarray]:
     if not stores:
         return [np.zeros((0, NUM_FEATURES), dtype=np.float32) for _ in progs]
     rows = _store_rows(stores)
-    out: list[list[np.ndarray]] = [[] for _ in progs]
     counts = np.bincount(np.asarray(owner), minlength=len(progs))
     splits = np.split(rows, np.cumsum(counts)[:-1])
     return [np.ascontiguousarray(m, dtype=np.float32) for m in splits]
@@ -191,7 +190,7 @@ class _Batch:
 
 def _store_rows(stores: list[Store]) -> np.ndarray:
     b = _Batch(stores)
-    S, L, A, D = b.S, b.L, b.A, b.D
+    S = b.S
     trip = np.prod(b.ext, axis=1)  # (S,)
     cols: list[np.ndarray] = []
     # -- compute: op counts x trip count
@@ -257,7 +256,7 @@ def _unroll(b: _Batch) -> np.ndarray:
 
 
 def _buffers(b: _Batch, trip: np.ndarray) -> np.ndarray:
-    S, L, A, D = b.S, b.L, b.A, b.D
+    S, L, A = b.S, b.L, b.A
     ext = b.ext[b.acc_store]  # (A, L)
     span = b.coef * (ext - 1.0)[:, None, :]  # (A, D, L)
     suffix = np.cumsum(span[:, :, ::-1], axis=2)[:, :, ::-1]  # footprint - 1 when loops j.. vary

@@ -59,7 +59,7 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
             structure, factors = ins.args
             block = rv(b)
             loops = sch.get_loops(block)
-            kinds = [str(it_kind) for it_kind in _iter_kinds(sch, block)]
+            kinds = _iter_kinds(sch, block)
             parts = [sch.split(lp, list(f)) for lp, f in zip(loops, factors)]
             level = {"S": 0, "R": 0}
             order = []

@@ -12,7 +12,7 @@ with its FLOP count and, where known, a numpy reference. It comes from
 Nothing in the search engine looks at a workload's name.
 """
 
-from tunefarm.workloads.base import Workload, workload_from_te, workload_from_prim_func
+from tunefarm.workloads.base import Workload, workload_from_prim_func, workload_from_te
 from tunefarm.workloads.loader import load_workload
 
 __all__ = ["Workload", "load_workload", "workload_from_prim_func", "workload_from_te"]
