@@ -32,15 +32,15 @@ def default_records_path(workload: Workload) -> Path:
     return Path("tunefarm-records") / f"{safe}.jsonl"
 
 
-def load_or_new_model(path: Path | None, seed: int) -> CostModel:
+def load_or_new_model(path: Path | None, seed: int, batch_size: int = 64) -> CostModel:
     if path is not None and path.exists():
         try:
             return XGBCostModel.load(path)
         except Exception as exc:
             raise UsageError(f"--cost-model {path}: not a tunefarm cost model ({exc})") from None
-    # Retrain after every measured batch (the contract), not only when the
-    # data grew by 20% as MetaSchedule's adaptive training does.
-    return XGBCostModel(XGBConfig(seed=seed, adaptive_training=False))
+    # Retrain after every measured batch, not only when the data grew by 20% as
+    # MetaSchedule's adaptive training does; start learning after the first batch.
+    return XGBCostModel(XGBConfig(seed=seed, adaptive_training=False, num_warmup_samples=min(64, batch_size)))
 
 
 def tune_workload(
@@ -64,7 +64,7 @@ def tune_workload(
         f"{config.trials} trials, seed {config.seed}"
     )
     log("config " + json.dumps(config.as_dict(), separators=(",", ":")))
-    model = load_or_new_model(cost_model_path, config.seed)
+    model = load_or_new_model(cost_model_path, config.seed, config.batch_size)
     cores = targets.num_cores(target)
     with tempfile.TemporaryDirectory(prefix="tunefarm-") as tmp:
         wd = Path(work_dir) if work_dir is not None else Path(tmp)
