@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", type=Path, help="write the report here")
     t.add_argument("--target", help="TVM target as a JSON dict (default: this host)")
     t.add_argument("--seed", type=int, default=1)
-    t.add_argument("--batch-size", type=int, default=64, help="measurements per round (default 64)")
+    t.add_argument("--batch-size", type=int, default=32, help="measurements per round (default 32)")
     t.add_argument("--early-stopping", type=int, help="stop after this many trials without improvement")
     t.add_argument("--cost-model", type=Path, help="load the cost model from this file if it exists; save it there")
     t.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")

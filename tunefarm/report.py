@@ -46,6 +46,7 @@ def report_dict(result: TuneResult) -> dict[str, Any]:
         "search_share": round(result.search_secs / result.wall_secs, 4) if result.wall_secs else None,
         "stop_reason": result.stop_reason,
         "curve": [[t, s] for t, s in result.curve],
+        "rounds": result.rounds,
         "best_schedule": schedule,
         "verified": bool(best and best.verified),
         "reference_available": result.verify_available,

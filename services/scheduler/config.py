@@ -13,9 +13,14 @@ from tunefarm.records import TimingConfig
 
 @dataclass(frozen=True, kw_only=True)
 class SearchConfig:
-    # Programs per generation. Ansor uses 2048, MetaSchedule 512; scoring one program
-    # with our loop-nest model costs ~1 ms, so 512 keeps search under ~10% of a round.
+    # Programs per generation, at most. Ansor uses 2048, MetaSchedule 512. Scoring one
+    # program with our loop-nest model costs ~0.5-1.5 ms, so the tuner shrinks the
+    # population (down to `min_population`) when the search would exceed
+    # `target_search_share` of the time the last round spent building and measuring.
     population: int = 512
+    min_population: int = 128
+    # Share of tuning wall time the search may take (the bound is 25%).
+    target_search_share: float = 0.15
     # Generations of mutation/crossover after the initial population (Ansor: 4).
     generations: int = 4
     # Chance that an offspring is a mutation of its parent (Ansor: 0.85).
@@ -43,8 +48,10 @@ class SearchConfig:
 class TuneConfig:
     # Measurements in total for the task (records resumed from the file count).
     trials: int
-    # Candidates measured per round (Ansor: num_measures_per_round = 64).
-    batch_size: int = 64
+    # Candidates measured per round (Ansor and MetaSchedule: 64). 32 gives the cost
+    # model twice the feedback rounds at the same trial budget; on conv2d at 256 trials
+    # it found kernels 1.0-1.3x faster than 64 did (two seeds each).
+    batch_size: int = 32
     # Seed of every random choice of the run (sampling, evolution, the random model).
     seed: int = 1
     # How each kernel is timed.

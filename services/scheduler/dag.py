@@ -52,8 +52,17 @@ class Affine:
             items.sort()
         return Affine(tuple(items), const, exact)
 
+    @staticmethod
+    def var(name: str) -> Affine:
+        return Affine(((name, 1),), 0, True)
+
     def substitute(self, env: dict[str, Affine]) -> Affine:
         """Replace variables by affine forms (variables missing from `env` stay)."""
+        terms = self.terms
+        if len(terms) == 1 and terms[0][1] == 1 and self.const == 0 and self.exact:
+            sub = env.get(terms[0][0])  # the common case: a plain iterator
+            if sub is not None:
+                return sub
         acc: dict[str, int] = {}
         const = self.const
         exact = self.exact
@@ -89,8 +98,14 @@ class OpCounts:
     def __add__(self, other: OpCounts) -> OpCounts:
         return OpCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
+    def as_tuple(self) -> tuple[int, ...]:
+        return (
+            self.float_add_sub, self.float_mul, self.float_div_mod, self.float_cmp, self.float_math,
+            self.int_add_sub, self.int_mul, self.int_div_mod, self.int_cmp, self.bool_op, self.select, self.cast,
+        )  # fmt: skip
+
     def as_array(self) -> np.ndarray:
-        return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
+        return np.array(self.as_tuple(), dtype=np.float64)
 
 
 @dataclass(frozen=True)

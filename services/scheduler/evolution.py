@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -51,12 +51,16 @@ class EvolutionarySearch:
         measured: set[str],
         best_measured: list[Candidate],
         model_ready: bool,
+        population: int | None = None,
     ) -> tuple[list[Built], RoundStats]:
         """Up to `2 n` unmeasured programs, the ones to measure first at the front; the
-        caller takes them in order and skips any TVM rejects."""
+        caller takes them in order and skips any TVM rejects. `population` overrides
+        the configured population size for this round."""
         t0 = time.perf_counter()
         stats = RoundStats()
         cfg = self.config
+        if population is not None:
+            cfg = replace(cfg, population=population)
         invalid_before = self.space.invalid_draws
         n_seed = min(len(best_measured), int(cfg.use_measured_ratio * cfg.population)) if model_ready else 0
         fresh = self.space.sample_many(cfg.population - n_seed, self.rng, cfg.max_invalid_draws)
@@ -81,7 +85,7 @@ class EvolutionarySearch:
                     best[key] = (float(s), b)
             if gen == cfg.generations:
                 break
-            population = self._breed(population, scores)
+            population = self._breed(population, scores, cfg)
             stats.generations += 1
         ranked = [b for _, b in sorted(best.values(), key=lambda t: -t[0])]
         picks = self._eps_greedy(ranked, unmeasured_fresh, n)
@@ -89,8 +93,7 @@ class EvolutionarySearch:
         stats.seconds = time.perf_counter() - t0
         return picks, stats
 
-    def _breed(self, population: list[Built], scores: np.ndarray) -> list[Built]:
-        cfg = self.config
+    def _breed(self, population: list[Built], scores: np.ndarray, cfg: SearchConfig) -> list[Built]:
         weights = np.where(np.isfinite(scores), np.maximum(scores, 0.0), 0.0)
         if weights.sum() <= 0:
             weights = np.ones(len(population))

@@ -141,50 +141,48 @@ class _Batch:
         A = len(accs)
         D = max(1, max((len(a.indices) for _, a, _ in accs), default=1))
         self.S, self.L, self.A, self.D = S, L, A, D
-        self.ext = np.ones((S, L))
-        self.reduce = np.zeros((S, L), dtype=bool)
-        self.vec = np.zeros((S, L), dtype=bool)
-        self.par = np.zeros((S, L), dtype=bool)
-        self.nloops = np.zeros(S, dtype=np.int64)
-        self.ops = np.zeros((S, len(_COMPUTE)))
-        self.unroll = np.zeros(S)
-        self.is_init = np.zeros(S)
-        self.alloc = np.zeros((S, 2))  # (is intermediate, bytes)
-        self.acc_store = np.zeros(A, dtype=np.int64)
-        self.coef = np.zeros((A, D, L))
-        self.dims = np.ones((A, D))
-        self.elem = np.zeros(A)
-        self.count = np.zeros(A)
-        self.is_read = np.zeros(A, dtype=bool)
-        self.is_write = np.zeros(A, dtype=bool)
+        ext = [[1.0] * L for _ in range(S)]
+        red = [[False] * L for _ in range(S)]
+        vec = [[False] * L for _ in range(S)]
+        par = [[False] * L for _ in range(S)]
+        alloc = [(0.0, 0.0)] * S
         for si, st in enumerate(stores):
-            n = len(st.loops)
-            self.nloops[si] = n
+            e, r, v, p = ext[si], red[si], vec[si], par[si]
             for j, lp in enumerate(st.loops):
-                self.ext[si, j] = lp.extent
-                self.reduce[si, j] = lp.reduce
-                self.vec[si, j] = lp.kind == "vectorized"
-                self.par[si, j] = lp.kind == "parallel"
-            self.ops[si] = st.ops.as_array()
-            self.unroll[si] = st.unroll
-            self.is_init[si] = st.is_init
+                e[j] = lp.extent
+                r[j] = lp.reduce
+                v[j] = lp.kind == "vectorized"
+                p[j] = lp.kind == "parallel"
             if st.alloc is not None:
-                self.alloc[si] = (1.0, st.alloc_elems * st.alloc.elem_bytes)
+                alloc[si] = (1.0, st.alloc_elems * st.alloc.elem_bytes)
+        self.ext = np.array(ext, dtype=np.float64)
+        self.reduce = np.array(red, dtype=bool)
+        self.vec = np.array(vec, dtype=bool)
+        self.par = np.array(par, dtype=bool)
+        self.nloops = np.array([len(st.loops) for st in stores], dtype=np.int64)
+        self.ops = np.array([st.ops.as_tuple() for st in stores], dtype=np.float64)
+        self.unroll = np.array([st.unroll for st in stores], dtype=np.float64)
+        self.is_init = np.array([st.is_init for st in stores], dtype=np.float64)
+        self.alloc = np.array(alloc, dtype=np.float64)  # (is intermediate, bytes)
+        coef = np.zeros((A, D, L))
+        dims = [[1] * D for _ in range(A)]
         positions = [{lp.key: j for j, lp in enumerate(st.loops)} for st in stores]
-        for ai, (si, acc, count) in enumerate(accs):
-            self.acc_store[ai] = si
+        for ai, (si, acc, _) in enumerate(accs):
             pos = positions[si]
             for d, ix in enumerate(acc.indices):
                 for v, c in ix.terms:
                     j = pos.get(v)
                     if j is not None:
-                        self.coef[ai, d, j] += abs(c)
+                        coef[ai, d, j] += abs(c)
             shape = acc.buffer.shape
-            self.dims[ai, : len(shape)] = shape
-            self.elem[ai] = acc.buffer.elem_bytes
-            self.count[ai] = count
-            self.is_read[ai] = acc.is_read
-            self.is_write[ai] = acc.is_write
+            dims[ai][: len(shape)] = shape
+        self.coef = coef
+        self.dims = np.array(dims, dtype=np.float64)
+        self.acc_store = np.array([si for si, _, _ in accs], dtype=np.int64)
+        self.elem = np.array([a.buffer.elem_bytes for _, a, _ in accs], dtype=np.float64)
+        self.count = np.array([n for _, _, n in accs], dtype=np.float64)
+        self.is_read = np.array([a.is_read for _, a, _ in accs], dtype=bool)
+        self.is_write = np.array([a.is_write for _, a, _ in accs], dtype=bool)
         self.ndim = np.array([len(a.indices) for _, a, _ in accs], dtype=np.int64)
 
 

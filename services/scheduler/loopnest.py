@@ -244,7 +244,7 @@ def _decompose_reductions(prog: Program) -> None:
 
 def _add_root_nest(prog: Program, spec: BlockSpec, after: str | None = None, before: str | None = None) -> Nest:
     loops = [prog.new_loop(it.extent, it.kind == "R") for it in spec.iters]
-    binding = {it.name: Affine.of({lp.key: 1}) for it, lp in zip(spec.iters, loops)}
+    binding = {it.name: Affine.var(lp.key) for it, lp in zip(spec.iters, loops)}
     nest = Nest(spec, loops, binding)
     prog.nests[spec.name] = nest
     if after is not None:

@@ -118,6 +118,8 @@ class TaskTuner:
         self.rng = random.Random(config.seed)
         self.search = EvolutionarySearch(task.space, config.search, self.rng)
         self._workload_json = task.workload.to_json()
+        self._last_measure_secs: float | None = None
+        self._secs_per_scored: float | None = None
 
     # ------------------------------------------------------------------ entry point
     def tune(self) -> TuneResult:
@@ -174,17 +176,31 @@ class TaskTuner:
             )
 
     # ------------------------------------------------------------------- one round
+    def _population(self) -> int:
+        """The evolution's population for the next round: as large as configured, unless
+        that would make the search exceed its target share of the round's time (judged
+        by the last round's build and measure time and the search's own pace)."""
+        cfg = self.config.search
+        if self._secs_per_scored is None or self._last_measure_secs is None:
+            return cfg.population
+        share = cfg.target_search_share
+        allowed = share / (1.0 - share) * self._last_measure_secs
+        per_program = self._secs_per_scored * (cfg.generations + 1)
+        return int(max(cfg.min_population, min(cfg.population, allowed / per_program)))
+
     def _model_ready(self) -> bool:
         return getattr(self.model, "trained_on", 0) > 0
 
     def _round(self, result: TuneResult, n: int) -> int:
         t0 = time.perf_counter()
+        population = self._population()
         picks, stats = self.search.next_batch(
             self.model,
             n,
             self.measured,
             [r.candidate for r in self.best_measured],
             self._model_ready(),
+            population=population,
         )
         batch: list[tuple[Built, list]] = []
         for b in picks:
@@ -205,7 +221,11 @@ class TaskTuner:
         result.search_secs += search_secs
         if not batch:
             return 0
+        t_measure = time.perf_counter()
         new_records = self._measure(batch, result)
+        self._last_measure_secs = time.perf_counter() - t_measure
+        if stats.scored:
+            self._secs_per_scored = stats.seconds / stats.scored
         t1 = time.perf_counter()
         feats = self.task.space.features([b for b, _ in batch])
         self.model.update(feats, [r.cost for r in new_records], [self.task.key] * len(new_records))
@@ -215,6 +235,7 @@ class TaskTuner:
         result.rounds.append(
             {
                 "measured": len(new_records),
+                "population": population,
                 "sampled": stats.sampled,
                 "scored": stats.scored,
                 "invalid": stats.invalid,
