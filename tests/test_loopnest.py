@@ -9,7 +9,7 @@ import pytest
 
 from services.scheduler.dag import analyse
 from services.scheduler.features import NUM_FEATURES, batch_features, program_features
-from services.scheduler.loopnest import build, expected_tvm_loops
+from services.scheduler.loopnest import InvalidProgram, build, expected_tvm_loops
 from services.scheduler.realize import loop_structure, realize
 from services.scheduler.sketch import generate_sketches
 from services.scheduler.space import Decider
@@ -31,6 +31,17 @@ SMALL = {
 }
 
 
+def _sample(dag, sketch, rng):
+    """A random valid program of `sketch` (invalid draws are skipped, as the sampler does)."""
+    for _ in range(100):
+        decider = Decider(None, rng)
+        try:
+            return decider, build(dag, sketch, decider, 2)
+        except InvalidProgram:
+            continue
+    raise AssertionError("no valid program in 100 draws")
+
+
 @pytest.mark.parametrize("op", sorted(SMALL))
 def test_model_loops_match_tvm(op):
     wl = registry.make(op, SMALL[op])
@@ -38,8 +49,7 @@ def test_model_loops_match_tvm(op):
     sketches = generate_sketches(dag, num_cores=2)
     rng = random.Random(7)
     for i in range(2 * len(sketches) + 6):
-        decider = Decider(None, rng)
-        prog = build(dag, sketches[i % len(sketches)], decider, 2)
+        decider, prog = _sample(dag, sketches[i % len(sketches)], rng)
         sch = realize(wl.mod, prog.instructions)
         assert loop_structure(sch) == expected_tvm_loops(prog), (op, decider.decisions)
 
@@ -49,7 +59,7 @@ def test_batched_features_equal_one_by_one():
     dag = analyse(wl.mod["main"])
     sketches = generate_sketches(dag, 2)
     rng = random.Random(3)
-    progs = [build(dag, sketches[i % len(sketches)], Decider(None, rng), 2) for i in range(12)]
+    progs = [_sample(dag, sketches[i % len(sketches)], rng)[1] for i in range(12)]
     batched = batch_features(progs)
     for prog, mat in zip(progs, batched):
         single = program_features(prog)
@@ -66,3 +76,24 @@ def test_features_tell_tilings_apart():
     fa = program_features(build(dag, sk, Decider(base), 2))
     fb = program_features(build(dag, sk, Decider(other), 2))
     assert fa.shape == fb.shape and not (fa == fb).all()
+
+
+def test_unroll_that_would_take_minutes_to_compile_is_rejected():
+    """512 unrolled steps of a 64-lane vector take LLVM over a minute to compile: the
+    sampler rejects that program instead of sending it to a builder; with 16 lanes the
+    same program is fine."""
+    wl = registry.make("matmul", {"M": 256, "N": 384, "K": 512})
+    dag = analyse(wl.mod["main"])
+    sketch = generate_sketches(dag, num_cores=2)[0]  # cache write + SSRSRS + fused write-back
+    slow = {
+        "C.tile.v_i": (16, 2, 8, 1),
+        "C.tile.v_j": (1, 6, 1, 64),
+        "C.tile.v_k": (8, 64),
+        "C_global.fuse_level": 1,
+        "C.parallel": 1,
+        "C.unroll": 3,  # 512
+    }
+    with pytest.raises(InvalidProgram, match="straight-line"):
+        build(dag, sketch, Decider(slow, None), 2)
+    fine = dict(slow, **{"C.tile.v_j": (4, 6, 1, 16)})
+    assert build(dag, sketch, Decider(fine, None), 2).instructions
