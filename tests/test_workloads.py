@@ -4,6 +4,7 @@ the loader (`file.py:function`, TVMScript files, and their error messages)."""
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -232,3 +233,29 @@ def test_loader_errors_are_one_line(tmp_path, spec, shape, error, word):
     with pytest.raises(error, match=word) as info:
         load_workload(spec.format(dir=tmp_path), shape)
     assert "\n" not in str(info.value)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape", "blocks"),
+    [
+        ("my_ops.py:capsule_conv2d", "H=6,W=6,CI=4,CO=4", {"padded", "capsule_conv2d"}),
+        ("my_ops.py:bias_gelu", "M=8,N=16", {"biased", "gelu"}),
+        ("kernel.py", None, {"C"}),
+    ],
+)
+def test_the_readme_example_workloads_load_and_get_sketches(spec, shape, blocks):
+    """The example files the README points at load as workloads and get sketches; the
+    capsule convolution's data-reuse block gets multi-level tiling."""
+    from services.scheduler.dag import analyse
+    from services.scheduler.sketch import TileStep, generate_sketches
+
+    wl = load_workload(str(EXAMPLES / spec), shape)
+    dag = analyse(wl.mod["main"])
+    assert {b.name for b in dag.blocks} == blocks
+    sketches = generate_sketches(dag, num_cores=2)
+    assert sketches
+    if "capsule" in spec:
+        assert any(isinstance(st, TileStep) and st.block == "capsule_conv2d" for sk in sketches for st in sk.steps)
