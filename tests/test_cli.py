@@ -81,3 +81,17 @@ def test_tune_op_on_a_tvmscript_file_then_apply_best(tmp_path):
     c = tvm.runtime.empty((256, 384), "float32", tvm.cpu())
     lib["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b), c)
     np.testing.assert_allclose(c.numpy(), a @ b.T, rtol=1e-4, atol=1e-3)
+
+
+def test_output_into_a_closed_pipe_is_not_a_traceback():
+    """`tunefarm sketches conv2d | head -1`: the reader goes away before we write."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tunefarm.cli", "sketches", "conv2d"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # closed long before the CLI has imported TVM and prints
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0
+    assert "Traceback" not in err and "BrokenPipe" not in err

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ntunefarm: interrupted; every measurement made so far is in the records file", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` or a pager that quit: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 def _dispatch(args: argparse.Namespace) -> int:
