@@ -95,3 +95,19 @@ def test_output_into_a_closed_pipe_is_not_a_traceback():
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 0
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_a_small_space_stops_early_and_says_why(tmp_path, capsys):
+    """An elementwise epilogue has only a handful of distinct programs: tuning stops when
+    they are all measured, and both the summary and the report say so."""
+    import json
+    from pathlib import Path
+
+    ops = Path(__file__).resolve().parents[1] / "examples" / "my_ops.py"
+    report = tmp_path / "r.json"
+    argv = ["tune-op", f"{ops}:bias_gelu", "--shape", "M=8,N=16", "--trials", "40", "--batch-size", "8"]
+    argv += ["--records", str(tmp_path / "r.jsonl"), "--json", str(report), "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads(report.read_text())
+    assert data["stop_reason"] == "search space exhausted" and 0 < data["trials"] < 40
+    assert "stopped    before the trial budget: search space exhausted" in capsys.readouterr().out

@@ -75,6 +75,8 @@ def summary_lines(result: TuneResult) -> list[str]:
     n = len(result.records) - result.resumed
     errs = ", ".join(f"{k} {v}" for k, v in sorted(result.errors.items())) or "none"
     lines.append(f"trials     {len(result.records)} ({n} this run, {result.resumed} resumed); errors: {errs}")
+    if result.stop_reason != "budget":
+        lines.append(f"stopped    before the trial budget: {result.stop_reason}")
     if result.wall_secs:
         share = result.search_secs / result.wall_secs
         lines.append(
