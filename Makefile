@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench lint clean
+.PHONY: setup demo test test-fast bench lint proto clean
 
 setup: $(STAMP)
 
@@ -15,13 +15,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m tunefarm.selfcheck
 	touch $(STAMP)
 
-# The main job on the embedded default: tune a GEMM on this CPU, write records and a report,
-# then rebuild the best kernel into a shared library without search.
+# The main job on the embedded default: generate a small example CNN (ONNX), tune it end to
+# end on this CPU (about five minutes), then run the tuned model. `tune` prints its speed-up
+# over TVM's untuned build and over onnxruntime; rerunning resumes from the records.
 demo: setup
 	mkdir -p demo-out
-	$(BIN)/tunefarm tune-op matmul --shape M=512,N=512,K=512 --trials 64 \
-		--records demo-out/gemm.jsonl --json demo-out/report.json
-	$(BIN)/tunefarm apply-best demo-out/gemm.jsonl --out demo-out/gemm.so
+	$(BIN)/python -m tunefarm.models.examples small_cnn --out demo-out/small_cnn.onnx
+	$(BIN)/tunefarm tune demo-out/small_cnn.onnx --trials 300 --out demo-out/tuned --compare-default
+	$(BIN)/tunefarm run demo-out/tuned
 
 test: setup
 	$(BIN)/pytest -q
@@ -34,6 +35,10 @@ bench: setup
 
 lint: setup
 	$(BIN)/ruff check tunefarm services tests
+
+# Regenerate the gRPC code of proto/ into services/measurer/generated/ (checked in).
+proto: setup
+	$(BIN)/python -m services.measurer.proto_build
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -21,3 +21,7 @@ def host_target():
     from tunefarm.target import host_target_dict
 
     return host_target_dict()
+
+
+# Farm database fixtures (a throw-away PostgreSQL database per module): see farm_fixtures.py.
+from farm_fixtures import database_url, db_sessions, empty_database_url  # noqa: E402, F401

@@ -11,16 +11,16 @@ import pytest
 
 pytest.importorskip("tvm")
 
-from tunefarm.bench.ops import BenchPlan, run_bench, write_json  # noqa: E402
-from tunefarm.bench.results import summarize  # noqa: E402
-from tunefarm.bench.suite import BenchOp  # noqa: E402
-from tunefarm.bench.table import render  # noqa: E402
 from tunefarm.target import host_target_dict  # noqa: E402
+from tunefarm_app.bench.ops import BenchPlan, run_bench, write_json  # noqa: E402
+from tunefarm_app.bench.results import summarize  # noqa: E402
+from tunefarm_app.bench.suite import BenchOp  # noqa: E402
+from tunefarm_app.bench.table import render  # noqa: E402
 
 
 @pytest.mark.slow
 def test_bench_small_gemm_end_to_end(tmp_path):
-    op = BenchOp("gemm128", "matmul").with_params(M=128, N=128, K=128)
+    op = BenchOp("gemm128", "matmul", constants=("B",)).with_params(M=128, N=128, K=128)
     plan = BenchPlan(
         ops=(op,), trials=8, seed=1, work_dir=tmp_path, target=host_target_dict(), ms_timeout=240
     )

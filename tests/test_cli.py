@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tunefarm.cli import main
+from tunefarm_app.cli import main
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_sketches_command_prints_the_fusion_sketch(capsys):
 
 def test_console_script_runs():
     out = subprocess.run(
-        [sys.executable, "-m", "tunefarm.cli", "tune-op", "nosuchop"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tunefarm_app.cli", "tune-op", "nosuchop"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 2 and out.stderr.startswith("tunefarm: error:")
 
@@ -86,7 +86,7 @@ def test_tune_op_on_a_tvmscript_file_then_apply_best(tmp_path):
 def test_output_into_a_closed_pipe_is_not_a_traceback():
     """`tunefarm sketches conv2d | head -1`: the reader goes away before we write."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tunefarm.cli", "sketches", "conv2d"],
+        [sys.executable, "-m", "tunefarm_app.cli", "sketches", "conv2d"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

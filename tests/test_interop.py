@@ -9,10 +9,10 @@ from tvm.s_tir import meta_schedule as ms
 
 from services.scheduler.realize import realize, trace_json
 from services.scheduler.task import make_task
-from tunefarm.interop import export_metaschedule
 from tunefarm.records import ErrorKind, MeasureRecord
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import registry
+from tunefarm_app.interop import export_metaschedule
 
 
 def test_export_is_applied_by_metaschedule(tmp_path, host_target):

@@ -12,7 +12,7 @@ from services.scheduler.features import NUM_FEATURES, batch_features, program_fe
 from services.scheduler.loopnest import InvalidProgram, build, expected_tvm_loops
 from services.scheduler.realize import loop_structure, realize
 from services.scheduler.sketch import generate_sketches
-from services.scheduler.space import Decider
+from services.scheduler.slots import Decider
 from tunefarm.workloads import registry
 
 SMALL = {

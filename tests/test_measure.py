@@ -43,8 +43,8 @@ def gemm(n: int = 64, *, reference: bool = True, wrong: bool = False) -> Workloa
     return workload_from_te(f"gemm{n}", [a, b, c], reference=ref)
 
 
-def gemm_trace(wl: Workload, block: str = "C") -> str:
-    """A small hand-written schedule (tile, reorder, parallel, vectorize) as trace JSON."""
+def gemm_trace(wl: Workload, block: str = "C") -> list:
+    """A small hand-written schedule (tile, reorder, parallel, vectorize) as trace JSON data."""
     sch = tvm.s_tir.Schedule(wl.mod)
     i, j, k = sch.get_loops(sch.get_sblock(block))
     i0, i1 = sch.split(i, [None, 8])
@@ -52,7 +52,21 @@ def gemm_trace(wl: Workload, block: str = "C") -> str:
     sch.reorder(i0, j0, i1, k, j1)
     sch.parallel(i0)
     sch.vectorize(j1)
-    return json.dumps(sch.trace.as_json(), default=lambda o: o.value)
+    return json.loads(json.dumps(sch.trace.as_json(), default=lambda o: o.value))
+
+
+_WORKLOAD_DIR: list[Path] = []
+
+
+def wl_file(wl: Workload) -> str:
+    """The workload as the builder takes it: the path of its IRModule JSON."""
+    import tempfile
+
+    if not _WORKLOAD_DIR:
+        _WORKLOAD_DIR.append(Path(tempfile.mkdtemp(prefix="tunefarm-test-wl-")))
+    path = _WORKLOAD_DIR[0] / f"{wl.key.replace('#', '_')}.json"
+    path.write_text(wl.to_json())
+    return str(path)
 
 
 @T.prim_func(s_tir=True)
@@ -106,8 +120,8 @@ def gemm_built(builder, work, target):
     wl = gemm()
     results = builder.build(
         [
-            BuildInput("naive", wl.to_json(), "", target),
-            BuildInput("tiled", wl.to_json(), gemm_trace(wl), target),
+            BuildInput("naive", wl_file(wl), None, target),
+            BuildInput("tiled", wl_file(wl), gemm_trace(wl), target),
         ]
     )
     return wl, write_task_data(work / "gemm.npz", wl), results
@@ -119,8 +133,8 @@ def run_input(key: str, artifact: str, task_data: str, wl: Workload, **kw) -> Ru
     return RunInput(key, artifact, task_data, len(wl.inputs), len(wl.outputs), **kw)
 
 
-def build_one(builder, wl: Workload, target, trace: str = "", key: str = "k") -> str:
-    (result,) = builder.build([BuildInput(key, wl.to_json(), trace, target)])
+def build_one(builder, wl: Workload, target, trace: list | None = None, key: str = "k") -> str:
+    (result,) = builder.build([BuildInput(key, wl_file(wl), trace, target)])
     assert result.error_kind is ErrorKind.NONE, result.error_msg
     return result.artifact
 
@@ -155,21 +169,21 @@ def test_build_errors_do_not_spoil_the_batch(builder, target):
     good = gemm_trace(wl)
     results = builder.build(
         [
-            BuildInput("good", wl.to_json(), good, target),
-            BuildInput("no-such-block", wl.to_json(), good.replace('"C"', '"no_such_block"'), target),
-            BuildInput("bad-target", wl.to_json(), "", {"kind": "no_such_kind"}),
-            BuildInput("bad-json", wl.to_json(), "[[", target),
-            BuildInput("good-naive", wl.to_json(), "", target),
+            BuildInput("good", wl_file(wl), good, target),
+            BuildInput("no-such-block", wl_file(wl), json.loads(json.dumps(good).replace('"C"', '"no_such_block"')), target),
+            BuildInput("bad-target", wl_file(wl), None, {"kind": "no_such_kind"}),
+            BuildInput("bad-trace", wl_file(wl), [["not", "a trace"]], target),
+            BuildInput("good-naive", wl_file(wl), None, target),
         ]
     )
-    keys = ["good", "no-such-block", "bad-target", "bad-json", "good-naive"]
+    keys = ["good", "no-such-block", "bad-target", "bad-trace", "good-naive"]
     assert [r.candidate_key for r in results] == keys
     ok, err = ErrorKind.NONE, ErrorKind.BUILD_ERROR
     assert [r.error_kind for r in results] == [ok, err, err, err, ok]
     block, kind, js = results[1].error_msg, results[2].error_msg, results[3].error_msg
     assert "replaying the schedule trace" in block and "no_such_block" in block
     assert "target" in kind and "no_such_kind" in kind
-    assert "JSONDecodeError" in js
+    assert "replaying the schedule trace" in js
     for r in results[1:4]:
         assert r.artifact is None and len(r.error_msg) <= 300
     assert Path(results[0].artifact).is_file() and Path(results[4].artifact).is_file()
@@ -177,7 +191,7 @@ def test_build_errors_do_not_spoil_the_batch(builder, target):
 
 def test_build_timeout(builder, target):
     wl = gemm(32)
-    (r,) = builder.build([BuildInput("slow", wl.to_json(), gemm_trace(wl), target, timeout_secs=0.001)])
+    (r,) = builder.build([BuildInput("slow", wl_file(wl), gemm_trace(wl), target, timeout_secs=0.001)])
     assert r.error_kind is ErrorKind.BUILD_TIMEOUT and r.artifact is None
     assert "no answer within" in r.error_msg
     build_one(builder, wl, target)  # the killed worker is replaced

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.space import (
+from services.scheduler.slots import (
     ChoiceDomain,
     Decider,
     IntRange,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -13,17 +12,19 @@ import tvm
 from tvm import te
 from tvm.script import tirx as T
 
+from services.measurer.local import LocalMeasurer
 from services.measurer.runner import LocalRunner
 from services.scheduler.config import SearchConfig, TuneConfig
 from services.scheduler.cost_model import XGBConfig, XGBCostModel
+from services.scheduler.session import StoreRecords, TuningSession
 from services.scheduler.task import make_task
+from services.scheduler.task_scheduler import TaskInfo
 from services.scheduler.tuner import TaskTuner
 from services.worker.builder import LocalBuilder
-from tunefarm.apply import build_best, find_best
 from tunefarm.records import ErrorKind, TimingConfig
-from tunefarm.report import report_dict
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import workload_from_te
+from tunefarm_app.apply import build_best, find_best
 
 pytestmark = pytest.mark.slow
 
@@ -70,44 +71,45 @@ def workers(tmp_path_factory):
     runner.close()
 
 
-def _tuner(wl, target, store, workers, work_dir, config=FAST, runner=None):
+def _session(wl, target, store, workers, work_dir, config=FAST, runner=None, reference_timeout=60.0):
+    """A one-task session over the module's workers (what `tune-op` runs)."""
     builder, default_runner = workers
     task = make_task(wl, target)
     store.put_workload(task.key, wl.name, wl.to_json())
     model = XGBCostModel(XGBConfig(num_warmup_samples=6, seed=1))
-    return TaskTuner(
-        task,
-        config,
-        model=model,
-        builder=builder,
-        runner=runner or default_runner,
-        store=store,
-        work_dir=work_dir,
-        log=lambda msg: None,
+    measurer = LocalMeasurer(
+        builder, runner or default_runner, work_dir, reference_timeout=reference_timeout, close_workers=False
     )
+    mtask = measurer.prepare(wl, task.key, target)
+    tuner = TaskTuner(task, config, model, verify=mtask.verify)
+    info = TaskInfo(key=task.key, flops=wl.flops, weights={wl.name: 1})
+    session = TuningSession([tuner], [info], [mtask], measurer, config, model=model, callbacks=[StoreRecords(store)])
+    session.resume([store.load(task.key)])
+    return session, measurer
+
+
+def _tune(*args, **kwargs):
+    """Run a one-task session; returns its tuner's state and the session."""
+    session, measurer = _session(*args, **kwargs)
+    try:
+        session.run()
+    finally:
+        measurer.close()
+    return session.tuners[0].state, session
 
 
 def test_tune_resume_and_apply_best(tmp_path, workers, host_target):
     wl = gemm()
     store = JsonlRecordStore(tmp_path / "gemm.jsonl")
-    events = []
-    tuner = _tuner(wl, host_target, store, workers, tmp_path)
-    tuner.on_trial = events.append
-    first = tuner.tune()
+    first, session = _tune(wl, host_target, store, workers, tmp_path)
     assert len(first.records) == 12 and first.resumed == 0
-    assert [e.trial for e in events] == list(range(1, 13))
+    assert [r.trials for r in session.stats.rounds] == [6, 12]
     assert first.best is not None and first.best.verified
     assert all(r.verified for r in first.records if r.is_valid)
-    report = report_dict(first)
-    for key in ("workload", "target", "flops", "trials", "errors", "best_seconds", "gflops", "wall_seconds",
-                "search_seconds", "build_seconds", "measure_seconds", "curve", "best_schedule", "verified"):
-        assert key in report
-    assert report["verified"] is True and report["trials"] == 12
-    assert report["curve"][-1][1] == pytest.approx(first.best.cost)
-    json.dumps(report)  # plain data
+    assert first.curve[-1][1] == pytest.approx(first.best.cost)
 
     # resume: the budget counts the records already in the file; nothing is measured twice
-    second = _tuner(wl, host_target, store, workers, tmp_path, replace(FAST, trials=18)).tune()
+    second, _ = _tune(wl, host_target, store, workers, tmp_path, replace(FAST, trials=18))
     assert second.resumed == 12 and len(second.records) == 18
     lines = store.load()
     assert len(lines) == 18
@@ -155,7 +157,7 @@ def test_crashing_and_hanging_kernels_are_recorded_and_tuning_goes_on(tmp_path, 
     runner = SabotagedRunner(crash, hang)
     try:
         store = JsonlRecordStore(tmp_path / "r.jsonl")
-        result = _tuner(gemm(), host_target, store, workers, tmp_path, runner=runner).tune()
+        result, _ = _tune(gemm(), host_target, store, workers, tmp_path, runner=runner)
     finally:
         runner.close()
     kinds = Counter(r.error_kind for r in result.records)
@@ -171,7 +173,7 @@ def test_crashing_and_hanging_kernels_are_recorded_and_tuning_goes_on(tmp_path, 
 def test_wrong_results_are_errors(tmp_path, workers, host_target):
     store = JsonlRecordStore(tmp_path / "w.jsonl")
     cfg = replace(FAST, trials=4, batch_size=4)
-    result = _tuner(gemm(wrong=True), host_target, store, workers, tmp_path, cfg).tune()
+    result, _ = _tune(gemm(wrong=True), host_target, store, workers, tmp_path, cfg)
     assert {r.error_kind for r in result.records} == {ErrorKind.WRONG_RESULT}
     assert result.best is None
 
@@ -179,6 +181,115 @@ def test_wrong_results_are_errors(tmp_path, workers, host_target):
 def test_workload_without_reference_is_checked_against_the_naive_program(tmp_path, workers, host_target):
     store = JsonlRecordStore(tmp_path / "n.jsonl")
     cfg = replace(FAST, trials=4, batch_size=4)
-    result = _tuner(gemm(reference=False), host_target, store, workers, tmp_path, cfg).tune()
-    assert result.verify_available
+    result, session = _tune(gemm(reference=False), host_target, store, workers, tmp_path, cfg)
+    assert session.measure_tasks[0].verify and not result.cross_checked
     assert result.best is not None and result.best.verified
+
+
+def test_without_a_reference_in_time_kernels_are_checked_against_each_other(tmp_path, workers, host_target):
+    """The unscheduled program gets a bounded time (here too little to build): tuning
+    starts at once and the kernels' output digests are compared with each other."""
+    store = JsonlRecordStore(tmp_path / "x.jsonl")
+    cfg = replace(FAST, trials=8, batch_size=4)
+    result, session = _tune(gemm(reference=False), host_target, store, workers, tmp_path, cfg, reference_timeout=0.001)
+    assert not session.measure_tasks[0].verify and result.cross_checked
+    valid = [r for r in result.records if r.is_valid]
+    assert len(valid) >= 3 and all(r.digest for r in valid)
+    assert not valid[0].verified  # nothing to agree with yet
+    assert any(r.verified for r in valid[1:])  # a consensus formed and later kernels match it
+
+
+def test_step_api_takes_results_in_any_order_once(tmp_path, host_target):
+    """propose / ingest: out of order is fine, a result delivered twice is one record,
+    and a lost program may be proposed again."""
+    from tunefarm.records import BuildResult, MeasureResult, RunResult
+
+    wl = gemm()
+    task = make_task(wl, host_target)
+    tuner = TaskTuner(task, FAST, XGBCostModel(XGBConfig(num_warmup_samples=6, seed=1)))
+    proposal = tuner.propose(4)
+    assert len(proposal.inputs) == 4 and all(m.trace for m in proposal.inputs)
+
+    def result(m, cost):
+        return MeasureResult(m, BuildResult(m.key, "x.so", 0.1), RunResult(m.key, (cost,), 0.2, verified=True))
+
+    first, second, third, lost = proposal.inputs
+    records = tuner.ingest([result(third, 3e-3), result(first, 1e-3)])
+    assert [r.candidate.key for r in records] == [third.key, first.key]
+    assert tuner.ingest([result(first, 9e-3)]) == []  # delivered twice: ignored
+    tuner.ingest([result(second, 2e-3)])
+    assert tuner.state.trials == 3 and tuner.state.best.candidate.key == first.key
+    assert lost.key in tuner.in_flight
+    tuner.forget([lost.key])
+    assert lost.key not in tuner.in_flight and lost.key not in tuner.measured
+    again = tuner.propose(8)
+    assert not {m.key for m in again.inputs} & {first.key, second.key, third.key}
+
+
+class ShufflingMeasurer:
+    """A stand-in measurer: holds several batches and returns their results a few at a
+    time in a shuffled order across batches, with made-up costs (no compiling)."""
+
+    def __init__(self, seed: int = 0):
+        import random
+
+        self.rng = random.Random(seed)
+        self.waiting: list = []
+        self.submitted: list = []
+
+    def prepare(self, workload, task_key, target):  # pragma: no cover - not used
+        raise NotImplementedError
+
+    def submit(self, batch) -> None:
+        from tunefarm.records import BuildResult, MeasureResult, RunResult
+
+        self.submitted.append(batch)
+        for m in batch.inputs:
+            cost = 1e-3 * (1 + self.rng.random())
+            self.waiting.append(MeasureResult(m, BuildResult(m.key, "x.so", 0.0), RunResult(m.key, (cost,), 0.0)))
+
+    def collect(self, timeout=None):
+        self.rng.shuffle(self.waiting)
+        out, self.waiting = self.waiting[:3], self.waiting[3:]
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self.waiting)
+
+    def close(self) -> None:
+        pass
+
+
+def test_session_keeps_several_rounds_in_flight_and_matches_results_out_of_order(host_target):
+    from tunefarm.measure import MeasureTask
+
+    wls = [gemm(), workload_from_te("gemm16b", [*_gemm_tensors(16, "X")])]
+    tasks = [make_task(wl, host_target) for wl in wls]
+    model = XGBCostModel(XGBConfig(num_warmup_samples=6, seed=1))
+    cfg = replace(FAST, trials=20, batch_size=4)
+    tuners = [TaskTuner(t, cfg, model) for t in tasks]
+    infos = [TaskInfo(key=t.key, flops=t.workload.flops, weights={"m": 1}) for t in tasks]
+    mtasks = [MeasureTask(t.key, "w.json", host_target, "d.npz", 2, 1, True) for t in tasks]
+    measurer = ShufflingMeasurer()
+    session = TuningSession(tuners, infos, mtasks, measurer, cfg, model=model, max_in_flight=3)
+    session.start()
+    peak = 0
+    while session.step(wait=0):
+        peak = max(peak, len(session._rounds))
+    session.close()
+    assert peak == 3  # three rounds were out at once
+    assert session.trials == 20 and session.in_flight == 0
+    for tuner in tuners:
+        keys = [r.candidate.key for r in tuner.state.records]
+        assert len(keys) == len(set(keys)) and all(r.task == tuner.key for r in tuner.state.records)
+    assert sum(len(b.inputs) for b in measurer.submitted) == 20
+    assert len(session.stats.rounds) == len(measurer.submitted)
+
+
+def _gemm_tensors(n: int, prefix: str):
+    a = te.placeholder((n, n), "float32", name=f"{prefix}A")
+    b = te.placeholder((n, n), "float32", name=f"{prefix}B")
+    k = te.reduce_axis((0, n), name="k")
+    c = te.compute((n, n), lambda i, j: te.sum(a[i, k] * b[j, k], axis=k), name="C")
+    return a, b, c

@@ -26,3 +26,7 @@ class TargetError(TunefarmError):
 
 class EnvironmentCheckError(TunefarmError):
     """The installed packages are known to be broken (e.g. the wrong apache-tvm-ffi)."""
+
+
+class ModelError(TunefarmError):
+    """A model could not be imported or built."""

@@ -2,8 +2,9 @@
 
 Data flow of one measurement::
 
-    Candidate --(realize)--> BuildInput --(builder)--> BuildResult
-              --(runner)--> RunResult --(tuner)--> MeasureRecord --(store)--> JSON line
+    Candidate --(realize)--> MeasureInput --> BuildInput --(builder)--> BuildResult
+              --> RunInput --(runner)--> RunResult --> MeasureResult
+              --(task tuner)--> MeasureRecord --(store)--> JSON line
 
 Every record here is a frozen dataclass of plain values (str, int, float, tuples), so it
 pickles into a worker process, serialises to JSON and can go into a queue unchanged.
@@ -82,13 +83,33 @@ class TensorSpec:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
+TraceJSON = list
+"""A TVM schedule trace as plain JSON data: `Trace.as_json()` with IntImm/FloatImm
+unwrapped to numbers. It stays this one value from the search to the builder, the
+records file and `apply-best`; TVM replays it with `Trace.apply_json_to_schedule`."""
+
+
+@dataclass(frozen=True)
+class MeasureInput:
+    """One program the search wants measured: its candidate and its TVM trace."""
+
+    task: str  # the task key (records match a task by it)
+    candidate: Candidate
+    sketch_sig: str  # identity of the candidate's sketch (see Sketch.signature)
+    trace: TraceJSON
+
+    @property
+    def key(self) -> str:
+        return self.candidate.key
+
+
 @dataclass(frozen=True)
 class BuildInput:
-    """What a builder needs: the workload, the schedule as a TVM trace, and the target."""
+    """What a builder needs: the workload (by reference), the schedule and the target."""
 
     candidate_key: str
-    workload_json: str  # tvm.ir.save_json of the workload IRModule
-    trace_json: str  # json.dumps of Trace.as_json(); "" means the unscheduled program
+    workload: str  # reference to the workload: a file holding tvm.ir.save_json of its IRModule
+    trace: TraceJSON | None  # None: the unscheduled program
     target: dict[str, Any]
     timeout_secs: float = 60.0
 
@@ -96,7 +117,7 @@ class BuildInput:
 @dataclass(frozen=True)
 class BuildResult:
     candidate_key: str
-    artifact: str | None  # path of the shared library, None on error
+    artifact: str | None  # reference to the built library (a file path), None on error
     build_secs: float
     error_kind: ErrorKind = ErrorKind.NONE
     error_msg: str = ""
@@ -123,8 +144,8 @@ class TimingConfig:
 @dataclass(frozen=True)
 class RunInput:
     candidate_key: str
-    artifact: str
-    task_data: str  # .npz with the inputs (and expected outputs when `verify`)
+    artifact: str  # reference to the built library
+    task_data: str  # reference to the .npz with the inputs (and expected outputs when `verify`)
     n_inputs: int
     n_outputs: int
     verify: bool
@@ -135,6 +156,11 @@ class RunInput:
     save_outputs: str = ""
 
 
+OutputDigest = tuple[float, ...]
+"""A small fingerprint of a kernel's outputs (`services.measurer.digest`): enough to tell
+whether two kernels computed the same thing without shipping their outputs."""
+
+
 @dataclass(frozen=True)
 class RunResult:
     candidate_key: str
@@ -143,10 +169,62 @@ class RunResult:
     error_kind: ErrorKind = ErrorKind.NONE
     error_msg: str = ""
     verified: bool = False  # output was compared to the reference and matched
+    digest: OutputDigest = ()  # fingerprint of the outputs of the warm-up run
 
     @property
     def median(self) -> float:
         return median_cost(self.costs) if not self.error_kind.is_error else math.inf
+
+
+@dataclass(frozen=True)
+class MeasureResult:
+    """How the measurement of one `MeasureInput` went: its build, and its run when the
+    build succeeded (a failed build has no run)."""
+
+    input: MeasureInput
+    build: BuildResult
+    run: RunResult | None
+
+    @property
+    def key(self) -> str:
+        return self.input.key
+
+    @property
+    def error_kind(self) -> ErrorKind:
+        if self.build.error_kind.is_error or self.run is None:
+            return self.build.error_kind if self.build.error_kind.is_error else ErrorKind.RUN_ERROR
+        return self.run.error_kind
+
+    @property
+    def error_msg(self) -> str:
+        if self.build.error_kind.is_error:
+            return self.build.error_msg
+        return self.run.error_msg if self.run is not None else "the kernel was not run"
+
+    @property
+    def costs(self) -> tuple[float, ...]:
+        return self.run.costs if self.run is not None and not self.error_kind.is_error else ()
+
+
+class Stage(StrEnum):
+    BUILD = "build"
+    RUN = "run"
+
+
+def failure_kind(stage: Stage, status: str) -> ErrorKind:
+    """The error kind of an isolated call that did not return normally, by stage and by
+    how it ended (`tunefarm.isolation.CallStatus`: "raised", "crashed", "timed_out")."""
+    return _FAILURES[(stage, status)]
+
+
+_FAILURES = {
+    (Stage.BUILD, "raised"): ErrorKind.BUILD_ERROR,
+    (Stage.BUILD, "crashed"): ErrorKind.BUILD_ERROR,
+    (Stage.BUILD, "timed_out"): ErrorKind.BUILD_TIMEOUT,
+    (Stage.RUN, "raised"): ErrorKind.RUN_ERROR,
+    (Stage.RUN, "crashed"): ErrorKind.RUN_CRASH,
+    (Stage.RUN, "timed_out"): ErrorKind.RUN_TIMEOUT,
+}
 
 
 def median_cost(costs: tuple[float, ...] | list[float]) -> float:
@@ -167,7 +245,10 @@ class MeasureRecord:
          "sketch": <int>, "sketch_sig": <str>, "decisions": {<slot>: int | [int...]},
          "trace": <TVM Trace.as_json()>, "costs": [seconds...], "error": <ErrorKind>,
          "error_msg": <str>, "build_secs": <float>, "run_secs": <float>,
-         "verified": <bool>, "time": <unix seconds>}
+         "verified": <bool>, "time": <unix seconds>, "digest": [float...]}
+
+    `digest` (optional) fingerprints the kernel's outputs, so kernels can be checked
+    against each other when a task has no reference.
     """
 
     task: str
@@ -176,7 +257,7 @@ class MeasureRecord:
     sketch: int
     sketch_sig: str
     decisions: tuple[tuple[str, DecisionValue], ...]
-    trace: Any  # TVM trace JSON (nested lists), replayable without our search code
+    trace: TraceJSON  # replayable without our search code
     costs: tuple[float, ...]
     error_kind: ErrorKind
     error_msg: str
@@ -184,6 +265,30 @@ class MeasureRecord:
     run_secs: float
     verified: bool
     timestamp: float
+    digest: OutputDigest = ()
+
+    @staticmethod
+    def of(result: MeasureResult, *, workload: str, target: dict[str, Any], timestamp: float) -> MeasureRecord:
+        """The record of a measurement; `error_kind` may be overridden by the caller's
+        checks through `dataclasses.replace`."""
+        run = result.run
+        return MeasureRecord(
+            task=result.input.task,
+            workload=workload,
+            target=target,
+            sketch=result.input.candidate.sketch,
+            sketch_sig=result.input.sketch_sig,
+            decisions=result.input.candidate.decisions,
+            trace=result.input.trace,
+            costs=result.costs,
+            error_kind=result.error_kind,
+            error_msg=result.error_msg,
+            build_secs=result.build.build_secs,
+            run_secs=run.run_secs if run is not None else 0.0,
+            verified=bool(run is not None and run.verified and not result.error_kind.is_error),
+            timestamp=timestamp,
+            digest=run.digest if run is not None else (),
+        )
 
     @property
     def candidate(self) -> Candidate:
@@ -215,6 +320,7 @@ class MeasureRecord:
                 "run_secs": round(self.run_secs, 6),
                 "verified": self.verified,
                 "time": round(self.timestamp, 3),
+                **({"digest": list(self.digest)} if self.digest else {}),
             },
             separators=(",", ":"),
         )
@@ -239,4 +345,5 @@ class MeasureRecord:
             run_secs=float(d.get("run_secs", 0.0)),
             verified=bool(d.get("verified", False)),
             timestamp=float(d.get("time", 0.0)),
+            digest=tuple(float(x) for x in d.get("digest", ())),
         )

@@ -1,7 +1,7 @@
 """`python -m tunefarm.selfcheck`: fail fast on a known-broken TVM installation.
 
 apache-tvm-ffi 0.1.15.post2 (what pip picks for apache-tvm 0.27 by default) segfaults in
-save_json, pickling and feature extraction; 0.1.14.post1 works (TVM_NOTES section 0).
+save_json, pickling and feature extraction; 0.1.14.post1 works.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def physical_cores() -> int:
 def host_target_dict() -> dict[str, Any]:
     """The host CPU as a TVM target dict: LLVM with the detected mcpu and core count.
 
-    Without mcpu LLVM emits SSE-only code (TVM_NOTES section 4), so it is always set.
+    Without mcpu LLVM emits SSE-only code (a 512 GEMM ran 1.4x slower), so it is always set.
     """
     import tvm
 

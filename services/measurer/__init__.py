@@ -1,1 +1,16 @@
-"""Running built kernels on a device and timing them (a local process now; gRPC agents later)."""
+"""Measuring built kernels: on this machine (embedded mode) and on the farm's device agents.
+
+| module | what it holds |
+|---|---|
+| `runner.py` | `run_kernel` (load, check, time one kernel) and `LocalRunner` (an isolated process) |
+| `task_data.py` | the inputs / expected outputs file every kernel of a task runs on |
+| `local.py` | embedded mode's `LocalMeasurer` (builds too) |
+| `agent.py` | the device agent (`tunefarm agent`): lease, fetch, run, report over gRPC |
+| `lease_service.py` | the gRPC server agents dial into (`make_server`, `serve`), its sweeper |
+| `settings.py`, `exceptions.py` | the lease service's settings; the agent service's errors and status codes |
+| `wire.py`, `generated/` | protobuf messages <-> records; protoc's output for proto/tunefarm/v1 (`make proto`) |
+| `capabilities.py`, `artifacts.py` | what an agent reports about its machine; files under the artifact root |
+
+Everything here but `local.py` and the server side (`lease_service.py`, `settings.py`) is
+what a board runs: no search, build, database or queue code.
+"""

@@ -9,12 +9,15 @@ call the same job function, `run_kernel`.
 
 What one run does (`run_kernel`), following `TimingConfig`:
 
-1. load the library and the task data (inputs, output shapes, expected outputs);
+1. load the library and the task data (inputs, output shapes, expected outputs); a
+   library whose kernel takes a constant input in a rewritten layout transforms it once
+   with its own `main_weight_prepack` (`tunefarm.layout.pretransform`), untimed;
 2. one untimed warm-up call, whose output is saved (`save_outputs`) and checked
    against the expected one (`verify`); a wrong output ends the run: WRONG_RESULT;
 3. time with TVM's time_evaluator: `repeat` repeats of at least `min_repeat_ms` each,
    caches flushed before each (all arguments but the first); a kernel whose warm-up
-   took longer than `slow_cutoff_secs` is timed once.
+   took longer than `slow_cutoff_secs` is timed once; `repeat` 0 times nothing (the
+   warm-up call's time is the only cost: runs that only produce outputs).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from typing import Any
 import numpy as np
 
 from services.measurer.task_data import TaskData, read_task_data, save_outputs
+from tunefarm import layout
+from tunefarm.digest import digest
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
-from tunefarm.records import ErrorKind, RunInput, RunResult
+from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, failure_kind
 
 VERIFY_RTOL = 1e-3
 """Relative tolerance of the output check."""
@@ -95,12 +100,13 @@ class LocalRunner(Runner):
         outcome = self._worker.call(_RUN_JOB, inp, timeout=inp.timeout_secs)
         if outcome.status is CallStatus.OK:
             return replace(outcome.value, run_secs=outcome.secs)
+        kind = failure_kind(Stage.RUN, outcome.status)
         if outcome.status is CallStatus.TIMED_OUT:
-            kind, msg = ErrorKind.RUN_TIMEOUT, f"run: {outcome.message}"
+            msg = f"run: {outcome.message}"
         elif outcome.status is CallStatus.CRASHED:
-            kind, msg = ErrorKind.RUN_CRASH, outcome.message
+            msg = outcome.message
         else:
-            kind, msg = ErrorKind.RUN_ERROR, summarize_error(outcome.message)
+            msg = summarize_error(outcome.message)
         return RunResult(inp.candidate_key, (), outcome.secs, kind, msg)
 
 
@@ -170,7 +176,9 @@ def run_kernel(inp: RunInput) -> RunResult:
         )
     dev = tvm.cpu(0)
     lib = tvm.runtime.load_module(inp.artifact)
-    args = [tvm.runtime.tensor(a, dev) for a in data.inputs]
+    # A kernel that takes a constant input in a rewritten layout gets it transformed once,
+    # here, by the library's own transform (tunefarm.layout); only the kernel is timed.
+    args = layout.pretransform(lib, [tvm.runtime.tensor(a, dev) for a in data.inputs])
     args += [tvm.runtime.empty(shape, dtype, dev) for shape, dtype in data.output_specs]
     func = lib["main"]
 
@@ -180,20 +188,22 @@ def run_kernel(inp: RunInput) -> RunResult:
 
     verified = False
     check = inp.verify and data.expected is not None
-    if inp.save_outputs or check:
-        outputs = [a.numpy() for a in args[inp.n_inputs :]]
-        if inp.save_outputs:
-            save_outputs(inp.save_outputs, outputs)
-        if check:
-            assert data.expected is not None
-            problem = compare_outputs(outputs, data.expected)
-            if problem:
-                return RunResult(
-                    inp.candidate_key, (), time.perf_counter() - t0, ErrorKind.WRONG_RESULT, problem
-                )
-            verified = True
+    outputs = [a.numpy() for a in args[inp.n_inputs :]]
+    fingerprint = digest(outputs)
+    if inp.save_outputs:
+        save_outputs(inp.save_outputs, outputs)
+    if check:
+        assert data.expected is not None
+        problem = compare_outputs(outputs, data.expected)
+        if problem:
+            return RunResult(
+                inp.candidate_key, (), time.perf_counter() - t0, ErrorKind.WRONG_RESULT, problem, digest=fingerprint
+            )
+        verified = True
 
     timing = inp.timing
+    if timing.repeat == 0:  # an output-only run (a reference): the warm-up is its only call
+        return RunResult(inp.candidate_key, (warmup_secs,), time.perf_counter() - t0, verified=verified, digest=fingerprint)
     slow = warmup_secs > timing.slow_cutoff_secs
     evaluator = lib.time_evaluator(
         "main",
@@ -204,7 +214,7 @@ def run_kernel(inp: RunInput) -> RunResult:
         f_preproc="cache_flush_cpu_non_first_arg" if timing.flush_cache else "",
     )
     costs = tuple(float(c) for c in evaluator(*args).results)
-    return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified)
+    return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint)
 
 
 def _load_task_data(path: str) -> TaskData:

@@ -1,13 +1,14 @@
 """Search and tuning hyperparameters: typed, keyword-only, one comment per field.
 
-Defaults follow Ansor's SketchPolicy (ANSOR.md §1.6) except where a field says why.
+Defaults follow Ansor's SketchPolicy (TVM v0.13 `auto_scheduler/search_policy.py`) except where a field says why.
 `as_dict()` is logged at the start of every run together with the seed.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from services.scheduler.task_scheduler import SchedulerConfig
 from tunefarm.records import TimingConfig
 
 
@@ -16,10 +17,12 @@ class SearchConfig:
     # Programs per generation, at most. Ansor uses 2048, MetaSchedule 512. Scoring one
     # program with our loop-nest model costs ~0.5-1.5 ms, so the tuner shrinks the
     # population (down to `min_population`) when the search would exceed
-    # `target_search_share` of the time the last round spent building and measuring.
+    # `target_search_share` of the time a round of the session spends building and
+    # measuring. Small rounds (a model's tasks often get 4-16 programs per round) need
+    # the low floor: with 128 the search took a third of a small CNN's tuning time.
     population: int = 512
-    min_population: int = 128
-    # Share of tuning wall time the search may take (the issue's bound is 25%).
+    min_population: int = 48
+    # Share of tuning wall time the search may take.
     target_search_share: float = 0.15
     # Generations of mutation/crossover after the initial population (Ansor: 4).
     generations: int = 4
@@ -46,7 +49,7 @@ class SearchConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TuneConfig:
-    # Measurements in total for the task (records resumed from the file count).
+    # Measurements in total over all tasks of the run (records resumed from the file count).
     trials: int
     # Candidates measured per round (Ansor and MetaSchedule: 64). 32 gives the cost
     # model twice the feedback rounds at the same trial budget; on conv2d at 256 trials
@@ -60,12 +63,21 @@ class TuneConfig:
     build_timeout: float = 60.0
     # Seconds a whole run step (warm-up, check, timing) may take before RUN_TIMEOUT.
     run_timeout: float = 30.0
-    # Seconds the unscheduled program may take to produce reference outputs (user
-    # workloads without a numpy reference).
-    reference_timeout: float = 600.0
-    # Stop after this many trials without improving the best (None: never).
+    # Seconds the unscheduled program may take to build, and then to run, to produce
+    # reference outputs (workloads without a numpy reference). Past it, kernels are
+    # checked against each other instead: a naive program must not hold tuning up.
+    reference_timeout: float = 60.0
+    # A task stops after this many trials without improving its best (None: never).
     early_stopping: int | None = None
+    # Which task gets the next round: "gradient" (Ansor §6) or "round-robin".
+    strategy: str = "gradient"
+    # The task scheduler's parameters (alpha, beta, window, epsilon); its seed is `seed`.
+    scheduler: SchedulerConfig | None = None
     search: SearchConfig = field(default_factory=SearchConfig)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        base = self.scheduler or SchedulerConfig()
+        return replace(base, seed=self.seed, per_task_early_stopping=self.early_stopping)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -126,7 +126,7 @@ class BufferSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    role: str  # "input", "output" or "intermediate"
+    role: str  # "input", "constant" (an input that is the same in every call), "output" or "intermediate"
 
     @property
     def elem_bytes(self) -> int:
@@ -224,8 +224,9 @@ class UnsupportedProgram(Exception):
 _EXPENSIVE_CALLS = ("exp", "log", "pow", "tanh", "sigmoid", "erf", "exp2", "exp10", "log2", "log10")
 
 
-def analyse(func) -> ComputeDag:
-    """Walk a PrimFunc (in the form `te.create_prim_func` or TVMScript gives) once."""
+def analyse(func, constants: Iterable[int] = ()) -> ComputeDag:
+    """Walk a PrimFunc (in the form `te.create_prim_func` or TVMScript gives) once.
+    `constants`: positions of the inputs that are constant (their role is "constant")."""
     from tvm.s_tir import SBlockRealize
 
     root_realize = func.body
@@ -242,8 +243,9 @@ def analyse(func) -> ComputeDag:
         written.add(spec.write.buffer)
     if not blocks:
         raise UnsupportedProgram("the PrimFunc has no blocks to schedule")
-    for p in params:
-        role = "output" if str(p.name) in written else "input"
+    constant = set(constants)
+    for i, p in enumerate(params):
+        role = "output" if str(p.name) in written else "constant" if i in constant else "input"
         buffers[str(p.name)] = _buffer_spec(p, role)
     for b in root.alloc_buffers:
         buffers[str(b.name)] = _buffer_spec(b, "intermediate")
@@ -503,6 +505,32 @@ def fusible_consumer(dag: ComputeDag, block: BlockSpec) -> BlockSpec | None:
     ):
         return None
     return c
+
+
+def layout_rewritable(dag: ComputeDag, block: BlockSpec) -> list[str]:
+    """The constant inputs `block` may read in a layout of its own (`LayoutRewriteStep`):
+    read by this block alone, by one access, each index one distinct iterator (or 0 on a
+    dimension of extent 1), so that the new layout is a reordering of tile loops."""
+    out = []
+    for acc in block.reads:
+        buf = dag.buffer(acc.buffer)
+        if buf.role != "constant" or acc.buffer in out:
+            continue
+        if sum(a.buffer == acc.buffer for a in block.reads) != 1:
+            continue
+        if any(b.name != block.name and any(a.buffer == acc.buffer for a in b.reads) for b in dag.blocks):
+            continue
+        used: list[str] = []
+        ok = True
+        for ix, extent in zip(acc.indices, buf.shape):
+            v = ix.is_single_var()
+            if v is not None and v not in used:
+                used.append(v)
+            elif not (ix.exact and not ix.terms and ix.const == 0 and int(extent) == 1):
+                ok = False
+        if ok and used:
+            out.append(acc.buffer)
+    return out
 
 
 def spatial_size(block: BlockSpec) -> int:

@@ -43,6 +43,7 @@ from services.scheduler.sketch import (
     ComputeLocationStep,
     FuseConsumerStep,
     InlineStep,
+    LayoutRewriteStep,
     RfactorStep,
     Sketch,
     TileStep,
@@ -50,7 +51,7 @@ from services.scheduler.sketch import (
     cache_write_names,
     rfactor_names,
 )
-from services.scheduler.space import ChoiceDomain, Decider, IntRange, TileDomain
+from services.scheduler.slots import ChoiceDomain, Decider, IntRange, TileDomain
 
 UNROLL_STEPS = (0, 16, 64, 512)
 """Candidate values of `pragma_auto_unroll_max_step` (Ansor CPU)."""
@@ -79,9 +80,13 @@ class Instr:
     ones count from the innermost loop.
 
       inline(block) | cache_write(block) -> new block | rfactor(block, factors, inner)
-      tile(block, structure, factors per iterator) | reverse_compute_at(block, producer, pos)
+      tile(block, structure, factors per iterator, iterator put innermost or -1)
+      reverse_compute_at(block, producer, pos)
+      layout_rewrite(block, buffer, new dims as (buffer dim, stride, extent, dim extent))
+      acc_layout(block, new dims of its output buffer, as for layout_rewrite)
       compute_at(block, consumer, pos) | split_inner(block, factors) | parallel(block, n)
       vectorize(block) | unroll(block, pos, max_step) | decompose(block, pos)
+      move_innermost(block, pos)
     """
 
     op: str
@@ -111,6 +116,7 @@ class Nest:
     tiled: bool = False
     tile_groups: list[list[str]] = field(default_factory=list)  # loop keys per structure level
     tile_structure: str = ""  # e.g. "SSRSRS": the level kind of each tile group
+    inner_axis: str | None = None  # spatial iterator moved innermost (None: iterator order)
     rf_inner: bool = False
     parallel: int = 0  # number of leading own loops fused into one parallel loop
     unroll: int = 0  # pragma_auto_unroll_max_step on the outermost own loop
@@ -146,6 +152,7 @@ class Program:
     order: list[str]
     counter: int = 0
     instructions: list[Instr] = field(default_factory=list)
+    fused_producers: frozenset[str] = frozenset()  # tiled blocks whose consumer joins their tile
 
     def emit(self, op: str, block: str, *args) -> None:
         self.instructions.append(Instr(op, block, tuple(args)))
@@ -211,7 +218,8 @@ class Program:
 
 def build(dag: ComputeDag, sketch: Sketch, decider: Decider, num_cores: int) -> Program:
     """Apply a sketch's steps in order; slots are filled by `decider`."""
-    prog = Program(dag, {}, [])
+    fused = frozenset(s.producer for s in sketch.steps if isinstance(s, FuseConsumerStep))
+    prog = Program(dag, {}, [], fused_producers=fused)
     for b in dag.blocks:
         _add_root_nest(prog, b)
     for step in sketch.steps:
@@ -224,6 +232,8 @@ def build(dag: ComputeDag, sketch: Sketch, decider: Decider, num_cores: int) -> 
                 _rfactor(prog, b, inner, decider)
             case TileStep(block=b, structure=s):
                 _tile(prog, b, s, decider)
+            case LayoutRewriteStep(block=b, buffer=buf):
+                _layout_rewrite(prog, b, buf)
             case FuseConsumerStep(consumer=c, producer=p):
                 _fuse_consumer(prog, c, p, decider)
             case ComputeLocationStep(block=b):
@@ -401,7 +411,10 @@ def _tile(prog: Program, name: str, structure: str, decider: Decider) -> None:
     for it in spec.iters:
         parts = n_s if it.kind == "S" else n_r
         factors[it.name] = decider.decide(f"{name}.tile.{it.name}", TileDomain(it.extent, parts, MAX_INNERMOST_TILE))
-    prog.emit("tile", name, structure, tuple(factors[it.name] for it in spec.iters))
+    inner = _inner_axis(prog, name, decider)
+    inner_pos = next((i for i, it in enumerate(spec.iters) if it.name == inner), -1)
+    prog.emit("tile", name, structure, tuple(factors[it.name] for it in spec.iters), inner_pos)
+    last_order = [it for it in spec.iters if it.name != inner] + [it for it in spec.iters if it.name == inner]
     loops: list[Loop] = []
     groups: list[list[str]] = []
     terms: dict[str, dict[str, int]] = {it.name: {} for it in spec.iters}
@@ -410,7 +423,8 @@ def _tile(prog: Program, name: str, structure: str, decider: Decider) -> None:
         lv = level[ch]
         level[ch] += 1
         group = []
-        for it in spec.iters:
+        last_s = ch == "S" and lv == n_s - 1
+        for it in last_order if last_s else spec.iters:
             if it.kind != ch:
                 continue
             f = factors[it.name]
@@ -427,6 +441,67 @@ def _tile(prog: Program, name: str, structure: str, decider: Decider) -> None:
     nest.tiled = True
     nest.tile_groups = groups
     nest.tile_structure = structure
+    nest.inner_axis = inner
+
+
+def _inner_axis(prog: Program, name: str, decider: Decider) -> str | None:
+    """Which spatial iterator the innermost tile level puts last, so that it is the one
+    vectorized (slot `<block>.inner_axis`; 0 keeps the iterator order). Offered to a block
+    whose consumer joins its tile: its output tile is then a compact buffer that takes the
+    same order (`_acc_layout`), so the vector accumulators stay contiguous. E.g. the
+    output channels of an NCHW convolution, whose weights the layout rewrite then packs
+    with those channels innermost."""
+    if name not in prog.fused_producers:
+        return None
+    spatial = [it.name for it in prog.nests[name].spec.spatial if it.extent > 1]
+    if len(spatial) < 2:
+        return None
+    choice = decider.decide(f"{name}.inner_axis", ChoiceDomain(len(spatial)), default=0)
+    return spatial[-1 - choice] if choice else None
+
+
+def _tile_order_dims(nest: Nest, indices: tuple[Affine, ...], shape) -> tuple[list[tuple[int, int, int, int]], list[Loop]]:
+    """A buffer dimension per tile loop (extent > 1) of the iterators that index it
+    (`indices`, one iterator each), outermost first: [(buffer dim, stride, extent,
+    dim extent)] (new index = (old index // stride) % extent), and those loops."""
+    dim_of = {ix.is_single_var(): d for d, ix in enumerate(indices) if ix.is_single_var() is not None}
+    owner: dict[str, tuple[str, int]] = {}  # loop key -> (iterator, stride)
+    for it in nest.spec.iters:
+        for key, stride in nest.binding[it.name].terms:
+            owner[key] = (it.name, stride)
+    dims: list[tuple[int, int, int, int]] = []
+    loops: list[Loop] = []
+    for lp in nest.loops:
+        it, stride = owner.get(lp.key, (None, 0))
+        if it in dim_of and lp.extent > 1:
+            d = dim_of[it]
+            dims.append((d, stride, lp.extent, int(shape[d])))
+            loops.append(lp)
+    return dims, loops
+
+
+def _layout_rewrite(prog: Program, name: str, buffer: str) -> None:
+    """The constant `buffer` stored in the order of `name`'s tile loops: one dimension
+    per loop (extent > 1) of the iterators that index it, outermost first. The block then
+    reads it at exactly its loop variables; the copy happens outside the kernel, so the
+    model has no block for it. Emits, per new dimension, (buffer dimension, stride,
+    extent): new index = (old index // stride) % extent."""
+    nest = prog.nests[name]
+    if not nest.tiled:
+        raise InvalidProgram(f"{name} is not tiled: no layout to follow")
+    spec = nest.spec
+    acc = next(a for a in spec.reads if a.buffer == buffer)
+    buf = prog.dag.buffer(buffer)
+    dims, loops = _tile_order_dims(nest, acc.indices, buf.shape)
+    if not dims:
+        return
+    prog.emit("layout_rewrite", name, buffer, tuple(dims))
+    packed = BufferSpec(f"{buffer}@layout", tuple(lp.extent for lp in loops), buf.dtype, "constant")
+    new_acc = AccessSpec(packed.name, tuple(Affine.var(lp.key) for lp in loops))
+    new_spec = replace(spec, reads=tuple(new_acc if a.buffer == buffer else a for a in spec.reads))
+    blocks = [new_spec if b.name == name else b for b in prog.dag.blocks]
+    prog.dag = prog.dag.replace_blocks(blocks, (*prog.dag.buffers, packed))
+    nest.spec = new_spec
 
 
 def _region(prog: Program, indices: list[Affine], chain: list[Loop], pos: int, shape) -> list[tuple[Affine, int]]:
@@ -504,6 +579,41 @@ def _fuse_consumer(prog: Program, consumer: str, producer: str, decider: Decider
     # The consumer reads the producer's buffer at its own write index (elementwise),
     # so dimension d of the producer's output is dimension d of the consumer's.
     _attach_region_nest(prog, consumer, producer, attach_key, region)
+    if p.inner_axis is not None:
+        _acc_layout(prog, producer, consumer, pos)
+
+
+def _acc_layout(prog: Program, producer: str, consumer: str, attach_pos: int) -> None:
+    """The producer's output tile stored in the order of its tile loops (see
+    `_inner_axis`), so that the vectorized inner axis is contiguous in it: the buffer
+    gets one dimension per tile loop, which compaction under the consumer's attach point
+    reduces to the inner tile. The consumer reads it back in its own (iterator) order."""
+    p = prog.nests[producer]
+    c = prog.nests[consumer]
+    buf = prog.dag.buffer(p.spec.write.buffer)
+    dims, loops = _tile_order_dims(p, p.spec.write.indices, buf.shape)
+    if not dims:
+        return
+    prog.emit("acc_layout", producer, tuple(dims))
+    packed = BufferSpec(f"{buf.name}@acc", tuple(lp.extent for lp in loops), buf.dtype, "intermediate")
+    write = AccessSpec(packed.name, tuple(Affine.var(lp.key) for lp in loops))
+    outer = {lp.key for lp in prog.chain(producer)[: attach_pos + 1]}
+    own = {lp.key for lp in c.loops}
+    read = next(a for a in c.spec.reads if a.buffer == buf.name)
+    indices = []
+    for (d, _, _, _), lp in zip(dims, loops):
+        if lp.key in outer:
+            indices.append(Affine.var(lp.key))
+            continue
+        # (consumer loop // stride) % extent: approximated by the consumer's loop of that dimension
+        it = read.indices[d].is_single_var()
+        keys = [k for k, _ in c.binding[it].terms if k in own] if it is not None else []
+        indices.append(Affine.of({keys[0]: 1}, exact=False) if keys else Affine())
+    c_spec = replace(c.spec, reads=tuple(AccessSpec(packed.name, tuple(indices)) if a.buffer == buf.name else a for a in c.spec.reads))
+    p_spec = replace(p.spec, write=write)
+    blocks = [p_spec if b.name == producer else c_spec if b.name == consumer else b for b in prog.dag.blocks]
+    prog.dag = prog.dag.replace_blocks(blocks, (*prog.dag.buffers, packed))
+    p.spec, c.spec = p_spec, c_spec
 
 
 def _can_inline(prog: Program, name: str) -> bool:
@@ -592,6 +702,8 @@ def _annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> Non
     at_root = nest.attach is None
     attached = prog.attached_keys()
     # -- vectorize
+    if nest.rf_inner and not at_root:
+        _rf_axis_innermost(prog, name)
     if nest.loops:
         last = nest.loops[-1]
         if at_root and not nest.tiled and not nest.rf_inner and not last.reduce and last.extent > 1 and last.key not in attached:
@@ -631,6 +743,26 @@ def _annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> Non
             if lanes > MAX_UNROLLED_LANES:
                 raise InvalidProgram(f"{name}: auto-unroll {nest.unroll} gives {lanes} lanes of straight-line code")
     # The reduction's init is split off later, by `_decompose_reductions`.
+
+
+def _rf_axis_innermost(prog: Program, name: str) -> None:
+    """Move the rf axis of a computed-at rf block innermost, so that it can be vectorized.
+
+    `compute_at` recreates a block's loops in its iterator order, and an rf block's rf
+    iterator comes first: the vectorizable axis would end up outside the reduction loop
+    (a 16-lane max reduction becoming 16 scalar chains)."""
+    nest = prog.nests[name]
+    rf_vars = nest.binding[nest.spec.iters[0].name].vars
+    own = [i for i, lp in enumerate(nest.loops) if lp.key in rf_vars]
+    attached = prog.attached_keys()
+    if len(own) != 1 or own[0] == len(nest.loops) - 1:
+        return
+    idx = own[0]
+    if any(lp.key in attached for lp in nest.loops[idx:]):
+        return
+    pos = idx - len(nest.loops)
+    nest.loops.append(nest.loops.pop(idx))
+    prog.emit("move_innermost", name, pos)
 
 
 def unrolled_lanes(loops: list[Loop], max_step: int) -> int:

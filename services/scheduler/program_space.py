@@ -18,7 +18,7 @@ from services.scheduler.dag import ComputeDag
 from services.scheduler.features import NUM_FEATURES, batch_features
 from services.scheduler.loopnest import InvalidProgram, Program, build
 from services.scheduler.sketch import Sketch
-from services.scheduler.space import ChoiceDomain, Decider, Domain, IntRange, InvalidDecision, TileDomain
+from services.scheduler.slots import ChoiceDomain, Decider, Domain, IntRange, InvalidDecision, TileDomain
 from tunefarm.records import Candidate, DecisionValue
 
 EMPTY_FEATURES = np.zeros((0, NUM_FEATURES), dtype=np.float32)
@@ -27,7 +27,7 @@ EMPTY_FEATURES = np.zeros((0, NUM_FEATURES), dtype=np.float32)
 def slot_kind(slot: str) -> str:
     """Which mutation rule a slot belongs to (see SearchConfig.mutation_weights)."""
     tail = slot.rsplit(".", 1)[-1]
-    if ".tile." in slot or tail in ("rfactor", "vector"):
+    if ".tile." in slot or tail in ("rfactor", "vector", "inner_axis"):
         return "tile"
     if tail == "unroll":
         return "unroll"

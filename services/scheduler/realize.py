@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from services.scheduler.loopnest import Instr
+from tunefarm.layout import PREPROC_ATTR
 
 
 class RealizeError(Exception):
@@ -56,18 +57,32 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
             k0, k1 = sch.split(k, [f0, f1])
             blocks[rf_name] = sch.rfactor(k1 if inner else k0, factor_axis=factor_axis)
         case "tile":
-            structure, factors = ins.args
+            structure, factors, inner = ins.args
             block = rv(b)
             loops = sch.get_loops(block)
             kinds = _iter_kinds(sch, block)
             parts = [sch.split(lp, list(f)) for lp, f in zip(loops, factors)]
             level = {"S": 0, "R": 0}
+            n_s = structure.count("S")
+            last = [i for i in range(len(parts)) if i != inner] + ([inner] if inner >= 0 else [])
             order = []
             for ch in structure:
                 lv = level[ch]
                 level[ch] += 1
-                order.extend(p[lv] for p, k in zip(parts, kinds) if k == ch)
+                its = last if ch == "S" and lv == n_s - 1 else range(len(parts))
+                order.extend(parts[i][lv] for i in its if kinds[i] == ch)
             sch.reorder(*order)
+        case "acc_layout":
+            (dims,) = ins.args
+            sch.transform_layout(rv(b), ("write", 0), _tile_order_map(dims))
+        case "layout_rewrite":
+            buffer, dims = ins.args
+            block = rv(b)
+            reads = [str(r.source.name) for r in sch.get(block).reads]
+            idx = reads.index(buffer)
+            copy = sch.cache_read(block, idx, "global")
+            sch.annotate(copy, PREPROC_ATTR, 1)
+            sch.transform_layout(block, ("read", idx), _tile_order_map(dims))
         case "reverse_compute_at":
             producer, pos = ins.args
             sch.reverse_compute_at(rv(b), sch.get_loops(rv(producer))[pos], preserve_unit_loops=False)
@@ -81,6 +96,10 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
             (n,) = ins.args
             loops = sch.get_loops(rv(b))[:n]
             sch.parallel(sch.fuse(*loops) if n > 1 else loops[0])
+        case "move_innermost":
+            (pos,) = ins.args
+            own = sch.get_loops(rv(b))[pos:]
+            sch.reorder(*own[1:], own[0])
         case "vectorize":
             sch.vectorize(sch.get_loops(rv(b))[-1])
         case "unroll":
@@ -95,6 +114,19 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
             raise ValueError(f"unknown instruction {ins.op}")
 
 
+def _tile_order_map(dims):
+    """Index map of a layout rewrite: new dimension i = (old index d // stride) % extent."""
+
+    def index_map(*old):
+        out = []
+        for d, stride, extent, full in dims:
+            e = old[d] // stride if stride > 1 else old[d]
+            out.append(e % extent if stride * extent < full else e)
+        return tuple(out)
+
+    return index_map
+
+
 def _iter_kinds(sch, block) -> list[str]:
     return [{0: "S", 2: "R"}.get(int(iv.iter_type), "O") for iv in sch.get(block).iter_vars]
 
@@ -105,8 +137,8 @@ def trace_json(sch) -> list:
 
 
 def loop_structure(sch) -> dict[str, list[tuple[int, str]]]:
-    """{block: [(extent, kind), ...]} of every leaf block, root to innermost: used by the
-    test that holds the model to TVM."""
+    """{block: [(extent, kind), ...]} of every leaf block of the kernel (layout
+    transforms left out), root to innermost: used by the test that holds the model to TVM."""
     import tvm
 
     kinds = {0: "serial", 1: "parallel", 2: "vectorized", 3: "unrolled"}
@@ -122,6 +154,8 @@ def loop_structure(sch) -> dict[str, list[tuple[int, str]]]:
             walk(stmt.body, [*loops, (int(stmt.extent), kinds.get(int(stmt.kind), "other"))])
         elif isinstance(stmt, SBlockRealize):
             blk = stmt.block
+            if PREPROC_ATTR in blk.annotations:  # a layout transform: not part of the kernel
+                return
             if blk.name_hint != "root":
                 out[str(blk.name_hint)] = loops
             walk(blk.body, loops)

@@ -21,6 +21,11 @@ state also goes on to the next rule) or APPLY_AND_SKIP_REST (new states only):
   5. MultiLevelTiling              needs tiling                   -> APPLY_AND_SKIP_REST
   6. Skip                          always                         -> APPLY
 
+Both tiling rules add a LayoutRewrite step after the tile for every constant input
+(a weight: `Workload.constants`) that the block alone reads with one iterator per
+dimension: the weight is stored in the order of the tile loops (Ansor §4.2 "layout
+rewrite"), transformed once outside the kernel (`tunefarm.layout`).
+
 A finished state gets a ComputeLocation step for every remaining flexible block
 (consumers first) and an Annotate step (parallel / vectorize / unroll) per block.
 """
@@ -42,6 +47,7 @@ from services.scheduler.dag import (
     fusible_consumer,
     inline_into_consumers,
     is_strictly_inlineable,
+    layout_rewritable,
     needs_multi_level_tiling,
     reduce_size,
     spatial_size,
@@ -88,6 +94,18 @@ class TileStep:
 
 
 @dataclass(frozen=True)
+class LayoutRewriteStep:
+    """Store constant input `buffer` in the order `block`'s tile loops read it (Ansor §4.2
+    layout rewrite; MetaSchedule's RewriteLayout): its dimensions become the tile loops
+    that index it, outermost first, so the inner tiles read contiguous panels. The copy
+    into that layout is done once, outside the kernel (`tunefarm.layout`). No slot: the
+    layout follows from the block's tile sizes."""
+
+    block: str
+    buffer: str
+
+
+@dataclass(frozen=True)
 class FuseConsumerStep:
     """Compute `consumer` inside `producer`'s tile (slot `<consumer>.fuse_level`)."""
 
@@ -109,7 +127,16 @@ class AnnotateStep:
     block: str
 
 
-Step = InlineStep | CacheWriteStep | RfactorStep | TileStep | FuseConsumerStep | ComputeLocationStep | AnnotateStep
+Step = (
+    InlineStep
+    | CacheWriteStep
+    | RfactorStep
+    | TileStep
+    | LayoutRewriteStep
+    | FuseConsumerStep
+    | ComputeLocationStep
+    | AnnotateStep
+)
 
 
 @dataclass(frozen=True)
@@ -135,6 +162,8 @@ def _describe(step: Step) -> str:
             return f"rfactor {b} ({'inner' if inner else 'outer'} part)"
         case TileStep(block=b, structure=s):
             return f"tile {b} {s}"
+        case LayoutRewriteStep(block=b, buffer=buf):
+            return f"layout-rewrite {buf} for {b}"
         case FuseConsumerStep(consumer=c, producer=p):
             return f"fuse {c} into the tile of {p}"
         case ComputeLocationStep(block=b):
@@ -265,6 +294,11 @@ def _rule_add_cache_write(st: _State, b: BlockSpec, num_cores: int):
     return RuleResult.APPLY, [new]
 
 
+def _tile_steps(dag: ComputeDag, b: BlockSpec) -> tuple[Step, ...]:
+    """Multi-level tiling of `b`, and the layout rewrite of the constants it reads."""
+    return (TileStep(b.name), *(LayoutRewriteStep(b.name, buf) for buf in layout_rewritable(dag, b)))
+
+
 def _rule_tiling_with_fusion(st: _State, b: BlockSpec, num_cores: int):
     if not needs_multi_level_tiling(b):
         return RuleResult.SKIP, []
@@ -272,7 +306,7 @@ def _rule_tiling_with_fusion(st: _State, b: BlockSpec, num_cores: int):
     if consumer is None:
         return RuleResult.SKIP, []
     new = st.advance(
-        steps=(*st.steps, TileStep(b.name), FuseConsumerStep(consumer.name, b.name)),
+        steps=(*st.steps, *_tile_steps(st.dag, b), FuseConsumerStep(consumer.name, b.name)),
         tiled=st.tiled | {b.name},
         fused=st.fused | {consumer.name},
     )
@@ -283,7 +317,7 @@ def _rule_tiling_with_fusion(st: _State, b: BlockSpec, num_cores: int):
 def _rule_tiling(st: _State, b: BlockSpec, num_cores: int):
     if not needs_multi_level_tiling(b):
         return RuleResult.SKIP, []
-    new = st.advance(steps=(*st.steps, TileStep(b.name)), tiled=st.tiled | {b.name})
+    new = st.advance(steps=(*st.steps, *_tile_steps(st.dag, b)), tiled=st.tiled | {b.name})
     return RuleResult.APPLY_AND_SKIP_REST, [new]
 
 

@@ -48,10 +48,20 @@ def make_task(workload: Workload, target: dict[str, Any]) -> SearchTask:
     from services.scheduler.dag import UnsupportedProgram
 
     try:
-        dag = analyse(workload.mod["main"])
+        dag = analyse(workload.mod["main"], workload.constants)
     except UnsupportedProgram as exc:
         raise WorkloadError(f"{workload.name}: {exc}") from None
     sketches = generate_sketches(dag, targets.num_cores(target))
     if not sketches:
         raise WorkloadError(f"{workload.name}: no sketch could be derived")
     return SearchTask(workload, target, dag, sketches)
+
+
+def structure_kind(dag: ComputeDag) -> str:
+    """The task's operator structure for the task scheduler's similarity groups (Ansor
+    groups tasks by operator tag; we derive it from the DAG, never from a name): the
+    iterator kinds of every block that needs multi-level tiling, or of the last block."""
+    from services.scheduler.dag import needs_multi_level_tiling
+
+    tiled = [b for b in dag.blocks if needs_multi_level_tiling(b)] or [dag.blocks[-1]]
+    return "+".join("".join(it.kind for it in b.iters) for b in tiled)

@@ -2,7 +2,8 @@
 
 A builder never raises for a bad candidate: a failed build is a `BuildResult` with an
 `ErrorKind` and a message. `LocalBuilder` builds in long-lived isolated processes on this
-machine; a queue-backed builder can call the same job function, `build_module`.
+machine; a queue worker can call the same job function, `build_module`, with plain
+arguments (the workload by the path of its JSON file, the trace as JSON data).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import hashlib
 import json
 import os
 import queue
+import shutil
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
-from tunefarm.records import BuildInput, BuildResult, ErrorKind
+from tunefarm.records import BuildInput, BuildResult, Stage, TraceJSON, failure_kind
 
 
 class Builder(ABC):
@@ -88,30 +90,29 @@ class LocalBuilder(Builder):
             w.close()
 
     def artifact_path(self, inp: BuildInput) -> Path:
+        """Named by what determines the program, so equal programs share one file."""
         h = hashlib.sha1()
-        target = json.dumps(inp.target, sort_keys=True)
-        for part in (inp.candidate_key, target, inp.trace_json, inp.workload_json):
+        for part in (inp.candidate_key, json.dumps(inp.target, sort_keys=True), json.dumps(inp.trace), inp.workload):
             h.update(part.encode())
             h.update(b"\0")
-        return self.work_dir / f"{h.hexdigest()}.so"
+        return self.work_dir / f"{h.hexdigest()}{artifact_suffix(inp.target)}"
 
     def _build_one(self, inp: BuildInput) -> BuildResult:
         worker = self._idle.get()
         try:
             path = self.artifact_path(inp)
-            outcome = worker.call(
-                _BUILD_JOB, inp.workload_json, inp.trace_json, inp.target, str(path), timeout=inp.timeout_secs
-            )
+            outcome = worker.call(_BUILD_JOB, inp.workload, inp.trace, inp.target, str(path), timeout=inp.timeout_secs)
         finally:
             self._idle.put(worker)
         if outcome.status is CallStatus.OK:
             return BuildResult(inp.candidate_key, str(path), float(outcome.value))
+        kind = failure_kind(Stage.BUILD, outcome.status)
         if outcome.status is CallStatus.TIMED_OUT:
-            kind, msg = ErrorKind.BUILD_TIMEOUT, f"build: {outcome.message}"
+            msg = f"build: {outcome.message}"
         elif outcome.status is CallStatus.CRASHED:
-            kind, msg = ErrorKind.BUILD_ERROR, f"builder process crashed: {outcome.message}"
+            msg = f"builder process crashed: {outcome.message}"
         else:
-            kind, msg = ErrorKind.BUILD_ERROR, summarize_error(outcome.message.removeprefix("BuildError: "))
+            msg = summarize_error(outcome.message.removeprefix("BuildError: "))
         return BuildResult(inp.candidate_key, None, outcome.secs, kind, msg)
 
 
@@ -122,29 +123,42 @@ _BUILD_JOB = f"{__name__}:build_module"
 _WORKLOAD_CACHE_SIZE = 16
 """Parsed workloads kept per worker process (a tuning round builds many candidates of few tasks)."""
 
-_workloads: OrderedDict[str, Any] = OrderedDict()
+_workloads: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
 
 
 class BuildError(Exception):
     """One step of `build_module` failed; the message names the step and TVM's reason."""
 
 
-def build_module(workload_json: str, trace_json: str, target: dict[str, Any], out_path: str) -> float:
-    """Build one candidate: parse the workload, replay the schedule trace on it (none when
-    `trace_json` is ""), compile for `target` and export the shared library to `out_path`.
+def build_module(workload: str, trace: TraceJSON | None, target: dict[str, Any], out_path: str) -> float:
+    """Build one candidate: load the workload (the path of its IRModule JSON), replay the
+    schedule trace on it (none: the unscheduled program), split off any layout transform
+    of a constant input (`tunefarm.layout`), compile for `target` and export the shared
+    library to `out_path`.
 
     Returns the wall time of the build in seconds. Raises `BuildError` naming the step that
     failed. Plain arguments, so any worker (an isolated process, an RQ job) can call it.
     """
     import tvm
 
+    from tunefarm import fastmath, layout
+
+    # Vectorizable exp/tanh/erf for scheduled programs; the unscheduled program (a
+    # reference) keeps libm's.
+    if trace is not None:
+        fastmath.install()
+    else:
+        fastmath.uninstall()
     t0 = time.perf_counter()
-    mod = _step("parsing the workload", _load_workload, workload_json)
-    if trace_json:
-        mod = _step("replaying the schedule trace", _apply_trace, mod, trace_json)
+    mod = _step("loading the workload", _load_workload, workload)
+    if trace is not None:
+        mod = _step("replaying the schedule trace", _apply_trace, mod, trace)
+        # A constant input stored in a rewritten layout: the kernel takes it transformed,
+        # and the library also holds the transform (see tunefarm.layout).
+        mod = _step("splitting off the layout transform", layout.kernel_library_module, mod)
     tvm_target = _step("making the target", tvm.target.Target, target)
     ex = _step("compiling", tvm.compile, mod, target=tvm_target)
-    _step("exporting the library", _export, ex, out_path)
+    _step("exporting the library", _export, ex, out_path, target)
     return time.perf_counter() - t0
 
 
@@ -155,13 +169,14 @@ def _step(what: str, func: Any, *args: Any, **kwargs: Any) -> Any:
         raise BuildError(f"{what} failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
 
 
-def _load_workload(text: str) -> Any:
+def _load_workload(path: str) -> Any:
     import tvm
 
-    key = hashlib.sha1(text.encode()).hexdigest()
+    st = os.stat(path)
+    key = (path, st.st_mtime_ns, st.st_size)
     mod = _workloads.get(key)
     if mod is None:
-        mod = tvm.ir.load_json(text)
+        mod = tvm.ir.load_json(Path(path).read_text())
         _workloads[key] = mod
         if len(_workloads) > _WORKLOAD_CACHE_SIZE:
             _workloads.popitem(last=False)
@@ -170,21 +185,69 @@ def _load_workload(text: str) -> Any:
     return mod
 
 
-def _apply_trace(mod: Any, trace_json: str) -> Any:
+def _apply_trace(mod: Any, trace: TraceJSON) -> Any:
     import tvm
 
     sch = tvm.s_tir.Schedule(mod)
-    tvm.s_tir.Trace.apply_json_to_schedule(json.loads(trace_json), sch)
+    tvm.s_tir.Trace.apply_json_to_schedule(trace, sch)
     return sch.mod
 
 
-def _export(ex: Any, out_path: str) -> None:
+def _export(ex: Any, out_path: str, target: dict[str, Any] | None = None) -> None:
     """Export under a temporary name, then rename: a reader never loads half a library,
-    and two workers building the same program do not collide."""
-    tmp = f"{out_path}.{os.getpid()}.tmp.so"
+    and two workers building the same program do not collide. A cross-compiled .so is
+    linked with the target's cross compiler (`cross_compiler`); a .tar needs no linker."""
+    suffix = Path(out_path).suffix or ".so"
+    tmp = f"{out_path}.{os.getpid()}.tmp{suffix}"
+    fcompile = None
+    compiler = cross_compiler(target) if suffix == ".so" and target is not None and is_cross_target(target) else None
+    if compiler is not None:
+        import tvm
+
+        fcompile = tvm.support.cc.cross_compiler(compiler)
     try:
-        ex.export_library(tmp)
+        if fcompile is not None:
+            ex.export_library(tmp, fcompile=fcompile)
+        else:
+            ex.export_library(tmp)
         os.replace(tmp, out_path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+# -- cross-compilation --------------------------------------------------------------------
+
+_ARCH_ALIASES = {"arm64": "aarch64", "amd64": "x86_64", "x64": "x86_64"}
+
+
+def _arch(name: str) -> str:
+    return _ARCH_ALIASES.get(name, name)
+
+
+def is_cross_target(target: dict[str, Any]) -> bool:
+    """An LLVM target for another architecture than this machine's (its `mtriple`)."""
+    import platform
+
+    triple = str(target.get("mtriple", ""))
+    return target.get("kind") == "llvm" and bool(triple) and _arch(triple.split("-")[0]) != _arch(platform.machine())
+
+
+def cross_compiler(target: dict[str, Any]) -> str | None:
+    """The C++ cross compiler on PATH for a cross target (`<mtriple>-g++`, or its
+    triple without the vendor part, as Debian names them), or None."""
+    triple = str(target.get("mtriple", ""))
+    parts = triple.split("-")
+    names = [f"{triple}-g++"]
+    if len(parts) == 4:  # aarch64-unknown-linux-gnu -> aarch64-linux-gnu
+        names.append(f"{parts[0]}-{parts[2]}-{parts[3]}-g++")
+    return next((n for n in names if shutil.which(n)), None)
+
+
+def artifact_suffix(target: dict[str, Any]) -> str:
+    """How a built kernel is exported: a shared library (.so), or, for a cross target
+    with no cross compiler here, a .tar of object files that the board links at load
+    time (`tvm.runtime.load_module` on a .tar). Build workers never run what they build."""
+    if is_cross_target(target) and cross_compiler(target) is None:
+        return ".tar"
+    return ".so"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -21,7 +21,11 @@ MEMORY_BOUND_INTENSITY = 4.0
 @dataclass(frozen=True, eq=False)
 class Workload:
     """One tensor computation to tune. `mod` is an IRModule with a single "main" PrimFunc
-    whose parameters are the inputs, then the outputs."""
+    whose parameters are the inputs, then the outputs.
+
+    `constants` are the positions of inputs that hold the same values in every call (a
+    model's weights): a schedule may store them in another layout, transformed once when
+    the model is built (see `tunefarm.layout`). They are part of the workload's identity."""
 
     name: str
     mod: object  # tvm.IRModule (kept untyped so importing this module does not import tvm)
@@ -30,6 +34,7 @@ class Workload:
     flops: float
     reference: Reference | None = None
     memory_bound: bool = False
+    constants: tuple[int, ...] = ()
 
     @cached_property
     def structural_hash(self) -> int:
@@ -40,7 +45,24 @@ class Workload:
     @property
     def key(self) -> str:
         """Stable identity across processes and runs: records are matched by it."""
-        return f"{self.name}#{self.structural_hash:016x}"
+        consts = f"+const{','.join(str(i) for i in self.constants)}" if self.constants else ""
+        return f"{self.name}#{self.structural_hash:016x}{consts}"
+
+    def with_constants(self, constants: Iterable[int | str]) -> Workload:
+        """The same workload with these inputs (positions or names) constant."""
+        names = [t.name for t in self.inputs]
+        out = set()
+        for c in constants:
+            if isinstance(c, str) and not c.isdigit():
+                if c not in names:
+                    raise WorkloadError(f"{self.name}: no input named {c!r} (inputs: {', '.join(names)})")
+                out.add(names.index(c))
+            else:
+                i = int(c)
+                if not 0 <= i < len(names):
+                    raise WorkloadError(f"{self.name}: input {i} does not exist ({len(names)} inputs)")
+                out.add(i)
+        return replace(self, constants=tuple(sorted(out)))
 
     @property
     def args(self) -> tuple[TensorSpec, ...]:

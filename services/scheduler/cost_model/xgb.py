@@ -66,7 +66,7 @@ _FORMAT = "tunefarm-xgb-cost-model/1"
 
 @dataclass(frozen=True, kw_only=True)
 class XGBConfig:
-    """Hyperparameters of `XGBCostModel`. Tree parameters are Ansor's (ANSOR.md §1.7)."""
+    """Hyperparameters of `XGBCostModel`. Tree parameters are Ansor's (TVM v0.13 `auto_scheduler/cost_model/xgb_model.py`)."""
 
     max_depth: int = 10  # deepest tree; deep trees fit the interactions between features
     # Smallest loss reduction a split must bring. Once no split does, the training p-rmse

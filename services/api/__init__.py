@@ -1,0 +1,17 @@
+"""The farm's HTTP API (FastAPI): teams upload models, start tuning jobs on a device class,
+follow them and fetch the tuned models.
+
+| module | what it holds |
+|---|---|
+| `settings.py` | `ApiSettings` (bind address, artifact root, upload and budget limits) |
+| `app.py` | `create_app(settings)`, the error handlers, `main` (`tunefarm api`, uvicorn) |
+| `routers/` | one router per resource: `models`, `jobs`, `devices`, `health` |
+| `deps.py` | the `Annotated` dependencies: settings, database session, team, page |
+| `schemas.py` | request and response bodies (`JobCreate`, `JobPublic`, ...) |
+| `crud.py` | the database work, small keyword-only functions |
+| `intake.py` | taking in an upload: import and fuse the model in a child process |
+| `storage.py` | files under the artifact root (uploads, fused modules) |
+| `limits.py` | the request body limit (413 while streaming) |
+| `admin.py` | operator actions: teams, tokens, device classes (`tunefarm farm ...`) |
+| `exceptions.py` | `ApiError` and its subclasses, each with its HTTP status |
+"""

@@ -1,0 +1,158 @@
+"""The farm's HTTP API: `create_app(settings)` builds the FastAPI application, `main(argv)`
+serves it with uvicorn (`tunefarm api`).
+
+Routers: `/v1/models`, `/v1/jobs`, `/v1/devices` + `/v1/device-classes`, `/healthz`.
+Every error is a JSON body `{"error": {"code", "message"}}` (`schemas.ErrorBody`):
+the API's own errors (`exceptions.py`), validation errors (422), unknown routes (404),
+an oversized body (413, `limits.BodySizeLimit`), the database unreachable (503).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.api.deps import TokenCache
+from services.api.exceptions import ApiError
+from services.api.limits import BodySizeLimit
+from services.api.routers import devices, health, jobs, models
+from services.api.settings import ApiSettings
+from services.db.exceptions import DatabaseError, Unavailable
+from services.db.session import make_session_factory
+from tunefarm.isolation import IsolatedWorker
+
+log = logging.getLogger("tunefarm.api")
+
+API_VERSION = "1"
+
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+}
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    """The application for `settings` (default: read from the environment)."""
+    settings = settings or ApiSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.artifact_root.mkdir(parents=True, exist_ok=True)
+        app.state.settings = settings
+        app.state.sessions = make_session_factory(settings)
+        app.state.token_cache = TokenCache(settings.token_cache_secs)
+        app.state.intake = IsolatedWorker(preload=["services.api.intake"], name="model-intake")
+        try:
+            yield
+        finally:
+            app.state.intake.close()
+            app.state.sessions.kw["bind"].dispose()
+
+    app = FastAPI(
+        title="tunefarm",
+        version=API_VERSION,
+        summary="Tune whole models on a farm of devices",
+        description=(
+            "Upload an ONNX model, start a tuning job on a device class, follow its progress, "
+            "fetch the tuned model. Every endpoint but /healthz needs a team token: "
+            "`Authorization: Bearer tft_...`."
+        ),
+        lifespan=lifespan,
+        generate_unique_id_function=lambda route: route.name,  # operation ids: upload_model, get_job, ...
+    )
+    for router in (models.router, jobs.router, devices.router, health.router):
+        app.include_router(router)
+    _add_error_handlers(app)
+    # The JSON 413 for a request refused before the application saw it.
+    refuse = JSONResponse(
+        {"error": {"code": "payload_too_large", "message": f"the request body is larger than this farm accepts "
+                   f"({settings.max_upload_bytes} bytes)"}},
+        status_code=413,
+    )
+    app.add_middleware(
+        BodySizeLimit,
+        max_body_bytes=settings.max_upload_bytes + settings.multipart_overhead_bytes,
+        on_refuse=refuse,
+    )
+    return app
+
+
+def _error(status: int, code: str, message: str, *, details=None, headers=None) -> JSONResponse:
+    body: dict = {"code": code, "message": message}
+    if details is not None:
+        body["details"] = details
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.code, exc.message, headers=exc.headers or None)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = jsonable_encoder(exc.errors(), custom_encoder={bytes: lambda b: b.decode(errors="replace")})
+        for p in problems:
+            p.pop("url", None)
+        first = problems[0] if problems else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))
+        return _error(422, "invalid_request", message, details=problems)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, "error")
+        return _error(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(DatabaseError)
+    async def database_error(request: Request, exc: DatabaseError) -> JSONResponse:
+        if isinstance(exc, Unavailable):
+            return _error(503, "unavailable", "the database cannot be reached; try again shortly")
+        log.exception("database error", exc_info=exc)
+        return _error(500, "internal_error", "the database refused the request")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`tunefarm api [--bind HOST:PORT]`: serve the API with uvicorn until interrupted."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(prog="tunefarm api", description="the farm's HTTP API")
+    parser.add_argument("--bind", help="host:port to listen on (default: TUNEFARM_API_BIND)")
+    args = parser.parse_args(argv)
+    settings = ApiSettings()
+    from services.db.migrate import check_schema
+
+    check_schema(settings.database_url)  # refuse to serve a database at another schema revision
+    bind = args.bind or settings.api_bind
+    host, _, port = bind.rpartition(":")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("tunefarm api on http://%s:%s (artifacts in %s)", host, port, settings.artifact_root)
+    uvicorn.run(
+        "services.api.app:create_app",
+        factory=True,
+        host=host,
+        port=int(port),
+        workers=settings.api_workers,
+        log_level="warning",
+        access_log=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,443 @@
+"""The API's database work: small keyword-only functions over one session (the request's
+transaction, `deps.DbDep`). Each raises the API's errors (`NotFound`, `InvalidRequest`,
+`Conflict`) and returns rows or response schemas; none commits.
+
+Every read of a team's resource filters by the team: another team's id is `NotFound`,
+exactly like an id that does not exist.
+
+The job progress (`job_public`) reads precomputed rows only: the job, its `job_tasks`
+(kept up to date with each measurement by `services.db.queries.record_measurement`) and
+its `job_progress` curve (a point per change of the estimate, at most ~50 more, written
+by the scheduler): one statement over indexed rows, whose cost does not depend on how
+many measurements the job has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import bindparam, func, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.api.exceptions import Conflict, InvalidRequest, NotFound
+from services.api.schemas import (
+    ArtifactPublic,
+    CostModelPublic,
+    DeviceClassPublic,
+    DevicePublic,
+    JobCreate,
+    JobPublic,
+    JobSummary,
+    JobTaskPublic,
+    ModelPublic,
+    ModelSummary,
+    ModelTaskPublic,
+    ProgressPoint,
+    TensorPublic,
+)
+from services.api.storage import StoredFile
+from services.db.codec import record_from_json
+from services.db.models import (
+    Agent,
+    AgentState,
+    CostModelVersion,
+    DeviceClass,
+    Job,
+    JobProgress,
+    JobState,
+    JobTask,
+    Measurement,
+    Model,
+    ModelTask,
+    Workload,
+)
+from services.db.session import transaction
+from services.scheduler.task import target_key
+from tunefarm.models.finish import batch_size_for
+
+RECORDS_FETCH = 500
+"""Measurements fetched per round trip while streaming a job's records."""
+
+
+# -- models -----------------------------------------------------------------------------------
+
+
+def store_model(
+    session: Session,
+    *,
+    team_id: int,
+    name: str,
+    input_shapes: dict[str, list[int]],
+    onnx: StoredFile,
+    fused: StoredFile,
+    intake: dict[str, Any],
+) -> Model:
+    """Insert a taken-in model, its task table and its workloads (shared by key with
+    every other model that has them)."""
+    tasks = intake["tasks"]
+    for t in tasks:
+        session.execute(
+            pg_insert(Workload)
+            .values(
+                key=t["key"],
+                name=t["name"],
+                module_json=t["module_json"],
+                flops=t["flops"],
+                n_inputs=t["n_inputs"],
+                n_outputs=t["n_outputs"],
+            )
+            .on_conflict_do_nothing(index_elements=[Workload.key])
+        )
+    keys = [t["key"] for t in tasks]
+    ids = {key: wid for key, wid in session.execute(select(Workload.key, Workload.id).where(Workload.key.in_(keys)))}
+    table = [
+        {k: t[k] for k in ("position", "name", "key", "shapes", "weight", "flops", "share")} for t in tasks
+    ]
+    model = Model(
+        team_id=team_id,
+        name=name,
+        input_shapes=input_shapes,
+        onnx_path=onnx.path,
+        onnx_sha256=onnx.sha256,
+        onnx_size=onnx.size,
+        fused_path=fused.path,
+        fused_sha256=fused.sha256,
+        fused_size=fused.size,
+        task_table=table,
+        inputs=intake["inputs"],
+        outputs=intake["outputs"],
+        warnings=intake["warnings"],
+    )
+    session.add(model)
+    session.flush()
+    session.add_all(
+        ModelTask(
+            model_id=model.id,
+            workload_id=ids[t["key"]],
+            position=t["position"],
+            weight=t["weight"],
+            const_inputs=t["const_inputs"],
+            global_vars=t["global_vars"],
+        )
+        for t in tasks
+    )
+    session.flush()
+    session.refresh(model)
+    return model
+
+
+def get_model(session: Session, *, team_id: int, model_id: int) -> Model:
+    model = session.scalars(select(Model).where(Model.id == model_id, Model.team_id == team_id)).one_or_none()
+    if model is None:
+        raise NotFound(f"model {model_id} not found")
+    return model
+
+
+def model_public(model: Model) -> ModelPublic:
+    return ModelPublic(
+        id=model.id,
+        name=model.name,
+        input_shapes=model.input_shapes,
+        inputs=[TensorPublic(**t) for t in model.inputs],
+        outputs=[TensorPublic(**t) for t in model.outputs],
+        onnx_sha256=model.onnx_sha256,
+        onnx_size=model.onnx_size,
+        tasks=[ModelTaskPublic(**row) for row in model.task_table],
+        warnings=list(model.warnings),
+        created_at=model.created_at,
+    )
+
+
+def list_models(session: Session, *, team_id: int, limit: int, cursor: int | None) -> tuple[list[ModelSummary], int | None]:
+    query = select(Model).where(Model.team_id == team_id)
+    if cursor is not None:
+        query = query.where(Model.id < cursor)
+    rows = list(session.scalars(query.order_by(Model.id.desc()).limit(limit + 1)))
+    items = [
+        ModelSummary(id=m.id, name=m.name, tasks=len(m.task_table), onnx_size=m.onnx_size, created_at=m.created_at)
+        for m in rows[:limit]
+    ]
+    return items, (rows[limit - 1].id if len(rows) > limit else None)
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+
+def device_class_by_name(session: Session, *, name: str) -> DeviceClass:
+    found = session.scalars(select(DeviceClass).where(DeviceClass.name == name)).one_or_none()
+    if found is None:
+        known = list(session.scalars(select(DeviceClass.name).order_by(DeviceClass.name)))
+        listing = ", ".join(repr(n) for n in known) if known else "none yet"
+        raise InvalidRequest(f"unknown device class {name!r} (known classes: {listing})")
+    return found
+
+
+def create_job(session: Session, *, team_id: int, body: JobCreate, max_trial_budget: int) -> Job:
+    """A queued job and its tasks (the model's, keyed for the class's target)."""
+    if body.trial_budget > max_trial_budget:
+        raise InvalidRequest(
+            f"trial_budget {body.trial_budget} is larger than this farm allows ({max_trial_budget})"
+        )
+    model = get_model(session, team_id=team_id, model_id=body.model_id)
+    device_class = device_class_by_name(session, name=body.device_class)
+    tasks = session.execute(
+        select(ModelTask.workload_id, ModelTask.position, ModelTask.weight, Workload.key)
+        .join(Workload, Workload.id == ModelTask.workload_id)
+        .where(ModelTask.model_id == model.id)
+        .order_by(ModelTask.position)
+    ).all()
+    job = Job(
+        team_id=team_id,
+        model_id=model.id,
+        device_class_id=device_class.id,
+        trial_budget=body.trial_budget,
+        latency_target_secs=body.latency_target_secs,
+        config={
+            "strategy": body.strategy,
+            "seed": body.seed,
+            "batch_size": batch_size_for(body.trial_budget, len(tasks)),
+        },
+    )
+    session.add(job)
+    session.flush()
+    suffix = target_key(device_class.target)
+    session.add_all(
+        JobTask(
+            job_id=job.id,
+            workload_id=t.workload_id,
+            task_key=f"{t.key}@{suffix}",
+            position=t.position,
+            weight=t.weight,
+        )
+        for t in tasks
+    )
+    session.flush()
+    return job
+
+
+def _owned_job(session: Session, *, team_id: int, job_id: int, lock: bool = False) -> Job:
+    query = select(Job).where(Job.id == job_id, Job.team_id == team_id)
+    if lock:
+        query = query.with_for_update()
+    job = session.scalars(query).one_or_none()
+    if job is None:
+        raise NotFound(f"job {job_id} not found")
+    return job
+
+
+def _progress_statement():
+    """The job progress statement (built once: constructing it costs more CPU than running it)."""
+    tasks = (
+        select(
+            func.coalesce(
+                func.json_agg(
+                    func.json_build_array(
+                        JobTask.position,
+                        Workload.name,
+                        JobTask.task_key,
+                        JobTask.weight,
+                        JobTask.trials,
+                        JobTask.best_cost,
+                        JobTask.dead_reason,
+                    ).op("ORDER BY")(JobTask.position)
+                ),
+                text("'[]'::json"),
+            )
+        )
+        .join(Workload, Workload.id == JobTask.workload_id)
+        .where(JobTask.job_id == Job.id)
+        .scalar_subquery()
+    )
+    curve = (
+        select(
+            func.coalesce(
+                func.json_agg(
+                    func.json_build_array(
+                        JobProgress.trials, JobProgress.elapsed_secs, JobProgress.est_latency_secs
+                    ).op("ORDER BY")(JobProgress.trials)
+                ),
+                text("'[]'::json"),
+            )
+        )
+        .where(JobProgress.job_id == Job.id)
+        .scalar_subquery()
+    )
+    return (
+        select(Job, Model.name, DeviceClass.name, CostModelVersion.version, CostModelVersion.trained_on, tasks, curve)
+        .join(Model, Model.id == Job.model_id)
+        .join(DeviceClass, DeviceClass.id == Job.device_class_id)
+        .outerjoin(CostModelVersion, CostModelVersion.id == Job.cost_model_version_id)
+        .where(Job.id == bindparam("job_id"), Job.team_id == bindparam("team_id"))
+    )
+
+
+_PROGRESS = _progress_statement()
+
+
+def job_public(session: Session, *, team_id: int, job_id: int) -> JobPublic:
+    """A job's progress from its precomputed rows (see the module docstring), in one
+    statement: the job row, its tasks and its curve aggregated as JSON by Postgres."""
+    row = session.execute(_PROGRESS, {"job_id": job_id, "team_id": team_id}).one_or_none()
+    if row is None:
+        raise NotFound(f"job {job_id} not found")
+    job, model_name, class_name, version, trained_on, task_rows, points = row
+    return JobPublic(
+        id=job.id,
+        state=job.state.value,
+        model_id=job.model_id,
+        model_name=model_name,
+        device_class=class_name,
+        trial_budget=job.trial_budget,
+        trials_used=job.trials_used,
+        latency_target_secs=job.latency_target_secs,
+        est_latency_start_secs=job.est_latency_start_secs,
+        est_latency_secs=job.est_latency_secs,
+        cancel_requested=job.cancel_requested,
+        error=job.error,
+        config=job.config,
+        tasks=[
+            JobTaskPublic(
+                position=t[0], name=t[1], key=t[2], weight=t[3], trials=t[4], best_secs=t[5], dead_reason=t[6]
+            )
+            for t in task_rows
+        ],
+        curve=[ProgressPoint(trials=p[0], elapsed_secs=p[1], est_latency_secs=p[2]) for p in points],
+        cost_model=CostModelPublic(
+            version_id=job.cost_model_version_id,
+            version=version,
+            trained_on=trained_on,
+            trained_on_at_first_batch=job.start_model_trained_on,
+        ),
+        artifact=ArtifactPublic(
+            available=job.state is JobState.SUCCEEDED and job.artifact_path is not None,
+            sha256=job.artifact_sha256,
+            size=job.artifact_size,
+        ),
+        result=job.result,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+    )
+
+
+def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None) -> tuple[list[JobSummary], int | None]:
+    query = (
+        select(
+            Job.id,
+            Job.state,
+            Job.model_id,
+            DeviceClass.name.label("device_class"),
+            Job.trial_budget,
+            Job.trials_used,
+            Job.est_latency_secs,
+            Job.created_at,
+            Job.finished_at,
+        )
+        .join(DeviceClass, DeviceClass.id == Job.device_class_id)
+        .where(Job.team_id == team_id)
+    )
+    if cursor is not None:
+        query = query.where(Job.id < cursor)
+    rows = session.execute(query.order_by(Job.id.desc()).limit(limit + 1)).all()
+    items = [
+        JobSummary(
+            id=r.id,
+            state=r.state.value,
+            model_id=r.model_id,
+            device_class=r.device_class,
+            trial_budget=r.trial_budget,
+            trials_used=r.trials_used,
+            est_latency_secs=r.est_latency_secs,
+            created_at=r.created_at,
+            finished_at=r.finished_at,
+        )
+        for r in rows[:limit]
+    ]
+    return items, (rows[limit - 1].id if len(rows) > limit else None)
+
+
+def request_cancel(session: Session, *, team_id: int, job_id: int) -> None:
+    """Ask the scheduler to stop the job; a job still queued is cancelled at once."""
+    job = _owned_job(session, team_id=team_id, job_id=job_id, lock=True)
+    if job.state.is_terminal:
+        raise Conflict(f"job {job_id} is already {job.state.value}")
+    values: dict[str, Any] = {"cancel_requested": True}
+    if job.state is JobState.QUEUED:
+        values.update(state=JobState.CANCELLED, finished_at=func.now())
+    session.execute(update(Job).where(Job.id == job_id).values(**values), execution_options={"synchronize_session": False})
+
+
+def job_artifact(session: Session, *, team_id: int, job_id: int) -> Job:
+    """The job, if its tuned model archive can be fetched (`Conflict` otherwise)."""
+    job = _owned_job(session, team_id=team_id, job_id=job_id)
+    if job.state is not JobState.SUCCEEDED or job.artifact_path is None:
+        why = f"it is {job.state.value}" + (f": {job.error}" if job.error else "")
+        raise Conflict(f"job {job_id} has no tuned model yet ({why})")
+    return job
+
+
+def check_job(session: Session, *, team_id: int, job_id: int) -> None:
+    """`NotFound` unless the job exists and is the team's."""
+    _owned_job(session, team_id=team_id, job_id=job_id)
+
+
+def record_lines(sessions: sessionmaker[Session], *, job_id: int) -> Iterator[bytes]:
+    """The job's measurements as records-file lines (`MeasureRecord.to_json`), oldest
+    first, fetched in chunks in one transaction of their own (the stream outlives the
+    request's)."""
+    with transaction(sessions) as session:
+        rows = session.execute(
+            select(Measurement.record)
+            .where(Measurement.job_id == job_id)
+            .order_by(Measurement.id)
+            .execution_options(yield_per=RECORDS_FETCH)
+        )
+        for (record,) in rows:
+            yield (record_from_json(record).to_json() + "\n").encode()
+
+
+# -- devices ----------------------------------------------------------------------------------
+
+
+def list_devices(session: Session) -> list[DevicePublic]:
+    rows = session.execute(
+        select(Agent, DeviceClass.name).join(DeviceClass, DeviceClass.id == Agent.device_class_id).order_by(Agent.id)
+    ).all()
+    return [
+        DevicePublic(
+            id=a.id,
+            name=a.name,
+            device_class=class_name,
+            state=a.state.value,
+            capabilities=a.capabilities,
+            registered_at=a.registered_at,
+            last_heartbeat_at=a.last_heartbeat_at,
+            measurements_done=a.measurements_done,
+            errors_by_kind={str(k): int(v) for k, v in a.errors_by_kind.items()},
+        )
+        for a, class_name in rows
+    ]
+
+
+def list_device_classes(session: Session) -> list[DeviceClassPublic]:
+    online = (
+        select(Agent.device_class_id, func.count().label("n"))
+        .where(Agent.state.in_([AgentState.IDLE, AgentState.BUSY]))
+        .group_by(Agent.device_class_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(DeviceClass, func.coalesce(online.c.n, 0))
+        .outerjoin(online, online.c.device_class_id == DeviceClass.id)
+        .order_by(DeviceClass.name)
+    ).all()
+    return [
+        DeviceClassPublic(name=dc.name, target=dc.target, description=dc.description, agents_online=int(n))
+        for dc, n in rows
+    ]
+
+
+def schema_revision(session: Session) -> str:
+    return str(session.execute(text("SELECT version_num FROM alembic_version")).scalar_one())

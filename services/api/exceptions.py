@@ -1,0 +1,82 @@
+"""Errors of the HTTP API: one root, small named subclasses, each with its status code.
+
+Handlers and the functions they call raise these; `app.py` turns every one into a JSON
+body `{"error": {"code": ..., "message": ...}}` with the class's status. Request
+validation errors (422) and unknown routes (404) get the same body shape.
+"""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    """Root of the API's errors: `status` is the HTTP status, `code` a stable word."""
+
+    status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class Unauthorized(ApiError):
+    """No bearer token, or one the farm does not know (or revoked)."""
+
+    status = 401
+    code = "unauthorized"
+
+    def __init__(self, message: str):
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(ApiError):
+    """A valid token that may not be used here (an agent token on the team API)."""
+
+    status = 403
+    code = "forbidden"
+
+
+class NotFound(ApiError):
+    """No such resource for this team (another team's ids are not found either)."""
+
+    status = 404
+    code = "not_found"
+
+
+class Conflict(ApiError):
+    """The resource's state does not allow this now (cancel a finished job, fetch the
+    artifact of a job still running)."""
+
+    status = 409
+    code = "conflict"
+
+
+class PayloadTooLarge(ApiError):
+    """The upload is larger than the configured limit; nothing was stored."""
+
+    status = 413
+    code = "payload_too_large"
+
+
+class InvalidModel(ApiError):
+    """The uploaded model is malformed, or uses something that cannot be tuned (the
+    message names the operator)."""
+
+    status = 422
+    code = "invalid_model"
+
+
+class InvalidRequest(ApiError):
+    """A well-formed request asking for something impossible (unknown device class,
+    absurd budget, bad input shapes)."""
+
+    status = 422
+    code = "invalid_request"
+
+
+class ServiceUnavailable(ApiError):
+    """The database cannot be reached, or the model importer could not start."""
+
+    status = 503
+    code = "unavailable"

@@ -1,0 +1,1 @@
+"""One router per resource: `models`, `jobs`, `devices` (agents and device classes), `health`."""

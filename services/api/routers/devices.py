@@ -1,0 +1,27 @@
+"""`/v1/devices` (the agents) and `/v1/device-classes`: what the farm measures on."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from services.api import crud
+from services.api.deps import SessionsDep, TeamDep
+from services.api.routers.responses import AUTH
+from services.api.schemas import DeviceClassPublic, DevicePublic
+from services.db.session import transaction
+
+router = APIRouter(tags=["devices"], responses=AUTH)
+
+
+@router.get("/v1/devices", summary="The farm's agents")
+def list_devices(team: TeamDep, sessions: SessionsDep) -> list[DevicePublic]:
+    """Every agent: its class, state, capabilities, last heartbeat, measurements done and
+    errors by kind."""
+    with transaction(sessions) as db:
+        return crud.list_devices(db)
+
+
+@router.get("/v1/device-classes", summary="The device classes a job may name")
+def list_device_classes(team: TeamDep, sessions: SessionsDep) -> list[DeviceClassPublic]:
+    with transaction(sessions) as db:
+        return crud.list_device_classes(db)

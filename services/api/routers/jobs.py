@@ -1,0 +1,96 @@
+"""`/v1/jobs`: start tuning a model on a device class, follow it, cancel it, fetch the
+tuned model archive and the records."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path
+from fastapi.responses import FileResponse, StreamingResponse
+
+from services.api import crud
+from services.api.deps import PageDep, SessionsDep, SettingsDep, TeamDep
+from services.api.routers.responses import AUTH, errors
+from services.api.schemas import JobCreate, JobPage, JobPublic
+from services.api.storage import resolve
+from services.db.session import transaction
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=AUTH)
+
+JobId = Annotated[int, Path(ge=1, description="the job's id")]
+
+
+@router.post("", status_code=201, responses=errors(404), summary="Tune a model on a device class")
+def create_job(body: JobCreate, team: TeamDep, sessions: SessionsDep, settings: SettingsDep) -> JobPublic:
+    """Queue a job; the scheduler picks it up. 404 for a model that is not your team's;
+    422 for an unknown device class or a budget beyond the farm's limit."""
+    with transaction(sessions) as db:
+        job = crud.create_job(db, team_id=team.id, body=body, max_trial_budget=settings.max_trial_budget)
+        return crud.job_public(db, team_id=team.id, job_id=job.id)
+
+
+@router.get("", summary="List your team's jobs, newest first")
+def list_jobs(team: TeamDep, sessions: SessionsDep, page: PageDep) -> JobPage:
+    with transaction(sessions) as db:
+        items, next_cursor = crud.list_jobs(db, team_id=team.id, limit=page.limit, cursor=page.cursor)
+    return JobPage(items=items, next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", responses=errors(404), summary="A job's state and progress")
+def get_job(job_id: JobId, team: TeamDep, sessions: SessionsDep) -> JobPublic:
+    """State, trials used of the budget, per-task best, the estimated latency at the start
+    and now, and its curve; read from precomputed rows (constant cost per request)."""
+    with transaction(sessions) as db:
+        return crud.job_public(db, team_id=team.id, job_id=job_id)
+
+
+@router.post("/{job_id}/cancel", responses=errors(404, 409), summary="Cancel a job")
+def cancel_job(job_id: JobId, team: TeamDep, sessions: SessionsDep) -> JobPublic:
+    """A queued job is cancelled at once; a running one when the scheduler next looks
+    (`cancel_requested` is true until then). 409 for a finished job."""
+    with transaction(sessions) as db:
+        crud.request_cancel(db, team_id=team.id, job_id=job_id)
+        return crud.job_public(db, team_id=team.id, job_id=job_id)
+
+
+@router.get(
+    "/{job_id}/artifact",
+    response_class=FileResponse,
+    responses={
+        200: {
+            "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+            "description": "tuned/{model.so, manifest.json, records.jsonl, report.json} as a .tar.gz",
+        },
+        **errors(404, 409),
+    },
+    summary="The tuned model, as one archive",
+)
+def get_artifact(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: SettingsDep) -> FileResponse:
+    """The same files `tunefarm tune --out DIR` writes. 409 until the job has succeeded."""
+    with transaction(sessions) as db:
+        job = crud.job_artifact(db, team_id=team.id, job_id=job_id)
+    assert job.artifact_path is not None
+    return FileResponse(
+        resolve(settings.artifact_root, job.artifact_path),
+        media_type="application/gzip",
+        filename=f"job-{job_id}-tuned.tar.gz",
+        headers={"X-Content-SHA256": job.artifact_sha256 or ""},
+    )
+
+
+@router.get(
+    "/{job_id}/records",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            "description": "one MeasureRecord JSON line per measurement, oldest first (a records file)",
+        },
+        **errors(404),
+    },
+    summary="Every measurement of a job, as JSON lines",
+)
+def get_records(job_id: JobId, team: TeamDep, sessions: SessionsDep) -> StreamingResponse:
+    with transaction(sessions) as db:
+        crud.check_job(db, team_id=team.id, job_id=job_id)
+    return StreamingResponse(crud.record_lines(sessions, job_id=job_id), media_type="application/x-ndjson")

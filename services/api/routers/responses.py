@@ -1,0 +1,23 @@
+"""The error answers routers declare, so the OpenAPI schema lists every status a client may get."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.api.schemas import ErrorBody
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    descriptions = {
+        401: "no bearer token, or an unknown or revoked one",
+        403: "an agent token: it cannot be used on the team API",
+        404: "no such resource for your team",
+        409: "the resource's state does not allow this now",
+        413: "the upload is larger than the farm accepts; nothing was stored",
+        422: "the request is malformed or asks for something impossible",
+    }
+    return {s: {"model": ErrorBody, "description": descriptions[s]} for s in statuses}
+
+
+AUTH = errors(401, 403, 422)
+"""Every team endpoint: authentication, and validation of its parameters."""

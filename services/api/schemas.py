@@ -1,0 +1,194 @@
+"""Request and response bodies of the HTTP API (pydantic): `XCreate` in, `XPublic` out.
+
+Units: seconds for every latency and duration (`*_secs`), bytes for sizes. Times are
+ISO 8601 with a time zone.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SEED_MAX = 2**31 - 1
+"""TVM's schedule seeds are in [1, 2^31 - 1]."""
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="a stable word: unauthorized, not_found, invalid_model, ...")
+    message: str = Field(description="what is wrong, in one sentence")
+    details: list[dict[str, Any]] | None = Field(default=None, description="per-field problems (validation)")
+
+
+class ErrorBody(BaseModel):
+    """The body of every 4xx and 5xx answer."""
+
+    error: ErrorDetail
+
+
+# -- models -----------------------------------------------------------------------------------
+
+
+class TensorPublic(BaseModel):
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class ModelTaskPublic(BaseModel):
+    position: int = Field(description="order in which the model first calls it")
+    name: str = Field(description="fused subgraph and its input shapes")
+    key: str = Field(description="the workload key (name#structural hash)")
+    shapes: str
+    weight: int = Field(description="calls per inference")
+    flops: float = Field(description="FLOPs of one call")
+    share: float = Field(description="share of the model's FLOPs (weight x flops / total)")
+
+
+class ModelPublic(BaseModel):
+    id: int
+    name: str
+    input_shapes: dict[str, list[int]] = Field(description="the shapes given at upload")
+    inputs: list[TensorPublic]
+    outputs: list[TensorPublic]
+    onnx_sha256: str
+    onnx_size: int
+    tasks: list[ModelTaskPublic]
+    warnings: list[str] = Field(description="the importer's notes (simplification skipped, ...)")
+    created_at: datetime
+
+
+class ModelSummary(BaseModel):
+    id: int
+    name: str
+    tasks: int
+    onnx_size: int
+    created_at: datetime
+
+
+class ModelPage(BaseModel):
+    items: list[ModelSummary]
+    next_cursor: int | None = Field(description="pass as `cursor` for the next page; null on the last")
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+JobStateName = Literal["queued", "running", "finishing", "succeeded", "failed", "cancelled"]
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: int = Field(gt=0, description="a model of your team (POST /v1/models)")
+    device_class: str = Field(min_length=1, max_length=200, description="name of a device class (GET /v1/device-classes)")
+    trial_budget: int = Field(gt=0, description="measurements in total over all the model's tasks")
+    latency_target_secs: float | None = Field(
+        default=None, gt=0, description="stop spending trials once the estimated latency is at most this"
+    )
+    strategy: Literal["gradient", "round-robin"] = Field(default="gradient", description="the task scheduler")
+    seed: int = Field(default=1, ge=1, le=SEED_MAX)
+
+
+class JobTaskPublic(BaseModel):
+    position: int
+    name: str
+    key: str = Field(description="the records' task key: workload key @ target hash")
+    weight: int
+    trials: int = Field(description="measurements of this task so far")
+    best_secs: float | None = Field(description="its fastest valid kernel so far")
+    dead_reason: str | None = Field(description="why the search stopped giving it trials")
+
+
+class ProgressPoint(BaseModel):
+    trials: int
+    elapsed_secs: float = Field(description="seconds since the job started")
+    est_latency_secs: float | None
+
+
+class CostModelPublic(BaseModel):
+    version_id: int | None = Field(description="the class's cost model version the job started from")
+    version: int | None
+    trained_on: int | None = Field(description="programs that version was trained on")
+    trained_on_at_first_batch: int | None = Field(
+        description="programs the shared model had learned from when the job's first batch was ranked "
+        "(0: ranked at random; null: no batch yet)"
+    )
+
+
+class ArtifactPublic(BaseModel):
+    available: bool
+    sha256: str | None
+    size: int | None
+
+
+class JobPublic(BaseModel):
+    id: int
+    state: JobStateName
+    model_id: int
+    model_name: str
+    device_class: str
+    trial_budget: int
+    trials_used: int
+    latency_target_secs: float | None
+    est_latency_start_secs: float | None = Field(
+        description="the estimated end-to-end latency once every task had a valid kernel (the first estimate)"
+    )
+    est_latency_secs: float | None = Field(description="the estimate with the best kernels found so far")
+    cancel_requested: bool
+    error: str | None
+    config: dict[str, Any]
+    tasks: list[JobTaskPublic]
+    curve: list[ProgressPoint]
+    cost_model: CostModelPublic
+    artifact: ArtifactPublic
+    result: dict[str, Any] | None = Field(description="the finished job's check and latency")
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobSummary(BaseModel):
+    id: int
+    state: JobStateName
+    model_id: int
+    device_class: str
+    trial_budget: int
+    trials_used: int
+    est_latency_secs: float | None
+    created_at: datetime
+    finished_at: datetime | None
+
+
+class JobPage(BaseModel):
+    items: list[JobSummary]
+    next_cursor: int | None = Field(description="pass as `cursor` for the next page; null on the last")
+
+
+# -- devices ----------------------------------------------------------------------------------
+
+AgentStateName = Literal["idle", "busy", "offline", "disabled"]
+
+
+class DevicePublic(BaseModel):
+    id: int
+    name: str
+    device_class: str
+    state: AgentStateName
+    capabilities: dict[str, Any] = Field(description="what the agent detected: CPU model, cores, ISA, GPU")
+    registered_at: datetime
+    last_heartbeat_at: datetime | None
+    measurements_done: int
+    errors_by_kind: dict[str, int]
+
+
+class DeviceClassPublic(BaseModel):
+    name: str
+    target: dict[str, Any] = Field(description="the TVM target (JSON dict) every agent of the class measures for")
+    description: str
+    agents_online: int = Field(description="agents of the class that are idle or busy")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    schema_revision: str

@@ -1,0 +1,94 @@
+"""The API's files under the artifact root (rows keep paths relative to it):
+
+    models/<sha256>.onnx         an uploaded model, by content
+    models/<sha256>.fused.json   its fused Relax module (weights included), by content
+    jobs/<job id>/tuned.tar.gz   a finished job's tuned model archive (the scheduler writes it)
+    tmp/                         staging of uploads; emptied of a request's files when it ends
+
+Files are written under a temporary name and renamed into place, so a reader never
+sees half a file, and identical content is stored once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+MODELS_DIR = "models"
+STAGING_DIR = "tmp"
+COPY_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    path: str  # relative to the artifact root
+    sha256: str
+    size: int
+
+
+@contextmanager
+def staging(root: Path) -> Iterator[Path]:
+    """A private directory under the artifact root, removed with what is left in it."""
+    base = root / STAGING_DIR
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="upload-", dir=base))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def copy_limited(source: BinaryIO, dest: Path, *, limit: int) -> tuple[str, int] | None:
+    """Copy `source` to `dest` with its sha256; None (and `dest` removed) as soon as more
+    than `limit` bytes have come."""
+    digest, size = hashlib.sha256(), 0
+    with open(dest, "wb") as out:
+        while chunk := source.read(COPY_CHUNK_BYTES):
+            size += len(chunk)
+            if size > limit:
+                break
+            digest.update(chunk)
+            out.write(chunk)
+    if size > limit:
+        dest.unlink(missing_ok=True)
+        return None
+    return digest.hexdigest(), size
+
+
+def file_sha256(path: Path) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(COPY_CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def keep(root: Path, staged: Path, *, suffix: str, sha256: str | None = None) -> StoredFile:
+    """Move a staged file to `models/<sha256><suffix>` (kept once per content)."""
+    if sha256 is None:
+        sha256, size = file_sha256(staged)
+    else:
+        size = staged.stat().st_size
+    rel = f"{MODELS_DIR}/{sha256}{suffix}"
+    dest = root / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if not dest.exists():
+        os.replace(staged, dest)
+    return StoredFile(rel, sha256, size)
+
+
+def resolve(root: Path, relative: str) -> Path:
+    """The file a stored relative path names; never one outside the root."""
+    base = root.resolve()
+    path = (base / relative).resolve()
+    if base not in path.parents:
+        raise ValueError(f"{relative!r} is outside the artifact root")
+    return path

@@ -1,0 +1,1 @@
+"""Alembic script directory of the farm schema (see services.db.migrate)."""

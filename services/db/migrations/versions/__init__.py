@@ -1,0 +1,1 @@
+"""Alembic revisions of the farm schema (loaded by Alembic, not imported)."""

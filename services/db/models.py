@@ -1,0 +1,547 @@
+"""The farm's tables (SQLAlchemy 2 ORM). The Alembic migrations in `migrations/` create them.
+
+Map, by who writes what:
+
+- the API: `Team`, `Token` (hashed), `Model` and its `ModelTask`s, `Job` (queued);
+- the scheduler: `Job` state and progress, `JobTask` (per-task best), `JobProgress`
+  (the curve), `Batch` + `BatchCandidate` (a proposed round), `CostModelVersion`;
+- the build workers: `Workload` task data (`TaskData`), `BatchCandidate` builds, `Batch`
+  building -> ready;
+- the lease service (agents): `Agent`, `Lease`, `Measurement`.
+
+Shared across teams and jobs: `Workload` (a fused subgraph, by its structural key),
+`DeviceClass`, `TaskData`, `CostModelVersion` (one series per device class) and the
+`Measurement`s of a class, which every new cost model version trains on.
+
+Large blobs (ONNX files, fused modules, built kernels, task data, cost models, tuned
+model archives) live in the artifact directory; a row keeps the path relative to it,
+the sha256 and the size in bytes (`*_path`, `*_sha256`, `*_size`).
+
+Invariants the schema itself enforces:
+- one measurement per batch candidate (`uq_measurements_batch_candidate_id`), so a result
+  written twice is stored once;
+- at most one active lease per batch (partial unique index `uq_leases_active_batch`);
+- token hashes are unique; a team token has a team and an agent token has none.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Double,
+    Enum,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, MappedColumn, mapped_column, relationship
+
+from tunefarm.records import ErrorKind
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+"""Constraint names are derived from the columns, so migrations can name what they alter."""
+
+SHA256_HEX_LEN = 64
+
+
+# -- states -----------------------------------------------------------------------------------
+
+
+class TokenKind(StrEnum):
+    TEAM = "team"  # authenticates a team on the HTTP API
+    AGENT = "agent"  # authenticates a device agent on the gRPC lease service
+
+
+class AgentState(StrEnum):
+    IDLE = "idle"  # heartbeating, holds no lease
+    BUSY = "busy"  # heartbeating, holds a lease
+    OFFLINE = "offline"  # heartbeats stopped
+    DISABLED = "disabled"  # taken out of service by an operator; gets no lease
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHING = "finishing"  # budget spent or target met: building the tuned model
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class BatchState(StrEnum):
+    PROPOSED = "proposed"  # written by the scheduler, enqueued for a build worker
+    BUILDING = "building"  # a build worker has it
+    READY = "ready"  # built, waiting for an agent of its device class
+    LEASED = "leased"  # an agent holds an active lease on it
+    DONE = "done"  # every candidate has its measurement
+    FAILED = "failed"  # could not be built or measured at all; its candidates are lost
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (BatchState.DONE, BatchState.FAILED)
+
+
+class LeaseState(StrEnum):
+    ACTIVE = "active"  # the agent may write results under it
+    FINISHED = "finished"  # the agent said it was done
+    EXPIRED = "expired"  # heartbeats stopped before the deadline; the batch went back to the queue
+
+
+def _pg_enum(cls: type[StrEnum], name: str) -> Enum:
+    """A PostgreSQL enum type holding the members' values (lowercase), not their names."""
+    return Enum(cls, name=name, values_callable=lambda e: [m.value for m in e], validate_strings=True)
+
+
+TOKEN_KIND = _pg_enum(TokenKind, "token_kind")
+AGENT_STATE = _pg_enum(AgentState, "agent_state")
+JOB_STATE = _pg_enum(JobState, "job_state")
+BATCH_STATE = _pg_enum(BatchState, "batch_state")
+LEASE_STATE = _pg_enum(LeaseState, "lease_state")
+ERROR_KIND = _pg_enum(ErrorKind, "error_kind")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        dict[str, Any]: JSONB,
+        list[Any]: JSONB,
+        datetime: DateTime(timezone=True),
+        int: Integer,
+        float: Double,
+        str: Text,
+    }
+
+
+def _pk() -> MappedColumn[Any]:
+    return mapped_column(BigInteger, Identity(), primary_key=True)
+
+
+def _fk(target: str, *, ondelete: str | None = None, nullable: bool = False) -> MappedColumn[Any]:
+    return mapped_column(BigInteger, ForeignKey(target, ondelete=ondelete), nullable=nullable)
+
+
+def _created() -> MappedColumn[Any]:
+    return mapped_column(server_default=func.now())
+
+
+def _sha256(*, nullable: bool = False) -> MappedColumn[Any]:
+    return mapped_column(String(SHA256_HEX_LEN), nullable=nullable)
+
+
+# -- tenants and credentials ------------------------------------------------------------------
+
+
+class Team(Base):
+    __tablename__ = "teams"
+
+    id: Mapped[int] = _pk()
+    name: Mapped[str] = mapped_column(unique=True)
+    created_at: Mapped[datetime] = _created()
+
+
+class Token(Base):
+    """A bearer token, stored as the sha256 of the plain token (shown once, at creation)."""
+
+    __tablename__ = "tokens"
+    __table_args__ = (
+        # Team tokens belong to a team; agent tokens to no team (useless on the team API).
+        CheckConstraint("(kind = 'team') = (team_id IS NOT NULL)", name="team_iff_team_kind"),
+        Index("ix_tokens_team_id", "team_id"),
+    )
+
+    id: Mapped[int] = _pk()
+    kind: Mapped[TokenKind] = mapped_column(TOKEN_KIND)
+    team_id: Mapped[int | None] = _fk("teams.id", ondelete="CASCADE", nullable=True)
+    token_hash: Mapped[str] = mapped_column(String(SHA256_HEX_LEN), unique=True)
+    prefix: Mapped[str] = mapped_column(String(24))  # the first characters, to tell tokens apart
+    label: Mapped[str] = mapped_column(server_default="")
+    created_at: Mapped[datetime] = _created()
+    revoked_at: Mapped[datetime | None]
+
+    team: Mapped[Team | None] = relationship()
+
+
+# -- devices ----------------------------------------------------------------------------------
+
+
+class DeviceClass(Base):
+    """A kind of board: every agent of a class measures for the same TVM target."""
+
+    __tablename__ = "device_classes"
+
+    id: Mapped[int] = _pk()
+    name: Mapped[str] = mapped_column(unique=True)
+    target: Mapped[dict[str, Any]]  # TVM's JSON target dict
+    description: Mapped[str] = mapped_column(server_default="")
+    created_at: Mapped[datetime] = _created()
+
+
+class Agent(Base):
+    """A board's agent. Counters are kept up to date by `queries.record_measurement`."""
+
+    __tablename__ = "agents"
+    __table_args__ = (Index("ix_agents_device_class_id", "device_class_id"),)
+
+    id: Mapped[int] = _pk()
+    device_class_id: Mapped[int] = _fk("device_classes.id")
+    name: Mapped[str] = mapped_column(unique=True)
+    token_id: Mapped[int | None] = _fk("tokens.id", ondelete="SET NULL", nullable=True)
+    capabilities: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    state: Mapped[AgentState] = mapped_column(AGENT_STATE, server_default=AgentState.IDLE.value)
+    registered_at: Mapped[datetime] = _created()
+    last_heartbeat_at: Mapped[datetime | None]
+    measurements_done: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # {error kind: count} of the agent's measurements that are errors.
+    errors_by_kind: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+
+    device_class: Mapped[DeviceClass] = relationship()
+
+
+# -- what is tuned ----------------------------------------------------------------------------
+
+
+class Workload(Base):
+    """A tuning task's program, shared by every model and job that has it.
+
+    `key` is `Workload.key` (name#structural hash), independent of the target; the records'
+    task key adds the target (`JobTask.task_key`).
+    """
+
+    __tablename__ = "workloads"
+
+    id: Mapped[int] = _pk()
+    key: Mapped[str] = mapped_column(unique=True)
+    name: Mapped[str]
+    module_json: Mapped[str]  # tvm.ir.save_json of the workload's IRModule
+    flops: Mapped[float]  # one call
+    n_inputs: Mapped[int]
+    n_outputs: Mapped[int]
+    created_at: Mapped[datetime] = _created()
+
+
+class TaskData(Base):
+    """A workload's inputs (and reference outputs) as an .npz in the artifact directory."""
+
+    __tablename__ = "task_data"
+
+    id: Mapped[int] = _pk()
+    workload_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("workloads.id"), unique=True)
+    path: Mapped[str]
+    sha256: Mapped[str] = _sha256()
+    size: Mapped[int] = mapped_column(BigInteger)
+    has_expected: Mapped[bool] = mapped_column(Boolean)  # holds reference outputs to verify against
+    created_at: Mapped[datetime] = _created()
+
+
+class Model(Base):
+    """An uploaded ONNX model and its task table."""
+
+    __tablename__ = "models"
+    __table_args__ = (Index("ix_models_team_id_id", "team_id", "id"),)
+
+    id: Mapped[int] = _pk()
+    team_id: Mapped[int] = _fk("teams.id")
+    name: Mapped[str]
+    input_shapes: Mapped[dict[str, Any]]  # {input name: [dims...]} as given at upload
+    onnx_path: Mapped[str]
+    onnx_sha256: Mapped[str] = _sha256()
+    onnx_size: Mapped[int] = mapped_column(BigInteger)
+    fused_path: Mapped[str]  # tvm.ir.save_json of the fused module (weights included)
+    fused_sha256: Mapped[str] = _sha256()
+    fused_size: Mapped[int] = mapped_column(BigInteger)
+    task_table: Mapped[list[Any]]  # ModelTasks.table() rows as dicts, for display
+    # [{"name", "shape", "dtype"}] of the imported model's inputs and outputs (manifest, checks).
+    inputs: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))
+    outputs: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))
+    warnings: Mapped[list[Any]] = mapped_column(server_default=text("'[]'::jsonb"))  # the importer's notes
+    created_at: Mapped[datetime] = _created()
+
+    tasks: Mapped[list[ModelTask]] = relationship(order_by="ModelTask.position", back_populates="model")
+
+
+class ModelTask(Base):
+    __tablename__ = "model_tasks"
+    __table_args__ = (
+        CheckConstraint("weight > 0", name="weight_positive"),
+        Index("ix_model_tasks_workload_id", "workload_id"),
+    )
+
+    model_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("models.id", ondelete="CASCADE"), primary_key=True
+    )
+    workload_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("workloads.id"), primary_key=True)
+    position: Mapped[int]  # order in which the model's main first calls it
+    weight: Mapped[int]  # calls per model run
+    const_inputs: Mapped[list[Any]]  # input indices bound to weights in every call
+    global_vars: Mapped[list[Any]]  # the fused module's PrimFunc names this task stands for
+
+    model: Mapped[Model] = relationship(back_populates="tasks")
+    workload: Mapped[Workload] = relationship()
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+
+class Job(Base):
+    """Tuning one model for one device class within a trial budget.
+
+    `trials_used`, the per-task bests (`JobTask`) and the curve (`JobProgress`) are kept up
+    to date as measurements arrive, so reading a job costs the same at any trial count.
+    """
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint("trial_budget > 0", name="trial_budget_positive"),
+        CheckConstraint("trials_used >= 0", name="trials_used_nonnegative"),
+        CheckConstraint(
+            "latency_target_secs IS NULL OR latency_target_secs > 0", name="latency_target_positive"
+        ),
+        Index("ix_jobs_team_id_id", "team_id", "id"),
+        Index("ix_jobs_state_id", "state", "id"),
+    )
+
+    id: Mapped[int] = _pk()
+    team_id: Mapped[int] = _fk("teams.id")
+    model_id: Mapped[int] = _fk("models.id")
+    device_class_id: Mapped[int] = _fk("device_classes.id")
+    trial_budget: Mapped[int]
+    latency_target_secs: Mapped[float | None]
+    config: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))  # TuneConfig.as_dict()
+    state: Mapped[JobState] = mapped_column(JOB_STATE, server_default=JobState.QUEUED.value)
+    cancel_requested: Mapped[bool] = mapped_column(server_default=text("false"))
+    error: Mapped[str | None]
+    trials_used: Mapped[int] = mapped_column(server_default=text("0"))
+    est_latency_start_secs: Mapped[float | None]  # estimated model latency before tuning
+    est_latency_secs: Mapped[float | None]  # ... with the best kernels found so far
+    # The cost model version the job's search started from (None: a fresh model).
+    cost_model_version_id: Mapped[int | None] = _fk("cost_model_versions.id", nullable=True)
+    # Programs the class's shared cost model had been trained on when the job's first batch
+    # was ranked (0: that batch was ranked at random); None until then.
+    start_model_trained_on: Mapped[int | None]
+    # The finished job's summary: stop reason, the tuned model's check and latency.
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    artifact_path: Mapped[str | None]  # the tuned model archive
+    artifact_sha256: Mapped[str | None] = _sha256(nullable=True)
+    artifact_size: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = _created()
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now(), onupdate=func.now())
+
+    model: Mapped[Model] = relationship()
+    device_class: Mapped[DeviceClass] = relationship()
+    tasks: Mapped[list[JobTask]] = relationship(order_by="JobTask.position", back_populates="job")
+
+
+class JobTask(Base):
+    """One task of a job, with its precomputed progress."""
+
+    __tablename__ = "job_tasks"
+    __table_args__ = (
+        UniqueConstraint("job_id", "workload_id"),
+        CheckConstraint("weight > 0", name="weight_positive"),
+    )
+
+    id: Mapped[int] = _pk()
+    job_id: Mapped[int] = _fk("jobs.id", ondelete="CASCADE")
+    workload_id: Mapped[int] = _fk("workloads.id")
+    task_key: Mapped[str]  # the records' task key: workload key @ target hash
+    position: Mapped[int]
+    weight: Mapped[int]
+    trials: Mapped[int] = mapped_column(server_default=text("0"))
+    best_cost: Mapped[float | None]  # seconds; None until a valid measurement
+    best_measurement_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("measurements.id", use_alter=True), nullable=True
+    )
+    dead_reason: Mapped[str | None]  # why the search gave the task up (space exhausted, ...)
+
+    job: Mapped[Job] = relationship(back_populates="tasks")
+    workload: Mapped[Workload] = relationship()
+
+
+class JobProgress(Base):
+    """One point of a job's curve, written after each round."""
+
+    __tablename__ = "job_progress"
+    __table_args__ = (UniqueConstraint("job_id", "trials"),)
+
+    id: Mapped[int] = _pk()
+    job_id: Mapped[int] = _fk("jobs.id", ondelete="CASCADE")
+    trials: Mapped[int]
+    elapsed_secs: Mapped[float]
+    est_latency_secs: Mapped[float | None]
+    created_at: Mapped[datetime] = _created()
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+class Batch(Base):
+    """One round of one task of a job: the scheduler's `MeasureBatch`, with its lifecycle.
+
+    `device_class_id` and `workload_id` repeat the job's and the task's so that the lease
+    query reads one table. `ready_at` orders the queue (FIFO); a batch that goes back to
+    the queue keeps its place.
+    """
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        CheckConstraint("attempts >= 0", name="attempts_nonnegative"),
+        # A batch in the queue has its place in it.
+        CheckConstraint(
+            "ready_at IS NOT NULL OR state NOT IN ('ready', 'leased')", name="queued_has_ready_at"
+        ),
+        # The queue: ready batches (and leased ones, whose lease may have expired) of a class.
+        Index(
+            "ix_batches_queue",
+            "device_class_id",
+            "ready_at",
+            "id",
+            postgresql_where=text("state IN ('ready', 'leased')"),
+        ),
+        Index("ix_batches_job_id_id", "job_id", "id"),
+        Index("ix_batches_job_task_id", "job_task_id"),
+    )
+
+    id: Mapped[int] = _pk()
+    job_id: Mapped[int] = _fk("jobs.id", ondelete="CASCADE")
+    job_task_id: Mapped[int] = _fk("job_tasks.id", ondelete="CASCADE")
+    workload_id: Mapped[int] = _fk("workloads.id")
+    device_class_id: Mapped[int] = _fk("device_classes.id")
+    state: Mapped[BatchState] = mapped_column(BATCH_STATE, server_default=BatchState.PROPOSED.value)
+    timing: Mapped[dict[str, Any]]  # TimingConfig as a dict
+    build_timeout_secs: Mapped[float]
+    run_timeout_secs: Mapped[float]
+    build_error: Mapped[str | None]  # why the whole batch failed to build (state failed)
+    attempts: Mapped[int] = mapped_column(server_default=text("0"))  # leases granted so far
+    created_at: Mapped[datetime] = _created()
+    ready_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+    candidates: Mapped[list[BatchCandidate]] = relationship(
+        order_by="BatchCandidate.position", back_populates="batch"
+    )
+
+
+class BatchCandidate(Base):
+    __tablename__ = "batch_candidates"
+    __table_args__ = (UniqueConstraint("batch_id", "candidate_key"),)
+
+    id: Mapped[int] = _pk()
+    batch_id: Mapped[int] = _fk("batches.id", ondelete="CASCADE")
+    position: Mapped[int]  # order in the proposal (best predicted first)
+    candidate_key: Mapped[str]  # Candidate.key
+    input: Mapped[dict[str, Any]]  # the MeasureInput (codec.input_to_json)
+    artifact_path: Mapped[str | None]  # the built kernel, once built
+    build: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # the BuildResult (codec.build_to_json)
+
+    batch: Mapped[Batch] = relationship(back_populates="candidates")
+
+
+class Lease(Base):
+    __tablename__ = "leases"
+    __table_args__ = (
+        # At most one active lease per batch.
+        Index("uq_leases_active_batch", "batch_id", unique=True, postgresql_where=text("state = 'active'")),
+        # Finding expired leases, and an agent's active ones.
+        Index("ix_leases_active_expires_at", "expires_at", postgresql_where=text("state = 'active'")),
+        Index("ix_leases_active_agent_id", "agent_id", postgresql_where=text("state = 'active'")),
+        Index("ix_leases_batch_id", "batch_id"),
+    )
+
+    id: Mapped[int] = _pk()
+    batch_id: Mapped[int] = _fk("batches.id", ondelete="CASCADE")
+    agent_id: Mapped[int] = _fk("agents.id")
+    state: Mapped[LeaseState] = mapped_column(LEASE_STATE, server_default=LeaseState.ACTIVE.value)
+    granted_at: Mapped[datetime] = _created()
+    expires_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+
+    batch: Mapped[Batch] = relationship()
+    agent: Mapped[Agent] = relationship()
+
+
+class Measurement(Base):
+    """One measured candidate. The unique batch candidate makes a second write of the same
+    result a no-op; job, task, workload and class are copied from the batch at insert so
+    that the hot reads (a job's records, a class's training set) use one index each.
+    Measurements are never cascaded away: a job, batch or agent that has some cannot be
+    deleted (every class's cost model trains on them).
+
+    `agent_id`/`lease_id` are None for a candidate whose build failed (measured by nobody).
+    """
+
+    __tablename__ = "measurements"
+    __table_args__ = (
+        CheckConstraint("cost IS NULL OR cost >= 0", name="cost_nonnegative"),
+        CheckConstraint("(error_kind = 'none') OR cost IS NULL", name="error_has_no_cost"),
+        Index("ix_measurements_job_id_id", "job_id", "id"),
+        Index("ix_measurements_device_class_id_id", "device_class_id", "id"),
+        Index("ix_measurements_workload_id_device_class_id", "workload_id", "device_class_id"),
+        Index("ix_measurements_agent_id", "agent_id"),
+    )
+
+    id: Mapped[int] = _pk()
+    batch_candidate_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("batch_candidates.id"), unique=True
+    )
+    job_id: Mapped[int] = _fk("jobs.id")
+    job_task_id: Mapped[int] = _fk("job_tasks.id")
+    workload_id: Mapped[int] = _fk("workloads.id")
+    device_class_id: Mapped[int] = _fk("device_classes.id")
+    agent_id: Mapped[int | None] = _fk("agents.id", nullable=True)
+    lease_id: Mapped[int | None] = _fk("leases.id", nullable=True)
+    candidate_key: Mapped[str]
+    cost: Mapped[float | None]  # seconds per call (median); None for an error
+    error_kind: Mapped[ErrorKind] = mapped_column(ERROR_KIND)
+    record: Mapped[dict[str, Any]]  # the MeasureRecord JSON line, parsed
+    fingerprint: Mapped[dict[str, Any]]  # environment: TVM version, device capabilities
+    created_at: Mapped[datetime] = _created()
+
+
+class CostModelVersion(Base):
+    """A saved cost model of a device class; versions count up from 1 per class."""
+
+    __tablename__ = "cost_model_versions"
+    __table_args__ = (
+        UniqueConstraint("device_class_id", "version"),
+        CheckConstraint("version > 0", name="version_positive"),
+    )
+
+    id: Mapped[int] = _pk()
+    device_class_id: Mapped[int] = _fk("device_classes.id")
+    version: Mapped[int]
+    feature_version: Mapped[int]  # services.scheduler.features.FEATURE_VERSION it was trained with
+    path: Mapped[str]
+    sha256: Mapped[str] = _sha256()
+    size: Mapped[int] = mapped_column(BigInteger)
+    trained_on: Mapped[int]  # programs (measurements) in its training set
+    # The class's highest measurement id in the training set: the next version trains on
+    # the measurements after it (plus what this one saw).
+    last_measurement_id: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = _created()

@@ -1,0 +1,861 @@
+"""Small keyword-only database operations that carry the farm's invariants.
+
+Every function works inside the caller's transaction (`session.transaction`) and commits
+nothing itself. Map:
+
+- tokens: `new_token`, `hash_token`, `issue_token`, `verify_token`;
+- batch lifecycle: `transition_batch` (the state machine, `BATCH_TRANSITIONS`),
+  `mark_batch_ready`, `unmeasured_candidates`;
+- leases: `lease_next_batch` (FIFO, `FOR UPDATE SKIP LOCKED`), `heartbeat`,
+  `expire_leases`, `finish_lease`, `mark_agents_offline`;
+- measurements: `record_measurement` (exactly once, only under the sender's active lease),
+  `record_measurements` (the same for many candidates of a lease in a few statements),
+  `record_build_error` (a candidate that never reached an agent);
+- agents and lost batches: `register_agent`, `release_agent_leases`, `abandon_batch`
+  (error results for what a batch that cannot be measured still lacks);
+- cost models: `add_cost_model_version`, `latest_cost_model_version`.
+
+Time: every `now` argument defaults to the database's clock (`now()`, the transaction's
+start), so hosts with skewed clocks agree; tests pass explicit times.
+
+Lease rules. A lease is valid while its state is `active`: a result or heartbeat under an
+active lease is accepted even past `expires_at`, until someone else leases the batch or
+`expire_leases` runs (either marks it `expired`). After that, the first agent's writes
+are refused (`LeaseNotHeld`).
+
+Lock order, kept by every function here so that concurrent callers cannot deadlock:
+batches -> leases -> measurements -> job_tasks -> jobs -> agents. Code elsewhere that
+locks several of these in one transaction should keep the same order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import ColumnElement, Integer, and_, case, cast, exists, func, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
+
+from services.db.codec import build_from_json, input_from_json, record_to_json
+from services.db.exceptions import Conflict, InvalidTransition, LeaseNotHeld, NotFound
+from services.db.models import (
+    Agent,
+    AgentState,
+    Batch,
+    BatchCandidate,
+    BatchState,
+    CostModelVersion,
+    DeviceClass,
+    Job,
+    JobTask,
+    Lease,
+    LeaseState,
+    Measurement,
+    Token,
+    TokenKind,
+    Workload,
+)
+from tunefarm.records import BuildResult, ErrorKind, MeasureRecord, MeasureResult, RunResult
+
+Now = datetime | ColumnElement[Any]
+
+
+def _now(now: datetime | None) -> Now:
+    return now if now is not None else func.now()
+
+
+# -- tokens -----------------------------------------------------------------------------------
+
+TOKEN_PREFIXES: Mapping[TokenKind, str] = {TokenKind.TEAM: "tft_", TokenKind.AGENT: "tfa_"}
+"""A token's kind is visible in its text, so a token pasted into the wrong place is obvious."""
+
+TOKEN_BYTES = 32
+"""Random bytes in a token (256 bits: an unsalted sha256 of it cannot be brute-forced)."""
+
+TOKEN_DISPLAY_CHARS = 12
+"""Leading characters of a token kept in clear (`Token.prefix`), to tell tokens apart."""
+
+
+@dataclass(frozen=True)
+class NewToken:
+    plain: str  # shown to its owner once; never stored
+    token_hash: str
+    prefix: str
+
+
+def hash_token(plain: str) -> str:
+    """The stored form of a token: sha256, hex."""
+    return hashlib.sha256(plain.encode()).hexdigest()
+
+
+def new_token(kind: TokenKind) -> NewToken:
+    plain = TOKEN_PREFIXES[kind] + secrets.token_urlsafe(TOKEN_BYTES)
+    return NewToken(plain=plain, token_hash=hash_token(plain), prefix=plain[:TOKEN_DISPLAY_CHARS])
+
+
+def issue_token(
+    session: Session, *, kind: TokenKind, team_id: int | None = None, label: str = ""
+) -> tuple[Token, str]:
+    """Store a new token; returns its row and the plain token (the only time it exists)."""
+    token = new_token(kind)
+    row = session.scalars(
+        insert(Token).returning(Token),
+        [
+            {
+                "kind": kind,
+                "team_id": team_id,
+                "token_hash": token.token_hash,
+                "prefix": token.prefix,
+                "label": label,
+            }
+        ],
+    ).one()
+    return row, token.plain
+
+
+def verify_token(session: Session, *, plain: str, kind: TokenKind) -> Token | None:
+    """The unrevoked token of `kind` whose text is `plain`, or None. A team token is never
+    an agent token, nor the reverse."""
+    if not plain.startswith(TOKEN_PREFIXES[kind]):
+        return None
+    return session.scalars(
+        select(Token).where(
+            Token.token_hash == hash_token(plain), Token.kind == kind, Token.revoked_at.is_(None)
+        )
+    ).one_or_none()
+
+
+# -- batches ----------------------------------------------------------------------------------
+
+BATCH_TRANSITIONS: Mapping[BatchState, frozenset[BatchState]] = {
+    BatchState.PROPOSED: frozenset({BatchState.BUILDING, BatchState.FAILED}),
+    # back to proposed: the build worker died and the build is queued again
+    BatchState.BUILDING: frozenset(
+        {BatchState.PROPOSED, BatchState.READY, BatchState.DONE, BatchState.FAILED}
+    ),
+    BatchState.READY: frozenset({BatchState.LEASED, BatchState.FAILED}),
+    # back to ready: the lease expired or ended with candidates unmeasured
+    BatchState.LEASED: frozenset({BatchState.READY, BatchState.DONE, BatchState.FAILED}),
+    BatchState.DONE: frozenset(),
+    BatchState.FAILED: frozenset(),
+}
+"""The batch states each state may move to."""
+
+
+def transition_batch(
+    session: Session,
+    *,
+    batch_id: int,
+    to: BatchState,
+    build_error: str | None = None,
+    now: datetime | None = None,
+) -> Batch:
+    """Move a batch to `to` if `BATCH_TRANSITIONS` allows it from its current state.
+
+    Entering ready sets `ready_at` the first time (its place in the queue), entering done
+    or failed sets `finished_at`, and leaving leased ends the batch's active lease (a
+    failed or cancelled batch takes no more results). Raises `NotFound`, `InvalidTransition`.
+    """
+    batch = session.scalars(
+        select(Batch).where(Batch.id == batch_id).with_for_update().execution_options(populate_existing=True)
+    ).one_or_none()
+    if batch is None:
+        raise NotFound(f"batch {batch_id}")
+    if to not in BATCH_TRANSITIONS[batch.state]:
+        raise InvalidTransition(f"batch {batch_id}: {batch.state} -> {to}")
+    values: dict[str, Any] = {"state": to}
+    if to is BatchState.READY and batch.ready_at is None:
+        values["ready_at"] = _now(now)
+    if to.is_terminal:
+        values["finished_at"] = _now(now)
+    if build_error is not None:
+        values["build_error"] = build_error
+    if batch.state is BatchState.LEASED:
+        _end_active_lease(session, batch_id=batch_id, state=LeaseState.EXPIRED, now=now)
+    return session.scalars(
+        update(Batch).where(Batch.id == batch_id).values(**values).returning(Batch),
+        execution_options={"populate_existing": True},
+    ).one()
+
+
+def mark_batch_ready(session: Session, *, batch_id: int, now: datetime | None = None) -> BatchState:
+    """A built batch joins its class's queue; one with nothing left to measure (every build
+    failed and was recorded) is done instead. Returns the state reached."""
+    session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
+    to = BatchState.READY if unmeasured_candidates(session, batch_id=batch_id) else BatchState.DONE
+    return transition_batch(session, batch_id=batch_id, to=to, now=now).state
+
+
+def unmeasured_candidates(session: Session, *, batch_id: int) -> list[BatchCandidate]:
+    """The batch's candidates without a measurement, in proposal order (what an agent runs)."""
+    measured = exists().where(Measurement.batch_candidate_id == BatchCandidate.id)
+    return list(
+        session.scalars(
+            select(BatchCandidate)
+            .where(BatchCandidate.batch_id == batch_id, ~measured)
+            .order_by(BatchCandidate.position, BatchCandidate.id)
+        )
+    )
+
+
+# -- leases -----------------------------------------------------------------------------------
+
+MAX_LEASE_PROBES = 8
+"""Queue heads `lease_next_batch` tries before giving up (a candidate is passed over when
+its expired lease was renewed by a heartbeat between the queue scan and the lock)."""
+
+
+def lease_next_batch(
+    session: Session, *, agent_id: int, lease_secs: float, now: datetime | None = None
+) -> Lease | None:
+    """Lease the oldest batch of the agent's device class that is ready, or whose lease
+    expired; None when there is none (or the agent is disabled).
+
+    Batches are locked with `FOR UPDATE SKIP LOCKED`, so concurrent agents never get the
+    same batch and never wait on each other. A re-leased batch's old lease becomes
+    `expired`. Returns the new lease, its `batch` loaded. Raises `NotFound` for an
+    unknown agent.
+    """
+    agent = session.get(Agent, agent_id)
+    if agent is None:
+        raise NotFound(f"agent {agent_id}")
+    if agent.state is AgentState.DISABLED:
+        return None
+    at = _now(now)
+    expired = exists().where(
+        Lease.batch_id == Batch.id, Lease.state == LeaseState.ACTIVE, Lease.expires_at < at
+    )
+    passed_over: list[int] = []
+    for _ in range(MAX_LEASE_PROBES):
+        query = select(Batch).where(
+            Batch.device_class_id == agent.device_class_id,
+            Batch.state.in_([BatchState.READY, BatchState.LEASED]),
+            or_(Batch.state == BatchState.READY, expired),
+        )
+        if passed_over:
+            query = query.where(Batch.id.not_in(passed_over))
+        batch = session.scalars(
+            query.order_by(Batch.ready_at, Batch.id)
+            .limit(1)
+            .with_for_update(of=Batch, skip_locked=True)
+            .execution_options(populate_existing=True)
+        ).one_or_none()
+        if batch is None:
+            return None
+        if batch.state is BatchState.LEASED and not _end_active_lease(
+            session, batch_id=batch.id, state=LeaseState.EXPIRED, now=now, only_expired=True
+        ):
+            passed_over.append(batch.id)  # renewed since the scan
+            continue
+        lease = session.scalars(
+            insert(Lease)
+            .values(
+                batch_id=batch.id,
+                agent_id=agent_id,
+                state=LeaseState.ACTIVE,
+                granted_at=at,
+                expires_at=at + timedelta(seconds=lease_secs),
+            )
+            .returning(Lease)
+        ).one()
+        session.execute(
+            update(Batch)
+            .where(Batch.id == batch.id)
+            .values(state=BatchState.LEASED, attempts=Batch.attempts + 1),
+            execution_options={"synchronize_session": False},
+        )
+        session.refresh(batch)
+        session.execute(
+            update(Agent)
+            .where(Agent.id == agent_id, Agent.state != AgentState.DISABLED)
+            .values(state=AgentState.BUSY),
+            execution_options={"synchronize_session": False},
+        )
+        set_committed_value(lease, "batch", batch)  # loaded, not a change to flush
+        return lease
+    return None
+
+
+def _end_active_lease(
+    session: Session, *, batch_id: int, state: LeaseState, now: datetime | None, only_expired: bool = False
+) -> int | None:
+    """End the batch's active lease (the caller holds the batch's lock); its id, or None."""
+    at = _now(now)
+    where = [Lease.batch_id == batch_id, Lease.state == LeaseState.ACTIVE]
+    if only_expired:
+        where.append(Lease.expires_at < at)
+    return session.scalars(
+        update(Lease).where(*where).values(state=state, finished_at=at).returning(Lease.id)
+    ).one_or_none()
+
+
+def heartbeat(
+    session: Session, *, agent_id: int, lease_secs: float, now: datetime | None = None
+) -> list[int]:
+    """An agent is alive: record it, and extend its active leases to now + `lease_secs`.
+    Returns the ids of the leases extended. Raises `NotFound` for an unknown agent."""
+    at = _now(now)
+    extended = list(
+        session.scalars(
+            update(Lease)
+            .where(Lease.agent_id == agent_id, Lease.state == LeaseState.ACTIVE)
+            .values(expires_at=at + timedelta(seconds=lease_secs))
+            .returning(Lease.id)
+        )
+    )
+    state = case(
+        (Agent.state == AgentState.DISABLED, Agent.state),
+        else_=AgentState.BUSY if extended else AgentState.IDLE,
+    )
+    found = session.execute(
+        update(Agent)
+        .where(Agent.id == agent_id)
+        .values(last_heartbeat_at=at, state=state)
+        .returning(Agent.id),
+        execution_options={"synchronize_session": False},
+    ).first()
+    if found is None:
+        raise NotFound(f"agent {agent_id}")
+    return sorted(extended)
+
+
+def expire_leases(session: Session, *, now: datetime | None = None) -> list[int]:
+    """Mark every active lease past its deadline expired and put its batch back in the
+    queue (keeping its place). Batches another transaction holds are skipped (the next
+    sweep, or the leaser itself, takes care of them). Returns the requeued batch ids."""
+    at = _now(now)
+    batch_ids = list(
+        session.scalars(
+            select(Batch.id)
+            .join(Lease, and_(Lease.batch_id == Batch.id, Lease.state == LeaseState.ACTIVE))
+            .where(Lease.expires_at < at)
+            .order_by(Batch.id)
+            .with_for_update(of=Batch, skip_locked=True)
+        )
+    )
+    if not batch_ids:
+        return []
+    session.execute(
+        update(Lease)
+        .where(Lease.batch_id.in_(batch_ids), Lease.state == LeaseState.ACTIVE, Lease.expires_at < at)
+        .values(state=LeaseState.EXPIRED, finished_at=at),
+        execution_options={"synchronize_session": False},
+    )
+    session.execute(
+        update(Batch)
+        .where(Batch.id.in_(batch_ids), Batch.state == BatchState.LEASED)
+        .values(state=BatchState.READY),
+        execution_options={"synchronize_session": False},
+    )
+    return batch_ids
+
+
+def finish_lease(
+    session: Session, *, lease_id: int, agent_id: int, now: datetime | None = None
+) -> BatchState:
+    """The agent is done with its lease: the batch is done when every candidate has its
+    measurement, otherwise back in the queue for what is missing. Returns the batch's
+    new state. Raises `LeaseNotHeld` unless the lease is the agent's and active."""
+    batch_id = session.scalar(select(Lease.batch_id).where(Lease.id == lease_id))
+    if batch_id is None:
+        raise NotFound(f"lease {lease_id}")
+    session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())  # lock order
+    lease = _held_lease(session, lease_id=lease_id, agent_id=agent_id, lock=True)
+    at = _now(now)
+    session.execute(
+        update(Lease).where(Lease.id == lease.id).values(state=LeaseState.FINISHED, finished_at=at),
+        execution_options={"synchronize_session": False},
+    )
+    done = not unmeasured_candidates(session, batch_id=batch_id)
+    state = BatchState.DONE if done else BatchState.READY
+    session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id)
+        .values(state=state, **({"finished_at": at} if done else {})),
+        execution_options={"synchronize_session": False},
+    )
+    return state
+
+
+def _held_lease(session: Session, *, lease_id: int, agent_id: int, lock: bool) -> Lease:
+    """The lease, if it is active and the agent's; else `LeaseNotHeld` (`NotFound` if absent).
+    `lock`: FOR UPDATE (the caller changes it), else FOR SHARE (it must not change under us)."""
+    lease = session.scalars(
+        select(Lease)
+        .where(Lease.id == lease_id)
+        .with_for_update(read=not lock)
+        .execution_options(populate_existing=True)
+    ).one_or_none()
+    if lease is None:
+        raise NotFound(f"lease {lease_id}")
+    if lease.agent_id != agent_id:
+        raise LeaseNotHeld(f"lease {lease_id} is not held by agent {agent_id}")
+    if lease.state is not LeaseState.ACTIVE:
+        raise LeaseNotHeld(f"lease {lease_id} is {lease.state}")
+    return lease
+
+
+def mark_agents_offline(session: Session, *, stale_secs: float, now: datetime | None = None) -> list[int]:
+    """Agents whose last heartbeat is older than `stale_secs` become offline; their ids."""
+    at = _now(now)
+    return sorted(
+        session.scalars(
+            update(Agent)
+            .where(
+                Agent.state.in_([AgentState.IDLE, AgentState.BUSY]),
+                or_(
+                    Agent.last_heartbeat_at < at - timedelta(seconds=stale_secs),
+                    and_(
+                        Agent.last_heartbeat_at.is_(None),
+                        Agent.registered_at < at - timedelta(seconds=stale_secs),
+                    ),
+                ),
+            )
+            .values(state=AgentState.OFFLINE)
+            .returning(Agent.id)
+        )
+    )
+
+
+# -- measurements -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recorded:
+    measurement_id: int
+    created: bool  # False: the candidate already had its measurement; nothing was written
+
+
+def record_measurement(
+    session: Session,
+    *,
+    batch_candidate_id: int,
+    lease_id: int,
+    agent_id: int,
+    record: MeasureRecord,
+    fingerprint: Mapping[str, Any],
+) -> Recorded:
+    """Store an agent's measurement of a candidate, exactly once.
+
+    Refused (`LeaseNotHeld`) unless `lease_id` is active, the agent's, and on the
+    candidate's batch. A second write of the same candidate (a retry, a duplicate stream)
+    changes nothing and returns the first one's id with `created=False`; the unique
+    batch candidate guarantees it under any concurrency. A new measurement advances the
+    job's and the task's trial counts and best, and the agent's counters, in the same
+    transaction.
+    """
+    lease = _held_lease(session, lease_id=lease_id, agent_id=agent_id, lock=False)
+    return _insert_measurement(
+        session,
+        batch_candidate_id=batch_candidate_id,
+        record=record,
+        fingerprint=fingerprint,
+        lease=lease,
+    )
+
+
+def record_build_error(
+    session: Session, *, batch_candidate_id: int, record: MeasureRecord, fingerprint: Mapping[str, Any]
+) -> Recorded:
+    """Store the measurement of a candidate whose build failed (written by the build
+    worker; no agent, no lease). Exactly once, like `record_measurement`."""
+    if not record.error_kind.is_error:
+        raise ValueError("record_build_error takes a failed record")
+    return _insert_measurement(
+        session, batch_candidate_id=batch_candidate_id, record=record, fingerprint=fingerprint, lease=None
+    )
+
+
+def _insert_measurement(
+    session: Session,
+    *,
+    batch_candidate_id: int,
+    record: MeasureRecord,
+    fingerprint: Mapping[str, Any],
+    lease: Lease | None,
+) -> Recorded:
+    row = session.execute(
+        select(
+            BatchCandidate.batch_id,
+            BatchCandidate.candidate_key,
+            Batch.job_id,
+            Batch.job_task_id,
+            Batch.workload_id,
+            Batch.device_class_id,
+        )
+        .join(Batch, Batch.id == BatchCandidate.batch_id)
+        .where(BatchCandidate.id == batch_candidate_id)
+    ).one_or_none()
+    if row is None:
+        raise NotFound(f"batch candidate {batch_candidate_id}")
+    if lease is not None and lease.batch_id != row.batch_id:
+        raise LeaseNotHeld(f"lease {lease.id} is on batch {lease.batch_id}, not on batch {row.batch_id}")
+    if record.candidate.key != row.candidate_key:
+        raise ValueError(f"record of {record.candidate.key!r} given for candidate {row.candidate_key!r}")
+    cost = record.cost if math.isfinite(record.cost) else None
+    agent_id = lease.agent_id if lease is not None else None
+    new_id = session.scalar(
+        pg_insert(Measurement)
+        .values(
+            batch_candidate_id=batch_candidate_id,
+            job_id=row.job_id,
+            job_task_id=row.job_task_id,
+            workload_id=row.workload_id,
+            device_class_id=row.device_class_id,
+            agent_id=agent_id,
+            lease_id=lease.id if lease is not None else None,
+            candidate_key=row.candidate_key,
+            cost=cost,
+            error_kind=record.error_kind,
+            record=record_to_json(record),
+            fingerprint=dict(fingerprint),
+        )
+        .on_conflict_do_nothing(index_elements=[Measurement.batch_candidate_id])
+        .returning(Measurement.id)
+    )
+    if new_id is None:
+        existing = session.scalar(
+            select(Measurement.id).where(Measurement.batch_candidate_id == batch_candidate_id)
+        )
+        assert existing is not None
+        return Recorded(measurement_id=existing, created=False)
+    _count_measurement(
+        session,
+        measurement_id=new_id,
+        job_task_id=row.job_task_id,
+        job_id=row.job_id,
+        agent_id=agent_id,
+        cost=cost,
+        error_kind=str(record.error_kind) if record.error_kind.is_error else None,
+    )
+    return Recorded(measurement_id=new_id, created=True)
+
+
+def _count_measurement(
+    session: Session,
+    *,
+    measurement_id: int,
+    job_task_id: int,
+    job_id: int,
+    agent_id: int | None,
+    cost: float | None,
+    error_kind: str | None,
+) -> None:
+    """The precomputed progress a new measurement advances (task, job, agent)."""
+    task_values: dict[str, Any] = {"trials": JobTask.trials + 1}
+    if cost is not None:
+        better = or_(JobTask.best_cost.is_(None), JobTask.best_cost > cost)
+        task_values["best_cost"] = case((better, cost), else_=JobTask.best_cost)
+        task_values["best_measurement_id"] = case((better, measurement_id), else_=JobTask.best_measurement_id)
+    opts = {"synchronize_session": False}
+    session.execute(
+        update(JobTask).where(JobTask.id == job_task_id).values(**task_values), execution_options=opts
+    )
+    session.execute(
+        update(Job).where(Job.id == job_id).values(trials_used=Job.trials_used + 1), execution_options=opts
+    )
+    if agent_id is None:
+        return
+    agent_values: dict[str, Any] = {"measurements_done": Agent.measurements_done + 1}
+    if error_kind is not None:
+        count = func.coalesce(cast(Agent.errors_by_kind[error_kind].astext, Integer), 0) + 1
+        agent_values["errors_by_kind"] = Agent.errors_by_kind.op("||")(
+            func.jsonb_build_object(error_kind, count)
+        )
+    session.execute(update(Agent).where(Agent.id == agent_id).values(**agent_values), execution_options=opts)
+
+
+# -- the data plane: agents, batched results, lost batches ------------------------------------
+
+
+def register_agent(
+    session: Session,
+    *,
+    name: str,
+    device_class_id: int,
+    token_id: int | None,
+    capabilities: Mapping[str, Any],
+    now: datetime | None = None,
+) -> Agent:
+    """Create the agent `name`, or take it over again after a restart (same name).
+
+    An agent registering again holds none of its earlier leases (its process restarted):
+    they end now and their batches go back to the queue, instead of waiting for the
+    leases to expire. Raises `Conflict` when the name belongs to an agent of another
+    token."""
+    at = _now(now)
+    agent = session.scalars(
+        select(Agent).where(Agent.name == name).with_for_update().execution_options(populate_existing=True)
+    ).one_or_none()
+    if agent is None:
+        return session.scalars(
+            pg_insert(Agent)
+            .values(
+                name=name,
+                device_class_id=device_class_id,
+                token_id=token_id,
+                capabilities=dict(capabilities),
+                state=AgentState.IDLE,
+                last_heartbeat_at=at,
+            )
+            .returning(Agent)
+        ).one()
+    if agent.token_id is not None and agent.token_id != token_id:
+        raise Conflict(f"agent name {name!r} is taken by an agent of another token", constraint="uq_agents_name")
+    release_agent_leases(session, agent_id=agent.id, now=now)
+    state = case((Agent.state == AgentState.DISABLED, Agent.state), else_=AgentState.IDLE)
+    return session.scalars(
+        update(Agent)
+        .where(Agent.id == agent.id)
+        .values(
+            device_class_id=device_class_id,
+            token_id=token_id,
+            capabilities=dict(capabilities),
+            state=state,
+            last_heartbeat_at=at,
+        )
+        .returning(Agent),
+        execution_options={"populate_existing": True},
+    ).one()
+
+
+def release_agent_leases(session: Session, *, agent_id: int, now: datetime | None = None) -> list[int]:
+    """End the agent's active leases (expired) and put their batches back in the queue;
+    returns those batch ids."""
+    batch_ids = list(
+        session.scalars(
+            select(Lease.batch_id).where(Lease.agent_id == agent_id, Lease.state == LeaseState.ACTIVE)
+        )
+    )
+    for batch_id in sorted(batch_ids):  # lock order: the batch, then (in transition_batch) its lease
+        batch = session.scalars(select(Batch).where(Batch.id == batch_id).with_for_update()).one()
+        if batch.state is BatchState.LEASED:
+            transition_batch(session, batch_id=batch_id, to=BatchState.READY, now=now)
+    return sorted(batch_ids)
+
+
+def record_measurements(
+    session: Session,
+    *,
+    lease_id: int,
+    agent_id: int,
+    items: Sequence[tuple[int, MeasureRecord]],
+    fingerprint: Mapping[str, Any],
+) -> list[Recorded]:
+    """`record_measurement` for many candidates of one lease in a handful of statements
+    (one lease check, one insert, one update each of the task, the job and the agent),
+    whatever their number. Same rules: refused (`LeaseNotHeld`) unless the lease is
+    active, the agent's, and on every candidate's batch; exactly once per candidate.
+    Returns one `Recorded` per item, in order."""
+    if not items:
+        return []
+    lease = _held_lease(session, lease_id=lease_id, agent_id=agent_id, lock=False)
+    ids = [bc_id for bc_id, _ in items]
+    if len(set(ids)) != len(ids):
+        raise ValueError("the same batch candidate twice in one call")
+    keys = dict(
+        session.execute(
+            select(BatchCandidate.id, BatchCandidate.candidate_key).where(
+                BatchCandidate.id.in_(ids), BatchCandidate.batch_id == lease.batch_id
+            )
+        ).all()
+    )
+    foreign = [i for i in ids if i not in keys]
+    if foreign:
+        raise LeaseNotHeld(f"lease {lease_id} is on batch {lease.batch_id}, not on candidates {foreign[:5]}")
+    for bc_id, rec in items:
+        if rec.candidate.key != keys[bc_id]:
+            raise ValueError(f"record of {rec.candidate.key!r} given for candidate {keys[bc_id]!r}")
+    batch = session.execute(
+        select(Batch.job_id, Batch.job_task_id, Batch.workload_id, Batch.device_class_id).where(
+            Batch.id == lease.batch_id
+        )
+    ).one()
+    rows = []
+    for bc_id, rec in items:
+        rows.append(
+            {
+                "batch_candidate_id": bc_id,
+                "job_id": batch.job_id,
+                "job_task_id": batch.job_task_id,
+                "workload_id": batch.workload_id,
+                "device_class_id": batch.device_class_id,
+                "agent_id": agent_id,
+                "lease_id": lease.id,
+                "candidate_key": keys[bc_id],
+                "cost": rec.cost if math.isfinite(rec.cost) else None,
+                "error_kind": rec.error_kind,
+                "record": record_to_json(rec),
+                "fingerprint": dict(fingerprint),
+            }
+        )
+    # One statement whatever the number of rows (SQLAlchemy's "insertmanyvalues"), and
+    # the same statement every time, so it is compiled once per process.
+    created = dict(
+        session.execute(
+            pg_insert(Measurement)
+            .on_conflict_do_nothing(index_elements=[Measurement.batch_candidate_id])
+            .returning(Measurement.batch_candidate_id, Measurement.id),
+            rows,
+        ).all()
+    )
+    missing = [i for i in ids if i not in created]
+    existing = (
+        dict(
+            session.execute(
+                select(Measurement.batch_candidate_id, Measurement.id).where(
+                    Measurement.batch_candidate_id.in_(missing)
+                )
+            ).all()
+        )
+        if missing
+        else {}
+    )
+    new = [(created[bc_id], rec) for bc_id, rec in items if bc_id in created]
+    if new:
+        _count_measurements(
+            session, job_task_id=batch.job_task_id, job_id=batch.job_id, agent_id=agent_id, new=new
+        )
+    return [
+        Recorded(measurement_id=created[i], created=True)
+        if i in created
+        else Recorded(measurement_id=existing[i], created=False)
+        for i in ids
+    ]
+
+
+def _count_measurements(
+    session: Session,
+    *,
+    job_task_id: int,
+    job_id: int,
+    agent_id: int | None,
+    new: Sequence[tuple[int, MeasureRecord]],
+) -> None:
+    """`_count_measurement` for several new measurements (id, record) of one task at once."""
+    valid = [(r.cost, mid) for mid, r in new if math.isfinite(r.cost)]
+    task_values: dict[str, Any] = {"trials": JobTask.trials + len(new)}
+    if valid:
+        cost, mid = min(valid)
+        better = or_(JobTask.best_cost.is_(None), JobTask.best_cost > cost)
+        task_values["best_cost"] = case((better, cost), else_=JobTask.best_cost)
+        task_values["best_measurement_id"] = case((better, mid), else_=JobTask.best_measurement_id)
+    opts = {"synchronize_session": False}
+    session.execute(
+        update(JobTask).where(JobTask.id == job_task_id).values(**task_values), execution_options=opts
+    )
+    session.execute(
+        update(Job).where(Job.id == job_id).values(trials_used=Job.trials_used + len(new)), execution_options=opts
+    )
+    if agent_id is None:
+        return
+    agent_values: dict[str, Any] = {"measurements_done": Agent.measurements_done + len(new)}
+    errors: dict[str, int] = {}
+    for _, rec in new:
+        if rec.error_kind.is_error:
+            errors[str(rec.error_kind)] = errors.get(str(rec.error_kind), 0) + 1
+    if errors:
+        pairs: list[Any] = []
+        for kind, n in sorted(errors.items()):
+            pairs += [kind, func.coalesce(cast(Agent.errors_by_kind[kind].astext, Integer), 0) + n]
+        agent_values["errors_by_kind"] = Agent.errors_by_kind.op("||")(func.jsonb_build_object(*pairs))
+    session.execute(update(Agent).where(Agent.id == agent_id).values(**agent_values), execution_options=opts)
+
+
+def abandon_batch(
+    session: Session,
+    *,
+    batch_id: int,
+    reason: str,
+    error_kind: ErrorKind = ErrorKind.RUN_CRASH,
+    fingerprint: Mapping[str, Any] | None = None,
+    now: datetime | None = None,
+) -> int:
+    """Give a batch up: each unmeasured candidate gets an error measurement (`error_kind`,
+    `reason`; no agent, no lease), and the batch fails (ending its active lease). For a
+    batch that can never be measured (it was leased again and again and no agent ever
+    finished it), so that every candidate still has exactly one result. Returns the
+    number of candidates given up; 0 for a batch already done or failed."""
+    batch = session.scalars(
+        select(Batch).where(Batch.id == batch_id).with_for_update().execution_options(populate_existing=True)
+    ).one_or_none()
+    if batch is None:
+        raise NotFound(f"batch {batch_id}")
+    if batch.state.is_terminal:
+        return 0
+    workload_name, target = session.execute(
+        select(Workload.name, DeviceClass.target)
+        .join(Batch, Batch.workload_id == Workload.id)
+        .join(DeviceClass, DeviceClass.id == Batch.device_class_id)
+        .where(Batch.id == batch_id)
+    ).one()
+    lost = unmeasured_candidates(session, batch_id=batch_id)
+    stamp = time.time()
+    for cand in lost:
+        inp = input_from_json(cand.input)
+        run: RunResult | None
+        if error_kind in (ErrorKind.BUILD_ERROR, ErrorKind.BUILD_TIMEOUT):
+            build, run = BuildResult(cand.candidate_key, None, 0.0, error_kind, reason), None
+        else:
+            build = build_from_json(cand.build) if cand.build else BuildResult(cand.candidate_key, None, 0.0)
+            run = RunResult(cand.candidate_key, (), 0.0, error_kind, reason)
+        rec = MeasureRecord.of(MeasureResult(inp, build, run), workload=workload_name, target=target, timestamp=stamp)
+        _insert_measurement(
+            session, batch_candidate_id=cand.id, record=rec, fingerprint=dict(fingerprint or {}), lease=None
+        )
+    transition_batch(session, batch_id=batch_id, to=BatchState.FAILED, build_error=reason, now=now)
+    return len(lost)
+
+
+# -- cost models ------------------------------------------------------------------------------
+
+
+def add_cost_model_version(
+    session: Session,
+    *,
+    device_class_id: int,
+    feature_version: int,
+    path: str,
+    sha256: str,
+    size: int,
+    trained_on: int,
+    last_measurement_id: int | None,
+) -> CostModelVersion:
+    """Store the class's next cost model version (1 + the latest). Two concurrent writers
+    get a `Conflict` for one of them (unique class + version) at flush or commit."""
+    latest = select(func.coalesce(func.max(CostModelVersion.version), 0) + 1).where(
+        CostModelVersion.device_class_id == device_class_id
+    )
+    return session.scalars(
+        insert(CostModelVersion).returning(CostModelVersion),
+        [
+            {
+                "device_class_id": device_class_id,
+                "version": session.scalar(latest),
+                "feature_version": feature_version,
+                "path": path,
+                "sha256": sha256,
+                "size": size,
+                "trained_on": trained_on,
+                "last_measurement_id": last_measurement_id,
+            }
+        ],
+    ).one()
+
+
+def latest_cost_model_version(
+    session: Session, *, device_class_id: int, feature_version: int | None = None
+) -> CostModelVersion | None:
+    """The class's newest cost model (of `feature_version`, when given), or None."""
+    query = select(CostModelVersion).where(CostModelVersion.device_class_id == device_class_id)
+    if feature_version is not None:
+        query = query.where(CostModelVersion.feature_version == feature_version)
+    return session.scalars(query.order_by(CostModelVersion.version.desc()).limit(1)).one_or_none()

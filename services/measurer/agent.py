@@ -1,0 +1,753 @@
+"""The device agent: `tunefarm agent --server HOST:PORT --token T [--device-class C] [--name N]`.
+
+One agent runs on each board. It opens every connection itself (a board may sit behind
+NAT) to the lease service, and loops:
+
+    register (capabilities detected here) -> lease a batch (long poll) -> fetch its kernels
+    and, unless cached, its task data (one stream) -> run each kernel in an isolated
+    process with a timeout (`LocalRunner`, the same `run_kernel` as embedded mode) and
+    stream each result as soon as it exists -> finish the lease
+
+A heartbeat thread keeps the agent's leases alive and tells it when it lost one (the
+batch then goes to another agent, and this one drops it). A bad kernel never takes the
+agent down: a crash, a hang or a wrong output is a result. The server going away is
+survived: every call is retried with exponential backoff, the results stream is reopened
+and the results it had not acknowledged are sent again (storing is idempotent).
+
+Settings come from the command line or the environment (`AgentSettings.from_env`,
+TUNEFARM_AGENT_*). The agent needs only TVM's runtime, numpy, grpcio and protobuf (the
+`agent` extra): it imports no search, build or database code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import random
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.json_format import ParseDict
+
+from services.measurer import capabilities as caps_mod
+from services.measurer import wire
+from services.measurer.exceptions import (
+    BadRequest,
+    LeaseLost,
+    MeasurerError,
+    NameTaken,
+    NotFound,
+    PermissionDenied,
+    Transient,
+    Unauthenticated,
+    UnknownAgent,
+    from_rpc_error,
+)
+from services.measurer.generated import measurer_pb2 as pb
+from services.measurer.generated import measurer_pb2_grpc as pb_grpc
+from services.measurer.runner import LocalRunner, Runner
+from tunefarm.records import ErrorKind, RunInput, RunResult
+from tunefarm.target import physical_cores
+
+log = logging.getLogger("tunefarm.agent")
+
+T = TypeVar("T")
+
+ENV_PREFIX = "TUNEFARM_AGENT_"
+
+FATAL_ERRORS = (Unauthenticated, PermissionDenied, NameTaken, BadRequest)
+"""Errors no retry fixes (a wrong token, a taken name, a class this machine cannot serve)."""
+
+TASK_DATA_CACHE = 8
+"""Task data files kept in the agent's work directory (least recently used go first)."""
+
+HEALTH_INTERVAL_SECS = 60.0
+"""How often the agent reports its health (besides at registration)."""
+
+FETCH_ATTEMPTS = 5
+"""Tries of a batch's Fetch before its missing files count as unavailable."""
+
+STOP_GRACE_SECS = 10.0
+"""A stopping agent tries this long to deliver the results it has and finish its lease."""
+
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
+
+
+def _default_work_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tunefarm" / "agent"
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """How an agent reaches the farm and runs kernels. The only reader of the agent's
+    environment (`from_env`); a plain dataclass, not pydantic-settings, to keep the
+    agent's dependencies to TVM's runtime, numpy, grpcio and protobuf."""
+
+    server: str  # TUNEFARM_AGENT_SERVER: the lease service, host:port
+    token: str = field(repr=False)  # TUNEFARM_AGENT_TOKEN: an agent token (tfa_...)
+    device_class: str | None = None  # TUNEFARM_AGENT_DEVICE_CLASS; default: detected (arch-cpu-cores)
+    name: str | None = None  # TUNEFARM_AGENT_NAME; default: the host name
+    work_dir: Path = field(default_factory=_default_work_dir)  # TUNEFARM_AGENT_WORK_DIR: downloads, cache
+    num_threads: int | None = None  # TUNEFARM_AGENT_THREADS: TVM threads per kernel; default: physical cores
+    tls: bool = False  # TUNEFARM_AGENT_TLS: connect with TLS (system roots, or ca_file)
+    ca_file: Path | None = None  # TUNEFARM_AGENT_CA_FILE: PEM roots to trust (implies tls)
+    reconnect_max_secs: float = 30.0  # TUNEFARM_AGENT_RECONNECT_MAX_SECS: longest wait between retries
+    rpc_timeout_secs: float = 30.0  # TUNEFARM_AGENT_RPC_TIMEOUT_SECS: deadline of a unary call
+    lease_wait_secs: float = 10.0  # TUNEFARM_AGENT_LEASE_WAIT_SECS: deadline of a long-polling LeaseBatch
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> AgentSettings:
+        """Settings from TUNEFARM_AGENT_* variables; `overrides` (not None) win."""
+        env = os.environ if environ is None else environ
+        kinds = {
+            "server": str,
+            "token": str,
+            "device_class": str,
+            "name": str,
+            "work_dir": Path,
+            "num_threads": int,
+            "tls": _flag,
+            "ca_file": Path,
+            "reconnect_max_secs": float,
+            "rpc_timeout_secs": float,
+            "lease_wait_secs": float,
+        }
+        values: dict[str, Any] = {}
+        for key, parse in kinds.items():
+            var = ENV_PREFIX + ("THREADS" if key == "num_threads" else key.upper())
+            if env.get(var):
+                try:
+                    values[key] = parse(env[var])
+                except ValueError:
+                    raise BadRequest(f"{var}={env[var]!r} is not a valid {key}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        for required in ("server", "token"):
+            if not values.get(required):
+                raise BadRequest(f"no {required}: pass --{required} or set {ENV_PREFIX}{required.upper()}")
+        return cls(**values)
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(text)
+
+
+class Backoff:
+    """Exponential backoff with full jitter: 0.25 s, 0.5 s, ... up to `cap`."""
+
+    def __init__(self, cap: float, base: float = 0.25):
+        self.cap = cap
+        self.base = base
+        self._n = 0
+
+    def next(self) -> float:
+        delay = min(self.cap, self.base * (2**self._n))
+        self._n += 1
+        return random.uniform(delay / 2, delay)
+
+    def reset(self) -> None:
+        self._n = 0
+
+
+# -- the agent ------------------------------------------------------------------------------
+
+
+class Agent:
+    """Registers, leases, fetches, runs and reports until `stop` is set.
+
+    `runner` defaults to a `LocalRunner` with `num_threads` TVM threads; `capabilities`
+    to `capabilities.detect()`.
+    """
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        runner: Runner | None = None,
+        capabilities: dict[str, Any] | None = None,
+        stop: threading.Event | None = None,
+    ):
+        self.settings = settings
+        self.stop = stop or threading.Event()
+        self.runner = runner or LocalRunner(settings.num_threads or physical_cores())
+        self._caps = capabilities
+        self.metadata = wire.auth_metadata(settings.token)
+        self.channel = _channel(settings)
+        self.stub = pb_grpc.AgentServiceStub(self.channel)
+        self.agent_id: int | None = None
+        self.heartbeat_secs = 5.0
+        self._held: tuple[float, frozenset[int]] = (0.0, frozenset())  # (sent at, active lease ids)
+        self._fatal: MeasurerError | None = None
+        self._work = Path(settings.work_dir)
+        self.measured = 0  # candidates reported (for logs and tests)
+        self._finisher: threading.Thread | None = None  # finishing the previous lease
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Until `stop`: raises one of `FATAL_ERRORS` when no retry can help."""
+        self._work.mkdir(parents=True, exist_ok=True)
+        self._prepare()
+        beat = threading.Thread(target=self._heartbeats, daemon=True, name="agent-heartbeat")
+        beat.start()
+        backoff = Backoff(self.settings.reconnect_max_secs)
+        try:
+            while not self.stop.is_set():
+                if self._fatal is not None:
+                    raise self._fatal
+                try:
+                    if self.agent_id is None:
+                        self._register()
+                    batch = self._lease()
+                    if batch is not None:
+                        self._measure(batch)
+                    backoff.reset()
+                except UnknownAgent:
+                    log.warning("the server does not know this agent any more; registering again")
+                    self.agent_id = None
+                except FATAL_ERRORS:
+                    raise
+                except MeasurerError as exc:
+                    delay = backoff.next()
+                    log.warning("%s; retrying in %.1f s", exc, delay)
+                    self.stop.wait(delay)
+        finally:
+            self.stop.set()
+            self._join_finisher()
+            beat.join(timeout=5)
+            self.runner.close()
+            self.channel.close()
+
+    def _prepare(self) -> None:
+        """Start the runner (its process imports TVM) while the capabilities are probed."""
+        errors: list[BaseException] = []
+
+        def start_runner() -> None:
+            try:
+                self.runner.start()
+            except Exception as exc:  # WorkerStartError: reported as failing health
+                errors.append(exc)
+
+        t = threading.Thread(target=start_runner, daemon=True)
+        t.start()
+        if self._caps is None:
+            self._caps = caps_mod.detect()
+        t.join()
+        self._runner_error = str(errors[0]) if errors else ""
+        if self._runner_error:
+            log.error("the kernel runner does not start: %s", self._runner_error)
+
+    def _register(self) -> None:
+        caps = dict(self._caps or {})
+        name = self.settings.name or socket.gethostname()
+        device_class = self.settings.device_class or caps_mod.default_device_class(caps)
+        msg = pb.RegisterRequest(
+            name=name,
+            device_class=device_class,
+            capabilities=ParseDict(caps, pb.Capabilities(), ignore_unknown_fields=True),
+        )
+        resp = self._call(self.stub.Register, msg)
+        self.agent_id = resp.agent_id
+        self.heartbeat_secs = max(0.05, resp.heartbeat_interval_secs or 5.0)
+        log.info("registered as %s (agent %d) for device class %s", name, resp.agent_id, device_class)
+        self._report_health()
+
+    def _report_health(self) -> None:
+        if self.agent_id is None:
+            return
+        failing = bool(getattr(self, "_runner_error", ""))
+        report = pb.HealthReport(
+            agent_id=self.agent_id,
+            status=pb.HEALTH_STATUS_FAILING if failing else pb.HEALTH_STATUS_OK,
+            message=getattr(self, "_runner_error", ""),
+            **caps_mod.health_numbers(self._work),
+        )
+        try:
+            self._call(self.stub.ReportHealth, report)
+        except MeasurerError as exc:
+            log.info("health report not delivered: %s", exc)
+
+    def _heartbeats(self) -> None:
+        last_health = time.monotonic()
+        while not self.stop.wait(self.heartbeat_secs):
+            agent_id = self.agent_id
+            if agent_id is None:
+                continue
+            sent = time.monotonic()
+            try:
+                resp = self._call(self.stub.Heartbeat, pb.HeartbeatRequest(agent_id=agent_id))
+                self._held = (sent, frozenset(resp.active_lease_ids))
+            except UnknownAgent:
+                self.agent_id = None  # the main loop registers again
+            except FATAL_ERRORS as exc:
+                self._fatal = exc
+                return
+            except MeasurerError as exc:
+                log.info("heartbeat failed: %s", exc)
+            if time.monotonic() - last_health >= HEALTH_INTERVAL_SECS:
+                last_health = time.monotonic()
+                self._report_health()
+
+    def _lost(self, lease_id: int, granted: float) -> bool:
+        """A heartbeat sent after the lease was granted no longer lists it."""
+        sent, held = self._held
+        return sent > granted and lease_id not in held
+
+    def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
+        try:
+            return method(request, metadata=self.metadata, timeout=timeout or self.settings.rpc_timeout_secs)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    # -- one batch ----------------------------------------------------------------------
+
+    def _lease(self) -> pb.LeasedBatch | None:
+        if getattr(self, "_runner_error", ""):
+            # A runner that does not start would turn every kernel into a crash: measure
+            # nothing, say so, and try again later.
+            self._report_health()
+            self.stop.wait(self.settings.reconnect_max_secs)
+            self._prepare()
+            return None
+        assert self.agent_id is not None
+        t0 = time.monotonic()
+        resp = self._call(
+            self.stub.LeaseBatch, pb.LeaseBatchRequest(agent_id=self.agent_id), timeout=self.settings.lease_wait_secs
+        )
+        if not resp.HasField("batch"):
+            # The server waits for a batch before answering; one that answers at once (an
+            # older server, a short deadline) is not asked again at once.
+            if time.monotonic() - t0 < 0.05:
+                self.stop.wait(0.2)
+            return None
+        return resp.batch
+
+    def _measure(self, batch: pb.LeasedBatch) -> None:
+        granted = time.monotonic()
+        lease_dir = self._work / "leases" / str(batch.lease_id)
+        log.info(
+            "lease %d: batch %d (%s), %d candidates, attempt %d",
+            batch.lease_id,
+            batch.batch_id,
+            batch.workload_name,
+            len(batch.candidates),
+            batch.attempt,
+        )
+        stream: _ResultStream | None = _ResultStream(self, batch.lease_id)
+        assert stream is not None
+        try:
+            files, task_data = self._fetch(batch, lease_dir)
+            fetched = time.monotonic()
+            timing = wire.timing_from_pb(batch.timing)
+            for cand in batch.candidates:
+                if self.stop.is_set() or self._lost(batch.lease_id, granted):
+                    break
+                kernel = files.get(cand.batch_candidate_id, "not fetched")
+                if isinstance(task_data, str):
+                    result = _error(cand.candidate_key, f"task data unavailable: {task_data}")
+                elif isinstance(kernel, str):
+                    result = _error(cand.candidate_key, f"kernel unavailable: {kernel}")
+                else:
+                    result = self._run(
+                        RunInput(
+                            candidate_key=cand.candidate_key,
+                            artifact=str(kernel),
+                            task_data=str(task_data),
+                            n_inputs=batch.n_inputs,
+                            n_outputs=batch.n_outputs,
+                            verify=batch.verify,
+                            timing=timing,
+                            timeout_secs=batch.run_timeout_secs,
+                        )
+                    )
+                    kernel.unlink(missing_ok=True)
+                stream.send(wire.result_to_pb(cand.batch_candidate_id, result))
+                self.measured += 1
+            if self._lost(batch.lease_id, granted):
+                log.warning("lease %d was lost (expired or given to another agent); dropping it", batch.lease_id)
+                return
+            # Finishing waits for the server to store the last results: done in the
+            # background while this agent leases and fetches its next batch.
+            self._finish_in_background(stream, batch, (fetched - granted, time.monotonic() - fetched))
+            stream = None
+        except LeaseLost as exc:
+            log.warning("lease %d: %s; dropping the batch", batch.lease_id, exc)
+        finally:
+            if stream is not None:
+                stream.close()
+            shutil.rmtree(lease_dir, ignore_errors=True)
+
+    def _finish_in_background(
+        self, stream: _ResultStream, batch: pb.LeasedBatch, secs: tuple[float, float]
+    ) -> None:
+        """Finish `stream`'s lease in a thread; at most one such thread at a time."""
+        self._join_finisher()
+
+        def finish() -> None:
+            t0 = time.monotonic()
+            try:
+                state = stream.finish()
+                log.info(
+                    "lease %d finished: batch %d is %s (fetch %.3f s, run %.3f s, finish %.3f s)",
+                    batch.lease_id,
+                    batch.batch_id,
+                    state,
+                    *secs,
+                    time.monotonic() - t0,
+                )
+            except MeasurerError as exc:
+                log.warning("lease %d not finished: %s", batch.lease_id, exc)
+            finally:
+                stream.close()
+
+        self._finisher = threading.Thread(target=finish, daemon=True, name="agent-finish")
+        self._finisher.start()
+
+    def _join_finisher(self) -> None:
+        if self._finisher is not None:
+            self._finisher.join()
+            self._finisher = None
+
+    def _run(self, inp: RunInput) -> RunResult:
+        try:
+            return self.runner.run([inp])[0]
+        except Exception as exc:  # the runner never raises for a kernel; be sure anyway
+            return _error(inp.candidate_key, f"runner failed: {type(exc).__name__}: {exc}")
+
+    # -- files --------------------------------------------------------------------------
+
+    def _fetch(self, batch: pb.LeasedBatch, lease_dir: Path) -> tuple[dict[int, Path | str], Path | str]:
+        """Download the batch's kernels, and its task data unless cached: one Fetch stream
+        (retried for what is missing after a transport error). Returns each candidate's
+        kernel path or why it is unavailable, and the task data's path or why not."""
+        lease_dir.mkdir(parents=True, exist_ok=True)
+        cache = self._work / "task_data"
+        cache.mkdir(parents=True, exist_ok=True)
+        out: dict[int, Path | str] = {}
+        wanted: list[tuple[pb.ArtifactRef, Path]] = []
+        for cand in batch.candidates:
+            if not cand.kernel.file_name:
+                out[cand.batch_candidate_id] = "the candidate has no built kernel"
+            else:
+                wanted.append((cand.kernel, lease_dir / _safe_file_name(cand.kernel.file_name, cand.batch_candidate_id)))
+        td_ref = batch.task_data
+        task_data: Path | str
+        if not td_ref.id:
+            task_data = "the workload has no task data"
+        else:
+            task_data = cache / f"{td_ref.sha256 or td_ref.id}.npz"
+            if task_data.is_file() and (not td_ref.size or task_data.stat().st_size == td_ref.size):
+                task_data.touch()  # most recently used
+            else:
+                wanted.append((td_ref, task_data))
+        done: dict[int, Path | str] = {}  # index in `wanted` -> path or error
+        backoff = Backoff(self.settings.reconnect_max_secs)
+        for attempt in range(FETCH_ATTEMPTS):
+            todo = [i for i in range(len(wanted)) if i not in done]
+            if not todo:
+                break
+            try:
+                self._fetch_once(batch.lease_id, [wanted[i] for i in todo], todo, done)
+            except LeaseLost:
+                raise
+            except MeasurerError as exc:
+                if isinstance(exc, FATAL_ERRORS) or attempt == FETCH_ATTEMPTS - 1:
+                    for i in todo:
+                        done.setdefault(i, f"fetch failed: {exc}")
+                    break
+                self.stop.wait(backoff.next())
+        for i, (ref, _) in enumerate(wanted):
+            got = done.get(i, "not fetched")
+            if ref.kind == pb.ARTIFACT_KIND_TASK_DATA:
+                task_data = got
+            else:
+                out[ref.id] = got
+        if isinstance(task_data, Path):
+            _evict(cache, keep=TASK_DATA_CACHE)
+        return out, task_data
+
+    def _fetch_once(
+        self, lease_id: int, files: list[tuple[pb.ArtifactRef, Path]], indices: list[int], done: dict[int, Path | str]
+    ) -> None:
+        assert self.agent_id is not None
+        request = pb.FetchRequest(agent_id=self.agent_id, lease_id=lease_id, refs=[ref for ref, _ in files])
+        sinks: dict[int, _Sink] = {}
+        timeout = max(60.0, self.settings.rpc_timeout_secs * 4)
+        try:
+            for chunk in self.stub.Fetch(request, metadata=self.metadata, timeout=timeout):
+                for part in chunk.parts:
+                    _, dest = files[part.index]
+                    sink = sinks.get(part.index)
+                    if part.error:
+                        if sink is not None:
+                            sink.discard()
+                        done[indices[part.index]] = part.error
+                        continue
+                    if sink is None:
+                        sink = sinks[part.index] = _Sink(dest)
+                    sink.write(part.offset, part.data)
+                    if part.last:
+                        done[indices[part.index]] = sink.close(part.sha256)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            for sink in sinks.values():
+                sink.discard()
+
+
+class _Sink:
+    """One file being downloaded: written to `<dest>.part`, checked, then renamed."""
+
+    def __init__(self, dest: Path):
+        import hashlib
+
+        self.dest = dest
+        self.part = dest.with_name(dest.name + ".part")
+        self._file: Any = open(self.part, "wb")
+        self._sha = hashlib.sha256()
+        self._size = 0
+
+    def write(self, offset: int, data: bytes) -> None:
+        if offset != self._size:
+            raise Transient(f"{self.dest.name}: chunk at {offset}, expected {self._size}")
+        self._file.write(data)
+        self._sha.update(data)
+        self._size += len(data)
+
+    def close(self, sha256: str) -> Path | str:
+        self._file.close()
+        self._file = None
+        if sha256 and sha256 != self._sha.hexdigest():
+            self.part.unlink(missing_ok=True)
+            return f"{self.dest.name}: checksum mismatch"
+        os.replace(self.part, self.dest)
+        return self.dest
+
+    def discard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self.part.unlink(missing_ok=True)
+
+
+def _safe_file_name(name: str, fallback: int) -> str:
+    base = os.path.basename(name)
+    return base if base and base not in (".", "..") else f"{fallback}.so"
+
+
+def _evict(directory: Path, keep: int) -> None:
+    files = sorted((p for p in directory.glob("*.npz")), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in files[keep:]:
+        old.unlink(missing_ok=True)
+
+
+def _error(key: str, message: str) -> RunResult:
+    return RunResult(key, (), 0.0, ErrorKind.RUN_ERROR, message)
+
+
+# -- the results stream ---------------------------------------------------------------------
+
+
+_CLOSE = object()
+
+
+class _ResultStream:
+    """The results of one lease on a ReportResults stream.
+
+    Results are kept until the server acknowledges them. When the stream breaks (server
+    restart, network), it is opened again and every unacknowledged result is sent again;
+    `finish` sends Finish and waits for the server's answer, reopening as needed. A
+    refused lease (FAILED_PRECONDITION) raises `LeaseLost`.
+    """
+
+    def __init__(self, agent: Agent, lease_id: int):
+        self.agent = agent
+        self.lease_id = lease_id
+        self._lock = threading.Lock()
+        self._unacked: dict[int, pb.Result] = {}
+        self._outbox: queue.SimpleQueue[object] | None = None
+        self._reader: threading.Thread | None = None
+        self._call: Any = None
+        self._failure: MeasurerError | None = None
+        self._finished: str | None = None  # the batch state the server answered Finish with
+        self._backoff = Backoff(agent.settings.reconnect_max_secs)
+        self._next_open = 0.0
+
+    def send(self, result: pb.Result) -> None:
+        with self._lock:
+            self._unacked[result.batch_candidate_id] = result
+        self._check()
+        if self._outbox is not None:
+            self._outbox.put(self._message(result=result))
+        else:
+            self._try_open()  # sends everything unacknowledged, this one included
+
+    def finish(self) -> str:
+        """Send Finish; the batch's state once the server has stored everything. Keeps
+        trying while the server is away; once the agent is stopping, for STOP_GRACE_SECS."""
+        deadline: float | None = None
+        while deadline is None or time.monotonic() < deadline:
+            if deadline is None and self.agent.stop.is_set():
+                deadline = time.monotonic() + STOP_GRACE_SECS
+            self._check()
+            if self._outbox is None and not self._try_open():
+                time.sleep(min(1.0, max(0.01, self._next_open - time.monotonic())))
+                continue
+            assert self._outbox is not None and self._reader is not None
+            self._outbox.put(self._message(finish=pb.Finish()))
+            self._outbox.put(_CLOSE)
+            self._outbox = None
+            self._reader.join()
+            if self._finished is not None:
+                return self._finished
+            if isinstance(self._failure, (LeaseLost, *FATAL_ERRORS)):
+                raise self._failure
+            log.info("results stream of lease %d broke (%s); reopening", self.lease_id, self._failure)
+        raise Transient(f"stopped before lease {self.lease_id} was finished")
+
+    def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.put(_CLOSE)
+            self._outbox = None
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+    def _message(self, **body: Any) -> pb.ResultMessage:
+        assert self.agent.agent_id is not None
+        return pb.ResultMessage(agent_id=self.agent.agent_id, lease_id=self.lease_id, **body)
+
+    def _check(self) -> None:
+        """Raise a lease refusal; forget a broken stream (reopened on the next send)."""
+        failure = self._failure
+        if failure is None:
+            return
+        if isinstance(failure, (LeaseLost, *FATAL_ERRORS)):
+            raise failure
+        if self._outbox is not None:
+            self._outbox.put(_CLOSE)
+            self._outbox = None
+
+    def _try_open(self) -> bool:
+        """Open the stream and send every unacknowledged result; False while the last
+        opening is too recent (backoff)."""
+        now = time.monotonic()
+        if now < self._next_open:
+            return False
+        if self._reader is not None:
+            self._reader.join()
+        self._failure = None
+        outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        with self._lock:
+            for result in self._unacked.values():
+                outbox.put(self._message(result=result))
+        self._call = self.agent.stub.ReportResults(_drain(outbox), metadata=self.agent.metadata)
+        self._outbox = outbox
+        self._reader = threading.Thread(target=self._read, args=(self._call,), daemon=True, name="agent-acks")
+        self._reader.start()
+        self._next_open = now + self._backoff.next()
+        return True
+
+    def _read(self, call: Iterator[pb.ResultAck]) -> None:
+        try:
+            for ack in call:
+                with self._lock:
+                    for bc_id in ack.batch_candidate_ids:
+                        self._unacked.pop(bc_id, None)
+                if ack.finished:
+                    self._finished = ack.batch_state or "done"
+                    self._backoff.reset()
+            if self._finished is None:
+                self._failure = Transient("the server closed the results stream")
+        except grpc.RpcError as exc:
+            self._failure = from_rpc_error(exc)
+
+
+def _drain(outbox: queue.SimpleQueue[object]) -> Iterator[pb.ResultMessage]:
+    while True:
+        item = outbox.get()
+        if item is _CLOSE:
+            return
+        assert isinstance(item, pb.ResultMessage)
+        yield item
+
+
+def _channel(settings: AgentSettings) -> grpc.Channel:
+    if settings.tls or settings.ca_file:
+        roots = Path(settings.ca_file).read_bytes() if settings.ca_file else None
+        return grpc.secure_channel(settings.server, grpc.ssl_channel_credentials(roots), options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(settings.server, options=CHANNEL_OPTIONS)
+
+
+# -- entry points ---------------------------------------------------------------------------
+
+
+def run_agent(
+    settings: AgentSettings,
+    *,
+    runner: Runner | None = None,
+    stop: threading.Event | None = None,
+    capabilities: dict[str, Any] | None = None,
+) -> None:
+    """Run an agent until `stop` is set (or a fatal error: a bad token, a taken name, a
+    device class this machine cannot serve, which raise)."""
+    Agent(settings, runner=runner, capabilities=capabilities, stop=stop).run()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tunefarm agent", description="measure kernels for a tunefarm farm")
+    p.add_argument("--server", help="the lease service, HOST:PORT (TUNEFARM_AGENT_SERVER)")
+    p.add_argument("--token", help="agent token (TUNEFARM_AGENT_TOKEN; the environment keeps it out of `ps`)")
+    p.add_argument("--device-class", help="device class to measure for (default: detected, e.g. x86_64-znver5-2c)")
+    p.add_argument("--name", help="this agent's unique name (default: the host name)")
+    p.add_argument("--work-dir", type=Path, help="downloads and the task data cache")
+    p.add_argument("--threads", type=int, dest="num_threads", help="TVM threads per kernel (default: physical cores)")
+    p.add_argument("--tls", action="store_true", default=None, help="connect with TLS")
+    p.add_argument("--ca-file", type=Path, help="PEM roots to trust (implies --tls)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `tunefarm agent` command: 0 after SIGTERM/SIGINT, 2 for a fatal error."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        settings = AgentSettings.from_env(**vars(args))
+    except BadRequest as exc:
+        print(f"tunefarm agent: error: {exc}", flush=True)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        run_agent(settings, stop=stop)
+    except (*FATAL_ERRORS, NotFound) as exc:
+        print(f"tunefarm agent: error: {type(exc).__name__}: {exc}", flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

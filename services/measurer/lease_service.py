@@ -1,0 +1,852 @@
+"""The lease service: the gRPC server the device agents dial into (`AgentService`).
+
+Map:
+
+- `AgentServicer`: the RPCs of proto/tunefarm/v1/measurer.proto. Thin: each call
+  authenticates (`_Auth`), does its database work in one transaction through
+  `services.db.queries`, and maps exceptions to status codes (`_status`). All state is in
+  PostgreSQL, so the service can restart (or run as several replicas) at any time: an
+  agent's calls fail with UNAVAILABLE meanwhile and it retries.
+- `ReportResults` stores a stream's results in groups (`results_flush_secs`,
+  `results_flush_max`): one transaction for the results that arrived together, and the
+  lease's finish in the same transaction as the last group. Every stored result is
+  acknowledged; the agent resends what was not acknowledged after a reconnect, and the
+  unique batch candidate of a measurement makes a resent result a no-op.
+- `Sweeper`: a thread that expires leases whose heartbeats stopped (their batches go
+  back to the queue), marks silent agents offline, and gives up batches leased
+  `max_lease_attempts` times without being finished (`queries.abandon_batch`: their
+  unmeasured candidates become run_crash results, so the scheduler still gets exactly
+  one result per candidate).
+- `make_server(settings)` builds the server (not started); `serve()` runs it until
+  SIGTERM/SIGINT; `main(argv)` is the command line entry.
+
+Authentication: `authorization: Bearer <agent token>` on every call. A missing or
+unknown token is UNAUTHENTICATED; a team token is PERMISSION_DENIED, and so is an agent
+id registered under another token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.db import codec, queries
+from services.db import exceptions as db_exc
+from services.db.models import (
+    Agent,
+    Batch,
+    BatchCandidate,
+    BatchState,
+    DeviceClass,
+    Lease,
+    LeaseState,
+    TaskData,
+    TokenKind,
+    Workload,
+)
+from services.db.session import make_session_factory, transaction
+from services.measurer import artifacts, wire
+from services.measurer.exceptions import (
+    UNKNOWN_AGENT_PREFIX,
+    BadRequest,
+    LeaseLost,
+    NameTaken,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    UnknownAgent,
+    status_of,
+)
+from services.measurer.generated import measurer_pb2 as pb
+from services.measurer.generated import measurer_pb2_grpc as pb_grpc
+from services.measurer.settings import LeaseServiceSettings
+from tunefarm.records import BuildResult, MeasureInput, MeasureRecord, MeasureResult, RunResult
+
+log = logging.getLogger("tunefarm.lease_service")
+
+T = TypeVar("T")
+
+STATUS_OF_DB_ERROR: tuple[tuple[type[db_exc.DatabaseError], grpc.StatusCode], ...] = (
+    (db_exc.LeaseNotHeld, grpc.StatusCode.FAILED_PRECONDITION),
+    (db_exc.InvalidTransition, grpc.StatusCode.FAILED_PRECONDITION),
+    (db_exc.NotFound, grpc.StatusCode.NOT_FOUND),
+    (db_exc.Conflict, grpc.StatusCode.ALREADY_EXISTS),
+    (db_exc.Contention, grpc.StatusCode.ABORTED),
+    (db_exc.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (db_exc.SchemaOutOfDate, grpc.StatusCode.UNAVAILABLE),
+    (db_exc.DatabaseError, grpc.StatusCode.INTERNAL),
+)
+"""The status code of each database error (first match wins); the agent maps them back
+with `services.measurer.exceptions.from_rpc_error`."""
+
+CONTENTION_RETRIES = 3
+"""Times a transaction that hit a deadlock or serialization failure is run again."""
+
+MAX_SKIPPED_PER_LEASE = 8
+"""Batches one LeaseBatch may give up or close (nothing left) before it answers."""
+
+SERVER_OPTIONS = (
+    # Agents keep idle connections open; let them ping (they detect a dead server so).
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+FINGERPRINT_KEYS = (
+    "hostname",
+    "arch",
+    "cpu_model",
+    "physical_cores",
+    "llvm_cpu",
+    "isa_features",
+    "gpu_name",
+    "gpu_compute_capability",
+    "tvm_version",
+    "agent_version",
+)
+"""Capabilities of the measuring agent copied into each measurement's fingerprint."""
+
+
+def _status(error: BaseException) -> grpc.StatusCode:
+    if isinstance(error, db_exc.DatabaseError):
+        for cls, code in STATUS_OF_DB_ERROR:
+            if isinstance(error, cls):
+                return code
+    return status_of(error)
+
+
+# -- authentication -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _AgentInfo:
+    agent_id: int
+    token_id: int | None
+    device_class_id: int
+    name: str
+    fingerprint: dict[str, Any]
+
+
+class _Auth:
+    """Verifies bearer tokens and agent ownership, with a short-lived cache so that the
+    hot calls (heartbeats, leases, results) do not ask the database every time."""
+
+    def __init__(self, sessions: sessionmaker[Session], ttl: float):
+        self.sessions = sessions
+        self.ttl = ttl
+        self._lock = threading.Lock()
+        self._tokens: dict[str, tuple[int, float]] = {}  # token hash -> (token id, valid until)
+        self._agents: dict[int, tuple[_AgentInfo, float]] = {}
+
+    def token_id(self, context: grpc.ServicerContext) -> int:
+        plain = wire.bearer_token(context.invocation_metadata() or ())
+        if plain is None:
+            raise Unauthenticated("no bearer token (metadata 'authorization: Bearer <agent token>')")
+        key = queries.hash_token(plain)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._tokens.get(key)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        with transaction(self.sessions) as s:
+            token = queries.verify_token(s, plain=plain, kind=TokenKind.AGENT)
+            if token is None:
+                if queries.verify_token(s, plain=plain, kind=TokenKind.TEAM) is not None:
+                    raise PermissionDenied("a team token cannot act as a device agent; use an agent token")
+                raise Unauthenticated("unknown or revoked token")
+            token_id = token.id
+        with self._lock:
+            self._tokens[key] = (token_id, now + self.ttl)
+        return token_id
+
+    def agent(self, agent_id: int, token_id: int) -> _AgentInfo:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._agents.get(agent_id)
+        info = hit[0] if hit is not None and hit[1] > now else None
+        if info is None:
+            with transaction(self.sessions) as s:
+                row = s.get(Agent, agent_id)
+                if row is None:
+                    raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent_id}: register again")
+                info = _agent_info(row)
+            self.remember(info)
+        if info.token_id != token_id:
+            raise PermissionDenied(f"agent {agent_id} is registered under another token")
+        return info
+
+    def remember(self, info: _AgentInfo) -> None:
+        with self._lock:
+            self._agents[info.agent_id] = (info, time.monotonic() + self.ttl)
+
+    def forget(self, agent_id: int) -> None:
+        with self._lock:
+            self._agents.pop(agent_id, None)
+
+
+def _agent_info(row: Agent) -> _AgentInfo:
+    caps = dict(row.capabilities or {})
+    return _AgentInfo(
+        agent_id=row.id,
+        token_id=row.token_id,
+        device_class_id=row.device_class_id,
+        name=row.name,
+        fingerprint={"agent": row.name, **{k: caps[k] for k in FINGERPRINT_KEYS if k in caps}},
+    )
+
+
+# -- the servicer -------------------------------------------------------------------------
+
+
+def _unary(method: Callable[..., T]) -> Callable[..., T]:
+    """Authenticate, run, and turn any exception into a status code."""
+
+    @functools.wraps(method)
+    def wrapper(self: AgentServicer, request: Any, context: grpc.ServicerContext) -> T:
+        try:
+            return method(self, request, context, self.auth.token_id(context))
+        except Exception as exc:
+            self._abort(context, exc, method.__name__)
+            raise  # not reached: abort raises
+
+    return wrapper
+
+
+def _streaming(method: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
+    @functools.wraps(method)
+    def wrapper(self: AgentServicer, request: Any, context: grpc.ServicerContext) -> Iterator[T]:
+        try:
+            yield from method(self, request, context, self.auth.token_id(context))
+        except Exception as exc:
+            self._abort(context, exc, method.__name__)
+
+    return wrapper
+
+
+class AgentServicer(pb_grpc.AgentServiceServicer):
+    def __init__(self, settings: LeaseServiceSettings, sessions: sessionmaker[Session]):
+        self.settings = settings
+        self.sessions = sessions
+        self.auth = _Auth(sessions, settings.token_cache_secs)
+        self.artifact_root = Path(settings.artifact_root)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _abort(self, context: grpc.ServicerContext, exc: Exception, rpc: str) -> None:
+        code = _status(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", rpc)
+        else:
+            log.info("%s: %s: %s", rpc, code.name, exc)
+        context.abort(code, str(exc) or type(exc).__name__)
+
+    def _tx(self, work: Callable[[Session], T]) -> T:
+        """Run `work` in one transaction, again when it lost a deadlock."""
+        for attempt in range(CONTENTION_RETRIES + 1):
+            try:
+                with transaction(self.sessions) as s:
+                    return work(s)
+            except db_exc.Contention:
+                if attempt == CONTENTION_RETRIES:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    # -- registration and liveness --------------------------------------------------------
+
+    @_unary
+    def Register(self, request: pb.RegisterRequest, context: Any, token_id: int) -> pb.RegisterResponse:
+        name, class_name = request.name.strip(), request.device_class.strip()
+        if not name or not class_name:
+            raise BadRequest("Register needs a name and a device class")
+        caps = MessageToDict(request.capabilities, preserving_proto_field_name=True)
+        detected = _json_dict(caps.get("target_json", ""))
+
+        def work(s: Session) -> tuple[Agent, dict[str, Any]]:
+            dc = s.scalars(select(DeviceClass).where(DeviceClass.name == class_name)).one_or_none()
+            if dc is None:
+                if not self.settings.auto_create_device_classes:
+                    raise NotFound(f"device class {class_name!r} does not exist")
+                if not detected.get("kind"):
+                    raise BadRequest(f"device class {class_name!r} does not exist and the agent sent no target")
+                s.execute(
+                    pg_insert(DeviceClass)
+                    .values(name=class_name, target=detected, description=f"created by agent {name}")
+                    .on_conflict_do_nothing(index_elements=[DeviceClass.name])
+                )
+                dc = s.scalars(select(DeviceClass).where(DeviceClass.name == class_name)).one()
+            _check_compatible(class_name, dc.target, caps)
+            try:
+                agent = queries.register_agent(
+                    s, name=name, device_class_id=dc.id, token_id=token_id, capabilities=caps
+                )
+            except db_exc.Conflict as exc:
+                raise NameTaken(str(exc)) from None
+            return agent, dict(dc.target)
+
+        agent, target = self._tx(work)
+        self.auth.remember(_agent_info(agent))
+        log.info("agent %s (%d) registered for %s", name, agent.id, class_name)
+        st = self.settings
+        return pb.RegisterResponse(
+            agent_id=agent.id,
+            target_json=json.dumps(target, sort_keys=True),
+            heartbeat_interval_secs=st.heartbeat_interval_secs,
+            lease_secs=st.lease_secs,
+            poll_interval_secs=st.lease_recheck_secs,
+        )
+
+    @_unary
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: Any, token_id: int) -> pb.HeartbeatResponse:
+        agent = self.auth.agent(request.agent_id, token_id)
+        try:
+            held = self._tx(
+                lambda s: queries.heartbeat(s, agent_id=agent.agent_id, lease_secs=self.settings.lease_secs)
+            )
+        except db_exc.NotFound:
+            self.auth.forget(agent.agent_id)
+            raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again") from None
+        return pb.HeartbeatResponse(active_lease_ids=held)
+
+    @_unary
+    def ReportHealth(self, request: pb.HealthReport, context: Any, token_id: int) -> pb.HealthResponse:
+        agent = self.auth.agent(request.agent_id, token_id)
+        health = MessageToDict(request, preserving_proto_field_name=True)
+        health.pop("agent_id", None)
+        health["reported_at"] = time.time()
+
+        def work(s: Session) -> None:
+            row = s.get(Agent, agent.agent_id, with_for_update=True)
+            if row is None:
+                raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again")
+            # Kept with the capabilities (no column of its own yet): operators read it there.
+            row.capabilities = {**(row.capabilities or {}), "health": health}
+
+        self._tx(work)
+        if request.status in (pb.HEALTH_STATUS_DEGRADED, pb.HEALTH_STATUS_FAILING):
+            log.warning("agent %s: %s: %s", agent.name, pb.HealthStatus.Name(request.status), request.message)
+        return pb.HealthResponse()
+
+    # -- leasing --------------------------------------------------------------------------
+
+    @_unary
+    def LeaseBatch(self, request: pb.LeaseBatchRequest, context: Any, token_id: int) -> pb.LeaseBatchResponse:
+        agent = self.auth.agent(request.agent_id, token_id)
+        wait = self.settings.lease_wait_secs
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = min(wait, max(0.0, remaining - 1.0))
+        deadline = time.monotonic() + wait
+        while True:
+            batch = self._tx(lambda s: self._lease_one(s, agent))
+            if batch is not None:
+                return pb.LeaseBatchResponse(batch=batch)
+            left = deadline - time.monotonic()
+            if left <= 0 or not context.is_active():
+                return pb.LeaseBatchResponse()
+            time.sleep(min(self.settings.lease_recheck_secs, left))
+
+    def _lease_one(self, s: Session, agent: _AgentInfo) -> pb.LeasedBatch | None:
+        st = self.settings
+        for _ in range(MAX_SKIPPED_PER_LEASE):
+            try:
+                lease = queries.lease_next_batch(s, agent_id=agent.agent_id, lease_secs=st.lease_secs)
+            except db_exc.NotFound:
+                self.auth.forget(agent.agent_id)
+                raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again") from None
+            if lease is None:
+                return None
+            batch = lease.batch
+            if batch.attempts > st.max_lease_attempts:
+                n = queries.abandon_batch(s, batch_id=batch.id, reason=given_up_reason(batch.attempts - 1))
+                log.warning("batch %d given up after %d leases (%d candidates)", batch.id, batch.attempts - 1, n)
+                continue
+            candidates = queries.unmeasured_candidates(s, batch_id=batch.id)
+            if not candidates:  # measured already; only its finish was lost
+                queries.finish_lease(s, lease_id=lease.id, agent_id=agent.agent_id)
+                continue
+            return self._leased(s, lease, batch, candidates)
+        return None
+
+    def _leased(self, s: Session, lease: Lease, batch: Batch, candidates: list[BatchCandidate]) -> pb.LeasedBatch:
+        wl = s.execute(
+            select(Workload.name, Workload.n_inputs, Workload.n_outputs).where(Workload.id == batch.workload_id)
+        ).one()
+        td = s.scalars(select(TaskData).where(TaskData.workload_id == batch.workload_id)).one_or_none()
+        task_data = (
+            pb.ArtifactRef(
+                kind=pb.ARTIFACT_KIND_TASK_DATA,
+                id=td.id,
+                file_name=f"{td.sha256}.npz",
+                sha256=td.sha256,
+                size=td.size,
+            )
+            if td is not None
+            else pb.ArtifactRef(kind=pb.ARTIFACT_KIND_TASK_DATA, id=0)
+        )
+        timing = codec.timing_from_json(batch.timing)
+        return pb.LeasedBatch(
+            lease_id=lease.id,
+            batch_id=batch.id,
+            attempt=batch.attempts,
+            candidates=[
+                pb.LeasedCandidate(
+                    batch_candidate_id=c.id,
+                    candidate_key=c.candidate_key,
+                    kernel=pb.ArtifactRef(
+                        kind=pb.ARTIFACT_KIND_KERNEL,
+                        id=c.id,
+                        file_name=Path(c.artifact_path).name if c.artifact_path else "",
+                    ),
+                )
+                for c in candidates
+            ],
+            task_data=task_data,
+            n_inputs=wl.n_inputs,
+            n_outputs=wl.n_outputs,
+            verify=bool(td is not None and td.has_expected),
+            timing=wire.timing_to_pb(timing),
+            run_timeout_secs=batch.run_timeout_secs,
+            workload_name=wl.name,
+        )
+
+    # -- files ----------------------------------------------------------------------------
+
+    @_streaming
+    def Fetch(self, request: pb.FetchRequest, context: Any, token_id: int) -> Iterator[pb.FetchChunk]:
+        agent = self.auth.agent(request.agent_id, token_id)
+        paths = self._tx(lambda s: self._fetch_paths(s, request, agent))
+        limit = self.settings.fetch_chunk_bytes
+        parts: list[pb.FilePart] = []
+        size = 0
+        for part in _file_parts(paths, limit):
+            parts.append(part)
+            size += len(part.data)
+            if size >= limit:
+                yield pb.FetchChunk(parts=parts)
+                parts, size = [], 0
+        if parts:
+            yield pb.FetchChunk(parts=parts)
+
+    def _fetch_paths(self, s: Session, request: pb.FetchRequest, agent: _AgentInfo) -> list[Path | str]:
+        lease = _held(s, request.lease_id, agent.agent_id)
+        batch = s.get(Batch, lease.batch_id)
+        assert batch is not None
+        kernel_ids = [r.id for r in request.refs if r.kind == pb.ARTIFACT_KIND_KERNEL]
+        kernels = dict(
+            s.execute(
+                select(BatchCandidate.id, BatchCandidate.artifact_path).where(
+                    BatchCandidate.batch_id == batch.id, BatchCandidate.id.in_(kernel_ids)
+                )
+            ).all()
+        )
+        td = s.scalars(select(TaskData).where(TaskData.workload_id == batch.workload_id)).one_or_none()
+        out: list[Path | str] = []
+        for ref in request.refs:
+            rel: str | None
+            if ref.kind == pb.ARTIFACT_KIND_KERNEL:
+                if ref.id not in kernels:
+                    raise BadRequest(f"candidate {ref.id} is not in the leased batch {batch.id}")
+                rel = kernels[ref.id]
+            elif ref.kind == pb.ARTIFACT_KIND_TASK_DATA:
+                if td is None or ref.id != td.id:
+                    out.append("the batch's workload has no task data")
+                    continue
+                rel = td.path
+            else:
+                raise BadRequest(f"unknown artifact kind {ref.kind}")
+            if not rel:
+                out.append("no built kernel")
+                continue
+            try:
+                path = artifacts.resolve(self.artifact_root, rel)
+            except artifacts.OutsideArtifactRoot as exc:
+                out.append(str(exc))
+                continue
+            out.append(path if path.is_file() else f"{rel} is missing from the artifact store")
+        return out
+
+    # -- results --------------------------------------------------------------------------
+
+    @_streaming
+    def ReportResults(
+        self, request_iterator: Iterator[pb.ResultMessage], context: Any, token_id: int
+    ) -> Iterator[pb.ResultAck]:
+        inbox = _Inbox(request_iterator)
+        first = inbox.get(None)
+        if not isinstance(first, pb.ResultMessage):
+            return  # the agent closed the stream without a message
+        agent = self.auth.agent(first.agent_id, token_id)
+        lease_id = first.lease_id
+        ctx = self._tx(lambda s: self._stream_context(s, lease_id, agent))
+        st = self.settings
+        pending: dict[int, RunResult] = {}
+        opened = 0.0
+        finish = False
+        msg: object = first
+        while True:
+            if isinstance(msg, pb.ResultMessage):
+                if msg.lease_id != lease_id or msg.agent_id != agent.agent_id:
+                    raise BadRequest("one results stream carries one lease")
+                body = msg.WhichOneof("body")
+                if body == "result":
+                    if msg.result.batch_candidate_id not in ctx.inputs:
+                        raise BadRequest(f"candidate {msg.result.batch_candidate_id} is not in batch {ctx.batch_id}")
+                    if not pending:
+                        opened = time.monotonic()
+                    pending.setdefault(msg.result.batch_candidate_id, wire.run_result_from_pb(msg.result))
+                elif body == "finish":
+                    finish = True
+            elif isinstance(msg, BaseException):  # the agent went away: keep what it sent
+                log.info("results stream of lease %d broke: %s", lease_id, msg)
+            end = finish or msg is _END or isinstance(msg, BaseException)
+            due = pending and (len(pending) >= st.results_flush_max or time.monotonic() - opened >= st.results_flush_secs)
+            if end or due:
+                if pending or finish:
+                    items = list(pending.items())
+                    pending.clear()
+                    state = self._tx(lambda s, items=items, fin=finish: self._store(s, ctx, agent, items, fin))
+                    if context.is_active():
+                        yield pb.ResultAck(
+                            batch_candidate_ids=[i for i, _ in items],
+                            finished=finish,
+                            batch_state=str(state) if state is not None else "",
+                        )
+                if end:
+                    return
+            timeout = None if not pending else max(0.0, opened + st.results_flush_secs - time.monotonic())
+            msg = inbox.get(timeout)
+
+    def _stream_context(self, s: Session, lease_id: int, agent: _AgentInfo) -> _StreamContext:
+        lease = _held(s, lease_id, agent.agent_id)
+        name, target = s.execute(
+            select(Workload.name, DeviceClass.target)
+            .join(Batch, Batch.workload_id == Workload.id)
+            .join(DeviceClass, DeviceClass.id == Batch.device_class_id)
+            .where(Batch.id == lease.batch_id)
+        ).one()
+        rows = s.execute(
+            select(BatchCandidate.id, BatchCandidate.input, BatchCandidate.build).where(
+                BatchCandidate.batch_id == lease.batch_id
+            )
+        ).all()
+        return _StreamContext(
+            lease_id=lease.id,
+            batch_id=lease.batch_id,
+            workload_name=name,
+            target=dict(target),
+            inputs={r.id: codec.input_from_json(r.input) for r in rows},
+            builds={r.id: r.build for r in rows},
+        )
+
+    def _store(
+        self,
+        s: Session,
+        ctx: _StreamContext,
+        agent: _AgentInfo,
+        items: list[tuple[int, RunResult]],
+        finish: bool,
+    ) -> BatchState | None:
+        if finish:  # lock order: the batch before its lease (finish_lease locks both)
+            s.execute(select(Batch.id).where(Batch.id == ctx.batch_id).with_for_update())
+        stamp = time.time()
+        records = [(bc_id, ctx.record(bc_id, run, stamp)) for bc_id, run in items]
+        queries.record_measurements(
+            s, lease_id=ctx.lease_id, agent_id=agent.agent_id, items=records, fingerprint=agent.fingerprint
+        )
+        if finish:
+            return queries.finish_lease(s, lease_id=ctx.lease_id, agent_id=agent.agent_id)
+        return None
+
+
+@dataclass
+class _StreamContext:
+    """What a results stream needs to turn run results into records, loaded once."""
+
+    lease_id: int
+    batch_id: int
+    workload_name: str
+    target: dict[str, Any]
+    inputs: dict[int, MeasureInput]
+    builds: dict[int, dict[str, Any] | None]
+    _build_cache: dict[int, BuildResult] = field(default_factory=dict)
+
+    def record(self, bc_id: int, run: RunResult, stamp: float) -> MeasureRecord:
+        inp = self.inputs[bc_id]
+        if run.candidate_key != inp.key:
+            raise BadRequest(f"result of {run.candidate_key!r} sent for candidate {bc_id} ({inp.key!r})")
+        build = self._build_cache.get(bc_id)
+        if build is None:
+            raw = self.builds.get(bc_id)
+            build = codec.build_from_json(raw) if raw else BuildResult(inp.key, None, 0.0)
+            self._build_cache[bc_id] = build
+        return MeasureRecord.of(
+            MeasureResult(inp, build, run), workload=self.workload_name, target=self.target, timestamp=stamp
+        )
+
+
+_END = object()
+"""The agent closed its side of a results stream."""
+
+
+class _Inbox:
+    """A stream's incoming messages, readable with a timeout: a thread drains the request
+    iterator (which only blocks) into a queue; a broken stream arrives as its exception."""
+
+    def __init__(self, requests: Iterator[pb.ResultMessage]):
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        threading.Thread(target=self._pump, args=(requests,), daemon=True, name="results-inbox").start()
+
+    def _pump(self, requests: Iterator[pb.ResultMessage]) -> None:
+        try:
+            for msg in requests:
+                self._queue.put(msg)
+            self._queue.put(_END)
+        except Exception as exc:  # cancelled, connection lost
+            self._queue.put(exc)
+
+    def get(self, timeout: float | None) -> object:
+        """The next message, `_END`, an exception, or None when `timeout` passed first."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+def _file_parts(paths: list[Path | str], limit: int) -> Iterator[pb.FilePart]:
+    """The files (or why each cannot be served) as parts of at most `limit` bytes."""
+    for index, found in enumerate(paths):
+        if isinstance(found, str):
+            yield pb.FilePart(index=index, last=True, error=found)
+            continue
+        try:
+            for offset, data, sha in artifacts.read_chunks(found, limit):
+                last = sha is not None
+                yield pb.FilePart(
+                    index=index,
+                    offset=offset,
+                    data=data,
+                    last=last,
+                    total_size=offset + len(data) if last else 0,
+                    sha256=sha or "",
+                )
+        except OSError as exc:
+            yield pb.FilePart(index=index, last=True, error=f"cannot read {found.name}: {exc.strerror}")
+
+
+def _held(s: Session, lease_id: int, agent_id: int) -> Lease:
+    lease = s.get(Lease, lease_id)
+    if lease is None or lease.agent_id != agent_id:
+        raise LeaseLost(f"lease {lease_id} is not held by agent {agent_id}")
+    if lease.state is not LeaseState.ACTIVE:
+        raise LeaseLost(f"lease {lease_id} is {lease.state}")
+    return lease
+
+
+def given_up_reason(leases: int) -> str:
+    return (
+        f"not measured: the batch was leased {leases} times and no agent finished it "
+        "(its agents died or stopped heartbeating while measuring it)"
+    )
+
+
+_ARCH_ALIASES = {"arm64": "aarch64", "amd64": "x86_64", "x64": "x86_64"}
+
+
+def _check_compatible(class_name: str, target: dict[str, Any], caps: dict[str, Any]) -> None:
+    """Refuse an agent whose machine cannot run its class's kernels at all (another
+    architecture). A different mcpu is only logged: a newer CPU runs an older one's code."""
+    if target.get("kind") != "llvm":
+        return
+    arch = _ARCH_ALIASES.get(str(caps.get("arch", "")), str(caps.get("arch", "")))
+    triple = str(target.get("mtriple", ""))
+    want = _ARCH_ALIASES.get(triple.split("-")[0], triple.split("-")[0]) if triple else ""
+    if want and arch and want != arch:
+        raise BadRequest(f"device class {class_name!r} builds for {want}; this agent is {arch}")
+    mcpu, own = target.get("mcpu"), caps.get("llvm_cpu")
+    if mcpu and own and mcpu != own:
+        log.warning("device class %s targets mcpu %s; agent on %s registers for it", class_name, mcpu, own)
+
+
+def _json_dict(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        raise BadRequest("capabilities.target_json is not JSON") from None
+    if not isinstance(value, dict):
+        raise BadRequest("capabilities.target_json is not a JSON object")
+    return value
+
+
+# -- the sweeper ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    requeued: list[int]  # batches whose lease expired
+    offline: list[int]  # agents marked offline
+    given_up: list[int]  # batches abandoned after max_lease_attempts
+
+
+class Sweeper:
+    """Every `sweep_interval_secs`: expire leases whose heartbeats stopped, mark silent
+    agents offline, give up batches that were leased too often. Safe to run in several
+    replicas at once (expire_leases skips batches another transaction holds)."""
+
+    def __init__(self, settings: LeaseServiceSettings, sessions: sessionmaker[Session]):
+        self.settings = settings
+        self.sessions = sessions
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="lease-sweeper")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.settings.sweep_interval_secs):
+            try:
+                report = self.sweep()
+            except db_exc.DatabaseError as exc:
+                log.warning("sweep failed: %s", exc)
+                continue
+            if report.requeued or report.offline or report.given_up:
+                log.info(
+                    "sweep: %d leases expired, %d agents offline, %d batches given up",
+                    len(report.requeued),
+                    len(report.offline),
+                    len(report.given_up),
+                )
+
+    def sweep(self) -> SweepReport:
+        st = self.settings
+        with transaction(self.sessions) as s:
+            requeued = queries.expire_leases(s)
+            offline = queries.mark_agents_offline(s, stale_secs=st.agent_stale_secs)
+        given_up = []
+        with transaction(self.sessions) as s:
+            rows = s.execute(
+                select(Batch.id, Batch.attempts)
+                .where(Batch.state == BatchState.READY, Batch.attempts >= st.max_lease_attempts)
+                .order_by(Batch.id)
+                .limit(100)
+            ).all()
+            for batch_id, attempts in rows:
+                queries.abandon_batch(s, batch_id=batch_id, reason=given_up_reason(attempts))
+                given_up.append(batch_id)
+        return SweepReport(requeued, offline, given_up)
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+@dataclass
+class LeaseServer:
+    """A built lease service: `start()`, `stop()`; `port` is the bound port."""
+
+    server: grpc.Server
+    port: int
+    servicer: AgentServicer
+    sweeper: Sweeper
+    host: str = "127.0.0.1"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self.server.start()
+        self.sweeper.start()
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.sweeper.stop()
+        self.server.stop(grace).wait()
+
+
+def make_server(
+    settings: LeaseServiceSettings | None = None, *, sessions: sessionmaker[Session] | None = None
+) -> LeaseServer:
+    """The lease service for `settings`, bound but not started."""
+    settings = settings or LeaseServiceSettings()
+    sessions = sessions or make_session_factory(settings)
+    servicer = AgentServicer(settings, sessions)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=settings.grpc_max_workers, thread_name_prefix="lease-rpc"),
+        options=SERVER_OPTIONS,
+    )
+    pb_grpc.add_AgentServiceServicer_to_server(servicer, server)
+    if settings.tls_cert_file and settings.tls_key_file:
+        creds = grpc.ssl_server_credentials(
+            [(Path(settings.tls_key_file).read_bytes(), Path(settings.tls_cert_file).read_bytes())]
+        )
+        port = server.add_secure_port(settings.lease_bind, creds)
+    else:
+        port = server.add_insecure_port(settings.lease_bind)
+    if port == 0:
+        raise OSError(f"cannot listen on {settings.lease_bind}")
+    host = settings.lease_bind.rsplit(":", 1)[0].strip("[]")
+    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    return LeaseServer(server, port, servicer, Sweeper(settings, sessions), host=host)
+
+
+def serve(settings: LeaseServiceSettings | None = None) -> None:
+    """Run the lease service until SIGTERM or SIGINT (checks the schema first)."""
+    from services.db.migrate import check_schema
+
+    settings = settings or LeaseServiceSettings()
+    check_schema(settings.database_url)
+    lease_server = make_server(settings)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    lease_server.start()
+    log.info("lease service listening on %s (artifacts in %s)", settings.lease_bind, settings.artifact_root)
+    print(f"lease service listening on port {lease_server.port}", flush=True)
+    stop.wait()
+    lease_server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`tunefarm lease-service [--bind HOST:PORT] [--artifact-root DIR]`; the rest comes
+    from the environment (LeaseServiceSettings)."""
+    parser = argparse.ArgumentParser(prog="tunefarm lease-service", description="the farm's agent service (gRPC)")
+    parser.add_argument("--bind", help="host:port to listen on (TUNEFARM_LEASE_BIND)")
+    parser.add_argument("--artifact-root", type=Path, help="shared artifact directory (TUNEFARM_ARTIFACT_ROOT)")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    if args.bind:
+        overrides["lease_bind"] = args.bind
+    if args.artifact_root:
+        overrides["artifact_root"] = args.artifact_root
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(LeaseServiceSettings(**overrides))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

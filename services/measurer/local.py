@@ -1,0 +1,215 @@
+"""Embedded mode's measurer: build on this machine, then run on this machine.
+
+`LocalMeasurer` implements `tunefarm.measure.Measurer` over a `Builder` and a `Runner`.
+A background thread takes the submitted batches in order: it builds a batch's programs in
+parallel worker processes, then runs them one at a time (nothing else uses the cores while
+a kernel is timed) and hands each `MeasureResult` over as soon as it exists.
+
+`prepare` readies a task for measurement: it writes the workload's IRModule JSON (the
+builder's input, by path) and the task data (inputs, and expected outputs from the
+workload's numpy reference or, lacking one, from the unscheduled program run once within
+`reference_timeout` seconds). When no reference can be had in time, `MeasureTask.verify`
+is False and the search checks kernels against each other instead (`tunefarm.digest`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.measurer.runner import Runner
+from services.measurer.task_data import add_expected_from, write_task_data
+from services.worker.builder import Builder
+from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
+from tunefarm.records import BuildInput, MeasureResult, RunInput, TimingConfig
+from tunefarm.workloads import Workload
+
+REFERENCE_TIMEOUT_SECS = 60.0
+"""Default time the unscheduled program gets to compute a task's reference outputs (build
+and run each). A naive program that takes longer would hold tuning up for nothing: the
+search then checks kernels against each other."""
+
+
+def safe_name(text: str, limit: int = 80) -> str:
+    """A file-name-safe version of a task key (its tail, which holds the hashes)."""
+    return "".join(ch if ch.isalnum() else "_" for ch in text)[-limit:]
+
+
+class LocalMeasurer(Measurer):
+    def __init__(
+        self,
+        builder: Builder,
+        runner: Runner,
+        work_dir: str | Path,
+        *,
+        reference_timeout: float = REFERENCE_TIMEOUT_SECS,
+        close_workers: bool = True,
+        log: Callable[[str], None] = lambda msg: None,
+    ):
+        self.builder = builder
+        self.runner = runner
+        self.work_dir = Path(work_dir)
+        self.reference_timeout = reference_timeout
+        self.close_workers = close_workers  # False: the builder and runner are the caller's
+        self.log = log
+        self._batches: queue.SimpleQueue[MeasureBatch | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[MeasureResult] = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="local-measurer", daemon=True)
+        self._thread.start()
+
+    # -- preparing a task -------------------------------------------------------------------
+
+    def prepare(self, workload: Workload, task_key: str, target: dict[str, Any]) -> MeasureTask:
+        """Write the task's workload file and task data; compute its reference outputs."""
+        safe = safe_name(task_key)
+        wl_path = self.work_dir / "workloads" / f"{safe}.json"
+        write_text_once(wl_path, workload.to_json())
+        data_path = self.work_dir / "data" / f"{safe}.npz"
+        if workload.reference is not None:
+            write_task_data(data_path, workload, seed=0, with_expected=True)
+            verify = True
+        else:
+            write_task_data(data_path, workload, seed=0, with_expected=False)
+            verify = self._reference_from_unscheduled(workload, str(wl_path), str(data_path), target, safe)
+        return MeasureTask(
+            key=task_key,
+            workload=str(wl_path),
+            target=target,
+            task_data=str(data_path),
+            n_inputs=len(workload.inputs),
+            n_outputs=len(workload.outputs),
+            verify=verify,
+        )
+
+    def _reference_from_unscheduled(self, wl: Workload, wl_path: str, data_path: str, target, safe: str) -> bool:
+        t0 = time.perf_counter()
+        build = self.builder.build([BuildInput("reference", wl_path, None, target, self.reference_timeout)])[0]
+        if build.error_kind.is_error:
+            self.log(f"{wl.name}: no reference: the unscheduled program does not build ({build.error_msg})")
+            return False
+        outputs = str(self.work_dir / "data" / f"reference_{safe}.npz")
+        run = self.runner.run(
+            [
+                RunInput(
+                    candidate_key="reference",
+                    artifact=build.artifact or "",
+                    task_data=data_path,
+                    n_inputs=len(wl.inputs),
+                    n_outputs=len(wl.outputs),
+                    verify=False,
+                    timing=TimingConfig(repeat=0),
+                    timeout_secs=self.reference_timeout,
+                    save_outputs=outputs,
+                )
+            ]
+        )[0]
+        Path(build.artifact or "").unlink(missing_ok=True)
+        if run.error_kind.is_error:
+            self.log(
+                f"{wl.name}: no reference ({run.error_kind}: {run.error_msg}); "
+                "kernels are checked against each other instead"
+            )
+            return False
+        add_expected_from(data_path, outputs)
+        Path(outputs).unlink(missing_ok=True)
+        self.log(f"{wl.name}: reference outputs from the unscheduled program ({time.perf_counter() - t0:.1f} s)")
+        return True
+
+    # -- Measurer ---------------------------------------------------------------------------
+
+    def submit(self, batch: MeasureBatch) -> None:
+        if self._closed.is_set():
+            raise RuntimeError("the measurer is closed")
+        with self._lock:
+            self._pending += len(batch.inputs)
+        self._batches.put(batch)
+
+    def collect(self, timeout: float | None = None) -> list[MeasureResult]:
+        out: list[MeasureResult] = []
+        if self.pending == 0:
+            return out
+        try:
+            out.append(self._results.get(timeout=timeout))
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            self._pending -= len(out)
+        return out
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._batches.put(None)
+        if self.close_workers:
+            self.builder.close()  # ends a build or run in progress at once
+            self.runner.close()
+        self._thread.join(timeout=30)
+
+    # -- the background thread --------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            batch = self._batches.get()
+            if batch is None or self._closed.is_set():
+                return
+            self._measure(batch)
+
+    def _measure(self, batch: MeasureBatch) -> None:
+        task = batch.task
+        builds = self.builder.build(
+            [BuildInput(m.key, task.workload, m.trace, task.target, batch.build_timeout) for m in batch.inputs]
+        )
+        for m, build in zip(batch.inputs, builds, strict=True):
+            if self._closed.is_set():
+                return
+            run = None
+            if not build.error_kind.is_error and build.artifact is not None:
+                run = self.runner.run(
+                    [
+                        RunInput(
+                            candidate_key=m.key,
+                            artifact=build.artifact,
+                            task_data=task.task_data,
+                            n_inputs=task.n_inputs,
+                            n_outputs=task.n_outputs,
+                            verify=task.verify,
+                            timing=batch.timing,
+                            timeout_secs=batch.run_timeout,
+                        )
+                    ]
+                )[0]
+                Path(build.artifact).unlink(missing_ok=True)
+            self._results.put(MeasureResult(m, build, run))
+
+
+def write_text_once(path: Path, text: str) -> None:
+    """Write `text` to `path` unless the file already holds exactly it (atomic replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and _sha(path.read_bytes()) == _sha(text.encode()):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()

@@ -1,0 +1,74 @@
+"""The lease service's settings: the only place it reads the environment.
+
+Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSettings`):
+
+| variable | default | meaning |
+|---|---|---|
+| TUNEFARM_LEASE_BIND | 127.0.0.1:50051 | host:port the gRPC server listens on (0.0.0.0:50051 for remote agents) |
+| TUNEFARM_ARTIFACT_ROOT | .tunefarm/artifacts | the shared artifact directory (kernels, task data) |
+| TUNEFARM_LEASE_SECS | 30 | a lease lives this long past the agent's last heartbeat |
+| TUNEFARM_HEARTBEAT_INTERVAL_SECS | 5 | how often agents are told to heartbeat |
+| TUNEFARM_AGENT_STALE_SECS | 60 | an agent silent this long is marked offline |
+| TUNEFARM_SWEEP_INTERVAL_SECS | 2 | how often expired leases and stale agents are swept |
+| TUNEFARM_MAX_LEASE_ATTEMPTS | 3 | leases a batch gets before its unmeasured candidates become errors |
+| TUNEFARM_LEASE_WAIT_SECS | 5 | how long an empty LeaseBatch waits for a batch before answering |
+| TUNEFARM_LEASE_RECHECK_SECS | 0.25 | how often a waiting LeaseBatch looks again |
+| TUNEFARM_RESULTS_FLUSH_SECS | 0.05 | results of a stream are stored together within this window |
+| TUNEFARM_RESULTS_FLUSH_MAX | 256 | ... and at most this many per transaction |
+| TUNEFARM_FETCH_CHUNK_BYTES | 262144 | bytes of file data per Fetch message |
+| TUNEFARM_GRPC_MAX_WORKERS | 64 | server threads (each streaming agent holds one or two) |
+| TUNEFARM_TOKEN_CACHE_SECS | 30 | how long a verified token is trusted without asking the database |
+| TUNEFARM_AUTO_CREATE_DEVICE_CLASSES | true | an agent may name a new device class (its detected target) |
+| TUNEFARM_TLS_CERT_FILE, TUNEFARM_TLS_KEY_FILE | unset | serve TLS with this certificate chain and key |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import SettingsConfigDict
+
+from services.db.settings import DatabaseSettings
+from services.measurer.artifacts import DEFAULT_CHUNK_BYTES
+
+
+class LeaseServiceSettings(DatabaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
+
+    # host:port to listen on; port 0 picks a free port (tests).
+    lease_bind: str = "127.0.0.1:50051"
+    # Shared directory of built kernels and task data (rows keep paths relative to it).
+    artifact_root: Path = Path(".tunefarm/artifacts")
+    # A lease expires this long after the last heartbeat of its agent.
+    lease_secs: float = 30.0
+    # The heartbeat period agents are told at registration (well under lease_secs).
+    heartbeat_interval_secs: float = 5.0
+    # Agents whose last heartbeat is older than this are marked offline.
+    agent_stale_secs: float = 60.0
+    # Period of the sweeper (expired leases, stale agents, batches given up).
+    sweep_interval_secs: float = 2.0
+    # A batch leased this many times without being finished is given up: its unmeasured
+    # candidates are recorded as run_crash errors (they may be what kills the agents).
+    max_lease_attempts: int = 3
+    # An empty LeaseBatch waits up to this long for a batch (long poll), looking again
+    # every lease_recheck_secs, so an idle agent starts on a new batch within that time.
+    lease_wait_secs: float = 5.0
+    lease_recheck_secs: float = 0.25
+    # Results arriving on a stream within this window are stored in one transaction (at
+    # most results_flush_max of them), with the lease's finish when it comes in the
+    # window: a batch's results cost a few transactions, not one per candidate.
+    results_flush_secs: float = 0.05
+    results_flush_max: int = 256
+    # Bytes per Fetch chunk.
+    fetch_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # Server threads; every agent holds one while streaming results and one per call.
+    grpc_max_workers: int = 64
+    # A verified token is trusted this long before the database is asked again (revoking
+    # a token takes effect within this time).
+    token_cache_secs: float = 30.0
+    # Registering with an unknown device class creates it, with the agent's detected target.
+    auto_create_device_classes: bool = True
+    # TLS: PEM certificate chain and private key; both unset serves plaintext (loopback,
+    # or behind a TLS-terminating proxy).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None

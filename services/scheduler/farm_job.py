@@ -1,0 +1,429 @@
+"""One job inside the scheduler service: embedded mode's session over the farm.
+
+`JobRunner` builds, for a claimed job, exactly what `tunefarm tune` builds in embedded
+mode (`tunefarm_app/embedded.py`): one `SearchTask` and `TaskTuner` per task of the
+model, the task scheduler of the job's strategy, one `TuningSession` with the job's
+trial budget and latency target. Three things differ, and only by what is plugged in:
+
+- the measurer is the `FarmMeasurer` (batches go to Postgres and the class's RQ build
+  queue; agents measure; results come back from Postgres);
+- the cost model is the class's shared model (`shared_model.SharedModelView`);
+- the callbacks keep the job's precomputed progress rows up to date (`JobProgressRows`)
+  instead of drawing a progress view; measurements are stored by the lease service.
+
+Life cycle (driven by `service.SchedulerService`):
+
+    start()   load the model (fused module and ONNX from the artifact root), make the
+              tasks, resume every measurement of the job from Postgres (no candidate is
+              ever proposed twice), adopt the batches still in flight, start the session
+    step()    one turn of the session (propose while under the fair-share cap, collect)
+    finish()  build the tuned model with every task's best schedule, check it against
+              onnxruntime, write model.so, manifest.json, records.jsonl, report.json and
+              pack them into jobs/<id>/tuned.tar.gz (the API hands it out)
+    cancel()  give the job's open batches up and stop
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.db.models import JobState
+from services.db.session import transaction
+from services.measurer.artifacts import file_sha256
+from services.scheduler import job_store
+from services.scheduler.config import TuneConfig
+from services.scheduler.exceptions import JobFailed
+from services.scheduler.job_store import JobSetup
+from services.scheduler.session import SessionCallback, TuningSession
+from services.scheduler.shared_model import ClassModel, SharedModelView
+from services.scheduler.task import SearchTask, make_task, structure_kind
+from services.scheduler.task_scheduler import TaskInfo, similarity_tag
+from services.scheduler.tuner import SearchPace, TaskTuner
+from tunefarm.errors import TunefarmError
+from tunefarm.measure import MeasureBatch, Measurer
+from tunefarm.models.build import build_model_library
+from tunefarm.models.finish import (
+    RECORDS_NAME,
+    REPORT_NAME,
+    LoadedModel,
+    ModelOutcome,
+    TaskOutcome,
+    TuningSummary,
+    archive_directory,
+    finish_model,
+    model_report,
+    onnx_reference,
+    plain,
+    write_records,
+)
+from tunefarm.models.importer import ImportedModel
+from tunefarm.models.tasks import extract_tasks
+from tunefarm.records import MeasureRecord, TensorSpec
+
+JOBS_DIR = "jobs"
+ARCHIVE_NAME = "tuned.tar.gz"
+
+PROGRESS_POINTS = 50
+"""The curve gets a point when the estimate changes, and at least every 1/PROGRESS_POINTS
+of the budget: at most ~PROGRESS_POINTS points plus one per improvement, whatever the
+number of measurements."""
+
+
+MeasurerFactory = Callable[[JobSetup, int], Measurer]
+"""Makes a job's measurer: (the job, the last measurement id resumed from)."""
+
+
+@dataclass
+class RunnerContext:
+    """What every job of a scheduler process shares."""
+
+    sessions: Any  # sessionmaker[Session]
+    artifact_root: Path
+    measurer_factory: MeasurerFactory
+    check_tuned_model: bool
+    log: Callable[[str], None]
+
+
+class JobProgressRows(SessionCallback):
+    """Keeps the job's precomputed progress up to date after every round: a curve point
+    (when the estimate changed, or every 1/PROGRESS_POINTS of the budget), the job's
+    estimated latency (and its first complete estimate), and why tasks were given up.
+    Trial counts and per-task bests are kept by the lease service with each measurement."""
+
+    def __init__(self, runner: JobRunner):
+        self.runner = runner
+        self.last_est: float | None = None
+        self.last_trials = -1
+
+    def on_round(self, session: TuningSession, tuner: TaskTuner, summary) -> None:
+        runner = self.runner
+        runner.shared.dirty = True  # the class's model learns this round's measurements
+        est = runner.estimate()
+        step = max(1, runner.setup.trial_budget // PROGRESS_POINTS)
+        dead = {
+            session.tuners[i].key: str(st.dead_reason) for i, st in enumerate(session.scheduler.states) if st.dead_reason
+        }
+        write_point = est != self.last_est or session.trials - self.last_trials >= step
+        with transaction(runner.ctx.sessions) as s:
+            if write_point:
+                job_store.write_progress(s, job_id=runner.job_id, trials=session.trials, est_latency_secs=est)
+            if dead:
+                job_store.set_dead_reasons(s, job_id=runner.job_id, reasons=dead)
+        if write_point:
+            self.last_est, self.last_trials = est, session.trials
+        runner.timeline.append(
+            {
+                "round": summary.index,
+                "task": summary.task,
+                "trials": summary.trials,
+                "elapsed": round(summary.elapsed, 3),
+                "best_seconds": summary.best_cost if math.isfinite(summary.best_cost) else None,
+                "estimated_seconds": dict(session.scheduler.estimate().per_model),
+                "unknown_tasks": list(session.scheduler.estimate().unknown_tasks),
+            }
+        )
+
+
+class JobRunner:
+    def __init__(self, ctx: RunnerContext, setup: JobSetup, shared: ClassModel):
+        self.ctx = ctx
+        self.setup = setup
+        self.shared = shared
+        self.job_id = setup.job_id
+        self.log = lambda msg: ctx.log(f"job {setup.job_id}: {msg}")
+        self.model: LoadedModel | None = None
+        self.tasks: list[SearchTask] = []
+        self.tuners: list[TaskTuner] = []
+        self.session: TuningSession | None = None
+        self.measurer: Measurer | None = None
+        self.timeline: list[dict] = []
+        self.first_step_done = setup.start_model_trained_on is not None
+        self.started = time.perf_counter()
+        # Taken from the session when the search ends (`begin_finishing`), for the report.
+        self.summary: TuningSummary | None = None
+        self.outcomes: dict[str, TaskOutcome] = {}
+
+    # -- starting ---------------------------------------------------------------------------
+
+    def load_model(self) -> LoadedModel:
+        """The job's model from the artifact root: the fused module the API stored, and
+        the uploaded ONNX as the reference."""
+        import tvm
+
+        root = self.ctx.artifact_root
+        s = self.setup
+        try:
+            fused = tvm.ir.load_json((root / s.fused_path).read_text())
+            onnx_bytes = (root / s.onnx_path).read_bytes()
+        except OSError as exc:
+            raise JobFailed(f"the model's files are missing from the artifact root ({exc})") from None
+        tasks = extract_tasks(fused, name=s.model_name, fused=True)
+        imported = ImportedModel(
+            s.model_name,
+            fused,
+            tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in s.inputs),
+            tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"]) for t in s.outputs),
+            onnx_bytes,
+            tuple(s.warnings),
+        )
+        return LoadedModel(imported, tasks, onnx_reference(onnx_bytes), "onnxruntime")
+
+    def config(self) -> TuneConfig:
+        c = self.setup.config
+        return TuneConfig(
+            trials=self.setup.trial_budget,
+            batch_size=int(c.get("batch_size", 32)),
+            seed=int(c.get("seed", 1)),
+            strategy=str(c.get("strategy", "gradient")),
+        )
+
+    def start(self) -> None:
+        """Build the session, resume it from Postgres and adopt the batches in flight."""
+        s = self.setup
+        try:
+            self.model = self.load_model()
+            wanted = {t.workload_key for t in s.tasks}
+            model_tasks = [t for t in self.model.tasks.tasks if t.key in wanted]
+            if len(model_tasks) != len(s.tasks):
+                raise JobFailed("the model's tasks no longer match the job's (the stored model changed)")
+            self.tasks = [make_task(t.workload, s.target) for t in model_tasks]
+        except TunefarmError as exc:
+            raise JobFailed(str(exc)) from None
+        config = self.config()
+        self.log(
+            f"{len(self.tasks)} tasks of {s.model_name} on {s.device_class}: {config.trials} trials, "
+            f"batches of {config.batch_size}, seed {config.seed}, {config.strategy} task scheduler"
+        )
+        # Order matters for exactly-once: the measurer reports measurements after `seen`;
+        # the batches in flight are read next (their unmeasured candidates), and the
+        # job's records last, so each measurement is resumed, or awaited, or both (the
+        # tuner ingests a candidate once and ignores it the second time).
+        with transaction(self.ctx.sessions) as db:
+            seen = job_store.last_measurement_id(db, job_id=self.job_id)
+            job_store.note_cost_model(db, job_id=self.job_id, version_id=self.shared.version_id)
+        measurer = self.ctx.measurer_factory(s, seen)
+        self.measurer = measurer
+        in_flight: Callable[[], list[MeasureBatch]] | None = getattr(measurer, "in_flight_batches", None)
+        batches = in_flight() if in_flight is not None else []
+        with transaction(self.ctx.sessions) as db:
+            records = job_store.job_records(db, job_id=self.job_id)
+        by_task: dict[str, list[MeasureRecord]] = {}
+        for r in records:
+            by_task.setdefault(r.task, []).append(r)
+        measure_tasks = [measurer.prepare(t.workload, t.key, s.target) for t in self.tasks]
+        view = SharedModelView(self.shared)
+        pace = SearchPace()
+        self.tuners = [
+            TaskTuner(t, config, view, verify=m.verify, pace=pace, log=self.log) for t, m in zip(self.tasks, measure_tasks)
+        ]
+        weights = {t.key: t.weight for t in model_tasks}
+        infos = [
+            TaskInfo(
+                key=t.key,
+                flops=t.workload.flops,
+                weights={s.model_name: weights[t.workload.key]},
+                similarity_tag=similarity_tag(structure_kind(t.dag), t.workload.flops),
+            )
+            for t in self.tasks
+        ]
+        targets = {s.model_name: s.latency_target_secs} if s.latency_target_secs else None
+        self.session = TuningSession(
+            self.tuners,
+            infos,
+            measure_tasks,
+            measurer,
+            config,
+            model=view,
+            callbacks=[JobProgressRows(self)],
+            targets=targets,
+            log=self.log,
+        )
+        self.session.resume([by_task.get(t.key, []) for t in self.tasks])
+        adopted = 0
+        index = {t.key: i for i, t in enumerate(self.tasks)}
+        for batch in batches:
+            if batch.task.key in index:
+                self.session.adopt(index[batch.task.key], batch)
+                adopted += len(batch.inputs)
+        if records or adopted:
+            self.log(f"resuming: {len(records)} measurements in Postgres, {adopted} candidates still in flight")
+        self.session.start()
+
+    @property
+    def search_tasks(self) -> dict[str, SearchTask]:
+        return {t.key: t for t in self.tasks}
+
+    # -- running ----------------------------------------------------------------------------
+
+    def step(self, wait: float, max_in_flight: int) -> bool:
+        """One turn of the session under the fair-share cap; False once the budget is
+        spent (or every task is done) and nothing is in flight."""
+        assert self.session is not None
+        self.session.max_in_flight = max(1, max_in_flight)
+        if not self.first_step_done:
+            # The first batch is proposed in this step, ranked by the class's model as it
+            # is now (random scores while it has learnt nothing).
+            with transaction(self.ctx.sessions) as db:
+                job_store.note_cost_model(db, job_id=self.job_id, trained_on=self.shared.model.trained_on)
+            self.first_step_done = True
+        return self.session.step(wait=wait)
+
+    def estimate(self) -> float | None:
+        """The model's estimated latency with the best kernels so far; None while some
+        task has no valid measurement."""
+        assert self.session is not None
+        est = self.session.scheduler.estimate()
+        if est.unknown_tasks:
+            return None
+        value = est.per_model.get(self.setup.model_name)
+        return float(value) if value is not None and math.isfinite(value) else None
+
+    def close(self) -> None:
+        """Stop the session and the measurer (batches in flight stay in the farm)."""
+        if self.session is not None:
+            session, self.session = self.session, None
+            try:
+                session.close()
+            except Exception as exc:  # a callback failing at the end must not keep the job
+                self.log(f"closing the session: {exc}")
+        if self.measurer is not None:
+            measurer, self.measurer = self.measurer, None
+            measurer.close()
+
+    def cancel(self) -> None:
+        self.close()
+        with transaction(self.ctx.sessions) as db:
+            n = job_store.fail_open_batches(db, job_id=self.job_id, reason="the job was cancelled")
+            job_store.set_job_state(db, job_id=self.job_id, state=JobState.CANCELLED)
+        self.log(f"cancelled ({n} open batches given up)")
+
+    # -- finishing --------------------------------------------------------------------------
+
+    def begin_finishing(self) -> None:
+        """The search is over: the job is finishing (a restart resumes it there)."""
+        assert self.session is not None
+        final = self.session
+        est = self.estimate()
+        self.summary = self._summary(final)
+        self.outcomes = self._task_outcomes(final)
+        self.close()
+        with transaction(self.ctx.sessions) as db:
+            job_store.write_progress(db, job_id=self.job_id, trials=final.trials, est_latency_secs=est)
+            job_store.set_job_state(db, job_id=self.job_id, state=JobState.FINISHING)
+
+    def finish(self) -> None:
+        """Build, check, archive and store the tuned model; the job succeeds. Runs in a
+        worker thread of the service (the build runs in isolated child processes)."""
+        assert self.model is not None and self.summary is not None
+        m, s = self.model, self.setup
+        schedules = {
+            t.workload.key: best.trace
+            for t, tuner in zip(self.tasks, self.tuners)
+            if (best := tuner.state.best) is not None
+        }
+        root = self.ctx.artifact_root
+        staging = root / "tmp"
+        staging.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f"job-{self.job_id}-", dir=staging))
+        try:
+            directory = work / "tuned"
+            outcome = self._build(m, directory, schedules)
+            if outcome.error:
+                raise JobFailed(outcome.error)
+            with transaction(self.ctx.sessions) as db:
+                records = job_store.job_records(db, job_id=self.job_id)
+            write_records(directory / RECORDS_NAME, records)
+            report = model_report(
+                [m], [outcome], self.outcomes, self.summary, s.target, s.trial_budget, time.perf_counter() - self.started
+            )
+            report["models"][0]["directory"] = "."
+            report["farm"] = {"job": self.job_id, "device_class": s.device_class, "model_id": s.model_id}
+            (directory / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
+            rel = f"{JOBS_DIR}/{self.job_id}/{ARCHIVE_NAME}"
+            archive = archive_directory(directory, root / rel)
+            sha, size = file_sha256(archive), archive.stat().st_size
+            result = plain(
+                {
+                    "stop_reason": self.summary.stop_reason,
+                    "trials": self.summary.trials,
+                    "latency": outcome.latency,
+                    "onnxruntime_latency": outcome.onnxruntime_latency,
+                    "check": outcome.check,
+                    "tuned_tasks": sum(1 for r in report["models"][0]["tasks"] if r["schedule"] == "tuned"),
+                    "tasks": len(report["models"][0]["tasks"]),
+                }
+            )
+            with transaction(self.ctx.sessions) as db:
+                job_store.finish_job(
+                    db, job_id=self.job_id, artifact_path=rel, artifact_sha256=sha, artifact_size=size, result=result
+                )
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        self.log(f"succeeded: tuned model in {rel} ({size} bytes)")
+
+    def _build(self, m: LoadedModel, directory: Path, schedules: dict[str, Any]) -> ModelOutcome:
+        target = self.setup.target
+        try:
+            if self.ctx.check_tuned_model and runs_here(target):
+                return finish_model(m, directory, target, schedules, log=self.log)
+            build_model_library(
+                m.tasks.fused_mod,
+                directory,
+                target=target,
+                inputs=m.imported.inputs,
+                outputs=m.imported.outputs,
+                schedules={t.key: schedules.get(t.key) for t in m.tasks.tasks},
+                name=m.name,
+            )
+            why = "not run: this host cannot run the class's target" if self.ctx.check_tuned_model else "disabled"
+            check = {"ok": None, "reference": "onnxruntime", "problem": why}
+            return ModelOutcome(m.name, directory, None, check, None, None)
+        except TunefarmError as exc:
+            raise JobFailed(str(exc)) from None
+
+    def _summary(self, session: TuningSession) -> TuningSummary:
+        stats = session.stats
+        stats.wall_secs = session.elapsed
+        return TuningSummary(
+            trials=session.trials,
+            resumed=session.resumed,
+            stop_reason=stats.stop_reason,
+            tuning_secs=stats.wall_secs,
+            search_secs=stats.search_secs,
+            train_secs=stats.train_secs,
+            measure_secs=stats.measure_secs,
+            strategy=self.config().strategy,
+            task_names=[t.workload.name for t in self.tasks],
+            decisions=[
+                {"round": d.round, "task": d.task, "reason": str(d.reason), "gradient": d.gradient}
+                for d in session.scheduler.decisions
+            ],
+            timeline=list(self.timeline),
+        )
+
+    def _task_outcomes(self, session: TuningSession) -> dict[str, TaskOutcome]:
+        states = session.scheduler.states
+        return {
+            t.workload.key: TaskOutcome(
+                tuner.state.trials, tuner.state.best, tuner.verify, st.dead_reason, dict(tuner.state.errors)
+            )
+            for t, tuner, st in zip(self.tasks, self.tuners, states)
+        }
+
+
+def runs_here(target: dict[str, Any]) -> bool:
+    """Whether this host can run code built for `target` (a CPU target for its own
+    architecture): the tuned model is then checked here against onnxruntime."""
+    if target.get("kind") != "llvm":
+        return False
+    triple = str(target.get("mtriple", ""))
+    return not triple or triple.split("-")[0] in {platform.machine(), platform.machine().replace("arm64", "aarch64")}

@@ -1,0 +1,550 @@
+"""The farm's measurer: a `Measurer` over PostgreSQL, RQ build workers and device agents.
+
+    prepare(workload)  -> the workload row, its task data file under the artifact root
+                          (inputs; expected outputs from the numpy reference or from the
+                          unscheduled program run once on this host, within a bounded
+                          time, as `LocalMeasurer` does) and the job's task row
+    submit(batch)      -> one transaction (the batch and its candidates, each input as
+                          JSON) and one RQ job, `build_batch(batch_id)`, on the device
+                          class's build queue; build workers build, agents measure
+    collect(timeout)   -> the job's measurements newer than the last one seen, turned
+                          back into `MeasureResult`s (one query per poll)
+
+Every submitted input comes back exactly once: measured by an agent, a build error
+recorded by the build worker, an error the lease service recorded for a batch no agent
+could finish, or, for a batch whose build job failed for good, an error recorded here
+(`queries.abandon_batch`). Build jobs are watched (`_check_batches`, every
+`stuck_check_secs`): a job that failed or vanished from Redis is enqueued again, up to
+`max_requeues` times.
+
+After a restart of the scheduler, `in_flight_batches()` gives the batches submitted
+before and not finished, with their unmeasured inputs, for `TuningSession.adopt`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import exists, func, insert, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.db import codec, queries
+from services.db.models import (
+    Batch,
+    BatchCandidate,
+    BatchState,
+    DeviceClass,
+    JobTask,
+    Measurement,
+    TaskData,
+    Workload,
+)
+from services.db.session import transaction
+from services.measurer import artifacts
+from services.measurer.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
+from services.worker.queues import BUILD_JOB, build_job_id, build_queue_name
+from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
+from tunefarm.records import (
+    BuildResult,
+    ErrorKind,
+    MeasureInput,
+    MeasureRecord,
+    MeasureResult,
+    RunResult,
+)
+from tunefarm.workloads import Workload as WorkloadSpec
+
+if TYPE_CHECKING:
+    from redis import Redis
+
+POLL_INTERVAL_SECS = 0.1
+"""How often `collect` looks for new measurements while it waits."""
+
+STUCK_CHECK_SECS = 5.0
+"""How often the states of the batches in flight and their build jobs are checked."""
+
+MAX_POLL_ROWS = 5000
+"""Measurements read per poll at most (the rest come with the next one)."""
+
+WORKLOAD_REF = "farm:workload:"
+TASK_DATA_REF = "farm:task_data:"
+"""`MeasureTask.workload` / `.task_data` in the farm: ids, resolved by the services."""
+
+_BUILD_KINDS = (ErrorKind.BUILD_ERROR, ErrorKind.BUILD_TIMEOUT)
+
+
+@dataclass
+class _Task:
+    workload_id: int
+    job_task_id: int
+    measure_task: MeasureTask
+
+
+@dataclass
+class _InFlight:
+    """A batch of this job whose results are still awaited."""
+
+    batch_id: int
+    waiting: set[str]  # candidate keys without a result yet
+    requeues: int = 0
+    inputs: dict[str, MeasureInput] = field(default_factory=dict)
+
+
+class FarmMeasurer(Measurer):
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        redis: Redis,
+        *,
+        artifact_root: str | os.PathLike[str],
+        job_id: int,
+        device_class: str,
+        queue_prefix: str = "tunefarm",
+        reference_timeout: float = REFERENCE_TIMEOUT_SECS,
+        poll_interval: float = POLL_INTERVAL_SECS,
+        stuck_check_secs: float = STUCK_CHECK_SECS,
+        max_requeues: int = 2,
+        build_job_timeout: int = 1800,
+        after_measurement_id: int | None = None,
+        log: Callable[[str], None] = lambda msg: None,
+    ):
+        """`after_measurement_id`: results are the job's measurements after this id (a
+        restarted scheduler passes the last one it resumed from); default: the job's
+        newest measurement now."""
+        self.sessions = sessions
+        self.redis = redis
+        self.artifact_root = Path(artifact_root)
+        self.job_id = job_id
+        self.device_class = device_class
+        self.queue_prefix = queue_prefix
+        self.reference_timeout = reference_timeout
+        self.poll_interval = poll_interval
+        self.stuck_check_secs = stuck_check_secs
+        self.max_requeues = max_requeues
+        self.build_job_timeout = build_job_timeout
+        self.log = log
+        self._tasks: dict[str, _Task] = {}
+        self._flight: dict[int, _InFlight] = {}
+        self._reference: LocalMeasurer | None = None
+        self._closed = False
+        self._last_check = time.monotonic()
+        with transaction(sessions) as s:
+            dc = s.scalars(select(DeviceClass).where(DeviceClass.name == device_class)).one_or_none()
+            if dc is None:
+                raise ValueError(f"device class {device_class!r} does not exist")
+            self.device_class_id = dc.id
+            self.target = dict(dc.target)
+            if after_measurement_id is None:
+                after_measurement_id = s.scalar(
+                    select(func.coalesce(func.max(Measurement.id), 0)).where(Measurement.job_id == job_id)
+                )
+        self._last_id = int(after_measurement_id or 0)
+
+    # -- preparing a task ---------------------------------------------------------------
+
+    def prepare(self, workload: WorkloadSpec, task_key: str, target: dict[str, Any]) -> MeasureTask:
+        """The workload row, its task data (computed once per workload, shared by every
+        job), and this job's task row."""
+        with transaction(self.sessions) as s:
+            s.execute(
+                pg_insert(Workload)
+                .values(
+                    key=workload.key,
+                    name=workload.name,
+                    module_json=workload.to_json(),
+                    flops=float(workload.flops),
+                    n_inputs=len(workload.inputs),
+                    n_outputs=len(workload.outputs),
+                )
+                .on_conflict_do_nothing(index_elements=[Workload.key])
+            )
+            workload_id = s.scalar(select(Workload.id).where(Workload.key == workload.key))
+            td = s.scalars(select(TaskData).where(TaskData.workload_id == workload_id)).one_or_none()
+            have = td is not None and _is_file(self.artifact_root, td.path)
+        assert workload_id is not None
+        if not have:
+            self._write_task_data(workload, workload_id, task_key)
+        with transaction(self.sessions) as s:
+            td = s.scalars(select(TaskData).where(TaskData.workload_id == workload_id)).one()
+            position = s.scalar(select(func.count()).where(JobTask.job_id == self.job_id))
+            s.execute(
+                pg_insert(JobTask)
+                .values(job_id=self.job_id, workload_id=workload_id, task_key=task_key, position=position, weight=1)
+                .on_conflict_do_nothing(index_elements=[JobTask.job_id, JobTask.workload_id])
+            )
+            job_task_id = s.scalar(
+                select(JobTask.id).where(JobTask.job_id == self.job_id, JobTask.workload_id == workload_id)
+            )
+            task = MeasureTask(
+                key=task_key,
+                workload=f"{WORKLOAD_REF}{workload_id}",
+                target=target,
+                task_data=f"{TASK_DATA_REF}{td.id}",
+                n_inputs=len(workload.inputs),
+                n_outputs=len(workload.outputs),
+                verify=td.has_expected,
+            )
+        assert job_task_id is not None
+        self._tasks[task_key] = _Task(workload_id, job_task_id, task)
+        return task
+
+    def _write_task_data(self, workload: WorkloadSpec, workload_id: int, task_key: str) -> None:
+        """Task data as `LocalMeasurer.prepare` makes it (the unscheduled program runs on
+        this host, so it is built for this host whatever the class's target), copied
+        under the artifact root."""
+        from tunefarm.target import host_target_dict
+
+        local = self._reference_measurer().prepare(workload, task_key, host_target_dict())
+        rel = f"{artifacts.TASK_DATA_DIR}/{workload_id}.npz"
+        dest = self.artifact_root / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+        shutil.copyfile(local.task_data, tmp)
+        os.replace(tmp, dest)
+        values = {
+            "path": rel,
+            "sha256": artifacts.file_sha256(dest),
+            "size": dest.stat().st_size,
+            "has_expected": local.verify,
+        }
+        with transaction(self.sessions) as s:
+            s.execute(
+                pg_insert(TaskData)
+                .values(workload_id=workload_id, **values)
+                .on_conflict_do_update(index_elements=[TaskData.workload_id], set_=values)
+            )
+
+    def _reference_measurer(self) -> LocalMeasurer:
+        if self._reference is None:
+            from services.measurer.runner import LocalRunner
+            from services.worker.builder import LocalBuilder
+            from tunefarm.target import physical_cores
+
+            work = self.artifact_root / "scheduler" / str(os.getpid())
+            self._reference = LocalMeasurer(
+                LocalBuilder(work / "kernels", n_workers=1),
+                LocalRunner(physical_cores()),
+                work,
+                reference_timeout=self.reference_timeout,
+                log=self.log,
+            )
+        return self._reference
+
+    # -- Measurer -----------------------------------------------------------------------
+
+    def submit(self, batch: MeasureBatch) -> None:
+        """One transaction (the batch and its candidates) and one RQ job."""
+        if self._closed:
+            raise RuntimeError("the measurer is closed")
+        task = self._task(batch.task.key)
+        inputs = list({m.key: m for m in batch.inputs}.values())  # a key once per batch
+        with transaction(self.sessions) as s:
+            batch_id = s.scalar(
+                insert(Batch)
+                .values(
+                    job_id=self.job_id,
+                    job_task_id=task.job_task_id,
+                    workload_id=task.workload_id,
+                    device_class_id=self.device_class_id,
+                    timing=codec.timing_to_json(batch.timing),
+                    build_timeout_secs=batch.build_timeout,
+                    run_timeout_secs=batch.run_timeout,
+                )
+                .returning(Batch.id)
+            )
+            assert batch_id is not None
+            if inputs:
+                s.execute(
+                    insert(BatchCandidate),
+                    [
+                        {"batch_id": batch_id, "position": i, "candidate_key": m.key, "input": codec.input_to_json(m)}
+                        for i, m in enumerate(inputs)
+                    ],
+                )
+        self._flight[batch_id] = _InFlight(batch_id, {m.key for m in inputs}, inputs={m.key: m for m in inputs})
+        self._enqueue(batch_id)
+
+    def collect(self, timeout: float | None = None) -> list[MeasureResult]:
+        if self.pending == 0:
+            return []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            out = self._poll()
+            if time.monotonic() - self._last_check >= self.stuck_check_secs:
+                out += self._check_batches()
+            if out or self._closed:
+                return out
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return []
+            wait = self.poll_interval if deadline is None else min(self.poll_interval, deadline - now)
+            time.sleep(max(0.0, wait))
+
+    @property
+    def pending(self) -> int:
+        return sum(len(f.waiting) for f in self._flight.values())
+
+    def close(self) -> None:
+        """Stop using the measurer. Batches in flight are left to the farm: a restarted
+        scheduler adopts them (`in_flight_batches`); `cancel_pending` gives them up."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._reference is not None:
+            self._reference.close()
+            self._reference = None
+
+    # -- restarts and cancellation -------------------------------------------------------
+
+    def in_flight_batches(self) -> list[MeasureBatch]:
+        """The job's batches that are not finished, with their unmeasured inputs, as
+        `MeasureBatch`es (id "farm-<batch id>") for `TuningSession.adopt`; their results
+        come from `collect` from now on."""
+        measured = exists().where(Measurement.batch_candidate_id == BatchCandidate.id)
+        with transaction(self.sessions) as s:
+            batches = list(
+                s.scalars(
+                    select(Batch)
+                    .where(Batch.job_id == self.job_id, Batch.state.not_in([BatchState.DONE, BatchState.FAILED]))
+                    .order_by(Batch.id)
+                )
+            )
+            ids = [b.id for b in batches]
+            cands = s.execute(
+                select(BatchCandidate.batch_id, BatchCandidate.input)
+                .where(BatchCandidate.batch_id.in_(ids), ~measured)
+                .order_by(BatchCandidate.batch_id, BatchCandidate.position)
+            ).all()
+            tasks = {b.job_task_id: self._task_of_row(s, b.job_task_id) for b in batches}
+        by_batch: dict[int, list[MeasureInput]] = {}
+        for batch_id, data in cands:
+            by_batch.setdefault(batch_id, []).append(codec.input_from_json(data))
+        out = []
+        for b in batches:
+            inputs = by_batch.get(b.id, [])
+            if not inputs:
+                continue
+            task = tasks[b.job_task_id]
+            self._flight.setdefault(b.id, _InFlight(b.id, {m.key for m in inputs}, inputs={m.key: m for m in inputs}))
+            out.append(
+                MeasureBatch(
+                    id=f"farm-{b.id}",
+                    task=task.measure_task,
+                    inputs=tuple(inputs),
+                    timing=codec.timing_from_json(b.timing),
+                    build_timeout=b.build_timeout_secs,
+                    run_timeout=b.run_timeout_secs,
+                )
+            )
+        return out
+
+    def cancel_pending(self, reason: str = "cancelled") -> int:
+        """Give up every batch in flight (a cancelled job): their unmeasured candidates
+        are recorded as errors and come back from `collect`. Returns how many."""
+        n = 0
+        with transaction(self.sessions) as s:
+            for batch_id in sorted(self._flight):
+                n += queries.abandon_batch(s, batch_id=batch_id, reason=reason, error_kind=ErrorKind.RUN_ERROR)
+        return n
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _task(self, task_key: str) -> _Task:
+        task = self._tasks.get(task_key)
+        if task is None:
+            with transaction(self.sessions) as s:
+                job_task_id = s.scalar(
+                    select(JobTask.id).where(JobTask.job_id == self.job_id, JobTask.task_key == task_key)
+                )
+                if job_task_id is None:
+                    raise KeyError(f"task {task_key!r} was not prepared for job {self.job_id}")
+                task = self._task_of_row(s, job_task_id)
+        return task
+
+    def _task_of_row(self, s: Session, job_task_id: int) -> _Task:
+        """The `_Task` of a job task row (prepared before a restart)."""
+        for task in self._tasks.values():
+            if task.job_task_id == job_task_id:
+                return task
+        row = s.execute(
+            select(JobTask.task_key, Workload.id, Workload.n_inputs, Workload.n_outputs, TaskData.id, TaskData.has_expected)
+            .join(Workload, Workload.id == JobTask.workload_id)
+            .outerjoin(TaskData, TaskData.workload_id == Workload.id)
+            .where(JobTask.id == job_task_id)
+        ).one()
+        task_key, workload_id, n_in, n_out, td_id, has_expected = row
+        measure_task = MeasureTask(
+            key=task_key,
+            workload=f"{WORKLOAD_REF}{workload_id}",
+            target=self.target,
+            task_data=f"{TASK_DATA_REF}{td_id}",
+            n_inputs=n_in,
+            n_outputs=n_out,
+            verify=bool(has_expected),
+        )
+        task = _Task(workload_id, job_task_id, measure_task)
+        self._tasks[task_key] = task
+        return task
+
+    def _enqueue(self, batch_id: int) -> None:
+        """The batch's build job; a Redis failure is only logged (the batch check enqueues
+        it again)."""
+        from redis.exceptions import RedisError
+        from rq import Queue, Retry
+
+        queue = Queue(build_queue_name(self.device_class, self.queue_prefix), connection=self.redis)
+        try:
+            queue.enqueue(
+                BUILD_JOB,
+                batch_id,
+                job_id=build_job_id(batch_id, self.queue_prefix),
+                job_timeout=self.build_job_timeout,
+                retry=Retry(max=1),
+                result_ttl=3600,
+                failure_ttl=7 * 86400,
+                description=f"build batch {batch_id} of job {self.job_id}",
+            )
+        except RedisError as exc:
+            self.log(f"batch {batch_id}: cannot enqueue its build ({exc}); trying again later")
+
+    def _poll(self) -> list[MeasureResult]:
+        """The job's measurements after the last one seen, for batches in flight."""
+        with transaction(self.sessions) as s:
+            rows = s.execute(
+                select(Measurement.id, BatchCandidate.batch_id, BatchCandidate.artifact_path, Measurement.record)
+                .join(BatchCandidate, BatchCandidate.id == Measurement.batch_candidate_id)
+                .where(Measurement.job_id == self.job_id, Measurement.id > self._last_id)
+                .order_by(Measurement.id)
+                .limit(MAX_POLL_ROWS)
+            ).all()
+        out = []
+        for mid, batch_id, artifact, data in rows:
+            self._last_id = max(self._last_id, mid)
+            result = self._take(batch_id, artifact, data)
+            if result is not None:
+                out.append(result)
+        return out
+
+    def _take(self, batch_id: int, artifact: str | None, data: dict[str, Any]) -> MeasureResult | None:
+        flight = self._flight.get(batch_id)
+        record = codec.record_from_json(data)
+        if flight is None or record.candidate.key not in flight.waiting:
+            return None
+        flight.waiting.discard(record.candidate.key)
+        if not flight.waiting:
+            del self._flight[batch_id]
+        return result_from_record(record, artifact=artifact)
+
+    def _check_batches(self) -> list[MeasureResult]:
+        """Finished batches whose results were missed, and stuck build jobs."""
+        from rq.exceptions import NoSuchJobError
+        from rq.job import Job, JobStatus
+
+        self._last_check = time.monotonic()
+        ids = sorted(self._flight)
+        if not ids:
+            return []
+        with transaction(self.sessions) as s:
+            states = dict(s.execute(select(Batch.id, Batch.state).where(Batch.id.in_(ids))).all())
+        out: list[MeasureResult] = []
+        for batch_id in ids:
+            state = states.get(batch_id)
+            if state in (BatchState.DONE, BatchState.FAILED):
+                out += self._leftovers(batch_id)
+            elif state in (BatchState.PROPOSED, BatchState.BUILDING):
+                try:
+                    job = Job.fetch(build_job_id(batch_id, self.queue_prefix), connection=self.redis)
+                    status = job.get_status()
+                    latest = job.latest_result() if status == JobStatus.FAILED else None
+                    why = (latest.exc_string or "") if latest is not None else ""
+                except NoSuchJobError:
+                    status, why = None, "its build job is gone from Redis"
+                except Exception as exc:  # Redis down: look again next time
+                    self.log(f"cannot check the build of batch {batch_id}: {exc}")
+                    continue
+                if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED, None):
+                    self._requeue_or_give_up(batch_id, state, why.strip().splitlines()[-1:] or [str(status)])
+        return out
+
+    def _requeue_or_give_up(self, batch_id: int, state: BatchState, why: list[str]) -> None:
+        flight = self._flight[batch_id]
+        reason = f"the build of batch {batch_id} failed: {why[0] if why else 'unknown'}"
+        with transaction(self.sessions) as s:
+            if flight.requeues < self.max_requeues:
+                if state is BatchState.BUILDING:
+                    queries.transition_batch(s, batch_id=batch_id, to=BatchState.PROPOSED)
+                requeue = True
+            else:
+                queries.abandon_batch(s, batch_id=batch_id, reason=reason, error_kind=ErrorKind.BUILD_ERROR)
+                requeue = False
+        if requeue:
+            flight.requeues += 1
+            self.log(f"{reason}; building it again ({flight.requeues}/{self.max_requeues})")
+            self._enqueue(batch_id)
+        else:
+            self.log(f"{reason}; giving it up")
+
+    def _leftovers(self, batch_id: int) -> list[MeasureResult]:
+        """Results of a finished batch that `_poll` did not see (measured before
+        `after_measurement_id`, or never: a batch failed before its candidates got any)."""
+        flight = self._flight.get(batch_id)
+        if flight is None:
+            return []
+        out = self._poll()  # whatever landed just before the batch finished
+        flight = self._flight.get(batch_id)
+        if flight is None:
+            return out
+        with transaction(self.sessions) as s:
+            rows = s.execute(
+                select(BatchCandidate.candidate_key, BatchCandidate.artifact_path, BatchCandidate.input, Measurement.record)
+                .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
+                .where(BatchCandidate.batch_id == batch_id, BatchCandidate.candidate_key.in_(sorted(flight.waiting)))
+            ).all()
+            reason = s.scalar(select(Batch.build_error).where(Batch.id == batch_id)) or "the batch failed"
+        for key, artifact, data, record in rows:
+            if record is not None:
+                out.append(result_from_record(codec.record_from_json(record), artifact=artifact))
+            else:
+                inp = flight.inputs.get(key) or codec.input_from_json(data)
+                out.append(_failed(inp, reason, built=artifact is not None))
+            flight.waiting.discard(key)
+        for key in list(flight.waiting):  # not in the database at all (cannot happen)
+            out.append(_failed(flight.inputs[key], reason, built=False))
+        self._flight.pop(batch_id, None)
+        return out
+
+
+def result_from_record(record: MeasureRecord, *, artifact: str | None = None) -> MeasureResult:
+    """The `MeasureResult` a stored measurement stands for (a failed build has no run)."""
+    inp = MeasureInput(record.task, record.candidate, record.sketch_sig, record.trace)
+    if record.error_kind in _BUILD_KINDS:
+        build = BuildResult(inp.key, None, record.build_secs, record.error_kind, record.error_msg)
+        return MeasureResult(inp, build, None)
+    build = BuildResult(inp.key, artifact, record.build_secs)
+    run = RunResult(
+        inp.key, record.costs, record.run_secs, record.error_kind, record.error_msg, record.verified, record.digest
+    )
+    return MeasureResult(inp, build, run)
+
+
+def _failed(inp: MeasureInput, reason: str, *, built: bool) -> MeasureResult:
+    if not built:
+        return MeasureResult(inp, BuildResult(inp.key, None, 0.0, ErrorKind.BUILD_ERROR, reason), None)
+    return MeasureResult(inp, BuildResult(inp.key, None, 0.0), RunResult(inp.key, (), 0.0, ErrorKind.RUN_ERROR, reason))
+
+
+def _is_file(root: Path, rel: str) -> bool:
+    try:
+        return artifacts.resolve(root, rel).is_file()
+    except artifacts.OutsideArtifactRoot:
+        return False
+
+
+__all__ = ["FarmMeasurer", "result_from_record"]

@@ -1,0 +1,281 @@
+"""The scheduler service's database work: small keyword-only functions over the caller's
+session (`services.db.session.transaction`), none of which commits.
+
+- picking jobs: `runnable_jobs`, `claim_job` (queued -> running, with everything the
+  job's session needs: `JobSetup`);
+- resuming: `last_measurement_id`, `job_records` (the job's measurements in id order);
+- progress: `write_progress` (a curve point and the job's estimate), `set_dead_reasons`,
+  `note_cost_model`;
+- fairness: `live_agents_by_class`, `running_jobs_by_class`;
+- ending: `cancel_requests`, `fail_open_batches`, `set_job_state`, `finish_job`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session
+
+from services.db import queries
+from services.db.codec import record_from_json
+from services.db.exceptions import InvalidTransition
+from services.db.models import (
+    Agent,
+    AgentState,
+    Batch,
+    BatchState,
+    DeviceClass,
+    Job,
+    JobProgress,
+    JobState,
+    JobTask,
+    Measurement,
+    Model,
+    Workload,
+)
+from services.scheduler.exceptions import JobVanished
+from tunefarm.records import MeasureRecord
+
+RUNNABLE = (JobState.QUEUED, JobState.RUNNING, JobState.FINISHING)
+
+
+@dataclass(frozen=True)
+class JobTaskRow:
+    id: int
+    task_key: str
+    workload_key: str
+    position: int
+    weight: int
+
+
+@dataclass(frozen=True)
+class JobSetup:
+    """What a job's session is built from (a snapshot, read when the job is claimed)."""
+
+    job_id: int
+    state: JobState  # after claiming: running or finishing
+    trial_budget: int
+    latency_target_secs: float | None
+    config: dict[str, Any]
+    device_class_id: int
+    device_class: str
+    target: dict[str, Any]
+    model_id: int
+    model_name: str
+    onnx_path: str
+    fused_path: str
+    inputs: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+    warnings: list[str]
+    tasks: tuple[JobTaskRow, ...]
+    cost_model_version_id: int | None
+    start_model_trained_on: int | None
+
+
+@dataclass(frozen=True)
+class RunnableJob:
+    id: int
+    state: JobState
+    cancel_requested: bool
+    device_class_id: int
+
+
+def runnable_jobs(session: Session, *, limit: int) -> list[RunnableJob]:
+    """Jobs a scheduler should be running (queued, running or finishing), oldest first."""
+    rows = session.execute(
+        select(Job.id, Job.state, Job.cancel_requested, Job.device_class_id)
+        .where(Job.state.in_(RUNNABLE))
+        .order_by(Job.id)
+        .limit(limit)
+    ).all()
+    return [RunnableJob(r.id, r.state, r.cancel_requested, r.device_class_id) for r in rows]
+
+
+def claim_job(session: Session, *, job_id: int) -> JobSetup:
+    """Start (or take over after a restart) a job: queued becomes running with its start
+    time; running and finishing stay as they are. Raises `JobVanished` if the job is no
+    longer runnable."""
+    job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
+    if job is None or job.state not in RUNNABLE:
+        raise JobVanished(f"job {job_id} is {'gone' if job is None else job.state.value}")
+    if job.state is JobState.QUEUED:
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(state=JobState.RUNNING, started_at=func.coalesce(Job.started_at, func.now())),
+            execution_options={"synchronize_session": False},
+        )
+        state = JobState.RUNNING
+    else:
+        state = job.state
+    model = session.get_one(Model, job.model_id)
+    device_class = session.get_one(DeviceClass, job.device_class_id)
+    tasks = session.execute(
+        select(JobTask.id, JobTask.task_key, Workload.key, JobTask.position, JobTask.weight)
+        .join(Workload, Workload.id == JobTask.workload_id)
+        .where(JobTask.job_id == job_id)
+        .order_by(JobTask.position)
+    ).all()
+    return JobSetup(
+        job_id=job.id,
+        state=state,
+        trial_budget=job.trial_budget,
+        latency_target_secs=job.latency_target_secs,
+        config=dict(job.config),
+        device_class_id=device_class.id,
+        device_class=device_class.name,
+        target=dict(device_class.target),
+        model_id=model.id,
+        model_name=model.name,
+        onnx_path=model.onnx_path,
+        fused_path=model.fused_path,
+        inputs=list(model.inputs),
+        outputs=list(model.outputs),
+        warnings=[str(w) for w in model.warnings],
+        tasks=tuple(JobTaskRow(t[0], t[1], t[2], t[3], t[4]) for t in tasks),
+        cost_model_version_id=job.cost_model_version_id,
+        start_model_trained_on=job.start_model_trained_on,
+    )
+
+
+def job_records(session: Session, *, job_id: int) -> list[MeasureRecord]:
+    """Every measurement of the job, in the order they were stored."""
+    rows = session.scalars(select(Measurement.record).where(Measurement.job_id == job_id).order_by(Measurement.id))
+    return [record_from_json(r) for r in rows]
+
+
+def last_measurement_id(session: Session, *, job_id: int) -> int:
+    """The job's newest measurement id (0: none yet)."""
+    return int(session.scalar(select(func.coalesce(func.max(Measurement.id), 0)).where(Measurement.job_id == job_id)) or 0)
+
+
+def note_cost_model(
+    session: Session, *, job_id: int, version_id: int | None = None, trained_on: int | None = None
+) -> None:
+    """Record the class model version the job starts from, and (once) how many programs
+    the model had learnt from when its first batch was ranked."""
+    if version_id is not None:
+        session.execute(
+            update(Job).where(Job.id == job_id, Job.cost_model_version_id.is_(None)).values(cost_model_version_id=version_id)
+        )
+    if trained_on is not None:
+        session.execute(
+            update(Job).where(Job.id == job_id, Job.start_model_trained_on.is_(None)).values(start_model_trained_on=trained_on)
+        )
+
+
+def write_progress(session: Session, *, job_id: int, trials: int, est_latency_secs: float | None) -> None:
+    """A point of the job's curve (replacing one at the same trial count), the job's
+    current estimate, and its first complete estimate if it has none yet."""
+    elapsed = select(func.coalesce(func.extract("epoch", func.now() - Job.started_at), 0.0)).where(
+        Job.id == job_id
+    ).scalar_subquery()
+    point = pg_insert(JobProgress).values(
+        job_id=job_id, trials=trials, elapsed_secs=elapsed, est_latency_secs=est_latency_secs
+    )
+    session.execute(
+        point.on_conflict_do_update(
+            index_elements=[JobProgress.job_id, JobProgress.trials],
+            set_={"elapsed_secs": point.excluded.elapsed_secs, "est_latency_secs": point.excluded.est_latency_secs},
+        )
+    )
+    values: dict[str, Any] = {"est_latency_secs": est_latency_secs}
+    if est_latency_secs is not None:
+        values["est_latency_start_secs"] = func.coalesce(Job.est_latency_start_secs, est_latency_secs)
+    session.execute(update(Job).where(Job.id == job_id).values(**values))
+
+
+def set_dead_reasons(session: Session, *, job_id: int, reasons: Mapping[str, str]) -> None:
+    """Why the search gave tasks up (task key -> reason)."""
+    for key, reason in reasons.items():
+        session.execute(
+            update(JobTask)
+            .where(JobTask.job_id == job_id, JobTask.task_key == key, JobTask.dead_reason.is_distinct_from(reason))
+            .values(dead_reason=reason)
+        )
+
+
+def live_agents_by_class(session: Session, *, fresh_secs: float) -> dict[int, int]:
+    """Agents per device class that are idle or busy and heartbeated within `fresh_secs`."""
+    rows = session.execute(
+        select(Agent.device_class_id, func.count())
+        .where(
+            Agent.state.in_([AgentState.IDLE, AgentState.BUSY]),
+            Agent.last_heartbeat_at > func.now() - timedelta(seconds=fresh_secs),
+        )
+        .group_by(Agent.device_class_id)
+    ).all()
+    return {int(c): int(n) for c, n in rows}
+
+
+def running_jobs_by_class(session: Session) -> dict[int, int]:
+    """Running jobs per device class, whichever scheduler runs them."""
+    rows = session.execute(
+        select(Job.device_class_id, func.count()).where(Job.state == JobState.RUNNING).group_by(Job.device_class_id)
+    ).all()
+    return {int(c): int(n) for c, n in rows}
+
+
+def cancel_requests(session: Session, *, job_ids: Iterable[int]) -> set[int]:
+    ids = list(job_ids)
+    if not ids:
+        return set()
+    return set(session.scalars(select(Job.id).where(Job.id.in_(ids), Job.cancel_requested)))
+
+
+def fail_open_batches(session: Session, *, job_id: int, reason: str) -> int:
+    """End every batch of the job that is not done: agents and build workers stop
+    spending time on it (their results are refused from now on). Returns how many."""
+    open_ids = list(
+        session.scalars(
+            select(Batch.id)
+            .where(Batch.job_id == job_id, Batch.state.not_in([BatchState.DONE, BatchState.FAILED]))
+            .order_by(Batch.id)
+        )
+    )
+    n = 0
+    for batch_id in open_ids:
+        try:
+            queries.transition_batch(session, batch_id=batch_id, to=BatchState.FAILED, build_error=reason)
+            n += 1
+        except InvalidTransition:  # finished meanwhile
+            pass
+    return n
+
+
+def set_job_state(session: Session, *, job_id: int, state: JobState, error: str | None = None) -> None:
+    values: dict[str, Any] = {"state": state}
+    if error is not None:
+        values["error"] = error[:2000]
+    if state.is_terminal:
+        values["finished_at"] = func.now()
+    session.execute(update(Job).where(Job.id == job_id).values(**values))
+
+
+def finish_job(
+    session: Session,
+    *,
+    job_id: int,
+    artifact_path: str,
+    artifact_sha256: str,
+    artifact_size: int,
+    result: dict[str, Any],
+) -> None:
+    """The job succeeded: its tuned model archive and summary."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.state.in_([JobState.RUNNING, JobState.FINISHING]))
+        .values(
+            state=JobState.SUCCEEDED,
+            artifact_path=artifact_path,
+            artifact_sha256=artifact_sha256,
+            artifact_size=artifact_size,
+            result=result,
+            finished_at=func.now(),
+        )
+    )

@@ -1,0 +1,65 @@
+"""The scheduler service's settings: the only place it reads the environment.
+
+Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSettings`):
+
+| variable | default | meaning |
+|---|---|---|
+| TUNEFARM_ARTIFACT_ROOT | .tunefarm/artifacts | the shared artifact directory (models, task data, archives, cost models) |
+| TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the RQ broker the build jobs go through |
+| TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` |
+| TUNEFARM_MAX_JOBS | 16 | jobs this process tunes at the same time |
+| TUNEFARM_BATCHES_PER_AGENT | 2 | batches in flight per live agent of a class, shared by its jobs |
+| TUNEFARM_AGENT_FRESH_SECS | 60 | an agent counts as live if it heartbeated this recently |
+| TUNEFARM_POLL_INTERVAL_SECS | 0.25 | sleep between passes when nothing happened |
+| TUNEFARM_STEP_WAIT_SECS | 0.02 | how long one job's step waits for results |
+| TUNEFARM_COST_MODEL_WARMUP | 32 | programs a class's cost model sees before it ranks (random before) |
+| TUNEFARM_COST_MODEL_SAVE_EVERY | 256 | new measurements between two saved versions of a class's model |
+| TUNEFARM_COST_MODEL_CATCH_UP_SECS | 10 | how often a class's model reads measurements made elsewhere |
+| TUNEFARM_CHECK_TUNED_MODEL | true | run the tuned model against onnxruntime before keeping it |
+| TUNEFARM_SCHEDULER_HEARTBEAT_FILE | unset | touched after every pass (a container's health check reads its age) |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import SettingsConfigDict
+
+from services.db.settings import DatabaseSettings
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class SchedulerSettings(DatabaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
+
+    # Shared directory (rows keep paths relative to it): uploaded models, task data, tuned
+    # model archives (jobs/), cost model versions (cost_models/).
+    artifact_root: Path = Path(".tunefarm/artifacts")
+    # The RQ broker and the first part of every queue name (as the build workers').
+    redis_url: str = DEFAULT_REDIS_URL
+    queue_prefix: str = "tunefarm"
+    # Jobs tuned at the same time by this process (more wait, queued, in id order).
+    max_jobs: int = 16
+    # Fair share: a class with A live agents and J running jobs lets each job keep
+    # ceil(batches_per_agent * A / J) batches in flight (at least 1): one being measured
+    # and one built and waiting per agent keeps every agent busy, and equal caps over a
+    # FIFO queue give every job the same share of the agents.
+    batches_per_agent: int = 2
+    agent_fresh_secs: float = 60.0
+    # The loop: a pass steps every job once (waiting at most step_wait_secs each for
+    # results), and sleeps poll_interval_secs when no job made progress.
+    poll_interval_secs: float = 0.25
+    step_wait_secs: float = 0.02
+    # The shared cost model of each class: programs before it ranks (random scores
+    # before; embedded mode starts after its first batch), measurements between saved
+    # versions, and how often measurements of jobs tuned elsewhere are read.
+    cost_model_warmup: int = 32
+    cost_model_save_every: int = 256
+    cost_model_catch_up_secs: float = 10.0
+    # Run the tuned model and compare it with onnxruntime before keeping it (only where
+    # this host can run the class's target; otherwise the report says it was not run).
+    check_tuned_model: bool = True
+    # A file touched after every pass of the loop: its age tells a health check that the
+    # loop is alive (None: no file).
+    scheduler_heartbeat_file: Path | None = None

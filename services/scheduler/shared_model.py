@@ -1,0 +1,309 @@
+"""One cost model per device class, shared by every job of the class, across teams.
+
+Ansor trains one model per tuning run. The farm measures many models on the same kind
+of board, so it keeps one model per device class and lets every job of the class rank
+with it: a job on a known class starts from what earlier jobs learnt (its first batch is
+already ranked by a trained model) instead of from random scores.
+
+- `ClassModel`: a class's `XGBCostModel` in this process, the measurements it has
+  learnt (every measurement of the class up to `seen_through`, by id) and the saved
+  version it derives from.
+- `SharedModelView`: what a job's `TuningSession` gets as its model. It predicts with
+  the class's model; its `update` does nothing, because the class's model does not learn
+  from sessions but from Postgres (`ClassModels.catch_up`): every measurement of the
+  class, whichever job, team or scheduler process it came from, exactly once, in id
+  order. Sessions' own retraining calls are therefore no-ops, and nothing is counted twice.
+- `ClassModels`: loads a class's latest version (`cost_model_versions`) on first use and
+  catches up on the measurements after it, retrains as measurements land (after each
+  finished round of any of the class's jobs, and every `catch_up_secs` for measurements
+  made elsewhere), and saves a new version every `save_every` measurements, when a job
+  ends, and at shutdown. Versions count up per class; each row keeps its file (under
+  `cost_models/<class id>/<sha256>.npz`), the training size and the last measurement id
+  it includes, so the next version trains on what came after it.
+
+Features: a measurement's features come from its task's program space (the same
+`features_of` the tuner uses). Tasks of running jobs are taken from their tuners; other
+tasks are rebuilt from their workload rows (`make_task`), once per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.db import queries
+from services.db.codec import record_from_json
+from services.db.models import DeviceClass, Measurement, Workload
+from services.db.session import transaction
+from services.scheduler.cost_model import CostModel, XGBConfig, XGBCostModel
+from services.scheduler.features import FEATURE_VERSION
+from services.scheduler.task import SearchTask, make_task
+from tunefarm.records import MeasureRecord
+
+COST_MODELS_DIR = "cost_models"
+
+CATCH_UP_CHUNK = 2000
+"""Measurements read per query while catching up."""
+
+
+@dataclass
+class ClassModel:
+    """A device class's shared model in this process."""
+
+    device_class_id: int
+    target: dict[str, Any]
+    model: XGBCostModel
+    version_id: int | None  # the saved version it derives from (None: a fresh model)
+    version: int | None
+    seen_through: int  # every measurement of the class with an id up to this one is learnt
+    saved_samples: int  # model.num_samples when it was last saved or loaded
+    dirty: bool = False  # a round of one of the class's jobs finished: catch up soon
+    last_catch_up: float = field(default_factory=time.monotonic)
+    tasks: dict[str, SearchTask | None] = field(default_factory=dict)  # task key -> task (None: unusable)
+
+    @property
+    def unsaved(self) -> int:
+        return self.model.num_samples - self.saved_samples
+
+
+class SharedModelView(CostModel):
+    """A job's view of its class's model: predictions from it, no updates of its own."""
+
+    def __init__(self, shared: ClassModel):
+        self.shared = shared
+
+    def update(self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str]) -> None:
+        """A no-op: the class's model learns every measurement from Postgres instead."""
+
+    def predict(self, features: Sequence[np.ndarray]) -> np.ndarray:
+        return self.shared.model.predict(features)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        self.shared.model.save(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Self:
+        raise NotImplementedError("a SharedModelView wraps a class's model; load the XGBCostModel instead")
+
+    @property
+    def num_samples(self) -> int:
+        return self.shared.model.num_samples
+
+    @property
+    def trained_on(self) -> int:
+        return self.shared.model.trained_on
+
+
+class ClassModels:
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        artifact_root: Path,
+        *,
+        warmup: int,
+        save_every: int,
+        catch_up_secs: float,
+        seed: int = 43,
+        log: Callable[[str], None] = lambda msg: None,
+    ):
+        self.sessions = sessions
+        self.root = Path(artifact_root)
+        self.warmup = warmup
+        self.save_every = save_every
+        self.catch_up_secs = catch_up_secs
+        self.seed = seed
+        self.log = log
+        self.models: dict[int, ClassModel] = {}
+
+    # -- getting one --------------------------------------------------------------------------
+
+    def get(self, device_class_id: int, tasks: Mapping[str, SearchTask] | None = None) -> ClassModel:
+        """The class's model, loaded from its latest version on first use and caught up
+        with every measurement made since."""
+        shared = self.models.get(device_class_id)
+        if shared is None:
+            shared = self._load(device_class_id)
+            self.models[device_class_id] = shared
+            self.catch_up(shared, tasks)
+        return shared
+
+    def _load(self, device_class_id: int) -> ClassModel:
+        with transaction(self.sessions) as s:
+            target = s.scalar(select(DeviceClass.target).where(DeviceClass.id == device_class_id))
+            latest = queries.latest_cost_model_version(
+                s, device_class_id=device_class_id, feature_version=FEATURE_VERSION
+            )
+        if latest is not None:
+            try:
+                model = XGBCostModel.load(self.root / latest.path)
+            except (OSError, ValueError) as exc:
+                self.log(f"cost model version {latest.version} of class {device_class_id} unreadable ({exc}); starting fresh")
+            else:
+                self.log(
+                    f"class {device_class_id}: cost model version {latest.version} "
+                    f"({latest.trained_on} programs, measurements through #{latest.last_measurement_id})"
+                )
+                return ClassModel(
+                    device_class_id,
+                    dict(target or {}),
+                    model,
+                    latest.id,
+                    latest.version,
+                    latest.last_measurement_id or 0,
+                    model.num_samples,
+                )
+        model = XGBCostModel(XGBConfig(seed=self.seed, adaptive_training=False, num_warmup_samples=self.warmup))
+        return ClassModel(device_class_id, dict(target or {}), model, None, None, 0, 0)
+
+    # -- learning -----------------------------------------------------------------------------
+
+    def due(self, shared: ClassModel) -> bool:
+        return shared.dirty or time.monotonic() - shared.last_catch_up >= self.catch_up_secs
+
+    def catch_up(self, shared: ClassModel, tasks: Mapping[str, SearchTask] | None = None) -> int:
+        """Learn every measurement of the class after `seen_through` (retraining once per
+        chunk); returns how many were learnt. `tasks` are the search tasks of running
+        jobs by key (their feature caches are reused)."""
+        learnt = 0
+        while True:
+            with transaction(self.sessions) as s:
+                rows = s.execute(
+                    select(Measurement.id, Measurement.workload_id, Measurement.record)
+                    .where(Measurement.device_class_id == shared.device_class_id, Measurement.id > shared.seen_through)
+                    .order_by(Measurement.id)
+                    .limit(CATCH_UP_CHUNK)
+                ).all()
+            if not rows:
+                break
+            feats, costs, groups = [], [], []
+            by_task: dict[str, list[MeasureRecord]] = {}
+            workloads: dict[str, int] = {}
+            for _id, workload_id, data in rows:
+                record = record_from_json(data)
+                by_task.setdefault(record.task, []).append(record)
+                workloads[record.task] = workload_id
+            for key, records in by_task.items():
+                task = tasks.get(key) if tasks else None
+                if task is None:
+                    task = self._task(shared, key, workloads[key])
+                if task is None:
+                    continue
+                feats += features(task, records)
+                costs += [r.cost for r in records]
+                groups += [key] * len(records)
+            if feats:
+                shared.model.update(feats, costs, groups)
+            shared.seen_through = rows[-1][0]
+            learnt += len(rows)
+        shared.dirty = False
+        shared.last_catch_up = time.monotonic()
+        return learnt
+
+    def _task(self, shared: ClassModel, key: str, workload_id: int) -> SearchTask | None:
+        """The search task of a key no running job has, rebuilt from its workload row."""
+        if key in shared.tasks:
+            return shared.tasks[key]
+        task = None
+        try:
+            with transaction(self.sessions) as s:
+                row = s.execute(
+                    select(Workload.key, Workload.name, Workload.module_json, Workload.n_outputs).where(
+                        Workload.id == workload_id
+                    )
+                ).one()
+            workload = workload_from_row(key=row.key, name=row.name, module_json=row.module_json, n_outputs=row.n_outputs)
+            task = make_task(workload, shared.target)
+            if task.key != key:
+                self.log(f"cost model: {key} rebuilds as {task.key}; its measurements are not learnt")
+                task = None
+        except Exception as exc:  # a workload this version cannot analyse: skip its measurements
+            self.log(f"cost model: cannot rebuild task {key} ({type(exc).__name__}: {exc})")
+        shared.tasks[key] = task
+        return task
+
+    # -- versions -----------------------------------------------------------------------------
+
+    def maybe_save(self, shared: ClassModel, *, force: bool = False) -> int | None:
+        """Save a new version when `save_every` measurements were learnt since the last
+        one (or any, when `force`); returns its version number, or None."""
+        if shared.unsaved <= 0 or (not force and shared.unsaved < self.save_every):
+            return None
+        return self.save(shared)
+
+    def save(self, shared: ClassModel) -> int:
+        directory = self.root / COST_MODELS_DIR / str(shared.device_class_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix="model.", suffix=".npz", dir=directory)
+        os.close(fd)
+        try:
+            shared.model.save(tmp)
+            digest = _sha256(tmp)
+            final = directory / f"{digest}.npz"
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        with transaction(self.sessions) as s:
+            row = queries.add_cost_model_version(
+                s,
+                device_class_id=shared.device_class_id,
+                feature_version=FEATURE_VERSION,
+                path=final.relative_to(self.root).as_posix(),
+                sha256=digest,
+                size=final.stat().st_size,
+                trained_on=shared.model.num_samples,
+                last_measurement_id=shared.seen_through or None,
+            )
+            version_id, version = row.id, row.version
+        shared.version_id, shared.version = version_id, version
+        shared.saved_samples = shared.model.num_samples
+        self.log(
+            f"class {shared.device_class_id}: saved cost model version {version} "
+            f"({shared.model.num_samples} programs, trained on {shared.model.trained_on})"
+        )
+        return version
+
+
+def features(task: SearchTask, records: Sequence[MeasureRecord]) -> list[np.ndarray]:
+    """Feature matrices of measured programs of `task` (empty for records of a sketch set
+    that no longer exists), as `TaskTuner.features` computes them."""
+    usable = [
+        r for r in records if 0 <= r.sketch < len(task.sketches) and task.sketch_signature(r.sketch) == r.sketch_sig
+    ]
+    feats = dict(zip((r.candidate.key for r in usable), task.space.features_of([r.candidate for r in usable])))
+    empty = np.zeros((0, 0), dtype=np.float32)
+    return [feats.get(r.candidate.key, empty) for r in records]
+
+
+def workload_from_row(*, key: str, name: str, module_json: str, n_outputs: int):
+    """The `Workload` a workload row stands for: its IRModule, and the constant inputs
+    its key names (`...#<hash>+const1,2`)."""
+    import tvm
+
+    from tunefarm.workloads.base import workload_from_prim_func
+
+    mod = tvm.ir.load_json(module_json)
+    workload = workload_from_prim_func(name, mod["main"], n_outputs=n_outputs)
+    _, sep, consts = key.rpartition("+const")
+    if sep and consts:
+        workload = workload.with_constants([int(c) for c in consts.split(",")])
+    return workload
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+

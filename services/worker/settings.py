@@ -1,0 +1,37 @@
+"""The build worker's settings: the only place it reads the environment.
+
+| variable | default | meaning |
+|---|---|---|
+| TUNEFARM_DATABASE_URL, ... | see `DatabaseSettings` | the farm database |
+| TUNEFARM_ARTIFACT_ROOT | .tunefarm/artifacts | the shared artifact directory (kernels are written under kernels/) |
+| TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the RQ broker |
+| TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` |
+| TUNEFARM_BUILD_PROCESSES | 0 | isolated build processes per worker (0: one per physical core) |
+| TUNEFARM_BUILD_JOB_TIMEOUT_SECS | 1800 | RQ's limit on one build_batch job |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import SettingsConfigDict
+
+from services.db.settings import DatabaseSettings
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class WorkerSettings(DatabaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
+
+    # Shared directory of built kernels and task data (rows keep paths relative to it).
+    artifact_root: Path = Path(".tunefarm/artifacts")
+    # The RQ broker.
+    redis_url: str = DEFAULT_REDIS_URL
+    # First part of every queue name (tests and side-by-side farms use their own).
+    queue_prefix: str = "tunefarm"
+    # Isolated build processes (TVM imported once each; a crashing build kills only its
+    # process); 0 means one per physical core.
+    build_processes: int = 0
+    # RQ's limit on one build_batch job (a batch of 64 builds in well under a minute).
+    build_job_timeout_secs: int = 1800

@@ -1,0 +1,67 @@
+"""Fixtures for tests against the farm's PostgreSQL (registered in conftest.py).
+
+- `database_url`: a throw-away database per test module, migrated to head, dropped after;
+- `db_sessions`: a session factory on it (use with `services.db.session.transaction`);
+- `empty_database_url`: a throw-away database per test, not migrated (migration tests).
+
+The server is the one `DatabaseSettings` names (TUNEFARM_DATABASE_URL); each database is
+`tunefarm_test_<uuid hex>` on it. Tests using these fixtures are skipped when the server
+cannot be reached.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+
+def _throwaway_database() -> str:
+    from sqlalchemy import make_url
+
+    from services.db.exceptions import Unavailable
+    from services.db.migrate import create_database
+    from services.db.settings import DatabaseSettings
+
+    server = make_url(DatabaseSettings().database_url)
+    url = server.set(database=f"tunefarm_test_{uuid.uuid4().hex}").render_as_string(hide_password=False)
+    try:
+        create_database(url)
+    except Unavailable as error:
+        pytest.skip(f"PostgreSQL is not reachable at {server!r}: {error}")
+    return url
+
+
+@pytest.fixture
+def empty_database_url() -> Iterator[str]:
+    from services.db.migrate import drop_database
+
+    url = _throwaway_database()
+    try:
+        yield url
+    finally:
+        drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def database_url() -> Iterator[str]:
+    from services.db.migrate import drop_database, upgrade
+
+    url = _throwaway_database()
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def db_sessions(database_url: str):
+    from services.db.session import make_session_factory
+
+    factory = make_session_factory(database_url)
+    try:
+        yield factory
+    finally:
+        factory.kw["bind"].dispose()

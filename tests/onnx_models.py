@@ -1,0 +1,31 @@
+"""Tiny hand-made ONNX graphs for the farm's tests (no torch export needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def tiny_onnx(path: Path, *, op: str = "Relu", dynamic: bool = True) -> Path:
+    """conv3x3+relu then conv1x1+relu on a 1x3x8x8 input (two tasks); `op` replaces the
+    first relu (an operator TVM does not know makes an unsupported model); `dynamic`
+    leaves the batch dimension symbolic ("N")."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((4, 4, 1, 1)).astype(np.float32), "w2")
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node(op, ["c1"], ["r1"], name="act1"),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2"),
+        helper.make_node("Relu", ["c2"], ["y"], name="act2"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N" if dynamic else 1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph(nodes, "tiny", [x], [y], [w1, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.write_bytes(model.SerializeToString())
+    return path

@@ -1,0 +1,536 @@
+"""The farm schema against a real PostgreSQL: migrations, the schema check, and the
+invariants the helpers of services.db.queries keep (exactly-once measurements, leases,
+SKIP LOCKED, tokens)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import pytest
+from sqlalchemy import create_engine, func, select, text
+
+from services.db import codec, queries
+from services.db.exceptions import (
+    Conflict,
+    ConstraintViolation,
+    InvalidTransition,
+    LeaseNotHeld,
+    SchemaOutOfDate,
+)
+from services.db.migrate import check_schema, current_revision, downgrade, head_revision, upgrade
+from services.db.models import (
+    Agent,
+    AgentState,
+    Base,
+    Batch,
+    BatchCandidate,
+    BatchState,
+    DeviceClass,
+    Job,
+    JobTask,
+    Lease,
+    LeaseState,
+    Measurement,
+    Model,
+    Team,
+    Token,
+    TokenKind,
+    Workload,
+)
+from services.db.session import transaction
+from services.db.settings import DatabaseSettings
+from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
+
+LEASE_SECS = 60.0
+FINGERPRINT = {"tvm": "0.27.0", "device": {"cores": 4}}
+
+
+# -- a small farm ---------------------------------------------------------------------------
+
+
+@dataclass
+class Farm:
+    device_class_id: int
+    job_id: int
+    job_task_id: int
+    agent_ids: list[int]
+    batch_ids: list[int]
+    candidate_ids: dict[int, list[int]]  # batch id -> its candidates' ids
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _input(i: int) -> MeasureInput:
+    return MeasureInput("t#0@x", Candidate.make(0, {"C.tile": (4, i + 1), "C.unroll": i}), "sig", [["trace"]])
+
+
+def _record(inp: MeasureInput, cost: float | None) -> MeasureRecord:
+    return MeasureRecord(
+        task=inp.task,
+        workload="t",
+        target={"kind": "llvm"},
+        sketch=inp.candidate.sketch,
+        sketch_sig=inp.sketch_sig,
+        decisions=inp.candidate.decisions,
+        trace=inp.trace,
+        costs=(cost,) if cost is not None else (),
+        error_kind=ErrorKind.NONE if cost is not None else ErrorKind.RUN_ERROR,
+        error_msg="" if cost is not None else "boom",
+        build_secs=0.1,
+        run_secs=0.2,
+        verified=cost is not None,
+        timestamp=1.0,
+    )
+
+
+def make_farm(factory, *, batches: int = 1, candidates: int = 2, agents: int = 2, ready: bool = True) -> Farm:
+    """A team, model, device class (its own queue), job and task, agents, and batches
+    made ready in order."""
+    uid = _uid()
+    with transaction(factory) as s:
+        team = Team(name=f"team-{uid}")
+        dc = DeviceClass(name=f"class-{uid}", target={"kind": "llvm"})
+        wl = Workload(key=f"w#{uid}", name="w", module_json="{}", flops=1e6, n_inputs=2, n_outputs=1)
+        s.add_all([team, dc, wl])
+        s.flush()
+        model = Model(
+            team_id=team.id,
+            name="m",
+            input_shapes={"x": [1, 3]},
+            onnx_path="m.onnx",
+            onnx_sha256="0" * 64,
+            onnx_size=1,
+            fused_path="m.json",
+            fused_sha256="0" * 64,
+            fused_size=1,
+            task_table=[],
+        )
+        s.add(model)
+        s.flush()
+        job = Job(team_id=team.id, model_id=model.id, device_class_id=dc.id, trial_budget=100)
+        s.add(job)
+        s.flush()
+        jt = JobTask(job_id=job.id, workload_id=wl.id, task_key=f"{wl.key}@x", position=0, weight=1)
+        s.add(jt)
+        agent_rows = [Agent(device_class_id=dc.id, name=f"agent-{uid}-{i}") for i in range(agents)]
+        s.add_all(agent_rows)
+        s.flush()
+        batch_ids, cands = [], {}
+        for _ in range(batches):
+            b = Batch(
+                job_id=job.id,
+                job_task_id=jt.id,
+                workload_id=wl.id,
+                device_class_id=dc.id,
+                timing=codec.timing_to_json(TimingConfig()),
+                build_timeout_secs=60.0,
+                run_timeout_secs=30.0,
+            )
+            s.add(b)
+            s.flush()
+            rows = [
+                BatchCandidate(
+                    batch_id=b.id,
+                    position=i,
+                    candidate_key=_input(i).key,
+                    input=codec.input_to_json(_input(i)),
+                )
+                for i in range(candidates)
+            ]
+            s.add_all(rows)
+            s.flush()
+            batch_ids.append(b.id)
+            cands[b.id] = [r.id for r in rows]
+        farm = Farm(dc.id, job.id, jt.id, [a.id for a in agent_rows], batch_ids, cands)
+    for b in batch_ids:  # one transaction each: distinct ready_at, so FIFO order is defined
+        with transaction(factory) as s:
+            queries.transition_batch(s, batch_id=b, to=BatchState.BUILDING)
+            if ready:
+                assert queries.mark_batch_ready(s, batch_id=b) is BatchState.READY
+    return farm
+
+
+def db_now(factory) -> datetime:
+    with transaction(factory) as s:
+        return s.scalar(select(func.now()))
+
+
+def lease(factory, agent_id: int, now: datetime | None = None) -> Lease | None:
+    with transaction(factory) as s:
+        return queries.lease_next_batch(s, agent_id=agent_id, lease_secs=LEASE_SECS, now=now)
+
+
+def record(factory, farm: Farm, lease_row: Lease, agent_id: int, index: int = 0, cost: float | None = 0.001):
+    with transaction(factory) as s:
+        return queries.record_measurement(
+            s,
+            batch_candidate_id=farm.candidate_ids[lease_row.batch_id][index],
+            lease_id=lease_row.id,
+            agent_id=agent_id,
+            record=_record(_input(index), cost),
+            fingerprint=FINGERPRINT,
+        )
+
+
+# -- migrations and settings ------------------------------------------------------------------
+
+
+def test_upgrade_downgrade_upgrade(empty_database_url):
+    url = empty_database_url
+    assert current_revision(url) is None
+    upgrade(url)
+    assert current_revision(url) == head_revision()
+    engine = create_engine(url)
+    try:
+        with engine.connect() as c:
+            tables = set(c.scalars(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")))
+            assert tables == set(Base.metadata.tables) | {"alembic_version"}
+            partial = c.scalar(
+                text("SELECT indexdef FROM pg_indexes WHERE indexname = 'uq_leases_active_batch'")
+            )
+            assert "UNIQUE" in partial and "WHERE (state = 'active'" in partial
+            enums = set(c.scalars(text("SELECT typname FROM pg_type WHERE typtype = 'e'")))
+            assert {
+                "job_state",
+                "batch_state",
+                "lease_state",
+                "error_kind",
+                "token_kind",
+                "agent_state",
+            } <= enums
+        downgrade(url, "base")
+        assert current_revision(url) is None
+        with engine.connect() as c:
+            assert set(c.scalars(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'"))) == {
+                "alembic_version"
+            }
+            assert not list(c.scalars(text("SELECT typname FROM pg_type WHERE typtype = 'e'")))
+    finally:
+        engine.dispose()
+    upgrade(url)
+    assert current_revision(url) == head_revision()
+
+
+def test_check_schema(empty_database_url):
+    with pytest.raises(SchemaOutOfDate) as info:
+        check_schema(empty_database_url)
+    assert info.value.current is None and info.value.expected == head_revision()
+    assert head_revision() in str(info.value)
+    upgrade(empty_database_url)
+    check_schema(empty_database_url)
+
+
+def test_settings_read_the_environment(monkeypatch):
+    monkeypatch.setenv("TUNEFARM_DATABASE_URL", "postgresql+psycopg2://u@db:5432/x")
+    monkeypatch.setenv("TUNEFARM_DATABASE_POOL_SIZE", "3")
+    settings = DatabaseSettings()
+    assert settings.database_url == "postgresql+psycopg2://u@db:5432/x" and settings.database_pool_size == 3
+
+
+# -- transactions and tokens ------------------------------------------------------------------
+
+
+def test_transaction_translates_unique_violation_and_rolls_back(db_sessions):
+    name = f"team-{_uid()}"
+    with transaction(db_sessions) as s:
+        s.add(Team(name=name))
+    with pytest.raises(Conflict) as info:
+        with transaction(db_sessions) as s:
+            s.add(Team(name=f"{name}-other"))
+            s.flush()
+            s.add(Team(name=name))
+    assert info.value.constraint == "uq_teams_name"
+    with transaction(db_sessions) as s:
+        assert s.scalar(select(func.count()).where(Team.name == f"{name}-other")) == 0
+
+
+def test_token_hash_round_trip(db_sessions):
+    with transaction(db_sessions) as s:
+        team = Team(name=f"team-{_uid()}")
+        s.add(team)
+        s.flush()
+        row, plain = queries.issue_token(s, kind=TokenKind.TEAM, team_id=team.id, label="ci")
+    assert plain.startswith("tft_") and row.prefix == plain[: len(row.prefix)]
+    assert row.token_hash == queries.hash_token(plain) and plain not in row.token_hash
+    with transaction(db_sessions) as s:
+        found = queries.verify_token(s, plain=plain, kind=TokenKind.TEAM)
+        assert found is not None and found.id == row.id and found.team_id == team.id
+        assert queries.verify_token(s, plain=plain + "x", kind=TokenKind.TEAM) is None
+        s.get(Token, row.id).revoked_at = func.now()
+    with transaction(db_sessions) as s:
+        assert queries.verify_token(s, plain=plain, kind=TokenKind.TEAM) is None
+
+
+def test_agent_token_is_not_a_team_token(db_sessions):
+    with transaction(db_sessions) as s:
+        team = Team(name=f"team-{_uid()}")
+        s.add(team)
+        s.flush()
+        _, agent_plain = queries.issue_token(s, kind=TokenKind.AGENT)
+        _, team_plain = queries.issue_token(s, kind=TokenKind.TEAM, team_id=team.id)
+    with transaction(db_sessions) as s:
+        assert queries.verify_token(s, plain=agent_plain, kind=TokenKind.AGENT) is not None
+        assert queries.verify_token(s, plain=agent_plain, kind=TokenKind.TEAM) is None
+        assert queries.verify_token(s, plain=team_plain, kind=TokenKind.AGENT) is None
+        # Even with its prefix forged, a stored agent token is no team token.
+        forged = "tft_" + agent_plain.removeprefix("tfa_")
+        assert queries.verify_token(s, plain=forged, kind=TokenKind.TEAM) is None
+    with pytest.raises(ConstraintViolation) as info:  # an agent token cannot belong to a team
+        with transaction(db_sessions) as s:
+            tok = queries.new_token(TokenKind.AGENT)
+            s.add(Token(kind=TokenKind.AGENT, team_id=team.id, token_hash=tok.token_hash, prefix=tok.prefix))
+    assert info.value.constraint == "ck_tokens_team_iff_team_kind"
+
+
+# -- measurements -----------------------------------------------------------------------------
+
+
+def test_measurement_is_recorded_once_under_concurrent_writers(db_sessions):
+    farm = make_farm(db_sessions)
+    agent = farm.agent_ids[0]
+    held = lease(db_sessions, agent)
+    cand = farm.candidate_ids[held.batch_id][0]
+    rec = _record(_input(0), 0.002)
+
+    def write(session):
+        return queries.record_measurement(
+            session,
+            batch_candidate_id=cand,
+            lease_id=held.id,
+            agent_id=agent,
+            record=rec,
+            fingerprint=FINGERPRINT,
+        )
+
+    # Writer 1 inserts and keeps its transaction open; writer 2 must wait on the unique
+    # index, then find the row and write nothing.
+    with ThreadPoolExecutor(1) as pool:
+        with transaction(db_sessions) as s1:
+            first = write(s1)
+            second_future = pool.submit(_in_transaction, db_sessions, write)
+            with pytest.raises(TimeoutError):
+                second_future.result(timeout=0.5)
+        second = second_future.result(timeout=10)
+    assert first.created and not second.created and first.measurement_id == second.measurement_id
+
+    # And many writers at once (a retried stream): still one row, counted once.
+    barrier = threading.Barrier(6)
+
+    def racer(_):
+        barrier.wait()
+        return _in_transaction(db_sessions, write)
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(racer, range(6)))
+    assert not any(r.created for r in results)
+    with transaction(db_sessions) as s:
+        assert s.scalar(select(func.count()).where(Measurement.batch_candidate_id == cand)) == 1
+        job, task, ag = s.get(Job, farm.job_id), s.get(JobTask, farm.job_task_id), s.get(Agent, agent)
+        assert job.trials_used == 1 and task.trials == 1
+        assert task.best_cost == pytest.approx(0.002) and task.best_measurement_id == first.measurement_id
+        assert ag.measurements_done == 1 and ag.errors_by_kind == {}
+
+
+def _in_transaction(factory, fn):
+    with transaction(factory) as s:
+        return fn(s)
+
+
+def test_progress_counters_track_best_and_errors(db_sessions):
+    farm = make_farm(db_sessions, candidates=3)
+    agent = farm.agent_ids[0]
+    held = lease(db_sessions, agent)
+    record(db_sessions, farm, held, agent, index=0, cost=0.003)
+    best = record(db_sessions, farm, held, agent, index=1, cost=0.001)
+    record(db_sessions, farm, held, agent, index=2, cost=None)  # a run error
+    with transaction(db_sessions) as s:
+        task, ag = s.get(JobTask, farm.job_task_id), s.get(Agent, agent)
+        assert task.trials == 3 and task.best_measurement_id == best.measurement_id
+        assert ag.measurements_done == 3 and ag.errors_by_kind == {"run_error": 1}
+        m = s.scalars(
+            select(Measurement).where(
+                Measurement.error_kind == ErrorKind.RUN_ERROR, Measurement.job_id == farm.job_id
+            )
+        ).one()
+        assert m.cost is None and m.fingerprint == FINGERPRINT
+        assert codec.record_from_json(m.record) == _record(_input(2), None)
+
+
+def test_result_under_another_agents_lease_is_refused(db_sessions):
+    farm = make_farm(db_sessions)
+    a, b = farm.agent_ids
+    held = lease(db_sessions, a)
+    with pytest.raises(LeaseNotHeld):
+        record(db_sessions, farm, held, b)
+    with pytest.raises(LeaseNotHeld):
+        with transaction(db_sessions) as s:
+            queries.finish_lease(s, lease_id=held.id, agent_id=b)
+    # A candidate of another batch under this lease is refused too.
+    other = make_farm(db_sessions)
+    with pytest.raises(LeaseNotHeld):
+        with transaction(db_sessions) as s:
+            queries.record_measurement(
+                s,
+                batch_candidate_id=other.candidate_ids[other.batch_ids[0]][0],
+                lease_id=held.id,
+                agent_id=a,
+                record=_record(_input(0), 0.001),
+                fingerprint=FINGERPRINT,
+            )
+    assert record(db_sessions, farm, held, a).created
+
+
+def test_expired_lease_is_leased_again_and_the_late_result_refused(db_sessions):
+    farm = make_farm(db_sessions)
+    a, b = farm.agent_ids
+    first = lease(db_sessions, a)
+    assert lease(db_sessions, b) is None  # the only batch is held
+    later = db_now(db_sessions) + timedelta(seconds=LEASE_SECS + 1)
+    second = lease(db_sessions, b, now=later)
+    assert second is not None and second.batch_id == first.batch_id and second.batch.attempts == 2
+    with transaction(db_sessions) as s:
+        assert s.get(Lease, first.id).state is LeaseState.EXPIRED
+    with pytest.raises(LeaseNotHeld):
+        record(db_sessions, farm, first, a)
+    with transaction(db_sessions) as s:
+        assert queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS) == []  # nothing to extend
+    with pytest.raises(LeaseNotHeld):
+        with transaction(db_sessions) as s:
+            queries.finish_lease(s, lease_id=first.id, agent_id=a)
+    for i in range(2):
+        assert record(db_sessions, farm, second, b, index=i).created
+    with transaction(db_sessions) as s:
+        assert queries.finish_lease(s, lease_id=second.id, agent_id=b) is BatchState.DONE
+        assert s.get(Batch, first.batch_id).state is BatchState.DONE
+
+
+def test_heartbeat_keeps_a_lease_and_expire_leases_requeues(db_sessions):
+    farm = make_farm(db_sessions)
+    a, b = farm.agent_ids
+    held = lease(db_sessions, a)
+    t0 = db_now(db_sessions)
+    with transaction(db_sessions) as s:
+        assert queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, now=t0 + timedelta(seconds=50)) == [
+            held.id
+        ]
+        assert s.get(Agent, a).state is AgentState.BUSY
+    assert lease(db_sessions, b, now=t0 + timedelta(seconds=LEASE_SECS + 1)) is None  # extended to t0+110
+    with transaction(db_sessions) as s:
+        # (The sweep is global: other tests' leases may expire too.)
+        assert held.batch_id not in queries.expire_leases(s, now=t0 + timedelta(seconds=100))
+        assert held.batch_id in queries.expire_leases(s, now=t0 + timedelta(seconds=120))
+    with transaction(db_sessions) as s:
+        assert s.get(Lease, held.id).state is LeaseState.EXPIRED
+        assert s.get(Batch, held.batch_id).state is BatchState.READY
+        queries.heartbeat(s, agent_id=b, lease_secs=LEASE_SECS, now=t0 + timedelta(seconds=115))
+        offline = queries.mark_agents_offline(s, stale_secs=10, now=t0 + timedelta(seconds=120))
+        assert a in offline and b not in offline
+    again = lease(db_sessions, b)
+    assert again is not None and again.batch_id == held.batch_id
+
+
+def test_finish_with_candidates_missing_requeues_only_what_is_missing(db_sessions):
+    farm = make_farm(db_sessions, candidates=3)
+    a, b = farm.agent_ids
+    held = lease(db_sessions, a)
+    record(db_sessions, farm, held, a, index=1)
+    with transaction(db_sessions) as s:
+        assert queries.finish_lease(s, lease_id=held.id, agent_id=a) is BatchState.READY
+        assert [c.position for c in queries.unmeasured_candidates(s, batch_id=held.batch_id)] == [0, 2]
+    assert lease(db_sessions, b).batch_id == held.batch_id
+
+
+def test_batch_whose_builds_all_failed_is_done_without_an_agent(db_sessions):
+    farm = make_farm(db_sessions, ready=False)
+    batch = farm.batch_ids[0]
+    with transaction(db_sessions) as s:
+        for i, cand in enumerate(farm.candidate_ids[batch]):
+            failed = MeasureRecord(
+                **{**_record(_input(i), None).__dict__, "error_kind": ErrorKind.BUILD_ERROR}
+            )
+            assert queries.record_build_error(
+                s, batch_candidate_id=cand, record=failed, fingerprint={}
+            ).created
+        assert queries.mark_batch_ready(s, batch_id=batch) is BatchState.DONE
+    with pytest.raises(InvalidTransition):
+        with transaction(db_sessions) as s:
+            queries.transition_batch(s, batch_id=batch, to=BatchState.READY)
+    with transaction(db_sessions) as s:
+        assert s.get(Job, farm.job_id).trials_used == 2
+        assert s.get(JobTask, farm.job_task_id).best_cost is None
+
+
+# -- the queue --------------------------------------------------------------------------------
+
+
+def test_leases_are_fifo_within_a_device_class(db_sessions):
+    farm = make_farm(db_sessions, batches=3, agents=1)
+    make_farm(db_sessions, batches=2, agents=1)  # another class's queue is not ours
+    got = []
+    while (held := lease(db_sessions, farm.agent_ids[0])) is not None:
+        got.append(held.batch_id)
+    assert got == farm.batch_ids
+
+
+def test_skip_locked_a_locked_batch_is_passed_over_not_waited_for(db_sessions):
+    farm = make_farm(db_sessions, batches=2)
+    a, b = farm.agent_ids
+    with ThreadPoolExecutor(1) as pool:
+        with transaction(db_sessions) as s1:  # agent a's lease is not committed yet
+            first = queries.lease_next_batch(s1, agent_id=a, lease_secs=LEASE_SECS)
+            second = pool.submit(lease, db_sessions, b).result(timeout=5)  # no waiting on a's lock
+    assert {first.batch_id, second.batch_id} == set(farm.batch_ids)
+
+
+def test_concurrent_agents_never_get_the_same_batch(db_sessions):
+    n_agents, n_batches = 8, 20
+    farm = make_farm(db_sessions, batches=n_batches, agents=n_agents, candidates=1)
+    barrier = threading.Barrier(n_agents)
+
+    def agent_loop(agent_id):
+        barrier.wait()
+        got = []
+        while (held := lease(db_sessions, agent_id)) is not None:
+            got.append(held.batch_id)
+        return got
+
+    with ThreadPoolExecutor(n_agents) as pool:
+        per_agent = list(pool.map(agent_loop, farm.agent_ids))
+    leased = [b for got in per_agent for b in got]
+    assert sorted(leased) == sorted(farm.batch_ids)  # each batch exactly once
+    with transaction(db_sessions) as s:
+        active = s.scalar(
+            select(func.count()).where(Lease.batch_id.in_(farm.batch_ids), Lease.state == LeaseState.ACTIVE)
+        )
+        assert active == n_batches
+
+
+# -- cost models and codecs -------------------------------------------------------------------
+
+
+def test_cost_model_versions_count_up_per_class(db_sessions):
+    farm = make_farm(db_sessions, agents=0)
+    with transaction(db_sessions) as s:
+        assert queries.latest_cost_model_version(s, device_class_id=farm.device_class_id) is None
+        kw = dict(
+            device_class_id=farm.device_class_id, feature_version=1, sha256="0" * 64, size=1, trained_on=5
+        )
+        v1 = queries.add_cost_model_version(s, path="cm/1", last_measurement_id=10, **kw)
+        v2 = queries.add_cost_model_version(s, path="cm/2", last_measurement_id=20, **kw)
+        assert (v1.version, v2.version) == (1, 2)
+        assert queries.latest_cost_model_version(s, device_class_id=farm.device_class_id).id == v2.id
+
+
+def test_codec_round_trips():
+    inp = _input(3)
+    assert codec.input_from_json(codec.input_to_json(inp)) == inp
+    rec = _record(inp, 0.5)
+    assert codec.record_from_json(codec.record_to_json(rec)) == rec
+    timing = TimingConfig(repeat=3)
+    assert codec.timing_from_json(codec.timing_to_json(timing)) == timing

@@ -1,0 +1,655 @@
+"""The measurement farm's data plane against a real PostgreSQL and Redis on loopback:
+FarmMeasurer -> RQ build job (SimpleWorker, burst) -> lease service (gRPC) -> agents
+(threads, or subprocesses where one is killed) -> results back through FarmMeasurer.
+
+Each test has its own device class, job, queue names (a Redis prefix) and agent token;
+the database is the module's throw-away one (`database_url`). Leases last 3 s here, so
+a killed agent's batch moves on quickly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+tvm = pytest.importorskip("tvm")
+redis_mod = pytest.importorskip("redis")
+rq = pytest.importorskip("rq")
+
+from sqlalchemy import func, select  # noqa: E402
+from tvm import te  # noqa: E402
+from tvm.script import tirx as T  # noqa: E402
+
+from services.db import queries  # noqa: E402
+from services.db.models import (  # noqa: E402
+    Agent,
+    Batch,
+    BatchCandidate,
+    BatchState,
+    DeviceClass,
+    Job,
+    Lease,
+    LeaseState,
+    Measurement,
+    Model,
+    Team,
+    TokenKind,
+)
+from services.db.session import transaction  # noqa: E402
+from services.measurer import capabilities, wire  # noqa: E402
+from services.measurer.agent import AgentSettings, run_agent  # noqa: E402
+from services.measurer.generated import measurer_pb2 as pb  # noqa: E402
+from services.measurer.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
+from services.measurer.lease_service import LeaseServiceSettings, make_server  # noqa: E402
+from services.scheduler.farm_measurer import FarmMeasurer  # noqa: E402
+from services.worker import jobs  # noqa: E402
+from services.worker.builder import LocalBuilder  # noqa: E402
+from services.worker.queues import build_queue_name  # noqa: E402
+from services.worker.settings import WorkerSettings  # noqa: E402
+from tunefarm.measure import MeasureBatch  # noqa: E402
+from tunefarm.records import Candidate, ErrorKind, MeasureInput, TimingConfig  # noqa: E402
+from tunefarm.target import host_target_dict  # noqa: E402
+from tunefarm.workloads import workload_from_prim_func, workload_from_te  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LEASE_SECS = 3.0
+FAST = TimingConfig(repeat=2, min_repeat_ms=1.0)
+
+
+# -- workloads and candidates ---------------------------------------------------------------
+
+
+def gemm(n: int = 64):
+    a = te.placeholder((n, n), "float32", name="A")
+    b = te.placeholder((n, n), "float32", name="B")
+    k = te.reduce_axis((0, n), name="k")
+    c = te.compute((n, n), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="C")
+    return workload_from_te(f"gemm{n}", [a, b, c], reference=lambda x, y: [x @ y])
+
+
+def gemm_trace(wl, ti: int, tj: int, block: str = "C") -> list:
+    sch = tvm.s_tir.Schedule(wl.mod)
+    i, j, k = sch.get_loops(sch.get_sblock(block))
+    i0, i1 = sch.split(i, [None, ti])
+    j0, j1 = sch.split(j, [None, tj])
+    sch.reorder(i0, j0, i1, k, j1)
+    sch.vectorize(j1)
+    return json.loads(json.dumps(sch.trace.as_json(), default=lambda o: o.value))
+
+
+def gemm_inputs(wl, task_key: str, n: int, *, bad: int = 0) -> list[MeasureInput]:
+    """`n` distinct schedules of the GEMM, then `bad` ones whose trace names a missing block."""
+    tiles = [(ti, tj) for ti in (1, 2, 4, 8, 16) for tj in (4, 8, 16, 32)]
+    out = [
+        MeasureInput(task_key, Candidate.make(0, {"C.i": ti, "C.j": tj}), "test", gemm_trace(wl, ti, tj))
+        for ti, tj in tiles[:n]
+    ]
+    for m in range(bad):
+        trace = gemm_trace(wl, 4, 8)
+        trace[0][0][2][0] = "no_such_block"
+        out.append(MeasureInput(task_key, Candidate.make(1, {"C.bad": m}), "test", trace))
+    return out
+
+
+@T.prim_func(s_tir=True)
+def aborting_copy(A: T.Buffer((4,), "float32"), B: T.Buffer((4,), "float32")):
+    for i in range(4):
+        with T.sblock("B"):
+            vi = T.axis.spatial(4, i)
+            T.evaluate(T.call_extern("int32", "abort"))
+            B[vi] = A[vi]
+
+
+# -- the farm -------------------------------------------------------------------------------
+
+
+@dataclass
+class Farm:
+    sessions: object
+    redis: object
+    root: Path
+    server_address: str
+    device_class: str
+    job_id: int
+    token: str
+    prefix: str
+    target: dict
+
+    def measurer(self, **kw) -> FarmMeasurer:
+        return FarmMeasurer(
+            self.sessions,
+            self.redis,
+            artifact_root=self.root,
+            job_id=self.job_id,
+            device_class=self.device_class,
+            queue_prefix=self.prefix,
+            poll_interval=0.05,
+            stuck_check_secs=1.0,
+            **kw,
+        )
+
+    def build(self) -> None:
+        """Run the class's build queue empty in this process (RQ SimpleWorker, burst)."""
+        queue = rq.Queue(build_queue_name(self.device_class, self.prefix), connection=self.redis)
+        rq.SimpleWorker([queue], connection=self.redis).work(burst=True)
+
+    def agent_settings(self, name: str, work_dir: Path) -> AgentSettings:
+        return AgentSettings(
+            server=self.server_address,
+            token=self.token,
+            device_class=self.device_class,
+            name=name,
+            work_dir=work_dir,
+            num_threads=1,
+            reconnect_max_secs=1.0,
+            rpc_timeout_secs=10.0,
+            lease_wait_secs=2.0,
+        )
+
+    def batch_rows(self) -> list[Batch]:
+        with transaction(self.sessions) as s:
+            return list(s.scalars(select(Batch).where(Batch.job_id == self.job_id).order_by(Batch.id)))
+
+
+@pytest.fixture(scope="module")
+def redis_conn():
+    conn = redis_mod.Redis.from_url(WorkerSettings().redis_url)
+    try:
+        conn.ping()
+    except redis_mod.exceptions.ConnectionError as exc:
+        pytest.skip(f"Redis is not reachable: {exc}")
+    yield conn
+    conn.close()
+
+
+@pytest.fixture(scope="module")
+def artifact_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="module")
+def lease_settings(database_url, artifact_root) -> LeaseServiceSettings:
+    return LeaseServiceSettings(
+        database_url=database_url,
+        lease_bind=f"127.0.0.1:{free_port()}",
+        artifact_root=artifact_root,
+        lease_secs=LEASE_SECS,
+        heartbeat_interval_secs=0.3,
+        sweep_interval_secs=0.2,
+        lease_wait_secs=0.5,
+        lease_recheck_secs=0.05,
+        results_flush_secs=0.02,
+    )
+
+
+@pytest.fixture(scope="module")
+def lease_server(lease_settings, db_sessions):
+    server = make_server(lease_settings, sessions=db_sessions)
+    server.start()
+    yield server
+    server.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def worker_context(database_url, artifact_root, db_sessions):
+    """Build jobs of this module run in this process, over two warm build processes."""
+    builder = LocalBuilder(artifact_root / "kernels", n_workers=2)
+    builder.start()
+    settings = WorkerSettings(database_url=database_url, artifact_root=artifact_root)
+    jobs.configure(settings, builder=builder, sessions=db_sessions)
+    yield
+    jobs.shutdown()
+
+
+@pytest.fixture(scope="module")
+def agent_caps() -> dict:
+    return {**capabilities.detect(probe=False), **capabilities.probe_tvm()}
+
+
+@pytest.fixture
+def farm(db_sessions, redis_conn, artifact_root, lease_server, worker_context) -> Iterator[Farm]:
+    uid = uuid.uuid4().hex[:10]
+    target = host_target_dict()
+    with transaction(db_sessions) as s:
+        team = Team(name=f"team-{uid}")
+        dc = DeviceClass(name=f"cls-{uid}", target=target)
+        s.add_all([team, dc])
+        s.flush()
+        model = Model(
+            team_id=team.id,
+            name="m",
+            input_shapes={},
+            onnx_path="m.onnx",
+            onnx_sha256="0" * 64,
+            onnx_size=1,
+            fused_path="m.json",
+            fused_sha256="0" * 64,
+            fused_size=1,
+            task_table=[],
+        )
+        s.add(model)
+        s.flush()
+        job = Job(team_id=team.id, model_id=model.id, device_class_id=dc.id, trial_budget=1000)
+        s.add(job)
+        s.flush()
+        _, token = queries.issue_token(s, kind=TokenKind.AGENT, label=uid)
+        job_id = job.id
+    prefix = f"test-{uid}"
+    yield Farm(db_sessions, redis_conn, artifact_root, lease_server.address, f"cls-{uid}", job_id, token, prefix, target)
+    for key in redis_conn.scan_iter(f"*{prefix}*"):
+        redis_conn.delete(key)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ThreadAgent:
+    thread: threading.Thread
+    stop: threading.Event
+    errors: list
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+        assert self.errors == []
+
+
+def start_thread_agent(farm: Farm, name: str, tmp_path: Path, caps: dict) -> ThreadAgent:
+    stop = threading.Event()
+    errors: list = []
+
+    def target() -> None:
+        try:
+            run_agent(farm.agent_settings(name, tmp_path / name), stop=stop, capabilities=caps)
+        except Exception as exc:  # surfaced by close()
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True, name=f"agent-{name}")
+    thread.start()
+    return ThreadAgent(thread, stop, errors)
+
+
+def collect_all(measurer: FarmMeasurer, n: int, timeout: float = 60.0) -> list:
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += measurer.collect(timeout=0.5)
+    return out
+
+
+def measurements_per_candidate(farm: Farm) -> dict[str, int]:
+    with transaction(farm.sessions) as s:
+        rows = s.execute(
+            select(BatchCandidate.candidate_key, func.count(Measurement.id))
+            .join(Batch, Batch.id == BatchCandidate.batch_id)
+            .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
+            .where(Batch.job_id == farm.job_id)
+            .group_by(BatchCandidate.candidate_key)
+        ).all()
+    return {key: n for key, n in rows}
+
+
+# -- tests ----------------------------------------------------------------------------------
+
+
+def test_a_batch_is_built_leased_measured_and_collected(farm, tmp_path, agent_caps):
+    wl = gemm()
+    task_key = f"{wl.key}@test"
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, task_key, farm.target)
+    assert task.verify  # the numpy reference gave expected outputs
+    inputs = gemm_inputs(wl, task_key, 4, bad=1)
+    measurer.submit(MeasureBatch(id="0:1", task=task, inputs=tuple(inputs), timing=FAST))
+    assert measurer.pending == 5
+    assert [b.state for b in farm.batch_rows()] == [BatchState.PROPOSED]
+
+    farm.build()  # RQ SimpleWorker, burst: builds, records the bad one, marks the batch ready
+    (batch,) = farm.batch_rows()
+    assert batch.state is BatchState.READY
+
+    # A scheduler restarted now adopts the batch from the database.
+    restarted = farm.measurer(after_measurement_id=0)
+    (adopted,) = restarted.in_flight_batches()
+    assert adopted.id == f"farm-{batch.id}" and adopted.task.key == task_key
+    assert {m.key for m in adopted.inputs} == {m.key for m in inputs[:4]}  # the bad one is measured (build error)
+
+    agent = start_thread_agent(farm, f"{farm.device_class}-a", tmp_path, agent_caps)
+    try:
+        results = collect_all(measurer, 5)
+    finally:
+        agent.close()
+    assert sorted(r.key for r in results) == sorted(m.key for m in inputs)
+    assert measurer.pending == 0
+    by_key = {r.key: r for r in results}
+    for m in inputs[:4]:
+        r = by_key[m.key]
+        assert r.error_kind is ErrorKind.NONE, r.error_msg
+        assert r.run is not None and r.run.verified and len(r.costs) == FAST.repeat and min(r.costs) > 0
+        assert r.input == m
+    bad = by_key[inputs[4].key]
+    assert bad.error_kind is ErrorKind.BUILD_ERROR and bad.run is None and "no_such_block" in bad.error_msg
+
+    assert sorted(r.key for r in collect_all(restarted, 4, timeout=10)) == sorted(m.key for m in inputs[:4])
+    (batch,) = farm.batch_rows()
+    assert batch.state is BatchState.DONE and batch.attempts == 1
+    assert set(measurements_per_candidate(farm).values()) == {1}
+    with transaction(farm.sessions) as s:
+        job = s.get(Job, farm.job_id)
+        assert job.trials_used == 5
+        lease = s.scalars(select(Lease).where(Lease.batch_id == batch.id)).one()
+        assert lease.state is LeaseState.FINISHED
+        agent_row = s.get(Agent, lease.agent_id)
+        assert agent_row.measurements_done == 4 and agent_row.capabilities["tvm_version"]
+    measurer.close()
+    restarted.close()
+
+
+def test_a_crashing_kernel_is_a_run_crash_and_the_agent_goes_on(farm, tmp_path, agent_caps):
+    crash = workload_from_prim_func("aborting_copy", aborting_copy, reference=lambda a: [a])
+    good = gemm(32)
+    measurer = farm.measurer()
+    crash_task = measurer.prepare(crash, f"{crash.key}@test", farm.target)
+    good_task = measurer.prepare(good, f"{good.key}@test", farm.target)
+    crash_input = MeasureInput(crash_task.key, Candidate.make(0, {}), "test", [[], []])
+    good_inputs = gemm_inputs(good, good_task.key, 2)
+    measurer.submit(MeasureBatch(id="0:1", task=crash_task, inputs=(crash_input,), timing=FAST))
+    measurer.submit(MeasureBatch(id="1:1", task=good_task, inputs=tuple(good_inputs), timing=FAST))
+    farm.build()
+    agent = start_thread_agent(farm, f"{farm.device_class}-a", tmp_path, agent_caps)
+    try:
+        results = {r.key: r for r in collect_all(measurer, 3)}
+    finally:
+        agent.close()
+    crashed = results[crash_input.key]
+    assert crashed.error_kind is ErrorKind.RUN_CRASH and "SIGABRT" in crashed.error_msg
+    for m in good_inputs:  # measured after the crash, by the same agent
+        assert results[m.key].error_kind is ErrorKind.NONE, results[m.key].error_msg
+    with transaction(farm.sessions) as s:
+        agents = {m.agent_id for m in s.scalars(select(Measurement).where(Measurement.job_id == farm.job_id))}
+        assert len(agents) == 1
+        assert s.get(Agent, agents.pop()).errors_by_kind == {"run_crash": 1}
+    measurer.close()
+
+
+def test_agent_service_refuses_team_tokens_and_strangers(farm):
+    with transaction(farm.sessions) as s:
+        team_id = s.scalar(select(Job.team_id).where(Job.id == farm.job_id))
+        _, team_token = queries.issue_token(s, kind=TokenKind.TEAM, team_id=team_id)
+        _, other_agent_token = queries.issue_token(s, kind=TokenKind.AGENT)
+    request = pb.RegisterRequest(
+        device_class=farm.device_class,
+        name=f"{farm.device_class}-x",
+        capabilities=pb.Capabilities(arch="x86_64", target_json=json.dumps(farm.target)),
+    )
+    with grpc.insecure_channel(farm.server_address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        for metadata, code in (
+            (wire.auth_metadata(team_token), grpc.StatusCode.PERMISSION_DENIED),
+            (wire.auth_metadata("tfa_not-a-token"), grpc.StatusCode.UNAUTHENTICATED),
+            ((), grpc.StatusCode.UNAUTHENTICATED),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Register(request, metadata=metadata, timeout=10)
+            assert err.value.code() is code, err.value.details()
+        agent_id = stub.Register(request, metadata=wire.auth_metadata(farm.token), timeout=10).agent_id
+        # Another token may neither act as this agent nor take its name.
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Heartbeat(pb.HeartbeatRequest(agent_id=agent_id), metadata=wire.auth_metadata(other_agent_token))
+        assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Register(request, metadata=wire.auth_metadata(other_agent_token), timeout=10)
+        assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS
+        with pytest.raises(grpc.RpcError) as err:
+            stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent_id), metadata=wire.auth_metadata(team_token))
+        assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_cross_target_batches_are_built_as_tar_archives(farm):
+    wl = gemm(16)
+    aarch64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
+    with transaction(farm.sessions) as s:
+        s.scalars(select(DeviceClass).where(DeviceClass.name == farm.device_class)).one().target = aarch64
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@arm", aarch64)
+    inputs = gemm_inputs(wl, task.key, 2)
+    measurer.submit(MeasureBatch(id="0:1", task=task, inputs=tuple(inputs), timing=FAST))
+    farm.build()
+    (batch,) = farm.batch_rows()
+    assert batch.state is BatchState.READY  # waits for an aarch64 agent
+    with transaction(farm.sessions) as s:
+        paths = list(s.scalars(select(BatchCandidate.artifact_path).where(BatchCandidate.batch_id == batch.id)))
+    assert len(paths) == 2 and all(p.endswith(".tar") for p in paths)
+    assert all((farm.root / p).stat().st_size > 0 for p in paths)
+    measurer.cancel_pending()
+    assert {r.error_kind for r in collect_all(measurer, 2, timeout=10)} == {ErrorKind.RUN_ERROR}
+    measurer.close()
+
+
+def test_the_agent_imports_no_server_side_packages():
+    code = (
+        "import json, sys; import services.measurer.agent\n"
+        "bad = ('sqlalchemy', 'pydantic', 'pydantic_settings', 'redis', 'rq', 'xgboost', 'tvm',\n"
+        "       'services.db', 'services.scheduler', 'services.worker')\n"
+        "print(json.dumps(sorted(m for m in sys.modules if any(m == b or m.startswith(b + '.') for b in bad))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.slow
+def test_a_killed_agents_batch_is_leased_again_and_measured_exactly_once(farm, tmp_path):
+    wl = gemm()
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    inputs = gemm_inputs(wl, task.key, 8)
+    names = [f"{farm.device_class}-p{i}" for i in range(2)]
+    env = {**os.environ, "TUNEFARM_AGENT_TOKEN": farm.token, "PYTHONUNBUFFERED": "1"}
+    procs = {}
+    for name in names:
+        log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "services.measurer.agent", "--server", farm.server_address,
+             "--device-class", farm.device_class, "--name", name, "--work-dir", str(tmp_path / name),
+             "--threads", "1"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        # ~0.25 s per kernel: the batch takes a few seconds, long enough to kill its agent midway.
+        slow = TimingConfig(repeat=3, min_repeat_ms=60.0)
+        measurer.submit(MeasureBatch(id="0:1", task=task, inputs=tuple(inputs), timing=slow))
+        farm.build()
+        (batch,) = farm.batch_rows()
+        deadline = time.monotonic() + 60
+        while sum(measurements_per_candidate(farm).values()) < 2:
+            assert time.monotonic() < deadline, "no measurement arrived"
+            time.sleep(0.05)
+        with transaction(farm.sessions) as s:
+            first = s.scalars(select(Lease).where(Lease.batch_id == batch.id)).one()
+            holder = s.get(Agent, first.agent_id).name
+        os.kill(procs[holder].pid, signal.SIGKILL)
+        procs[holder].wait(timeout=10)
+
+        results = collect_all(measurer, len(inputs), timeout=60)
+        assert sorted(r.key for r in results) == sorted(m.key for m in inputs)
+        assert all(r.error_kind is ErrorKind.NONE for r in results), [r.error_msg for r in results]
+        assert measurements_per_candidate(farm) == {m.key: 1 for m in inputs}
+        with transaction(farm.sessions) as s:
+            leases = list(s.scalars(select(Lease).where(Lease.batch_id == batch.id).order_by(Lease.id)))
+            state = s.scalar(select(Batch.state).where(Batch.id == batch.id))
+            survivor = s.get(Agent, leases[-1].agent_id).name
+        assert state is BatchState.DONE
+        # The killed agent's lease expired; the survivor finished the batch (on a loaded
+        # machine its own lease may have expired once on the way and been renewed).
+        assert leases[0].state is LeaseState.EXPIRED and leases[-1].state is LeaseState.FINISHED
+        assert all(le.state is LeaseState.EXPIRED for le in leases[1:-1])
+        assert survivor != holder
+
+        # A late result under the expired lease is refused.
+        with transaction(farm.sessions) as s:
+            bc_id = s.scalar(select(BatchCandidate.id).where(BatchCandidate.batch_id == batch.id).limit(1))
+            key = s.scalar(select(BatchCandidate.candidate_key).where(BatchCandidate.id == bc_id))
+        late = pb.ResultMessage(
+            agent_id=first.agent_id,
+            lease_id=first.id,
+            result=pb.Result(batch_candidate_id=bc_id, candidate_key=key, costs=[1e-3], run_secs=0.1),
+        )
+        with grpc.insecure_channel(farm.server_address) as channel:
+            stub = pb_grpc.AgentServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.ReportResults(iter([late]), metadata=wire.auth_metadata(farm.token), timeout=10))
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        measurer.close()
+
+
+@pytest.mark.slow
+def test_the_agent_survives_a_lease_service_restart(farm, tmp_path, agent_caps, lease_settings, db_sessions):
+    # Its own lease service on its own port, stopped and started again mid-batch.
+    settings = lease_settings.model_copy(update={"lease_bind": f"127.0.0.1:{free_port()}", "lease_secs": 30.0})
+    server = make_server(settings, sessions=db_sessions)
+    server.start()
+    farm.server_address = server.address
+    wl = gemm()
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    inputs = gemm_inputs(wl, task.key, 6)
+    measurer.submit(MeasureBatch(id="0:1", task=task, inputs=tuple(inputs), timing=TimingConfig(repeat=3, min_repeat_ms=60.0)))
+    farm.build()
+    agent = start_thread_agent(farm, f"{farm.device_class}-r", tmp_path, agent_caps)
+    try:
+        results = collect_all(measurer, 1, timeout=60)
+        server.stop(grace=0)
+        time.sleep(1.0)
+        server = make_server(settings, sessions=db_sessions)
+        server.start()
+        results += collect_all(measurer, len(inputs) - len(results), timeout=60)
+    finally:
+        agent.close()
+        server.stop(grace=0)
+    assert sorted(r.key for r in results) == sorted(m.key for m in inputs)
+    assert all(r.error_kind is ErrorKind.NONE for r in results), [r.error_msg for r in results]
+    assert measurements_per_candidate(farm) == {m.key: 1 for m in inputs}
+    (batch,) = farm.batch_rows()
+    assert batch.state is BatchState.DONE and batch.attempts == 1  # the same lease throughout
+    measurer.close()
+
+
+def _ready_without_building(farm: Farm, measurer: FarmMeasurer, task, inputs) -> int:
+    """Submit a batch and put it in the queue as if built (no kernels: for lease logic)."""
+    measurer.submit(MeasureBatch(id="0:1", task=task, inputs=tuple(inputs), timing=FAST))
+    (batch,) = farm.batch_rows()
+    with transaction(farm.sessions) as s:
+        queries.transition_batch(s, batch_id=batch.id, to=BatchState.BUILDING)
+        queries.mark_batch_ready(s, batch_id=batch.id)
+    return batch.id
+
+
+def test_results_of_a_lease_are_stored_in_bulk_exactly_once(farm):
+    from services.db.exceptions import LeaseNotHeld
+    from tunefarm.records import BuildResult as Build
+    from tunefarm.records import MeasureRecord, MeasureResult, RunResult
+
+    wl = gemm(16)
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    inputs = gemm_inputs(wl, task.key, 3)
+    batch_id = _ready_without_building(farm, measurer, task, inputs)
+    with transaction(farm.sessions) as s:
+        agent = queries.register_agent(
+            s, name=f"{farm.device_class}-bulk", device_class_id=measurer.device_class_id, token_id=None, capabilities={}
+        )
+        lease = queries.lease_next_batch(s, agent_id=agent.id, lease_secs=60)
+        ids = {c.candidate_key: c.id for c in queries.unmeasured_candidates(s, batch_id=batch_id)}
+
+    def record(m: MeasureInput, cost: float | None) -> MeasureRecord:
+        kind = ErrorKind.NONE if cost else ErrorKind.WRONG_RESULT
+        run = RunResult(m.key, (cost,) if cost else (), 0.1, kind, "" if cost else "off by one", verified=bool(cost))
+        return MeasureRecord.of(MeasureResult(m, Build(m.key, "k.so", 0.1), run), workload="w", target={}, timestamp=1.0)
+
+    items = [(ids[m.key], record(m, c)) for m, c in zip(inputs, (2e-3, 1e-3, None))]
+    for created in (True, False):  # a resent stream stores nothing twice
+        with transaction(farm.sessions) as s:
+            got = queries.record_measurements(s, lease_id=lease.id, agent_id=agent.id, items=items, fingerprint={})
+        assert [r.created for r in got] == [created] * 3
+    with transaction(farm.sessions) as s:
+        job = s.get(Job, farm.job_id)
+        row = s.get(Agent, agent.id)
+        best = s.scalar(select(Measurement.candidate_key).where(Measurement.id == job.tasks[0].best_measurement_id))
+        assert job.trials_used == 3 and job.tasks[0].trials == 3 and job.tasks[0].best_cost == 1e-3
+        assert best == inputs[1].key
+        assert row.measurements_done == 3 and row.errors_by_kind == {"wrong_result": 1}
+        queries.finish_lease(s, lease_id=lease.id, agent_id=agent.id)
+    with pytest.raises(LeaseNotHeld), transaction(farm.sessions) as s:  # the lease is finished
+        queries.record_measurements(s, lease_id=lease.id, agent_id=agent.id, items=items[:1], fingerprint={})
+    assert sorted(r.key for r in collect_all(measurer, 3, timeout=10)) == sorted(m.key for m in inputs)
+    measurer.close()
+
+
+def test_a_batch_no_agent_finishes_is_given_up_with_error_results(farm, lease_settings, db_sessions):
+    from services.measurer.lease_service import Sweeper
+
+    wl = gemm(16)
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    inputs = gemm_inputs(wl, task.key, 2)
+    batch_id = _ready_without_building(farm, measurer, task, inputs)
+    with transaction(farm.sessions) as s:
+        agent = queries.register_agent(
+            s, name=f"{farm.device_class}-dies", device_class_id=measurer.device_class_id, token_id=None, capabilities={}
+        )
+        now = s.scalar(select(func.now()))
+    from datetime import timedelta
+
+    for attempt in range(3):  # leased, then its agent goes silent and the lease expires, three times
+        t = now + timedelta(seconds=100 * attempt)
+        with transaction(farm.sessions) as s:
+            assert queries.lease_next_batch(s, agent_id=agent.id, lease_secs=10, now=t).batch_id == batch_id
+        with transaction(farm.sessions) as s:
+            assert queries.expire_leases(s, now=t + timedelta(seconds=11)) == [batch_id]
+    report = Sweeper(lease_settings.model_copy(update={"max_lease_attempts": 3}), db_sessions).sweep()
+    assert report.given_up == [batch_id]
+    results = collect_all(measurer, 2, timeout=10)
+    assert sorted(r.key for r in results) == sorted(m.key for m in inputs)
+    assert {r.error_kind for r in results} == {ErrorKind.RUN_CRASH}
+    assert "leased 3 times" in results[0].error_msg
+    (batch,) = farm.batch_rows()
+    assert batch.state is BatchState.FAILED
+    assert measurements_per_candidate(farm) == {m.key: 1 for m in inputs}
+    measurer.close()
+
+
+def test_the_generated_grpc_code_is_what_make_proto_writes(tmp_path):
+    pytest.importorskip("grpc_tools")
+    from services.measurer import proto_build
+
+    written = proto_build.build(tmp_path)
+    for path in written:
+        checked_in = proto_build.OUT_DIR / path.name
+        assert checked_in.read_text() == path.read_text(), f"{checked_in} is stale: run `make proto`"

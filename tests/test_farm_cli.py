@@ -1,0 +1,80 @@
+"""The farm's command line without a farm: one-line errors (exit 2), flags handed to the
+processes, the client's reading of the API's errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("httpx")
+
+import httpx  # noqa: E402
+
+from tunefarm_app.cli import main  # noqa: E402
+from tunefarm_app.farm_client import ClientSettings, FarmClient, FarmError  # noqa: E402
+
+
+def one_line_error(capsys, *words: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("tunefarm: error:"), err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["status", "1"], ["no team token", "TUNEFARM_TOKEN"]),
+        (["status", "1", "--token", "tft_x", "--server", "http://127.0.0.1:1"], ["cannot reach the farm"]),
+        (["submit", "m.onnx", "--device-class", "c", "--trials", "0", "--token", "t"], ["--trials"]),
+        (["submit", "missing.onnx", "--device-class", "c", "--trials", "5", "--token", "t",
+          "--server", "http://127.0.0.1:1"], ["no such model file"]),
+        (["submit", "m.onnx", "--device-class", "c", "--trials", "5", "--latency-target", "-1", "--token", "t"],
+         ["--latency-target"]),
+        (["fetch", "1", "--token", "t"], ["--out"]),
+    ],
+)
+def test_client_commands_fail_in_one_line(argv, words, capsys, monkeypatch):
+    monkeypatch.delenv("TUNEFARM_TOKEN", raising=False)
+    monkeypatch.delenv("TUNEFARM_SERVER", raising=False)
+    assert main(argv) == 2
+    one_line_error(capsys, *words)
+
+
+def test_farm_down_without_a_farm(tmp_path, capsys):
+    assert main(["farm", "down", "--state-dir", str(tmp_path)]) == 2
+    one_line_error(capsys, "no farm", "farm up")
+
+
+def test_process_commands_take_their_own_flags(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["worker", "--help"])
+    assert done.value.code == 0
+    assert "--device-class" in capsys.readouterr().out
+
+
+def test_the_client_reports_the_apis_error_message():
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/jobs/7":
+            return httpx.Response(404, json={"error": {"code": "not_found", "message": "job 7 not found"}})
+        assert request.headers["authorization"] == "Bearer tft_secret"
+        return httpx.Response(200, json={"items": [], "next_cursor": None})
+
+    settings = ClientSettings.load(server="farm.example:8000", token="tft_secret")
+    assert settings.server == "http://farm.example:8000"
+    with FarmClient(settings, transport=httpx.MockTransport(answer)) as client:
+        assert client.jobs() == {"items": [], "next_cursor": None}
+        with pytest.raises(FarmError, match=r"^job 7 not found \(HTTP 404\)$"):
+            client.job(7)
+
+
+def test_settings_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TUNEFARM_SERVER", "http://api:8000")
+    monkeypatch.setenv("TUNEFARM_TOKEN", "tft_env")
+    s = ClientSettings.load()
+    assert (s.server, s.token) == ("http://api:8000", "tft_env")
+    s = ClientSettings.load(token="tft_flag")  # a flag wins
+    assert s.token == "tft_flag"
+    assert json.loads(s.model_dump_json())["server"] == "http://api:8000"

@@ -1,0 +1,268 @@
+"""The whole farm, every process on loopback, against the real PostgreSQL and Redis:
+`farm up` (api, lease service, scheduler, two RQ build workers, one CPU agent) in a
+throw-away database with its own Redis queue prefix; then, over REST:
+
+- the whole path: upload a tiny ONNX model -> job -> scheduler -> RQ -> worker -> lease
+  -> agent -> Postgres -> progress -> an artifact whose output matches onnxruntime;
+- a second job on the same device class starts from the shared cost model (its first
+  batch is ranked by a trained model);
+- the scheduler killed (SIGKILL) in the middle of a job and started again: the job
+  finishes and no measurement is repeated;
+- a running job cancelled over REST stops, its open batches given up;
+- a team token on the agent service is refused.
+
+The tests share one farm and run in order (about two minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("grpc")
+pytest.importorskip("rq")
+
+from onnx_models import tiny_onnx  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
+
+from services.db.models import BatchCandidate, CostModelVersion, Measurement  # noqa: E402
+from services.db.session import transaction  # noqa: E402
+from tunefarm.models.build import run_model  # noqa: E402
+from tunefarm.models.finish import compare, extract_archive  # noqa: E402
+from tunefarm.models.importer import random_inputs, run_onnxruntime  # noqa: E402
+from tunefarm.records import MeasureRecord  # noqa: E402
+from tunefarm_app.cli import main as cli  # noqa: E402
+from tunefarm_app.farm_client import ClientSettings, FarmClient  # noqa: E402
+from tunefarm_app.farm_local import FarmConfig, LocalFarm, down, read_state, up  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+JOB_TIMEOUT = 240.0
+
+
+@pytest.fixture(scope="module")
+def farm(database_url, tmp_path_factory):
+    import redis
+
+    from services.worker.settings import WorkerSettings
+
+    redis_url = WorkerSettings().redis_url
+    try:
+        redis.Redis.from_url(redis_url, socket_connect_timeout=2).ping()
+    except Exception as exc:
+        pytest.skip(f"Redis is not reachable at {redis_url}: {exc}")
+    prefix = f"tftest{uuid.uuid4().hex[:10]}"
+    state = tmp_path_factory.mktemp("farm")
+    config = FarmConfig(
+        state_dir=state,
+        database_url=database_url,
+        redis_url=redis_url,
+        queue_prefix=prefix,
+        workers=2,
+        extra_env={
+            "TUNEFARM_COST_MODEL_WARMUP": "8",  # the tiny jobs' few measurements train the shared model
+            "TUNEFARM_POLL_INTERVAL_SECS": "0.1",
+        },
+    )
+    running = up(config, log=lambda msg: None)
+    try:
+        yield running
+    finally:
+        down(state, grace=5.0)
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(f"*{prefix}*"))
+        if keys:
+            r.delete(*keys)
+
+
+@pytest.fixture(scope="module")
+def client(farm: LocalFarm):
+    info = farm.info
+    with FarmClient(ClientSettings.load(server=info["api_url"], token=info["team_token"])) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_onnx(tmp_path_factory.mktemp("model") / "tiny.onnx")
+
+
+def wait_for(client: FarmClient, job_id: int, done=lambda j: j["state"] in ("succeeded", "failed", "cancelled"),
+             timeout: float = JOB_TIMEOUT) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.job(job_id)
+        if done(job):
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} stuck: {json.dumps(job)[:600]}"
+        time.sleep(0.5)
+
+
+def measured_twice(sessions_url: str, job_id: int) -> list[str]:
+    from services.db.session import make_session_factory
+
+    sessions = make_session_factory(sessions_url)
+    try:
+        with transaction(sessions) as s:
+            keys = s.execute(
+                select(Measurement.job_task_id, Measurement.candidate_key).where(Measurement.job_id == job_id)
+            ).all()
+    finally:
+        sessions.kw["bind"].dispose()
+    counts = Counter(keys)
+    return [k for (_, k), n in counts.items() if n > 1]
+
+
+def test_farm_up_wrote_farm_json(farm):
+    info = read_state(farm.config.state_dir)
+    for key in ("api_url", "grpc_address", "team_token", "agent_token"):
+        assert info[key]
+    assert info["team_token"].startswith("tft_") and info["agent_token"].startswith("tfa_")
+    assert set(info["processes"]) == {"api", "lease-service", "scheduler", "worker-1", "worker-2", "agent"}
+    assert oct((farm.config.state_dir / "farm.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
+    info = farm.info
+    model = client.upload_model(tiny, {"x": [1, 3, 8, 8]})
+    assert len(model["tasks"]) == 2
+    job = client.create_job(model_id=model["id"], device_class=info["device_class"], trial_budget=8)
+    seen_running = wait_for(client, job["id"], lambda j: j["trials_used"] > 0 or j["state"] != "queued")
+    assert seen_running["state"] in ("running", "finishing", "succeeded")
+    job = wait_for(client, job["id"])
+    assert job["state"] == "succeeded", job["error"]
+    assert job["trials_used"] == 8 and sum(t["trials"] for t in job["tasks"]) == 8
+    assert all(t["best_secs"] and t["best_secs"] > 0 for t in job["tasks"])
+    assert job["est_latency_secs"] and job["est_latency_start_secs"] >= job["est_latency_secs"] * 0.999
+    assert job["curve"] and job["curve"][-1]["trials"] == 8
+    assert job["artifact"]["available"] and job["result"]["check"]["ok"]
+
+    # the archive: the same files as `tunefarm tune --out`, and a model matching onnxruntime
+    out = tmp_path / "tuned"
+    files = extract_archive(client.artifact(job["id"]), out)
+    assert {f.name for f in files} == {"model.so", "manifest.json", "records.jsonl", "report.json"}
+    feeds = random_inputs({"x": (1, 3, 8, 8)}, {"x": "float32"}, seed=7)
+    got = run_model(out, feeds, repeat=0).outputs
+    want = run_onnxruntime(tiny.read_bytes(), feeds)
+    assert compare(got, want)["ok"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["trials"] == 8 and report["models"][0]["check"]["ok"]
+    assert {t["schedule"] for t in report["models"][0]["tasks"]} == {"tuned"}
+
+    # the records: the records file format, one line per measurement, no candidate twice
+    lines = list(client.records(job["id"]))
+    assert len(lines) == 8 == len((out / "records.jsonl").read_text().splitlines())
+    records = [MeasureRecord.from_json(line) for line in lines]
+    assert len({(r.task, r.candidate.key) for r in records}) == 8
+    assert measured_twice(farm.config.database_url, job["id"]) == []
+
+    devices = client.devices()
+    agent = next(d for d in devices if d["device_class"] == info["device_class"])
+    assert agent["measurements_done"] >= 8 and agent["state"] in ("idle", "busy")
+
+    # the same through the command line
+    argv = ["--server", info["api_url"], "--token", info["team_token"]]
+    assert cli(["status", str(job["id"]), *argv]) == 0
+    assert "succeeded" in capsys.readouterr().out
+    assert cli(["fetch", str(job["id"]), "--out", str(tmp_path / "cli"), *argv]) == 0
+    assert (tmp_path / "cli" / "model.so").is_file()
+    assert cli(["cancel", str(job["id"]), *argv]) == 2  # finished: a one-line error
+    assert "already succeeded" in capsys.readouterr().err
+
+
+def test_a_second_job_starts_from_the_shared_model(farm, client, tiny):
+    from services.db.session import make_session_factory
+
+    info = farm.info
+    model = client.upload_model(tiny, {"x": [1, 3, 8, 8]}, name="tiny-again")
+    job = client.create_job(model_id=model["id"], device_class=info["device_class"], trial_budget=8, seed=2)
+    job = wait_for(client, job["id"])
+    assert job["state"] == "succeeded", job["error"]
+    cm = job["cost_model"]
+    assert cm["version_id"] is not None and cm["trained_on"] >= 8  # started from the version job 1 left
+    assert cm["trained_on_at_first_batch"] and cm["trained_on_at_first_batch"] >= 8  # ranked by a trained model
+    sessions = make_session_factory(farm.config.database_url)
+    deadline = time.monotonic() + 30  # the scheduler saves a version right after a job ends
+    try:
+        while True:
+            with transaction(sessions) as s:
+                versions = s.scalars(select(CostModelVersion.version).order_by(CostModelVersion.version)).all()
+            if len(versions) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        sessions.kw["bind"].dispose()
+    assert versions[:2] == [1, 2]  # one more version after each job
+
+
+def test_the_scheduler_restarts_in_the_middle_of_a_job(farm, client, tiny):
+    info = farm.info
+    model = client.upload_model(tiny, {"x": [1, 3, 8, 8]}, name="tiny-restart")
+    job = client.create_job(model_id=model["id"], device_class=info["device_class"], trial_budget=12, seed=3)
+    mid = wait_for(client, job["id"], lambda j: j["trials_used"] >= 4 or j["state"] not in ("queued", "running"))
+    assert mid["state"] == "running" and mid["trials_used"] < 12, mid
+    farm.stop("scheduler", sig=signal.SIGKILL)
+    stopped_at = client.job(job["id"])["trials_used"]
+    farm.start("scheduler")
+    job = wait_for(client, job["id"])
+    assert job["state"] == "succeeded", job["error"]
+    assert job["trials_used"] == 12 and stopped_at < 12
+    assert measured_twice(farm.config.database_url, job["id"]) == []
+    from services.db.session import make_session_factory
+
+    sessions = make_session_factory(farm.config.database_url)
+    try:
+        with transaction(sessions) as s:
+            n = s.scalar(select(func.count()).select_from(Measurement).where(Measurement.job_id == job["id"]))
+            proposed = s.scalar(
+                select(func.count(func.distinct(BatchCandidate.candidate_key)))
+                .join(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
+                .where(Measurement.job_id == job["id"])
+            )
+    finally:
+        sessions.kw["bind"].dispose()
+    assert n == proposed == 12
+    log = Path(farm.processes["scheduler"].log).read_text()
+    assert f"job {job['id']}: resuming" in log
+
+
+def test_a_running_job_is_cancelled(farm, client, tiny):
+    from services.db.models import Batch, BatchState
+    from services.db.session import make_session_factory
+
+    model = client.upload_model(tiny, {"x": [1, 3, 8, 8]}, name="tiny-cancel")
+    job = client.create_job(model_id=model["id"], device_class=farm.info["device_class"], trial_budget=400)
+    wait_for(client, job["id"], lambda j: j["state"] == "running", timeout=60)
+    asked = client.cancel(job["id"])
+    assert asked["cancel_requested"] and asked["state"] in ("running", "cancelled")
+    job = wait_for(client, job["id"], timeout=60)
+    assert job["state"] == "cancelled" and job["finished_at"] and job["trials_used"] < 400
+    sessions = make_session_factory(farm.config.database_url)
+    try:
+        with transaction(sessions) as s:
+            states = set(s.scalars(select(Batch.state).where(Batch.job_id == job["id"])))
+    finally:
+        sessions.kw["bind"].dispose()
+    assert states <= {BatchState.DONE, BatchState.FAILED}  # nothing left for the workers and agents
+
+
+def test_a_team_token_is_refused_by_the_agent_service(farm):
+    import grpc
+
+    from services.measurer.generated import measurer_pb2 as pb
+    from services.measurer.generated import measurer_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(farm.info["grpc_address"]) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Heartbeat(pb.HeartbeatRequest(agent_id=1), metadata=[("authorization", f"Bearer {farm.info['team_token']}")],
+                           timeout=10)
+    assert raised.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)

@@ -1,0 +1,91 @@
+"""The scheduler service's pure parts: fair shares, the shared model's view, workloads
+rebuilt from their rows, the tuned model archive, the output check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.scheduler.farm_job import runs_here
+from services.scheduler.service import fair_share
+from tunefarm.models.finish import archive_directory, compare, extract_archive
+
+
+@pytest.mark.parametrize(
+    ("agents", "jobs", "share"),
+    [(0, 1, 1), (1, 1, 2), (4, 1, 8), (4, 2, 4), (3, 2, 3), (1, 3, 1), (2, 16, 1)],
+)
+def test_a_class_shares_its_agents_between_its_jobs(agents, jobs, share):
+    assert fair_share(2, agents, jobs) == share
+    assert fair_share(2, agents, jobs) * jobs >= min(2 * agents, jobs)  # every agent has work when there is any
+
+
+def test_the_shared_models_view_predicts_but_never_learns():
+    from services.scheduler.cost_model import XGBConfig, XGBCostModel
+    from services.scheduler.shared_model import ClassModel, SharedModelView
+
+    model = XGBCostModel(XGBConfig(num_warmup_samples=4, adaptive_training=False))
+    rng = np.random.default_rng(0)
+    feats = [rng.random((2, 5)).astype(np.float32) for _ in range(8)]
+    model.update(feats, [float(i + 1) for i in range(8)], ["t"] * 8)
+    view = SharedModelView(ClassModel(1, {}, model, None, None, 0, 0))
+    assert view.trained_on == model.trained_on > 0 and view.num_samples == 8
+    view.update(feats, [1.0] * 8, ["t"] * 8)  # sessions' retraining goes nowhere: the class model learns from Postgres
+    assert model.num_samples == 8
+    assert np.array_equal(view.predict(feats), model.predict(feats))
+
+
+def test_a_workload_row_rebuilds_with_its_key():
+    pytest.importorskip("tvm")
+    from tvm import te
+
+    from services.scheduler.shared_model import workload_from_row
+    from tunefarm.workloads import workload_from_te
+
+    a = te.placeholder((8, 8), name="A")
+    w = te.placeholder((8, 8), name="W")
+    k = te.reduce_axis((0, 8), name="k")
+    c = te.compute((8, 8), lambda i, j: te.sum(a[i, k] * w[k, j], axis=k), name="C")
+    workload = workload_from_te("mm", [a, w, c]).with_constants([1])
+    again = workload_from_row(key=workload.key, name=workload.name, module_json=workload.to_json(), n_outputs=1)
+    assert again.key == workload.key and again.constants == (1,)
+
+
+def test_where_a_tuned_model_is_checked():
+    import platform
+
+    assert runs_here({"kind": "llvm", "mcpu": "x"})
+    assert runs_here({"kind": "llvm", "mtriple": f"{platform.machine()}-linux-gnu"})
+    assert not runs_here({"kind": "llvm", "mtriple": "riscv64-linux-gnu"})
+    assert not runs_here({"kind": "cuda", "arch": "sm_90"})
+
+
+def test_the_archive_round_trips_and_refuses_strange_entries(tmp_path):
+    import io
+    import tarfile
+
+    from tunefarm.errors import ModelError
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "model.so").write_bytes(b"\x7fELF")
+    (src / "sub" / "x.json").write_text("{}")
+    archive = archive_directory(src, tmp_path / "a" / "tuned.tar.gz")
+    files = extract_archive(archive.read_bytes(), tmp_path / "out")
+    assert sorted(f.relative_to(tmp_path / "out").as_posix() for f in files) == ["model.so", "sub/x.json"]
+    assert (tmp_path / "out" / "model.so").read_bytes() == b"\x7fELF"
+    evil = io.BytesIO()
+    with tarfile.open(fileobj=evil, mode="w:gz") as tar:
+        info = tarfile.TarInfo("tuned/../../escape.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(ModelError, match="unexpected entry"):
+        extract_archive(evil.getvalue(), tmp_path / "evil")
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_compare_outputs_against_a_reference():
+    ref = [np.array([1.0, -2.0, 3.0], np.float32)]
+    assert compare([ref[0] + 1e-6], ref)["ok"]
+    assert not compare([ref[0] + 1.0], ref)["ok"]
+    assert not compare([ref[0][:2]], ref)["ok"] and not compare([], ref)["ok"]

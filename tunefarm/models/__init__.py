@@ -1,0 +1,12 @@
+"""Whole models: import (ONNX or PyTorch), split into fused tuning tasks, build and run.
+
+- `examples`: example models generated with PyTorch (`python -m tunefarm.models.examples`).
+- `importer`: `import_model` turns an ONNX file/bytes/ModelProto or a torch module into
+  a Relax IRModule with fixed shapes (`ImportedModel`).
+- `tasks`: `extract_tasks` fuses the model and lists its distinct fused PrimFuncs as
+  ordinary `Workload`s with weights (`ModelTasks`); `merge_tasks` shares them across models.
+- `build`: `apply_schedules` puts tuned schedules back, `build_model_library` compiles
+  the model in an isolated process, `run_model` and `compare_outputs` run and check it.
+
+Nothing here imports `services` or `tunefarm_app`; every task is a plain PrimFunc workload.
+"""

@@ -1,0 +1,520 @@
+"""Build a (tuned) model into a library, run it, and check it against onnxruntime.
+
+- `apply_schedules(fused_mod, schedules)`: replays each task's schedule trace on its
+  workload and puts the scheduled PrimFunc back for every GlobalVar of that task, in a
+  new IRModule (the input is not modified).
+- `build_model_library(fused_mod, out_dir, ...)`: applies the schedules, compiles with
+  `tvm.compile` and writes `model.so` and `manifest.json`, in an isolated child process
+  (a codegen crash or hang becomes a `ModelError`, not the caller's death).
+  `build_default_library` is the same with no schedule: TVM's default build of the
+  fused module, every PrimFunc unscheduled (the "TVM default" baseline).
+- `run_model(model_dir, inputs)`: outputs and latency (median, p90), in a child process
+  whose TVM thread pool has one thread per core.
+- `compare_outputs(model_dir, onnx_model)`: the built model against onnxruntime on a
+  seeded random input.
+
+How the fused module reaches the build child: `tvm.ir.save_json` written to a temporary
+file, weights embedded as constants (base64). For resnet18 that is 63.5 MB, about 1.0 s
+to save and 0.8 s to load here; pickling the IRModule is the same size and speed, and
+re-importing and re-fusing the ONNX model in the child would cost 1-7 s (mobilenet_v2's
+fusion alone takes 6 s). The schedules travel as a JSON string.
+
+Weights in a rewritten layout: a schedule may store a task's constant input (a weight)
+in the order its loops read it (`tunefarm.layout`); `build_job` splits each such
+transform into its own call and folds it into the weight (`fold_layout_rewrites`), so
+the built model holds the transformed weights and never runs a transform per inference.
+
+Attributes of a scheduled function: the function gets back exactly the attributes the
+fused one had (FuseTIR's functions carry no global_symbol; the build's
+AttachGlobalSymbol names them after their GlobalVar) plus ``tirx.is_scheduled``. On CPU
+targets TVM's default Relax pipeline never reschedules a PrimFunc, so the attribute
+changes nothing there; GPU pipelines run DLight, which skips functions marked with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tunefarm.errors import ModelError
+from tunefarm.isolation import IsolatedWorker, summarize_error
+from tunefarm.records import TensorSpec, TraceJSON
+
+LIBRARY_NAME = "model.so"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+
+BUILD_TIMEOUT = 900.0
+"""Seconds a whole-model build may take in its child (resnet18 builds in ~5 s here;
+heavily unrolled schedules can make LLVM much slower)."""
+
+RUN_TIMEOUT = 300.0
+"""Seconds `run_model` may take in its child, warm-up and timed runs included."""
+
+OUTPUT_RTOL = 1e-3
+"""`compare_outputs` accepts max|tvm - ort| <= OUTPUT_ATOL + OUTPUT_RTOL * max|ort| per
+output. Both compute in float32 with different summation orders (tiled reductions,
+BN folded differently); on the example models the untuned build is within 1e-6 relative."""
+
+OUTPUT_ATOL = 1e-5
+
+_JOBS = "tunefarm.models.build"
+
+
+def usage_lines(inputs: Sequence[TensorSpec]) -> list[str]:
+    """The three lines of Python that load and call a built model (in manifest.json)."""
+    names = [_identifier(t.name, i) for i, t in enumerate(inputs)]
+    args = ", ".join(f"tvm.runtime.tensor({n})" for n in names)
+    return [
+        "import tvm; from tvm import relax",
+        f'vm = relax.VirtualMachine(tvm.runtime.load_module("{LIBRARY_NAME}"), tvm.cpu())',
+        f'out = vm["main"]({args})  # {", ".join(names)}: numpy arrays; out: a Tensor (.numpy()) or an Array of them',
+    ]
+
+
+# -- schedules ------------------------------------------------------------------------------
+
+
+def apply_schedules(fused_mod, schedules: Mapping[str, TraceJSON | None], *, tasks=None) -> Any:
+    """A copy of `fused_mod` with each task's PrimFuncs replaced by the scheduled ones.
+
+    `schedules` maps a task's workload key to its trace (`Trace.as_json()` as plain JSON
+    data), or None for the default, unscheduled function. Keys of tasks this module does
+    not have are ignored (a run over several models shares one map). `tasks` is the
+    `ModelTasks` of `fused_mod` when the caller has it (otherwise it is recomputed).
+    Raises `ModelError` naming the task whose trace does not replay.
+    """
+    import tvm
+    from tvm.s_tir import Schedule, Trace
+
+    from tunefarm.models.tasks import extract_tasks
+
+    if tasks is None:
+        tasks = extract_tasks(fused_mod, fused=True)
+    replaced: dict[str, Any] = {}
+    for task in tasks.tasks:
+        trace = schedules.get(task.key)
+        if trace is None:
+            continue
+        try:
+            sch = Schedule(task.workload.mod)
+            Trace.apply_json_to_schedule(trace, sch)
+        except Exception as exc:
+            text = summarize_error(f"{type(exc).__name__}: {exc}")
+            raise ModelError(f"the schedule of task {task.name} does not replay: {text}") from None
+        scheduled = sch.mod["main"]
+        for gv_name in task.global_vars:
+            original = fused_mod[gv_name]
+            func = scheduled.without_attr("global_symbol")
+            for k, v in (original.attrs or {}).items():
+                func = func.with_attr(k, v)
+            replaced[gv_name] = func.with_attr("tirx.is_scheduled", True)
+    # A new module with the same GlobalVar objects: update_func would change fused_mod
+    # (and every alias of it) in place.
+    functions = {gv: replaced.get(gv.name_hint, f) for gv, f in fused_mod.functions.items()}
+    return tvm.IRModule(functions, attrs=fused_mod.attrs, global_infos=fused_mod.global_infos)
+
+
+# -- building -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """A model library on disk and how it was built."""
+
+    directory: Path
+    library: Path
+    manifest: Path
+    build_secs: float  # the child's load + schedule + compile + export time
+    scheduled_tasks: tuple[str, ...]  # workload keys whose schedule was applied
+    total_secs: float = 0.0  # including serialising the module and starting the child
+
+
+def build_model_library(
+    fused_mod,
+    out_dir: str | Path,
+    *,
+    target: dict[str, Any],
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    schedules: Mapping[str, TraceJSON | None] | None = None,
+    name: str = "model",
+    timeout: float = BUILD_TIMEOUT,
+    worker: IsolatedWorker | None = None,
+) -> BuiltModel:
+    """Apply `schedules` to `fused_mod`, compile it for `target` and write
+    `out_dir/model.so` and `out_dir/manifest.json`. Runs in an isolated child process
+    (`worker`, or a fresh one closed afterwards); every failure is a `ModelError`."""
+    import tvm
+
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    schedules = {k: v for k, v in (schedules or {}).items() if v is not None}
+    tmp = tempfile.mkdtemp(prefix="tunefarm-model-")
+    try:
+        mod_path = os.path.join(tmp, "fused.json")
+        with open(mod_path, "w") as f:
+            f.write(tvm.ir.save_json(fused_mod))
+        outcome = _call(
+            worker,
+            "build",
+            f"{_JOBS}:build_job",
+            mod_path,
+            json.dumps(schedules),
+            json.dumps(target),
+            str(out / LIBRARY_NAME),
+            timeout=timeout,
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not outcome.ok:
+        raise ModelError(f"building {name} failed ({outcome.status}): {_strip_kind(outcome.message)}")
+    result = outcome.value
+    manifest_path = write_manifest(
+        out, name=name, target=target, inputs=inputs, outputs=outputs, scheduled=result["scheduled"]
+    )
+    return BuiltModel(
+        out,
+        out / LIBRARY_NAME,
+        manifest_path,
+        result["secs"],
+        tuple(result["scheduled"]),
+        time.perf_counter() - t0,
+    )
+
+
+def write_manifest(
+    out: Path,
+    *,
+    name: str,
+    target: dict[str, Any],
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    scheduled: Sequence[str],
+) -> Path:
+    """Write `out/manifest.json` for the library `out/model.so`."""
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "name": name,
+        "library": LIBRARY_NAME,
+        "target": target,
+        "inputs": [_spec_json(t) for t in inputs],
+        "outputs": [_spec_json(t) for t in outputs],
+        "scheduled_tasks": list(scheduled),
+        "usage": usage_lines(inputs),
+    }
+    path = Path(out) / MANIFEST_NAME
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+def build_default_library(fused_mod, out_dir: str | Path, **kwargs: Any) -> BuiltModel:
+    """TVM's default build of the fused module, every PrimFunc unscheduled (the baseline)."""
+    kwargs.pop("schedules", None)
+    return build_model_library(fused_mod, out_dir, schedules=None, **kwargs)
+
+
+def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: str) -> dict[str, Any]:
+    """Child side of `build_model_library`: plain arguments, plain result."""
+    import tvm
+
+    from tunefarm import fastmath
+
+    fastmath.install()  # the same vectorizable exp/tanh/erf the tuned kernels were measured with
+    t0 = time.perf_counter()
+    with open(mod_path) as f:
+        fused = tvm.ir.load_json(f.read())
+    schedules = json.loads(schedules_json)
+    mod, keys = fused, []
+    if schedules:
+        from tunefarm.models.tasks import extract_tasks
+
+        tasks = extract_tasks(fused, fused=True)
+        mod = apply_schedules(fused, schedules, tasks=tasks)
+        keys = [t.key for t in tasks.tasks if t.key in schedules]
+        # Weights the schedules store in a rewritten layout: the transforms are split off
+        # and folded into the constants now, never run per inference.
+        mod = _fold_layouts(mod)
+    try:
+        ex = tvm.compile(mod, target=tvm.target.Target(json.loads(target_json)))
+    except Exception as exc:
+        raise ModelError(f"compiling failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
+    tmp = f"{lib_path}.{os.getpid()}.tmp.so"
+    try:
+        ex.export_library(tmp)
+        os.replace(tmp, lib_path)
+    except Exception as exc:
+        raise ModelError(
+            f"exporting the library failed: {summarize_error(f'{type(exc).__name__}: {exc}')}"
+        ) from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return {"secs": time.perf_counter() - t0, "scheduled": keys}
+
+
+def _fold_layouts(mod):
+    from tunefarm import layout
+
+    try:
+        return layout.fold_layout_rewrites(mod)
+    except Exception as exc:
+        raise ModelError(
+            f"folding the weight layout transforms failed: {summarize_error(f'{type(exc).__name__}: {exc}')}"
+        ) from None
+
+
+# -- running --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    median: float  # seconds per inference
+    p90: float
+    samples: tuple[float, ...] = field(default=(), repr=False)  # one inference each
+
+    @staticmethod
+    def of(samples: Sequence[float]) -> LatencyStats:
+        arr = np.asarray(samples, dtype=np.float64)
+        return LatencyStats(
+            float(np.median(arr)), float(np.percentile(arr, 90)), tuple(float(s) for s in arr)
+        )
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    outputs: tuple[np.ndarray, ...]
+    latency: LatencyStats | None  # None when `repeat` was 0
+
+
+def load_manifest(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / MANIFEST_NAME
+    try:
+        return json.loads(path.read_text())
+    except OSError:
+        raise ModelError(f"{model_dir}: no {MANIFEST_NAME} (not a built model directory)") from None
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}: malformed JSON ({exc.msg})") from None
+
+
+def run_model(
+    model_dir: str | Path,
+    inputs: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+    *,
+    repeat: int = 30,
+    warmup: int = 3,
+    threads: int | None = None,
+    timeout: float = RUN_TIMEOUT,
+    worker: IsolatedWorker | None = None,
+) -> ModelRun:
+    """Run a built model: its outputs, and the latency of `repeat` single inferences
+    after `warmup` untimed ones. Runs in a child process with TVM_NUM_THREADS=`threads`
+    (default: the target's core count from the manifest, else this machine's). A passed
+    `worker` keeps its own environment."""
+    manifest = load_manifest(model_dir)
+    specs = manifest["inputs"]
+    arrays = _ordered_inputs(specs, inputs)
+    if threads is None:
+        threads = int(manifest.get("target", {}).get("num-cores") or _cores())
+    tmp = tempfile.mkdtemp(prefix="tunefarm-run-")
+    try:
+        npz = os.path.join(tmp, "inputs.npz")
+        np.savez(npz, *arrays)
+        outcome = _call(
+            worker,
+            "run",
+            f"{_JOBS}:run_job",
+            str(Path(model_dir) / manifest["library"]),
+            npz,
+            repeat,
+            warmup,
+            timeout=timeout,
+            env={"TVM_NUM_THREADS": str(threads)},
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not outcome.ok:
+        raise ModelError(f"running {model_dir} failed ({outcome.status}): {_strip_kind(outcome.message)}")
+    outs, samples = outcome.value
+    return ModelRun(tuple(outs), LatencyStats.of(samples) if samples else None)
+
+
+def run_job(lib_path: str, inputs_npz: str, repeat: int, warmup: int) -> tuple[list[np.ndarray], list[float]]:
+    """Child side of `run_model`."""
+    import tvm
+    from tvm import relax
+
+    dev = tvm.cpu(0)
+    vm = relax.VirtualMachine(tvm.runtime.load_module(lib_path), dev)
+    with np.load(inputs_npz) as data:
+        args = [tvm.runtime.tensor(data[f"arr_{i}"], dev) for i in range(len(data.files))]
+    result = vm["main"](*args)
+    outputs = [t.numpy() for t in _flatten(result)]
+    samples: list[float] = []
+    if repeat > 0:
+        for _ in range(max(0, warmup - 1)):
+            vm["main"](*args)
+        timer = vm.time_evaluator("main", dev, number=1, repeat=repeat)
+        samples = list(timer(*args).results)
+    return outputs, samples
+
+
+def _flatten(value) -> list:
+    import tvm
+
+    if isinstance(value, tvm.runtime.Tensor):
+        return [value]
+    return [t for item in value for t in _flatten(item)]
+
+
+# -- checking against onnxruntime -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputComparison:
+    max_abs_error: float  # over all outputs
+    max_rel_error: float  # max_abs_error of an output / max |reference| of that output, worst output
+    within_tolerance: bool
+    rtol: float = OUTPUT_RTOL
+    atol: float = OUTPUT_ATOL
+
+
+def compare_outputs(
+    model_dir: str | Path,
+    onnx_model: Any,
+    *,
+    seed: int = 0,
+    rtol: float = OUTPUT_RTOL,
+    atol: float = OUTPUT_ATOL,
+    worker: IsolatedWorker | None = None,
+) -> OutputComparison:
+    """Run the built model and onnxruntime (2 intra-op threads) on one seeded random
+    input and compare: an output passes when max|tvm - ort| <= atol + rtol * max|ort|.
+
+    `onnx_model` is the ONNX graph (bytes, path or ModelProto), e.g. `ImportedModel.onnx_bytes`.
+    """
+    from tunefarm.models.importer import random_inputs, run_onnxruntime
+
+    manifest = load_manifest(model_dir)
+    specs = manifest["inputs"]
+    feeds = random_inputs(
+        {s["name"]: s["shape"] for s in specs}, {s["name"]: s["dtype"] for s in specs}, seed=seed
+    )
+    if isinstance(onnx_model, (str, os.PathLike)):
+        onnx_model = Path(onnx_model).read_bytes()
+    try:
+        want = run_onnxruntime(onnx_model, feeds)
+    except Exception as exc:
+        raise ModelError(f"onnxruntime cannot run the reference model: {summarize_error(str(exc))}") from None
+    got = run_model(model_dir, feeds, repeat=0, worker=worker).outputs
+    if len(got) != len(want):
+        raise ModelError(f"the built model has {len(got)} outputs, onnxruntime gives {len(want)}")
+    worst_abs, worst_rel, ok = 0.0, 0.0, True
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.shape != w.shape:
+            raise ModelError(f"output {i}: shape {g.shape} from the built model, {w.shape} from onnxruntime")
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        err = float(np.max(np.abs(g64 - w64))) if w.size else 0.0
+        scale = float(np.max(np.abs(w64))) if w.size else 0.0
+        if not np.isfinite(err):
+            err = float("inf")
+        worst_abs = max(worst_abs, err)
+        worst_rel = max(worst_rel, err / scale if scale else (0.0 if err == 0 else float("inf")))
+        ok = ok and err <= atol + rtol * scale
+    return OutputComparison(worst_abs, worst_rel, ok, rtol, atol)
+
+
+def time_onnxruntime(
+    onnx_model: Any, inputs: Mapping[str, np.ndarray], *, repeat: int = 30, warmup: int = 3, threads: int = 2
+) -> LatencyStats:
+    """onnxruntime's latency on the same inputs (CPU provider, `threads` intra-op threads),
+    measured in this process: the benchmark's reference column."""
+    import onnxruntime as ort
+
+    if isinstance(onnx_model, (str, os.PathLike)):
+        onnx_model = Path(onnx_model).read_bytes()
+    elif not isinstance(onnx_model, bytes):
+        onnx_model = onnx_model.SerializeToString()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    session = ort.InferenceSession(onnx_model, options, providers=["CPUExecutionProvider"])
+    feeds = dict(inputs)
+    for _ in range(warmup):
+        session.run(None, feeds)
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        session.run(None, feeds)
+        samples.append(time.perf_counter() - t0)
+    return LatencyStats.of(samples)
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _call(
+    worker: IsolatedWorker | None,
+    what: str,
+    func: str,
+    *args: Any,
+    timeout: float,
+    env: dict[str, str] | None = None,
+):
+    if worker is not None:
+        return worker.call(func, *args, timeout=timeout)
+    with IsolatedWorker(env=env, name=f"model-{what}") as own:
+        return own.call(func, *args, timeout=timeout)
+
+
+def _strip_kind(message: str) -> str:
+    """ "ModelError: compiling failed: ..." -> "compiling failed: ..." (the child's own errors)."""
+    prefix = f"{ModelError.__name__}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message
+
+
+def _ordered_inputs(specs: list[dict[str, Any]], inputs) -> list[np.ndarray]:
+    if isinstance(inputs, Mapping):
+        missing = [s["name"] for s in specs if s["name"] not in inputs]
+        extra = [n for n in inputs if n not in {s["name"] for s in specs}]
+        if missing or extra:
+            raise ModelError(
+                f"the model takes inputs {[s['name'] for s in specs]}; missing {missing}, unknown {extra}"
+            )
+        arrays = [np.asarray(inputs[s["name"]]) for s in specs]
+    else:
+        arrays = [np.asarray(a) for a in inputs]
+        if len(arrays) != len(specs):
+            raise ModelError(f"the model takes {len(specs)} inputs, got {len(arrays)}")
+    for s, a in zip(specs, arrays):
+        if tuple(a.shape) != tuple(s["shape"]) or str(a.dtype) != s["dtype"]:
+            raise ModelError(
+                f"input {s['name']!r} must be {s['dtype']} {tuple(s['shape'])}, got {a.dtype} {tuple(a.shape)}"
+            )
+    return [np.ascontiguousarray(a) for a in arrays]
+
+
+def _identifier(name: str, index: int) -> str:
+    text = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return text if text and not text[0].isdigit() and text.isidentifier() else f"input_{index}"
+
+
+def _spec_json(t: TensorSpec) -> dict[str, Any]:
+    return {"name": t.name, "shape": list(t.shape), "dtype": t.dtype}
+
+
+def _cores() -> int:
+    from tunefarm.target import physical_cores
+
+    return physical_cores()

@@ -1,0 +1,439 @@
+"""After tuning a whole model: build it with the best schedules, check it, report.
+
+The service-agnostic half of `tunefarm tune` (embedded mode) and of the farm's scheduler
+service, which both end a run the same way and write the same directory:
+
+    model.so, manifest.json     the tuned model (`build_model_library`)
+    records.jsonl               every measurement, one `MeasureRecord` JSON line each
+    report.json                 `model_report`: per task best and trials, check, latency
+
+Map:
+- `load_model` / `LoadedModel`: an imported model, its tasks and its reference
+  (onnxruntime for ONNX, the module itself for torch); `model_inputs` seeds its inputs;
+- `batch_size_for`: measurements per round for a model's budget and task count;
+- `finish_model`: build with the tasks' best schedules, run, `compare` against the
+  reference (a mismatch is an error and the library is not kept), time, `ModelOutcome`;
+- `TaskOutcome` + `TuningSummary` -> `model_report`: the report as plain data, from
+  whatever ran the search (embedded mode's `TuneResult`, the farm's sessions);
+- `write_records`, `archive_directory`: the records file and the one-file archive of a
+  tuned model directory (what the farm's API hands out).
+
+Nothing here imports `services` or `tunefarm_app`.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import re
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tunefarm.errors import ModelError
+from tunefarm.models.build import build_default_library, build_model_library, run_model, time_onnxruntime
+from tunefarm.models.importer import ImportedModel, import_model, random_inputs
+from tunefarm.models.tasks import ModelTasks, extract_tasks
+from tunefarm.records import MeasureRecord
+
+RECORDS_NAME = "records.jsonl"
+REPORT_NAME = "report.json"
+
+REPORT_VERSION = 1
+
+CHECK_RTOL = 1e-3
+"""An output matches the reference when max|out - ref| <= CHECK_ATOL + CHECK_RTOL * max|ref|."""
+
+CHECK_ATOL = 1e-5
+
+LATENCY_REPEAT = 30
+"""Timed inferences of the tuned model (median and p90 are reported)."""
+
+DEFAULT_BUILD_REPEAT = 5
+"""Timed inferences of TVM's untuned default build (it is slow; a few are enough)."""
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """An imported model, its tasks and how to get reference outputs."""
+
+    imported: ImportedModel
+    tasks: ModelTasks
+    reference: Callable[[dict[str, np.ndarray]], list[np.ndarray]]
+    reference_name: str  # "onnxruntime" or "torch"
+
+    @property
+    def name(self) -> str:
+        return self.imported.name
+
+
+def model_name(source: Any, taken: set[str]) -> str:
+    """A unique, file-name-safe name: the file's stem, or the module's class name."""
+    if isinstance(source, (str, Path)):
+        base = Path(source).stem
+    else:
+        base = type(source).__name__
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", base) or "model"
+    name, n = base, 2
+    while name in taken:
+        name, n = f"{base}_{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def load_model(
+    source: Any,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    name: str,
+    example_inputs: Sequence[Any] | None = None,
+) -> LoadedModel:
+    """Import one model (a path, ONNX bytes, a ModelProto or a torch module) and extract
+    its tasks."""
+    if isinstance(source, (str, Path)) and not Path(source).is_file():
+        raise ModelError(f"no such model file: {source}")
+    imported = import_model(source, input_shapes, name=name, example_inputs=example_inputs)
+    tasks = extract_tasks(imported, name=name)
+    if imported.onnx_bytes is not None:
+        return LoadedModel(imported, tasks, onnx_reference(imported.onnx_bytes), "onnxruntime")
+
+    module = source
+
+    def torch_reference(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        import torch
+
+        with torch.no_grad():
+            out = module(*[torch.from_numpy(feeds[t.name]) for t in imported.inputs])
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        return [o.detach().numpy() for o in outs]
+
+    return LoadedModel(imported, tasks, torch_reference, "torch")
+
+
+def onnx_reference(onnx_bytes: bytes) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    """Reference outputs of an ONNX graph from onnxruntime."""
+
+    def reference(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        from tunefarm.models.importer import run_onnxruntime
+
+        return [np.asarray(x) for x in run_onnxruntime(onnx_bytes, feeds)]
+
+    return reference
+
+
+def model_inputs(model: LoadedModel, seed: int = 0) -> dict[str, np.ndarray]:
+    specs = model.imported.inputs
+    return random_inputs({t.name: t.shape for t in specs}, {t.name: t.dtype for t in specs}, seed=seed)
+
+
+def batch_size_for(trials: int, n_tasks: int, largest: int = 32) -> int:
+    """Measurements per round: small budgets per task are the normal case in a model, so
+    rounds shrink until every task can get about three (at most `largest`, at least 4
+    unless the budget could not then give every task its warm-up round)."""
+    n_tasks = max(1, n_tasks)
+    floor = max(1, min(4, trials // n_tasks))
+    return int(max(floor, min(largest, trials // (3 * n_tasks))))
+
+
+# -- building and checking ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelOutcome:
+    """One model after tuning: where it was written and how it does."""
+
+    name: str
+    directory: Path | None  # None when the build or the check failed
+    latency: dict | None  # {"median": s, "p90": s}
+    check: dict  # {"reference": ..., "max_abs_error", "max_rel_error", "rtol", "atol", "ok"}
+    default_latency: dict | None
+    onnxruntime_latency: dict | None = None  # 2 intra-op threads, same input
+    error: str = ""
+
+
+def finish_model(
+    m: LoadedModel,
+    directory: Path,
+    target: dict[str, Any],
+    schedules: Mapping[str, Any],
+    *,
+    compare_default: bool = False,
+    log: Callable[[str], None] = lambda msg: None,
+) -> ModelOutcome:
+    """Build `m` with the best schedules (workload key -> trace; a task without one keeps
+    TVM's default build) into `directory`, run it, check its output against the
+    reference and time it. A mismatch is an error: the library is removed and the
+    outcome says why."""
+    mine = {t.key: schedules.get(t.key) for t in m.tasks.tasks}
+    missing = [t.name for t in m.tasks.tasks if mine[t.key] is None]
+    if missing:
+        log(f"{m.name}: {len(missing)} task(s) without a valid measurement keep TVM's default build")
+    log(f"{m.name}: building the tuned model")
+    built = build_model_library(
+        m.tasks.fused_mod,
+        directory,
+        target=target,
+        inputs=m.imported.inputs,
+        outputs=m.imported.outputs,
+        schedules=mine,
+        name=m.name,
+    )
+    feeds = model_inputs(m)
+    run = run_model(directory, feeds, repeat=LATENCY_REPEAT)
+    want = m.reference(feeds)
+    check = compare(run.outputs, want)
+    check["reference"] = m.reference_name
+    if not check["ok"]:
+        built.library.unlink(missing_ok=True)
+        msg = (
+            f"{m.name}: the tuned model's output differs from {m.reference_name}'s "
+            f"(max abs error {check['max_abs_error']:.3g}, max rel error {check['max_rel_error']:.3g}); "
+            "the library was not kept"
+        )
+        log(msg)
+        return ModelOutcome(m.name, None, None, check, None, None, msg)
+    latency = {"median": run.latency.median, "p90": run.latency.p90} if run.latency else None
+    default_latency = None
+    if compare_default:
+        log(f"{m.name}: building and timing TVM's default (untuned) build for comparison")
+        default_dir = directory / "untuned"
+        build_default_library(
+            m.tasks.fused_mod, default_dir, target=target, inputs=m.imported.inputs, outputs=m.imported.outputs,
+            name=f"{m.name} (untuned)",
+        )
+        d = run_model(default_dir, feeds, repeat=DEFAULT_BUILD_REPEAT, warmup=1)
+        default_latency = {"median": d.latency.median, "p90": d.latency.p90} if d.latency else None
+    ort_latency = None
+    if m.imported.onnx_bytes is not None:
+        ort = time_onnxruntime(m.imported.onnx_bytes, feeds, repeat=LATENCY_REPEAT)
+        ort_latency = {"median": ort.median, "p90": ort.p90}
+    return ModelOutcome(m.name, directory, latency, check, default_latency, ort_latency)
+
+
+def compare(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> dict:
+    """Max abs / rel error of the outputs against the reference, and whether every output
+    is within CHECK_ATOL + CHECK_RTOL * max|reference|."""
+    if len(got) != len(want):
+        return {"ok": False, "max_abs_error": math.inf, "max_rel_error": math.inf, "rtol": CHECK_RTOL,
+                "atol": CHECK_ATOL, "problem": f"{len(got)} outputs, the reference has {len(want)}"}
+    worst_abs = worst_rel = 0.0
+    ok = True
+    for g, w in zip(got, want):
+        g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if g64.shape != w64.shape:
+            return {"ok": False, "max_abs_error": math.inf, "max_rel_error": math.inf, "rtol": CHECK_RTOL,
+                    "atol": CHECK_ATOL, "problem": f"shape {g64.shape}, reference {w64.shape}"}
+        err = float(np.max(np.abs(g64 - w64))) if w64.size else 0.0
+        if not math.isfinite(err):
+            err = math.inf
+        scale = float(np.max(np.abs(w64))) if w64.size else 0.0
+        worst_abs = max(worst_abs, err)
+        worst_rel = max(worst_rel, err / scale if scale else (0.0 if err == 0 else math.inf))
+        ok = ok and err <= CHECK_ATOL + CHECK_RTOL * scale
+    return {"ok": ok, "max_abs_error": worst_abs, "max_rel_error": worst_rel, "rtol": CHECK_RTOL, "atol": CHECK_ATOL}
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """How one task's tuning went, as the report sees it."""
+
+    trials: int
+    best: MeasureRecord | None
+    verify_available: bool  # False: no reference; kernels were checked against each other
+    dead_reason: str | None  # why the task scheduler stopped giving it rounds
+    errors: Mapping[str, int] = field(default_factory=dict)  # error kind -> count
+
+
+@dataclass(frozen=True)
+class TuningSummary:
+    """The search's accounting for the report (a `SessionStats` and its scheduler, as data)."""
+
+    trials: int
+    resumed: int
+    stop_reason: str
+    tuning_secs: float  # the session's wall time
+    search_secs: float
+    train_secs: float
+    measure_secs: float
+    strategy: str
+    task_names: Sequence[str]  # in task-scheduler index order
+    decisions: Sequence[Mapping[str, Any]] = ()  # {"round", "task", "reason", "gradient"}
+    timeline: Sequence[Mapping[str, Any]] = ()
+
+
+def model_report(
+    models: Sequence[LoadedModel],
+    outcomes: Sequence[ModelOutcome],
+    tasks: Mapping[str, TaskOutcome],
+    summary: TuningSummary,
+    target: dict[str, Any],
+    trials_budget: int,
+    wall_secs: float,
+) -> dict:
+    """`report.json`: per model its check, latency and task rows; the run's accounting.
+    `tasks` maps a workload key to its outcome."""
+    new = summary.trials - summary.resumed
+    out_models = []
+    for m, o in zip(models, outcomes):
+        rows = []
+        for t in m.tasks.tasks:
+            tr = tasks[t.key]
+            best = tr.best
+            rows.append(
+                {
+                    "name": t.name,
+                    "key": t.key,
+                    "shapes": t.shape_summary,
+                    "weight": t.weight,
+                    "flops": t.flops,
+                    "const_inputs": list(t.const_inputs),
+                    "trials": tr.trials,
+                    "best_seconds": best.cost if best else None,
+                    "weighted_seconds": best.cost * t.weight if best else None,
+                    "gflops": t.flops / best.cost / 1e9 if best and best.cost > 0 else None,
+                    "verified": bool(best and best.verified),
+                    "reference": "yes" if tr.verify_available else "none (kernels checked against each other)",
+                    "schedule": "tuned" if best else "default build (no valid measurement)",
+                    "dead_reason": tr.dead_reason,
+                    "errors": dict(tr.errors),
+                }
+            )
+        estimate = sum(r["weighted_seconds"] for r in rows if r["weighted_seconds"] is not None)
+        complete = [p for p in summary.timeline if not p["unknown_tasks"] and m.name in p["estimated_seconds"]]
+        at_start = complete[0]["estimated_seconds"][m.name] if complete else None
+        out_models.append(
+            {
+                "name": m.name,
+                "directory": str(o.directory) if o.directory else None,
+                "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in m.imported.inputs],
+                "outputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in m.imported.outputs],
+                "latency": o.latency,
+                "untuned_latency": o.default_latency,
+                "onnxruntime_latency": o.onnxruntime_latency,
+                "estimated_seconds": estimate,
+                "estimated_seconds_at_start": at_start,
+                "check": o.check,
+                "error": o.error or None,
+                "warnings": list(m.imported.warnings),
+                "tasks": rows,
+                "elided": list(m.tasks.elided),
+            }
+        )
+    tuning = summary.tuning_secs
+    return {
+        "version": REPORT_VERSION,
+        "target": target,
+        "trials_budget": trials_budget,
+        "trials": summary.trials,
+        "resumed_trials": summary.resumed,
+        "stop_reason": summary.stop_reason,
+        "wall_seconds": round(wall_secs, 3),
+        "tuning_seconds": round(tuning, 3),
+        "search_seconds": round(summary.search_secs, 3),
+        "train_seconds": round(summary.train_secs, 3),
+        "measure_seconds": round(summary.measure_secs, 3),
+        "seconds_per_trial": round(tuning / max(1, new), 4),
+        "search_share": round(summary.search_secs / tuning, 4) if tuning else None,
+        "models": out_models,
+        "task_scheduler": {
+            "strategy": summary.strategy,
+            "rounds": [{**d, "task_name": summary.task_names[d["task"]]} for d in summary.decisions],
+        },
+        "timeline": list(summary.timeline),
+    }
+
+
+def plain(o: Any) -> Any:
+    """`o` as strict JSON data: non-finite floats become None, numpy scalars numbers."""
+    if isinstance(o, dict):
+        return {str(k): plain(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [plain(v) for v in o]
+    if isinstance(o, (np.floating, np.integer)):
+        o = o.item()
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, Path):
+        return str(o)
+    return o
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+def write_records(path: str | os.PathLike[str], records: Iterable[MeasureRecord]) -> Path:
+    """Write `records` as a records file (one JSON line each), replacing `path` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(r.to_json() + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+ARCHIVE_ROOT = "tuned"
+"""The top directory inside a tuned model archive (`tar xzf` makes `tuned/model.so`, ...)."""
+
+
+def archive_directory(directory: str | os.PathLike[str], archive: str | os.PathLike[str]) -> Path:
+    """Pack a tuned model directory into one gzip'd tar at `archive` (atomic replace):
+    every regular file under `directory`, sorted, as `tuned/<relative path>`."""
+    directory, archive = Path(directory), Path(archive)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=archive.name + ".", suffix=".tmp", dir=archive.parent)
+    try:
+        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w:gz") as tar:
+            for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+                tar.add(path, arcname=f"{ARCHIVE_ROOT}/{path.relative_to(directory).as_posix()}", recursive=False)
+        os.replace(tmp, archive)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return archive
+
+
+def extract_archive(data: bytes | str | os.PathLike[str], out: str | os.PathLike[str]) -> list[Path]:
+    """Unpack a tuned model archive into `out` (its `tuned/` prefix dropped). Only regular
+    files inside `out` are written (no links, no absolute or parent paths). Returns them."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    source = io.BytesIO(data) if isinstance(data, bytes) else open(data, "rb")  # noqa: SIM115
+    written = []
+    try:
+        with tarfile.open(fileobj=source, mode="r:gz") as tar:
+            for member in tar.getmembers():
+                rel = Path(member.name)
+                if rel.parts[:1] == (ARCHIVE_ROOT,):
+                    rel = Path(*rel.parts[1:]) if len(rel.parts) > 1 else Path()
+                if not member.isfile() or rel.is_absolute() or ".." in rel.parts or not rel.parts:
+                    raise ModelError(f"the archive holds an unexpected entry {member.name!r}")
+                dest = out / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                src = tar.extractfile(member)
+                assert src is not None
+                with open(dest, "wb") as f:
+                    f.write(src.read())
+                written.append(dest)
+    except tarfile.TarError as exc:
+        raise ModelError(f"not a tuned model archive: {exc}") from None
+    finally:
+        source.close()
+    return written

@@ -1,0 +1,291 @@
+"""Split an imported model into fused subgraphs and extract its tuning tasks.
+
+`fuse(mod)` runs the fusion pipeline; `extract_tasks(model)` lists the distinct fused
+PrimFuncs the model's "main" calls, each as an ordinary `Workload` with a weight (how
+many times the model calls it). `merge_tasks` shares identical tasks between models.
+
+The pipeline (`FUSION_PASSES`), in order:
+
+- FoldBatchnormToConv2D: folds an inference batch-norm into the preceding conv2d's
+  weights (PyTorch-imported graphs still carry batch-norm; ONNX exports usually fold it);
+- DecomposeOpsForInference: rewrites the batch-norms and layer-norms left into
+  elementwise arithmetic that fuses with its neighbours;
+- CanonicalizeBindings: removes the variable-to-variable bindings the decomposition
+  leaves; without it FuseOps does not fuse the ReLU after a decomposed batch-norm;
+- LegalizeOps: every Relax operator becomes a call_tir of a TIR PrimFunc (TOPI);
+- AnnotateTIROpPattern: tags each PrimFunc (elementwise, broadcast, injective,
+  reduction, out-fusable such as conv2d) so that FuseOps knows what may fuse;
+- FoldConstant: computes everything that depends only on weights (reshaped biases,
+  transposed dense weights) at compile time, so it is not a task;
+- FuseOps + FuseTIR: groups e.g. conv2d+add+relu and merges each group into one
+  PrimFunc; FuseTIR also deduplicates structurally equal fused functions;
+- DeadCodeElimination: drops the functions no longer called.
+
+A task's workload name is derived from the function's content so that identical
+subgraphs of different models get identical names and keys: FuseTIR's name with its
+per-module numbering removed ("fused_conv2d10_add7_relu4" -> "fused_conv2d_add_relu")
+followed by the shapes of the inputs, e.g.
+"fused_conv2d_add_relu(1x64x56x56,64x64x3x3,1x64x1x1)"; `Workload.key` adds the
+structural hash. Functions that only reshape (TVM's `has_reshape_pattern`) are not tasks:
+the build turns their calls into views (RewriteDataflowReshape), so no kernel runs.
+They are listed in `ModelTasks.elided`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tunefarm.errors import ModelError
+from tunefarm.workloads.base import Workload, workload_from_prim_func
+
+
+def fusion_passes() -> list:
+    """The passes `fuse` runs, in order (see the module docstring for why each)."""
+    from tvm import relax
+
+    t = relax.transform
+    return [
+        t.FoldBatchnormToConv2D(),
+        t.DecomposeOpsForInference(),
+        t.CanonicalizeBindings(),
+        t.LegalizeOps(),
+        t.AnnotateTIROpPattern(),
+        t.FoldConstant(),
+        t.FuseOps(),
+        t.FuseTIR(),
+        t.DeadCodeElimination(),
+    ]
+
+
+def fuse(mod):
+    """The fused module: a Relax "main" that calls one PrimFunc per fused subgraph."""
+    import tvm
+
+    try:
+        return tvm.transform.Sequential(fusion_passes())(mod)
+    except Exception as exc:
+        raise ModelError(f"fusing the model failed: {type(exc).__name__}: {_first_line(exc)}") from None
+
+
+@dataclass(frozen=True)
+class ModelTask:
+    """One distinct fused subgraph of a model, as an ordinary workload."""
+
+    workload: Workload
+    weight: int  # calls of this function per model run
+    const_inputs: tuple[int, ...]  # workload input indices bound to constants (weights) in every call
+    global_vars: tuple[str, ...]  # names of the fused module's PrimFuncs this task stands for
+
+    @property
+    def key(self) -> str:
+        return self.workload.key
+
+    @property
+    def name(self) -> str:
+        return self.workload.name
+
+    @property
+    def flops(self) -> float:
+        """FLOPs of one call."""
+        return self.workload.flops
+
+    @property
+    def shape_summary(self) -> str:
+        """e.g. "1x64x56x56, 64x64x3x3, 1x64x1x1 -> 1x64x56x56"."""
+        ins = ", ".join(_shape_text(t.shape) for t in self.workload.inputs)
+        outs = ", ".join(_shape_text(t.shape) for t in self.workload.outputs)
+        return f"{ins} -> {outs}"
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One line of a task table."""
+
+    name: str
+    key: str
+    shapes: str
+    weight: int
+    flops: float  # one call
+    total_flops: float  # weight x flops
+    share: float  # total_flops / the model's FLOPs (0 when the model has none)
+
+
+@dataclass(frozen=True)
+class ModelTasks:
+    """A fused model and its tuning tasks, in the order main first calls them."""
+
+    name: str
+    fused_mod: object  # tvm.IRModule: Relax "main" plus the fused PrimFuncs
+    tasks: tuple[ModelTask, ...]
+    elided: tuple[str, ...] = ()  # PrimFuncs the build turns into views (pure reshapes)
+
+    @property
+    def total_flops(self) -> float:
+        """FLOPs of one model run over all tasks (weights applied)."""
+        return sum(t.weight * t.flops for t in self.tasks)
+
+    def task(self, key: str) -> ModelTask:
+        for t in self.tasks:
+            if t.key == key:
+                return t
+        raise KeyError(key)
+
+    def table(self) -> list[TaskRow]:
+        total = self.total_flops
+        return [
+            TaskRow(
+                t.name,
+                t.key,
+                t.shape_summary,
+                t.weight,
+                t.flops,
+                t.weight * t.flops,
+                (t.weight * t.flops / total) if total else 0.0,
+            )
+            for t in self.tasks
+        ]
+
+
+@dataclass(frozen=True)
+class SharedTask:
+    """A task of several models (same workload key), with each model's weight."""
+
+    workload: Workload
+    weights: tuple[tuple[str, int], ...]  # (model name, weight), in the order the models were given
+    const_inputs: tuple[int, ...]  # constant in every call of every model
+
+    @property
+    def key(self) -> str:
+        return self.workload.key
+
+    @property
+    def weight(self) -> int:
+        return sum(w for _, w in self.weights)
+
+
+def extract_tasks(model: Any, *, name: str | None = None, fused: bool = False) -> ModelTasks:
+    """Fuse `model` (an `ImportedModel` or a Relax IRModule) and list its tasks.
+
+    With `fused=True` the IRModule is taken as already fused (the output of `fuse`).
+    """
+    import tvm
+
+    mod = getattr(model, "mod", model)
+    name = name or getattr(model, "name", None) or "model"
+    if not isinstance(mod, tvm.IRModule) or "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
+        raise ModelError(f"{name}: expected an IRModule with a Relax main function")
+    fused_mod = mod if fused else fuse(mod)
+    return ModelTasks(name, fused_mod, *_tasks_of(fused_mod, name))
+
+
+def merge_tasks(models: Sequence[ModelTasks]) -> tuple[SharedTask, ...]:
+    """The distinct tasks of several models, identical ones (same key) shared.
+
+    Order: first appearance, model by model. A model given twice counts twice.
+    """
+    merged: dict[str, tuple[Workload, list[tuple[str, int]], set[int]]] = {}
+    for m in models:
+        for t in m.tasks:
+            if t.key not in merged:
+                merged[t.key] = (t.workload, [], set(t.const_inputs))
+            wl, weights, consts = merged[t.key]
+            weights.append((m.name, t.weight))
+            consts &= set(t.const_inputs)
+    return tuple(SharedTask(wl, tuple(w), tuple(sorted(c))) for wl, w, c in merged.values())
+
+
+# -- internals ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    func: Any
+    gv_names: list[str]
+    weight: int
+    n_inputs: int
+    consts: set[int]
+
+
+def _call_tir_calls(main) -> list:
+    """main's call_tir calls, in program order."""
+    import tvm
+    from tvm import relax
+
+    op = tvm.ir.Op.get("relax.call_tir")
+    calls: list = []
+    relax.analysis.post_order_visit(
+        main, lambda e: calls.append(e) if isinstance(e, relax.Call) and e.op.same_as(op) else None
+    )
+    return calls
+
+
+def _tasks_of(fused_mod, model_name: str) -> tuple[tuple[ModelTask, ...], tuple[str, ...]]:
+    import tvm
+    import tvm_ffi
+    from tvm import relax
+
+    groups: dict[int, list[_Group]] = {}  # structural hash -> groups (equal within a list)
+    order: list[_Group] = []
+    elided: list[str] = []
+    for call in _call_tir_calls(fused_mod["main"]):
+        gv = call.args[0]
+        func = fused_mod[gv]
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        if bool(relax.analysis.has_reshape_pattern(func)):
+            if gv.name_hint not in elided:
+                elided.append(gv.name_hint)
+            continue
+        args = list(call.args[1].fields) if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+        consts = {i for i, a in enumerate(args) if isinstance(a, tvm.ir.GenericConst)}
+        bare = func.without_attr("global_symbol")
+        h = int(tvm_ffi.structural_hash(bare))
+        group = next((g for g in groups.get(h, []) if tvm_ffi.structural_equal(g.func, bare)), None)
+        if group is None:
+            group = _Group(bare, [], 0, len(args), consts)
+            groups.setdefault(h, []).append(group)
+            order.append(group)
+        group.weight += 1
+        group.consts &= consts
+        if gv.name_hint not in group.gv_names:
+            group.gv_names.append(gv.name_hint)
+    tasks = []
+    for g in order:
+        n_outputs = len(g.func.params) - g.n_inputs
+        if n_outputs <= 0:  # symbolic-shape arguments (tir_vars) or a malformed call
+            raise ModelError(
+                f"{model_name}: {g.gv_names[0]} is called with more arguments than it has outputs for"
+            )
+        shapes = [_shape_text(tuple(int(d) for d in p.shape)) for p in list(g.func.params)[: g.n_inputs]]
+        wl_name = f"{canonical_name(g.gv_names[0])}({','.join(shapes)})"
+        try:
+            wl = workload_from_prim_func(wl_name, g.func, n_outputs=n_outputs).with_constants(g.consts)
+        except Exception as exc:
+            raise ModelError(
+                f"{model_name}: {g.gv_names[0]} cannot be a workload: {_first_line(exc)}"
+            ) from None
+        tasks.append(ModelTask(wl, g.weight, tuple(sorted(g.consts)), tuple(g.gv_names)))
+    return tuple(tasks), tuple(elided)
+
+
+_NUMBERED = re.compile(r"(?<=[A-Za-z_])\d+$")
+
+
+def canonical_name(global_name: str) -> str:
+    """FuseTIR's function name without its per-module numbering:
+    "fused_conv2d10_add7_relu4" -> "fused_conv2d_add_relu", "reshape4" -> "reshape"."""
+    return "_".join(
+        _NUMBERED.sub("", part) if not part.isdigit() else part for part in global_name.split("_")
+    )
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "x".join(str(d) for d in shape) if len(shape) else "scalar"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[0][:300] if lines else type(exc).__name__

@@ -1,0 +1,56 @@
+"""The operator set of `tunefarm bench ops`: short ids, the registry op behind each id.
+
+Every registry op's defaults are the benchmark shapes, so an id names the op at its
+defaults; `params` overrides them (the smoke test uses small shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tunefarm.errors import UsageError
+from tunefarm.workloads import Workload
+from tunefarm.workloads.registry import make
+
+
+@dataclass(frozen=True)
+class BenchOp:
+    """One row of the benchmark: an id for `--ops` and the registry op it tunes."""
+
+    id: str  # short id used by --ops and in file names
+    registry: str  # registry op name (tunefarm/workloads/registry.py)
+    params: tuple[tuple[str, int], ...] = ()  # overrides of the registry defaults (none in the benchmark)
+    constants: tuple[str, ...] = ()  # inputs that are weights in a model (both tuners may rewrite their layout)
+
+    def workload(self) -> Workload:
+        return make(self.registry, dict(self.params)).with_constants(self.constants)
+
+    def with_params(self, **params: int) -> BenchOp:
+        return replace(self, params=tuple(sorted(params.items())))
+
+
+BENCH_OPS: tuple[BenchOp, ...] = (
+    BenchOp("gemm1024", "matmul", constants=("B",)),  # 1024 x 1024 x 1024, B a weight
+    BenchOp("gemm512_relu", "matmul_relu", constants=("B",)),  # 512^3, then ReLU
+    BenchOp("bmm", "batch_matmul"),  # 12 x 128x64 @ 64x128 (attention: no weight)
+    BenchOp("conv2d", "conv2d", constants=("weight",)),  # ResNet 1x64x56x56, 3x3, 64 filters, pad 1
+    BenchOp("conv1x1", "conv2d_1x1", constants=("weight",)),  # 1x256x14x14 -> 1024
+    BenchOp("depthwise", "depthwise_conv2d", constants=("weight",)),  # 1x32x112x112, 3x3, pad 1
+    BenchOp("softmax", "softmax"),  # 12 x 128 x 128, last axis
+    BenchOp("layer_norm", "layer_norm"),  # 128 x 768, last axis
+)
+"""The benchmark, in the order of the table."""
+
+
+def select_ops(spec: str | None) -> list[BenchOp]:
+    """The ops named by a comma-separated `--ops` value (all of them for None), in table order."""
+    if not spec:
+        return list(BENCH_OPS)
+    wanted = [s.strip() for s in spec.split(",") if s.strip()]
+    known = {op.id: op for op in BENCH_OPS}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise UsageError(f"--ops: unknown op id {unknown[0]!r}; known: {', '.join(known)}")
+    if not wanted:
+        raise UsageError("--ops: no op id given")
+    return [op for op in BENCH_OPS if op.id in wanted]

@@ -1,0 +1,224 @@
+"""The `tunefarm` command line.
+
+  tunefarm tasks MODEL.onnx [--input-shape x=1,3,224,224]
+  tunefarm tune MODEL.onnx [MORE.onnx] [--input-shape ...] --trials N --out DIR
+  tunefarm run DIR [--input x=x.npy] [--output out.npz]
+  tunefarm tune-op WORKLOAD [--shape M=..,N=..] [--trials N] [--records F] [--json F]
+  tunefarm apply-best RECORDS --out LIB [--workload NAME]
+  tunefarm sketches WORKLOAD [--shape ...]
+  tunefarm export-ms RECORDS --out DIR
+  tunefarm bench ops [--trials N]
+  tunefarm bench models [--trials N] [--models resnet18,bert_layer] [--json F]
+
+Bad input exits with status 2 and one line on stderr; nothing already stored is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tunefarm.errors import TunefarmError, UsageError
+from tunefarm_app import farm_commands, model_commands
+from tunefarm_app.bench import farm as bench_farm
+from tunefarm_app.bench import models as bench_models
+
+CONST_HELP = (
+    "an input that is a constant (a weight): the kernel may take it in a layout of its own, "
+    "transformed once outside the timed call; repeat or comma-separate"
+)
+
+
+def _with_constants(workload, const: list[str] | None):
+    names = [n.strip() for c in const or () for n in c.split(",") if n.strip()]
+    return workload.with_constants(names) if names else workload
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage + error)
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tunefarm", description="Ansor-style auto-scheduler for tensor programs.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    model_commands.add_commands(sub)
+    farm_commands.add_commands(sub)
+
+    t = sub.add_parser("tune-op", help="tune one operator on this CPU")
+    t.add_argument("workload", help="registry name (matmul, conv2d, ...), file.py:function or a TVMScript file.py")
+    t.add_argument("--shape", help="shape parameters, e.g. M=1024,N=1024,K=1024")
+    t.add_argument("--const", action="append", metavar="NAME", help=CONST_HELP)
+    t.add_argument("--trials", type=int, default=256, help="measurements in total (default 256)")
+    t.add_argument("--records", type=Path, help="JSON-lines records file (resumed if it exists)")
+    t.add_argument("--json", type=Path, help="write the report here")
+    t.add_argument("--target", help="TVM target as a JSON dict (default: this host)")
+    t.add_argument("--seed", type=int, default=1)
+    t.add_argument("--batch-size", type=int, default=32, help="measurements per round (default 32)")
+    t.add_argument("--early-stopping", type=int, help="stop after this many trials without improvement")
+    t.add_argument("--cost-model", type=Path, help="load the cost model from this file if it exists; save it there")
+    t.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
+    t.add_argument("--no-progress", action="store_true", help="no live progress line")
+
+    a = sub.add_parser("apply-best", help="rebuild the best kernel of a records file, no search")
+    a.add_argument("records", type=Path)
+    a.add_argument("--out", type=Path, required=True, help="shared library to write (function 'main')")
+    a.add_argument("--workload", help="which workload, when the file holds several")
+
+    s = sub.add_parser("sketches", help="print the sketches a workload gets")
+    s.add_argument("workload")
+    s.add_argument("--shape")
+    s.add_argument("--const", action="append", metavar="NAME", help=CONST_HELP)
+    s.add_argument("--target")
+
+    e = sub.add_parser("export-ms", help="write the records as a TVM MetaSchedule JSON database")
+    e.add_argument("records", type=Path)
+    e.add_argument("--out", type=Path, required=True, help="database directory")
+
+    b = sub.add_parser("bench", help="benchmarks against TVM MetaSchedule and vendor libraries")
+    bsub = b.add_subparsers(dest="suite", required=True, parser_class=_Parser)
+    bo = bsub.add_parser("ops", help="tune the operator set and compare with the peers")
+    bo.add_argument("--trials", type=int, default=256)
+    bo.add_argument("--ops", help="comma-separated subset of the benchmark's op ids")
+    bo.add_argument("--no-metaschedule", action="store_true")
+    bo.add_argument("--json", type=Path, help="write the table as JSON here")
+    bo.add_argument("--work-dir", type=Path, help="keep records and peer outputs here")
+    bo.add_argument("--seed", type=int, default=1)
+    bench_models.add_command(bsub)
+    bench_farm.add_command(bsub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return _dispatch(args)
+    except TunefarmError as exc:
+        print(f"tunefarm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "\ntunefarm: interrupted; every measurement made so far is in the records file: "
+            "the same command resumes",
+            file=sys.stderr,
+        )
+        return 130
+    except BrokenPipeError:  # output piped into `head` or a pager that quit: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command in model_commands.COMMANDS:
+        return model_commands.COMMANDS[args.command](args)
+    if args.command in farm_commands.COMMANDS:
+        return farm_commands.COMMANDS[args.command](args)
+    if args.command == "tune-op":
+        return _tune_op(args)
+    if args.command == "apply-best":
+        return _apply_best(args)
+    if args.command == "sketches":
+        return _sketches(args)
+    if args.command == "export-ms":
+        return _export_ms(args)
+    if args.command == "bench" and args.suite == "models":
+        return bench_models.run_models_bench(args)
+    if args.command == "bench" and args.suite == "farm":
+        return bench_farm.run_farm_bench(args)
+    if args.command == "bench":
+        from tunefarm_app.bench.ops import run_ops_bench
+
+        return run_ops_bench(args)
+    raise UsageError(f"unknown command {args.command}")
+
+
+def _tune_op(args: argparse.Namespace) -> int:
+    from services.scheduler.config import TuneConfig
+    from tunefarm.target import parse_target
+    from tunefarm.workloads import load_workload
+    from tunefarm_app.embedded import default_records_path, tune_workload
+    from tunefarm_app.progress import ProgressView
+    from tunefarm_app.report import report_dict, summary_lines
+
+    if args.trials < 1:
+        raise UsageError("--trials must be at least 1")
+    if args.batch_size < 1:
+        raise UsageError("--batch-size must be at least 1")
+    target = parse_target(args.target)
+    workload = _with_constants(load_workload(args.workload, args.shape), args.const)
+    records = args.records or default_records_path(workload)
+    if records.exists() and records.is_dir():
+        raise UsageError(f"--records {records} is a directory")
+    config = TuneConfig(trials=args.trials, batch_size=args.batch_size, seed=args.seed, early_stopping=args.early_stopping)
+    callbacks = [] if args.no_progress else [ProgressView()]
+    result = tune_workload(
+        workload,
+        target,
+        config,
+        records=records,
+        work_dir=args.work_dir,
+        cost_model_path=args.cost_model,
+        callbacks=callbacks,
+    )
+    for line in summary_lines(result):
+        print(line)
+    print(f"records    {records}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report_dict(result), indent=1))
+        print(f"report     {args.json}")
+    return 0 if result.single.best is not None else 1
+
+
+def _apply_best(args: argparse.Namespace) -> int:
+    from tunefarm_app.apply import build_best, find_best, layout_notes
+
+    best = find_best(args.records, args.workload)
+    out = build_best(best, args.out)
+    rec = best.record
+    print(f"rebuilt the best kernel of {best.workload_name} ({rec.cost * 1e3:.4f} ms when measured) -> {out}")
+    print("call it as main(inputs..., outputs...) after tvm.runtime.load_module")
+    for line in layout_notes(out):
+        print(line)
+    return 0
+
+
+def _sketches(args: argparse.Namespace) -> int:
+    from services.scheduler.dag import fusible_consumer, is_strictly_inlineable, needs_multi_level_tiling
+    from services.scheduler.task import make_task
+    from tunefarm.target import parse_target
+    from tunefarm.workloads import load_workload
+
+    workload = _with_constants(load_workload(args.workload, args.shape), args.const)
+    task = make_task(workload, parse_target(args.target))
+    print(f"{workload.name}: {len(task.dag.blocks)} blocks, {len(task.sketches)} sketches")
+    for b in task.dag.blocks:
+        iters = " ".join(f"{it.name}:{it.extent}{it.kind}" for it in b.iters)
+        fc = fusible_consumer(task.dag, b)
+        flags = [
+            "reduction" if b.is_reduction else "spatial",
+            "data-reuse" if needs_multi_level_tiling(b) else "",
+            "inlineable" if is_strictly_inlineable(task.dag, b) else "",
+            f"fusible-consumer={fc.name}" if fc else "",
+        ]
+        print(f"  block {b.name}  [{iters}]  {' '.join(f for f in flags if f)}")
+    for i, sk in enumerate(task.sketches):
+        print(f"sketch {i} ({sk.signature})")
+        for line in sk.describe():
+            print(f"    {line}")
+    return 0
+
+
+def _export_ms(args: argparse.Namespace) -> int:
+    from tunefarm_app.interop import export_metaschedule
+
+    n, out = export_metaschedule(args.records, args.out)
+    print(f"wrote {n} tuning records to the MetaSchedule database in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The farm's HTTP API from the command line's side: `ClientSettings` (where the farm is,
+which token) and `FarmClient` (one method per endpoint, errors as one line).
+
+Every failure is a `FarmError` (a `UsageError`: the CLI prints one line and exits 2):
+the API's own JSON error message with its status, or why the farm could not be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tunefarm.errors import UsageError
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+
+FOLLOW_INTERVAL_SECS = 2.0
+"""Seconds between two polls of `--follow` (and `tunefarm status --follow`)."""
+
+
+class FarmError(UsageError):
+    """The farm answered with an error, or could not be reached."""
+
+
+class ClientSettings(BaseSettings):
+    """Where the farm's API is and the team token to use: flags win, then TUNEFARM_SERVER
+    and TUNEFARM_TOKEN. The only reader of those variables."""
+
+    model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
+
+    # Base URL of the API (http://host:port); a bare host:port gets http://.
+    server: str = DEFAULT_SERVER
+    # A team token (tft_...); a secret: no default.
+    token: str
+    # Seconds one HTTP request may take (uploads of large models take longer to import).
+    http_timeout_secs: float = 600.0
+
+    @classmethod
+    def load(cls, *, server: str | None = None, token: str | None = None) -> ClientSettings:
+        given = {k: v for k, v in {"server": server, "token": token}.items() if v}
+        try:
+            settings = cls(**given)
+        except ValidationError:
+            settings = None
+        if settings is None or not settings.token.strip():
+            raise UsageError("no team token: pass --token or set TUNEFARM_TOKEN")
+        if "://" not in settings.server:
+            settings.server = f"http://{settings.server}"
+        return settings
+
+
+class FarmClient:
+    def __init__(self, settings: ClientSettings, *, transport: Any = None):
+        import httpx
+
+        self.base = settings.server.rstrip("/")
+        self.http = httpx.Client(
+            base_url=self.base,
+            headers={"Authorization": f"Bearer {settings.token}"},
+            timeout=settings.http_timeout_secs,
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> FarmClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- endpoints ------------------------------------------------------------------------------
+
+    def upload_model(self, path: Path, input_shapes: Mapping[str, Sequence[int]], name: str | None = None) -> dict:
+        if not path.is_file():
+            raise UsageError(f"no such model file: {path}")
+        data = {"input_shapes": json.dumps({k: list(v) for k, v in input_shapes.items()})}
+        if name:
+            data["name"] = name
+        with open(path, "rb") as f:
+            return self._call("POST", "/v1/models", files={"file": (path.name, f, "application/octet-stream")}, data=data)
+
+    def create_job(self, **body: Any) -> dict:
+        return self._call("POST", "/v1/jobs", json={k: v for k, v in body.items() if v is not None})
+
+    def job(self, job_id: int) -> dict:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def jobs(self, *, limit: int | None = None, cursor: int | None = None) -> dict:
+        params = {k: v for k, v in {"limit": limit, "cursor": cursor}.items() if v is not None}
+        return self._call("GET", "/v1/jobs", params=params)
+
+    def cancel(self, job_id: int) -> dict:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def devices(self) -> list[dict]:
+        return self._call("GET", "/v1/devices")
+
+    def device_classes(self) -> list[dict]:
+        return self._call("GET", "/v1/device-classes")
+
+    def artifact(self, job_id: int) -> bytes:
+        return self._call("GET", f"/v1/jobs/{job_id}/artifact", raw=True)
+
+    def records(self, job_id: int) -> Iterator[str]:
+        """The job's records file, line by line."""
+        import httpx
+
+        try:
+            with self.http.stream("GET", f"/v1/jobs/{job_id}/records") as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise self._error(response)
+                yield from response.iter_lines()
+        except httpx.HTTPError as exc:
+            raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
+
+    def follow(
+        self, job_id: int, on_change: Callable[[dict], None], *, interval: float = FOLLOW_INTERVAL_SECS
+    ) -> dict:
+        """Poll the job until it ends; `on_change` sees every new state of it."""
+        last = None
+        while True:
+            job = self.job(job_id)
+            view = (job["state"], job["trials_used"], job["est_latency_secs"])
+            if view != last:
+                on_change(job)
+                last = view
+            if job["state"] in TERMINAL_STATES:
+                return job
+            time.sleep(interval)
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, *, raw: bool = False, **kwargs: Any) -> Any:
+        import httpx
+
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
+        if response.status_code >= 400:
+            raise self._error(response)
+        return response.content if raw else response.json()
+
+    @staticmethod
+    def _error(response) -> FarmError:
+        try:
+            message = response.json()["error"]["message"]
+        except Exception:
+            message = response.text.strip()[:300] or response.reason_phrase
+        return FarmError(f"{message} (HTTP {response.status_code})")

@@ -1,0 +1,460 @@
+"""The farm's commands of the command line.
+
+A team, against a farm's API (`--server`/`--token`, or TUNEFARM_SERVER/TUNEFARM_TOKEN):
+
+  tunefarm submit MODEL.onnx [--input-shape x=1,3,224,224] --device-class C --trials N
+                  [--latency-target MS] [--strategy gradient|round-robin] [--seed S] [--follow]
+  tunefarm status ID [--follow] [--json]
+  tunefarm fetch ID --out DIR [--records]
+  tunefarm cancel ID
+  tunefarm jobs [--limit N]
+  tunefarm devices
+
+An operator, on the farm's machines:
+
+  tunefarm farm up --state-dir D [--workers 2] [--database-url URL] [--redis-url URL]
+  tunefarm farm down --state-dir D
+  tunefarm farm team NAME                 a team and a new team token
+  tunefarm farm agent-token               a new agent token
+  tunefarm farm device-class NAME [--target JSON]
+  tunefarm db upgrade                     run the database migrations
+  tunefarm api | scheduler | worker | agent | lease-service [ARGS...]   one process each
+
+Errors are one line on stderr and exit status 2 (`tunefarm_app.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from tunefarm.errors import UsageError
+
+SERVICE_COMMANDS = {
+    "api": ("services.api.app", "the farm's HTTP API (uvicorn)"),
+    "scheduler": ("services.scheduler.service", "the scheduler service: every job's search"),
+    "worker": ("services.worker.jobs", "an RQ build worker for the farm's device classes"),
+    "agent": ("services.measurer.agent", "a device agent: measure kernels for a farm"),
+    "lease-service": ("services.measurer.lease_service", "the gRPC service agents dial into"),
+}
+"""`tunefarm <name> ARGS...` runs `main(ARGS)` of the module (each parses its own flags)."""
+
+
+def add_commands(sub) -> None:
+    s = sub.add_parser("submit", help="upload a model to a farm and start tuning it on a device class")
+    s.add_argument("model", type=Path, help="an ONNX file")
+    s.add_argument("--input-shape", action="append", default=[], metavar="NAME=d0,d1,...",
+                   help="the shape of an input with dynamic dimensions (once per such input)")
+    s.add_argument("--device-class", required=True, help="where to tune (tunefarm devices lists the classes)")
+    s.add_argument("--trials", type=int, required=True, help="measurements in total over all the model's tasks")
+    s.add_argument("--latency-target", type=float, metavar="MS", help="stop once the estimated latency is at most MS")
+    s.add_argument("--strategy", choices=["gradient", "round-robin"], default="gradient", help="task scheduler")
+    s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--name", help="the model's name (default: the file name)")
+    s.add_argument("--follow", action="store_true", help="show progress until the job ends")
+    _client_args(s)
+
+    st = sub.add_parser("status", help="a job's state, trials, per-task best and estimated latency")
+    st.add_argument("job", type=int)
+    st.add_argument("--follow", action="store_true", help="poll until the job ends")
+    st.add_argument("--json", action="store_true", help="print the API's JSON")
+    _client_args(st)
+
+    f = sub.add_parser("fetch", help="download a finished job's tuned model (model.so, manifest, records, report)")
+    f.add_argument("job", type=int)
+    f.add_argument("--out", type=Path, required=True, help="directory to unpack into")
+    _client_args(f)
+
+    c = sub.add_parser("cancel", help="cancel a job")
+    c.add_argument("job", type=int)
+    _client_args(c)
+
+    j = sub.add_parser("jobs", help="your team's jobs, newest first")
+    j.add_argument("--limit", type=int, default=20)
+    _client_args(j)
+
+    d = sub.add_parser("devices", help="the farm's agents and device classes")
+    _client_args(d)
+
+    # Each process parses its own flags: these subcommands hand every argument over.
+    parser_class, sub._parser_class = sub._parser_class, _PassThrough
+    try:
+        for name, (_, help_text) in SERVICE_COMMANDS.items():
+            sub.add_parser(name, help=help_text, add_help=False)
+    finally:
+        sub._parser_class = parser_class
+
+    db = sub.add_parser("db", help="the farm database")
+    dbsub = db.add_subparsers(dest="db_command", required=True)
+    up = dbsub.add_parser("upgrade", help="run the migrations to the newest schema")
+    up.add_argument("--database-url", help="default: TUNEFARM_DATABASE_URL")
+    up.add_argument("--create", action="store_true", help="create the database first if it does not exist")
+
+    farm = sub.add_parser("farm", help="run a whole farm on this machine; operator actions")
+    fsub = farm.add_subparsers(dest="farm_command", required=True)
+    fu = fsub.add_parser("up", help="start api, lease service, scheduler, workers and a CPU agent here")
+    fu.add_argument("--state-dir", type=Path, required=True, help="farm.json, logs and artifacts go here")
+    fu.add_argument("--workers", type=int, default=2, help="build workers (default 2)")
+    fu.add_argument("--api-bind", default="127.0.0.1:0", help="HOST:PORT of the API (port 0: a free one)")
+    fu.add_argument("--lease-bind", default="127.0.0.1:0", help="HOST:PORT of the lease service")
+    fu.add_argument("--database-url", help="default: TUNEFARM_DATABASE_URL or the local PostgreSQL")
+    fu.add_argument("--redis-url", help="default: TUNEFARM_REDIS_URL or the local Redis")
+    fu.add_argument("--queue-prefix", default="tunefarm", help="prefix of the farm's Redis queues")
+    fu.add_argument("--team", default="local", help="the team whose token farm.json holds")
+    fu.add_argument("--device-class", help="name of this CPU's class (default: arch-cpu-cores)")
+    fd = fsub.add_parser("down", help="stop a farm started with farm up")
+    fd.add_argument("--state-dir", type=Path, required=True)
+    ft = fsub.add_parser("team", help="create a team (if needed) and print a new token for it")
+    ft.add_argument("name")
+    ft.add_argument("--value", help="store this token (a deployment's secret) instead of making one")
+    ft.add_argument("--database-url")
+    fa = fsub.add_parser("agent-token", help="print a new agent token")
+    fa.add_argument("--value", help="store this token (a deployment's secret) instead of making one")
+    fa.add_argument("--database-url")
+    fc = fsub.add_parser("device-class", help="create a device class")
+    fc.add_argument("name")
+    fc.add_argument("--target", help="TVM target as a JSON dict (default: this machine)")
+    fc.add_argument("--description", default="")
+    fc.add_argument("--database-url")
+
+
+class _PassThrough(argparse.ArgumentParser):
+    """A subcommand whose arguments, flags included, all go to the process's own `main`."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace = namespace if namespace is not None else argparse.Namespace()
+        namespace.args = list(args or [])
+        return namespace, []
+
+
+def _client_args(p) -> None:
+    p.add_argument("--server", help="the farm's API, http://HOST:PORT (default: TUNEFARM_SERVER)")
+    p.add_argument("--token", help="your team token (default: TUNEFARM_TOKEN)")
+
+
+def _client(args: argparse.Namespace):
+    from tunefarm_app.farm_client import ClientSettings, FarmClient
+
+    return FarmClient(ClientSettings.load(server=args.server, token=args.token))
+
+
+# -- a team's commands ------------------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from tunefarm_app.model_commands import parse_input_shapes
+
+    if args.trials < 1:
+        raise UsageError("--trials must be at least 1")
+    target = None
+    if args.latency_target is not None:
+        if not math.isfinite(args.latency_target) or args.latency_target <= 0:
+            raise UsageError("--latency-target must be a positive number of milliseconds")
+        target = args.latency_target / 1e3
+    shapes = parse_input_shapes(args.input_shape)
+    with _client(args) as client:
+        model = client.upload_model(args.model, shapes, args.name)
+        print(f"model      {model['id']}: {model['name']}, {len(model['tasks'])} tasks")
+        for t in model["tasks"]:
+            print(f"  task     {t['position']}: {t['name']} x{t['weight']} ({t['flops'] / 1e6:.2f} MFLOP, {t['share']:.0%})")
+        for w in model["warnings"]:
+            print(f"warning    {w}")
+        job = client.create_job(
+            model_id=model["id"],
+            device_class=args.device_class,
+            trial_budget=args.trials,
+            latency_target_secs=target,
+            strategy=args.strategy,
+            seed=args.seed,
+        )
+        print(f"job        {job['id']}: {job['state']} on {job['device_class']}, {job['trial_budget']} trials")
+        if not args.follow:
+            print(f"follow it  tunefarm status {job['id']} --follow")
+            return 0
+        final = client.follow(job["id"], _print_progress)
+    return _print_end(final)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.follow:
+            final = client.follow(args.job, _print_progress)
+            return _print_end(final)
+        job = client.job(args.job)
+    if args.json:
+        print(json.dumps(job, indent=1))
+        return 0
+    _print_job(job)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from tunefarm.models.finish import extract_archive
+
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out} exists and is not a directory")
+    with _client(args) as client:
+        data = client.artifact(args.job)
+    files = extract_archive(data, args.out)
+    print(f"fetched    job {args.job}: {len(files)} files in {args.out} ({len(data)} bytes)")
+    for f in files:
+        print(f"  {f.relative_to(args.out)}")
+    print(f"run it     tunefarm run {args.out}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.cancel(args.job)
+    pending = " (the scheduler stops it shortly)" if job["state"] not in ("cancelled",) else ""
+    print(f"job        {job['id']}: {job['state']}{pending}")
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from tunefarm_app.progress import format_cost
+
+    with _client(args) as client:
+        page = client.jobs(limit=args.limit)
+    if not page["items"]:
+        print("no jobs yet")
+    for j in page["items"]:
+        est = format_cost(j["est_latency_secs"]) if j["est_latency_secs"] else "-"
+        print(f"{j['id']:>6}  {j['state']:<10} {j['trials_used']:>6}/{j['trial_budget']:<6} {j['device_class']:<24} est {est}")
+    if page["next_cursor"]:
+        print(f"(more: older than job {page['next_cursor']})")
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        classes = client.device_classes()
+        agents = client.devices()
+    for c in classes:
+        print(f"class      {c['name']}: {c['agents_online']} agent(s) online, target {json.dumps(c['target'])}")
+    for a in agents:
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(a["errors_by_kind"].items())) or "no errors"
+        seen = a["last_heartbeat_at"] or "never"
+        print(f"agent      {a['name']} ({a['device_class']}): {a['state']}, {a['measurements_done']} measured, "
+              f"{errors}; last heartbeat {seen}")
+    if not classes and not agents:
+        print("no device classes or agents yet")
+    return 0
+
+
+def _print_progress(job: dict) -> None:
+    from tunefarm_app.progress import format_cost
+
+    est = format_cost(job["est_latency_secs"]) if job["est_latency_secs"] else "-"
+    print(f"{job['state']:<10} trials {job['trials_used']}/{job['trial_budget']}  est latency {est}", flush=True)
+
+
+def _print_end(job: dict) -> int:
+    _print_job(job)
+    return 0 if job["state"] == "succeeded" else 1
+
+
+def _print_job(job: dict) -> None:
+    from tunefarm_app.progress import format_cost
+
+    def cost(v):
+        return format_cost(v) if v else "-"
+
+    print(f"job        {job['id']}: {job['state']}" + (" (cancel requested)" if job["cancel_requested"] and job["state"] not in ("cancelled",) else ""))
+    print(f"model      {job['model_id']}: {job['model_name']} on {job['device_class']}")
+    print(f"trials     {job['trials_used']} of {job['trial_budget']}")
+    print(f"latency    {cost(job['est_latency_secs'])} estimated now, {cost(job['est_latency_start_secs'])} at the start")
+    for t in job["tasks"]:
+        dead = f"  ({t['dead_reason']})" if t["dead_reason"] else ""
+        print(f"  task     {t['position']}: {t['name']} x{t['weight']}: {t['trials']} trials, best {cost(t['best_secs'])}{dead}")
+    cm = job["cost_model"]
+    if cm["trained_on_at_first_batch"] is not None:
+        ranked = "at random" if not cm["trained_on_at_first_batch"] else f"by the class's model ({cm['trained_on_at_first_batch']} programs)"
+        print(f"first batch ranked {ranked}")
+    if job["error"]:
+        print(f"error      {job['error']}")
+    if job["result"]:
+        lat = job["result"].get("latency")
+        if lat:
+            print(f"tuned      {cost(lat['median'])} median, {cost(lat['p90'])} p90")
+        check = job["result"].get("check") or {}
+        if check.get("ok"):
+            print(f"check      matches {check['reference']} (max abs error {check['max_abs_error']:.2g})")
+    if job["artifact"]["available"]:
+        print(f"fetch it   tunefarm fetch {job['id']} --out DIR")
+
+
+# -- processes and operators --------------------------------------------------------------------
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    import importlib
+
+    from services.db.exceptions import DatabaseError
+
+    module = importlib.import_module(SERVICE_COMMANDS[args.command][0])
+    try:
+        return int(module.main(list(args.args)) or 0)
+    except DatabaseError as exc:  # e.g. the schema is not migrated: one line, not a traceback
+        raise UsageError(f"{args.command}: {exc}") from None
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from services.db.exceptions import DatabaseError
+    from services.db.migrate import create_database, current_revision, database_exists, upgrade
+
+    url = _database_url(args.database_url)
+    try:
+        if args.create and not database_exists(url):
+            create_database(url)
+        upgrade(url)
+        print(f"database   at revision {current_revision(url)}")
+    except (DatabaseError, SQLAlchemyError) as exc:
+        raise UsageError(f"db upgrade: {_first_line(exc)}") from None
+    return 0
+
+
+def _first_line(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    lines = [ln.strip() for ln in str(orig).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def cmd_farm(args: argparse.Namespace) -> int:
+    return FARM_COMMANDS[args.farm_command](args)
+
+
+def _farm_up(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from services.db.exceptions import DatabaseError
+    from tunefarm_app.farm_local import FarmConfig, up
+
+    if args.workers < 1:
+        raise UsageError("--workers must be at least 1")
+    config = FarmConfig(
+        state_dir=args.state_dir,
+        database_url=_database_url(args.database_url),
+        redis_url=_redis_url(args.redis_url),
+        queue_prefix=args.queue_prefix,
+        api_bind=args.api_bind,
+        lease_bind=args.lease_bind,
+        workers=args.workers,
+        team=args.team,
+        device_class=args.device_class,
+    )
+    try:
+        farm = up(config)
+    except (DatabaseError, SQLAlchemyError) as exc:
+        raise UsageError(f"farm up: the database at {config.database_url}: {_first_line(exc)}") from None
+    info = farm.info
+    print(f"api        {info['api_url']}")
+    print(f"grpc       {info['grpc_address']}")
+    print(f"class      {info['device_class']}")
+    for p in farm.processes.values():
+        print(f"process    {p.name}: pid {p.pid}, log {p.log}")
+    print(f"state      {args.state_dir / 'farm.json'} (holds the team and agent tokens)")
+    return 0
+
+
+def _farm_down(args: argparse.Namespace) -> int:
+    from tunefarm_app.farm_local import down
+
+    stopped = down(args.state_dir)
+    print(f"stopped    {', '.join(stopped) if stopped else 'nothing (no process was running)'}")
+    return 0
+
+
+def _farm_team(args: argparse.Namespace) -> int:
+    from services.api import admin
+    from services.db.models import TokenKind
+
+    def work(s):
+        team = admin.ensure_team(s, name=args.name)
+        if args.value:
+            admin.register_token(s, kind=TokenKind.TEAM, plain=args.value, team_id=team.id, label="tunefarm farm team")
+            return f"team       {team.name}: token stored"
+        return admin.issue_team_token(s, team_id=team.id, label="tunefarm farm team")
+
+    print(_with_db(args.database_url, work))
+    return 0
+
+
+def _farm_agent_token(args: argparse.Namespace) -> int:
+    from services.api import admin
+    from services.db.models import TokenKind
+
+    def work(s):
+        if args.value:
+            admin.register_token(s, kind=TokenKind.AGENT, plain=args.value, label="tunefarm farm agent-token")
+            return "agent token stored"
+        return admin.issue_agent_token(s, label="tunefarm farm agent-token")
+
+    print(_with_db(args.database_url, work))
+    return 0
+
+
+def _farm_device_class(args: argparse.Namespace) -> int:
+    from services.api import admin
+    from tunefarm.target import parse_target
+
+    target = parse_target(args.target)
+    dc = _with_db(
+        args.database_url,
+        lambda s: admin.ensure_device_class(s, name=args.name, target=target, description=args.description),
+    )
+    print(f"class      {dc.name}: target {json.dumps(dc.target)}")
+    return 0
+
+
+def _with_db(url: str | None, work):
+    from services.db.exceptions import DatabaseError
+    from services.db.session import make_session_factory, transaction
+
+    sessions = make_session_factory(_database_url(url))
+    try:
+        with transaction(sessions) as s:
+            return work(s)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except DatabaseError as exc:
+        raise UsageError(f"the database: {_first_line(exc)}") from None
+    finally:
+        sessions.kw["bind"].dispose()
+
+
+def _database_url(given: str | None) -> str:
+    from services.db.settings import DatabaseSettings
+
+    return given or DatabaseSettings().database_url
+
+
+def _redis_url(given: str | None) -> str:
+    from services.worker.settings import WorkerSettings
+
+    return given or WorkerSettings().redis_url
+
+
+FARM_COMMANDS = {
+    "up": _farm_up,
+    "down": _farm_down,
+    "team": _farm_team,
+    "agent-token": _farm_agent_token,
+    "device-class": _farm_device_class,
+}
+
+COMMANDS = {
+    "submit": cmd_submit,
+    "status": cmd_status,
+    "fetch": cmd_fetch,
+    "cancel": cmd_cancel,
+    "jobs": cmd_jobs,
+    "devices": cmd_devices,
+    "db": cmd_db,
+    "farm": cmd_farm,
+    **{name: cmd_service for name in SERVICE_COMMANDS},
+}

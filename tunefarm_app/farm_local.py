@@ -1,0 +1,434 @@
+"""The whole farm on one machine: `tunefarm farm up --state-dir D` and `farm down`.
+
+`up` runs the migrations (creating the database if needed), makes sure a device class
+for this CPU, a team and tokens exist, and starts the farm's processes in the
+background, each in its own process group with its log in `D/logs/<name>.log`:
+
+    api            tunefarm api             HTTP API (uvicorn)
+    lease-service  tunefarm lease-service   gRPC service the agents dial into
+    scheduler      tunefarm scheduler       the searches of every job
+    worker-1, -2   tunefarm worker          RQ build workers for the class
+    agent          tunefarm agent           measures on this CPU
+
+They share the artifact root `D/artifacts`, the database and Redis (with the queue
+prefix given). `up` waits until the API answers, the lease service listens and the
+agent has registered, then writes `D/farm.json`: the API URL, the gRPC address, a
+team token and an agent token, and the processes (pid, log, command). The tokens are
+in that file only (mode 0600). `down` stops the processes (SIGTERM to each group,
+SIGKILL after a grace period) and marks them stopped in farm.json.
+
+`deploy/docker-compose.yml` runs the same processes with the same settings in containers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tunefarm.errors import UsageError
+
+FARM_FILE = "farm.json"
+LOGS_DIR = "logs"
+ARTIFACTS_DIR = "artifacts"
+
+START_TIMEOUT_SECS = 180.0
+"""How long `farm up` waits for every process to be healthy."""
+
+STOP_GRACE_SECS = 20.0
+"""How long `farm down` waits after SIGTERM before SIGKILL."""
+
+DEFAULT_TEAM = "local"
+
+
+@dataclass
+class FarmConfig:
+    """What `farm up` starts, and with which settings (every value reaches the processes
+    through the TUNEFARM_* variables their settings classes read)."""
+
+    state_dir: Path
+    database_url: str
+    redis_url: str
+    queue_prefix: str = "tunefarm"
+    api_bind: str = "127.0.0.1:0"  # port 0: a free one
+    lease_bind: str = "127.0.0.1:0"
+    workers: int = 2
+    team: str = DEFAULT_TEAM
+    device_class: str | None = None  # default: detected for this CPU
+    extra_env: dict[str, str] = field(default_factory=dict)  # more settings for every process
+
+    @property
+    def artifact_root(self) -> Path:
+        return self.state_dir / ARTIFACTS_DIR
+
+
+@dataclass
+class Process:
+    name: str
+    command: list[str]
+    pid: int
+    log: str
+
+
+class LocalFarm:
+    """The processes of a farm on this machine (also used by tests to stop and restart one)."""
+
+    def __init__(self, config: FarmConfig, *, log: Callable[[str], None] = lambda msg: None):
+        self.config = config
+        self.log = log
+        self.processes: dict[str, Process] = {}
+        self._popen: dict[str, subprocess.Popen] = {}
+        self.env: dict[str, str] = {}
+        self.info: dict[str, Any] = {}
+
+    # -- setting up ---------------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        """Database (created and migrated), device class, team, tokens, ports, environment."""
+        from services.api import admin
+        from services.db.migrate import create_database, database_exists, upgrade
+        from services.db.session import make_session_factory, transaction
+        from tunefarm.target import host_target_dict
+
+        c = self.config
+        c.state_dir.mkdir(parents=True, exist_ok=True)
+        (c.state_dir / LOGS_DIR).mkdir(exist_ok=True)
+        c.artifact_root.mkdir(exist_ok=True)
+        if not database_exists(c.database_url):
+            create_database(c.database_url)
+        upgrade(c.database_url)
+        _check_redis(c.redis_url)
+        target = host_target_dict()
+        class_name = c.device_class or detected_class_name(target)
+        sessions = make_session_factory(c.database_url)
+        try:
+            with transaction(sessions) as s:
+                admin.ensure_device_class(s, name=class_name, target=target, description="this machine's CPU (farm up)")
+                team = admin.ensure_team(s, name=c.team)
+                team_token = admin.issue_team_token(s, team_id=team.id, label="farm up")
+                agent_token = admin.issue_agent_token(s, label="farm up")
+        finally:
+            sessions.kw["bind"].dispose()
+        api_bind = _with_free_port(c.api_bind)
+        lease_bind = _with_free_port(c.lease_bind)
+        self.env = {
+            "TUNEFARM_DATABASE_URL": c.database_url,
+            "TUNEFARM_REDIS_URL": c.redis_url,
+            "TUNEFARM_QUEUE_PREFIX": c.queue_prefix,
+            "TUNEFARM_ARTIFACT_ROOT": str(c.artifact_root.resolve()),
+            "TUNEFARM_API_BIND": api_bind,
+            "TUNEFARM_LEASE_BIND": lease_bind,
+            "TUNEFARM_AGENT_SERVER": _connect_address(lease_bind),
+            "TUNEFARM_AGENT_TOKEN": agent_token,
+            "TUNEFARM_AGENT_DEVICE_CLASS": class_name,
+            "TUNEFARM_AGENT_NAME": f"{socket.gethostname()}-{c.state_dir.resolve().name}-agent",
+            "TUNEFARM_AGENT_WORK_DIR": str((c.state_dir / "agent").resolve()),
+            "TUNEFARM_BUILD_PROCESSES": str(max(1, (os.cpu_count() or 2) // 2)),
+            **c.extra_env,
+        }
+        self.info = {
+            "api_url": f"http://{_connect_address(api_bind)}",
+            "grpc_address": _connect_address(lease_bind),
+            "team": c.team,
+            "team_token": team_token,
+            "agent_token": agent_token,
+            "device_class": class_name,
+            "target": target,
+            "database_url": c.database_url,
+            "redis_url": c.redis_url,
+            "queue_prefix": c.queue_prefix,
+            "artifact_root": str(c.artifact_root.resolve()),
+        }
+        return self.info
+
+    def commands(self) -> dict[str, list[str]]:
+        """Every process's command line (`python -m tunefarm_app.cli ...`)."""
+        cli = [sys.executable, "-m", "tunefarm_app.cli"]
+        klass = self.info["device_class"]
+        out = {
+            "api": [*cli, "api"],
+            "lease-service": [*cli, "lease-service"],
+            "scheduler": [*cli, "scheduler"],
+        }
+        for i in range(1, self.config.workers + 1):
+            out[f"worker-{i}"] = [*cli, "worker", "--device-class", klass, "--name", f"{self._stem()}-worker-{i}"]
+        out["agent"] = [*cli, "agent"]
+        return out
+
+    def _stem(self) -> str:
+        return f"{socket.gethostname()}-{os.getpid()}"
+
+    # -- processes ----------------------------------------------------------------------------
+
+    def start(self, name: str) -> Process:
+        command = self.commands()[name]
+        log_path = self.config.state_dir / LOGS_DIR / f"{name}.log"
+        env = {**os.environ, **self.env}
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.config.state_dir,
+                start_new_session=True,  # its own process group: `down` stops its children too
+            )
+        process = Process(name, command, proc.pid, str(log_path))
+        self.processes[name] = process
+        self._popen[name] = proc
+        if (self.config.state_dir / FARM_FILE).exists():  # a restart: keep farm.json's pids right
+            self.write_state()
+        return process
+
+    def start_all(self) -> None:
+        for name in self.commands():
+            self.start(name)
+
+    def alive(self, name: str) -> bool:
+        proc = self._popen.get(name)
+        if proc is not None:
+            return proc.poll() is None
+        return _pid_alive(self.processes[name].pid)
+
+    def stop(self, name: str, *, sig: int = signal.SIGTERM, grace: float = STOP_GRACE_SECS) -> None:
+        """Stop one process (its whole group); SIGKILL after `grace` seconds."""
+        process = self.processes[name]
+        _signal_group(process.pid, sig)
+        deadline = time.monotonic() + grace
+        while self.alive(name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.alive(name):
+            _signal_group(process.pid, signal.SIGKILL)
+            while self.alive(name):
+                time.sleep(0.05)
+        proc = self._popen.pop(name, None)
+        if proc is not None:
+            proc.wait()
+
+    def stop_all(self, *, grace: float = STOP_GRACE_SECS) -> None:
+        for name in self.processes:  # SIGTERM to all first: they stop in parallel
+            _signal_group(self.processes[name].pid, signal.SIGTERM)
+        for name in list(self.processes):
+            self.stop(name, grace=grace)
+
+    # -- health -------------------------------------------------------------------------------
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_SECS) -> None:
+        """Until the API answers, the lease service listens and the agent registered;
+        `UsageError` with the dead process's log tail if one exits first."""
+        deadline = time.monotonic() + timeout
+        pending = {"api", "lease-service", "agent"}
+        while pending:
+            for name in self.processes:
+                if not self.alive(name):
+                    raise UsageError(f"{name} exited during start-up:\n{log_tail(Path(self.processes[name].log))}")
+            if "api" in pending and _http_ok(self.info["api_url"] + "/healthz"):
+                pending.discard("api")
+            if "lease-service" in pending and _port_open(self.info["grpc_address"]):
+                pending.discard("lease-service")
+            if "agent" in pending and self._agent_registered():
+                pending.discard("agent")
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise UsageError(f"the farm did not come up within {timeout:.0f} s (waiting for {', '.join(sorted(pending))})")
+            time.sleep(0.5)
+
+    def _agent_registered(self) -> bool:
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.pool import NullPool
+
+        engine = create_engine(self.config.database_url, poolclass=NullPool)
+        try:
+            with engine.connect() as conn:
+                n = conn.execute(
+                    text("SELECT count(*) FROM agents WHERE name = :n AND state IN ('idle', 'busy')"),
+                    {"n": self.env["TUNEFARM_AGENT_NAME"]},
+                ).scalar()
+                return bool(n)
+        except Exception:
+            return False
+        finally:
+            engine.dispose()
+
+    # -- farm.json ----------------------------------------------------------------------------
+
+    def write_state(self) -> Path:
+        path = self.config.state_dir / FARM_FILE
+        data = {
+            **self.info,
+            "processes": {
+                p.name: {"pid": p.pid, "log": p.log, "command": p.command, "running": True}
+                for p in self.processes.values()
+            },
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds tokens
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+        return path
+
+
+def up(config: FarmConfig, *, log: Callable[[str], None] = print) -> LocalFarm:
+    """Start a farm (see the module docstring) and write farm.json; returns it running."""
+    existing = config.state_dir / FARM_FILE
+    if existing.exists():
+        procs = read_state(config.state_dir).get("processes", {})
+        running = [n for n, p in procs.items() if p.get("running") and _is_ours(p["pid"])]
+        if running:
+            raise UsageError(f"a farm is already running from {config.state_dir} ({', '.join(running)}); run farm down first")
+    farm = LocalFarm(config, log=log)
+    info = farm.prepare()
+    log(f"starting the farm in {config.state_dir} (device class {info['device_class']})")
+    farm.start_all()
+    try:
+        farm.wait_healthy()
+    except BaseException:
+        farm.stop_all(grace=5.0)
+        raise
+    farm.write_state()
+    return farm
+
+
+def down(state_dir: Path, *, grace: float = STOP_GRACE_SECS) -> list[str]:
+    """Stop the processes `farm up` started from `state_dir`; returns the names stopped."""
+    data = read_state(state_dir)
+    stopped = []
+    procs = data.get("processes", {})
+    for p in procs.values():
+        if p.get("running") and not _is_ours(p["pid"]):
+            p["running"] = False  # exited long ago; the pid may be another program's now
+    for p in procs.values():
+        if p.get("running"):
+            _signal_group(p["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for name, p in procs.items():
+        if not p.get("running"):
+            continue
+        while _pid_alive(p["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _pid_alive(p["pid"]):
+            _signal_group(p["pid"], signal.SIGKILL)
+        p["running"] = False
+        stopped.append(name)
+    path = state_dir / FARM_FILE
+    fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(path.with_name(path.name + ".tmp"), path)
+    return stopped
+
+
+def read_state(state_dir: Path) -> dict[str, Any]:
+    path = Path(state_dir) / FARM_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"no farm in {state_dir} (no {FARM_FILE}); start one with tunefarm farm up") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path} is not valid JSON ({exc.msg})") from None
+
+
+def detected_class_name(target: dict[str, Any]) -> str:
+    """This machine's class name, as an agent names it when given none
+    (`services.measurer.capabilities.default_device_class`): arch-cpu-cores."""
+    return f"{platform.machine()}-{target.get('mcpu', 'generic')}-{target.get('num-cores', 1)}c"
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _check_redis(url: str) -> None:
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=5).ping()
+    except Exception as exc:
+        raise UsageError(f"cannot reach Redis at {url}: {exc}") from None
+
+
+def _with_free_port(bind: str) -> str:
+    host, _, port = bind.rpartition(":")
+    if port not in ("", "0"):
+        return bind
+    with socket.socket() as s:
+        s.bind((host or "127.0.0.1", 0))
+        return f"{host or '127.0.0.1'}:{s.getsockname()[1]}"
+
+
+def _connect_address(bind: str) -> str:
+    host, _, port = bind.rpartition(":")
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+def _http_ok(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except Exception:
+        return False
+
+
+def _port_open(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not reaped) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _is_ours(pid: int) -> bool:
+    """Whether `pid` still runs a tunefarm command (not a later process with that pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"tunefarm" in f.read()
+    except OSError:
+        return False
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal the process group led by `pid` (every process `farm up` started leads one)."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,228 @@
+"""Whole-model commands of the command line: `tasks`, `tune`, `run`.
+
+  tunefarm tasks MODEL.onnx [--input-shape x=1,3,224,224]...
+  tunefarm tune MODEL.onnx [MODEL2.onnx ...] [--input-shape ...] --trials N --out DIR
+  tunefarm run DIR [--input x=x.npy]... [--output out.npz]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+
+from tunefarm.errors import ModelError, UsageError
+
+
+def add_commands(sub) -> None:
+    t = sub.add_parser("tasks", help="the task table of a model: subgraphs, shapes, weights, FLOPs")
+    t.add_argument("models", nargs="+", type=Path, help="ONNX files")
+    _input_shape_arg(t)
+
+    u = sub.add_parser("tune", help="tune whole models and write the tuned, compiled models")
+    u.add_argument("models", nargs="+", type=Path, help="ONNX files; several share their identical tasks")
+    _input_shape_arg(u)
+    u.add_argument("--trials", type=int, default=2000, help="measurements in total over all tasks (default 2000)")
+    u.add_argument("--out", type=Path, required=True, help="directory for model.so, manifest, records and report")
+    u.add_argument("--target", help="TVM target as a JSON dict (default: this host)")
+    u.add_argument("--seed", type=int, default=1)
+    u.add_argument("--strategy", choices=["gradient", "round-robin"], default="gradient", help="task scheduler")
+    u.add_argument(
+        "--latency-target",
+        action="append",
+        default=[],
+        metavar="[MODEL=]MS",
+        help="stop giving a model's tasks time once its estimated latency is at most MS milliseconds",
+    )
+    u.add_argument("--compare-default", action="store_true", help="also time TVM's untuned default build")
+    u.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
+    u.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live view")
+
+    r = sub.add_parser("run", help="run a tuned model and print its latency")
+    r.add_argument("directory", type=Path, help="a directory written by `tunefarm tune`")
+    r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input (default: random)")
+    r.add_argument("--output", type=Path, help="write the outputs to this .npz")
+    r.add_argument("--repeat", type=int, default=50, help="timed inferences (default 50)")
+
+
+def _input_shape_arg(p) -> None:
+    p.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="NAME=d0,d1,...",
+        help="the shape of an input with dynamic dimensions (once per such input)",
+    )
+
+
+def parse_input_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
+    out: dict[str, tuple[int, ...]] = {}
+    for item in items:
+        name, sep, dims = item.partition("=")
+        if not sep or not name.strip() or not dims.strip():
+            raise UsageError(f"--input-shape: expected NAME=d0,d1,..., got {item!r}")
+        try:
+            shape = tuple(int(d) for d in dims.split(","))
+        except ValueError:
+            raise UsageError(f"--input-shape {name}: dimensions must be integers, got {dims!r}") from None
+        if any(d < 1 for d in shape):
+            raise UsageError(f"--input-shape {name}: dimensions must be positive, got {dims!r}")
+        out[name.strip()] = shape
+    return out
+
+
+def parse_latency_targets(items: list[str], models: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        if not sep:
+            if len(models) != 1:
+                raise UsageError("--latency-target: name the model (MODEL=MS) when tuning several")
+            name = models[0]
+        try:
+            ms = float(value)
+        except ValueError:
+            raise UsageError(f"--latency-target: {value!r} is not a number of milliseconds") from None
+        if not math.isfinite(ms) or ms <= 0:
+            raise UsageError(f"--latency-target: must be a positive number of milliseconds, got {value!r}")
+        out[name] = ms / 1e3
+    return out
+
+
+def _check_files(paths: list[Path]) -> None:
+    for p in paths:
+        if not p.is_file():
+            raise ModelError(f"no such model file: {p}")
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from tunefarm_app.model_tuning import load_model, model_name
+
+    _check_files(args.models)
+    shapes = parse_input_shapes(args.input_shape)
+    taken: set[str] = set()
+    console = Console(highlight=False)
+    for path in args.models:
+        m = load_model(path, shapes, name=model_name(path, taken))
+        rows = m.tasks.table()
+        table = Table(title=f"{m.name}: {len(rows)} tasks, {m.tasks.total_flops / 1e9:.3f} GFLOP per run")
+        for col in ("#", "task", "shapes", "weight", "MFLOP", "share"):
+            table.add_column(col, justify="left" if col in ("task", "shapes") else "right")
+        for i, r in enumerate(rows):
+            table.add_row(str(i), r.name.split("(")[0], r.shapes, str(r.weight), f"{r.flops / 1e6:.2f}", f"{r.share:.1%}")
+        console.print(table)
+        if m.tasks.elided:
+            console.print(f"not tasks (the build makes them views): {', '.join(m.tasks.elided)}", markup=False)
+        for w in m.imported.warnings:
+            console.print(f"warning: {w}", markup=False)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from tunefarm.target import parse_target
+    from tunefarm_app.model_tuning import model_name, tune_models
+    from tunefarm_app.progress import ProgressView, format_cost
+
+    if args.trials < 1:
+        raise UsageError("--trials must be at least 1")
+    _check_files(args.models)
+    shapes = parse_input_shapes(args.input_shape)
+    taken: set[str] = set()
+    names = [model_name(p, taken) for p in args.models]
+    targets = parse_latency_targets(args.latency_target, names)
+    callbacks = [] if args.no_progress else [ProgressView()]
+    result = tune_models(
+        args.models,
+        input_shapes=shapes,
+        trials=args.trials,
+        out=args.out,
+        target=parse_target(args.target),
+        seed=args.seed,
+        strategy=args.strategy,
+        latency_targets=targets,
+        compare_default=args.compare_default,
+        callbacks=callbacks,
+        work_dir=args.work_dir,
+    )
+    report = result.report
+    failed = False
+    for m in report["models"]:
+        tuned = sum(1 for t in m["tasks"] if t["schedule"] == "tuned")
+        print(f"model      {m['name']}: {tuned} of {len(m['tasks'])} tasks tuned")
+        if m["error"]:
+            failed = True
+            print(f"error      {m['error']}")
+            continue
+        lat = m["latency"]
+        line = f"latency    {format_cost(lat['median'])} median, {format_cost(lat['p90'])} p90"
+        print(line)
+        if m["untuned_latency"]:
+            u = m["untuned_latency"]["median"]
+            print(f"vs untuned {u / lat['median']:.2f}x the speed of TVM's untuned build ({format_cost(u)})")
+        if m["onnxruntime_latency"]:
+            o = m["onnxruntime_latency"]["median"]
+            print(f"vs ORT     {o / lat['median']:.2f}x the speed of onnxruntime, 2 threads ({format_cost(o)})")
+        check = m["check"]
+        print(
+            f"check      matches {check['reference']} (max abs error {check['max_abs_error']:.2g}, "
+            f"tolerance {check['atol']:g} + {check['rtol']:g} x max|ref|)"
+        )
+        print(f"written    {m['directory']}/model.so and manifest.json")
+    share = report["search_share"] or 0.0
+    print(
+        f"trials     {report['trials']} ({report['trials'] - report['resumed_trials']} this run, "
+        f"{report['resumed_trials']} resumed); {report['tuning_seconds']:.0f} s tuning, search {share:.0%}"
+    )
+    print(f"report     {args.out / 'report.json'}")
+    return 1 if failed else 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tunefarm.models.build import load_manifest, run_model
+    from tunefarm.models.importer import random_inputs
+    from tunefarm_app.progress import format_cost
+
+    if args.repeat < 1:
+        raise UsageError("--repeat must be at least 1")
+    manifest = load_manifest(args.directory)
+    specs = manifest["inputs"]
+    given: dict[str, np.ndarray] = {}
+    for item in args.input:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise UsageError(f"--input: expected NAME=FILE.npy, got {item!r}")
+        spec = next((s for s in specs if s["name"] == name), None)
+        if spec is None:
+            raise UsageError(f"--input {name}: the model has no such input ({', '.join(s['name'] for s in specs)})")
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--input {name}: cannot read {path} as a .npy file ({exc})") from None
+        if tuple(arr.shape) != tuple(spec["shape"]):
+            raise UsageError(f"--input {name}: shape {list(arr.shape)}, the model takes {spec['shape']}")
+        given[name] = arr.astype(spec["dtype"], copy=False)
+    missing = [s for s in specs if s["name"] not in given]
+    if missing:
+        given.update(
+            random_inputs({s["name"]: s["shape"] for s in missing}, {s["name"]: s["dtype"] for s in missing}, seed=0)
+        )
+    run = run_model(args.directory, given, repeat=args.repeat)
+    lat = run.latency
+    print(f"latency    {format_cost(lat.median)} median, {format_cost(lat.p90)} p90 ({len(lat.samples)} runs)")
+    for s, out in zip(manifest["outputs"], run.outputs):
+        print(f"output     {s['name']}: {out.dtype}{list(out.shape)}")
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(args.output, **{s["name"]: o for s, o in zip(manifest["outputs"], run.outputs)})
+        print(f"written    {args.output}")
+    if missing:
+        print("inputs     " + ", ".join(s["name"] for s in missing) + " random (seed 0)")
+    return 0
+
+
+COMMANDS = {"tasks": cmd_tasks, "tune": cmd_tune, "run": cmd_run}
