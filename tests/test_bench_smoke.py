@@ -33,10 +33,13 @@ def test_bench_small_gemm_end_to_end(tmp_path):
     assert row.ours is not None and row.ours.trials == 8
     assert row.ms is not None and row.ms.trials == 8
     assert (tmp_path / "ours" / "gemm128.so").exists() and (tmp_path / "ms" / "gemm128.so").exists()
+    # the FMA peak is measured in the same run, and no kernel is faster than it
+    assert row.peak_gflops is not None and row.peak_gflops > 0
+    assert 0 < row.peak_share(row.ours_secs) < 1.2
 
     summary = summarize([row])
     text = render([row], summary, trials=plan.trials, header=[])
-    assert "gemm128" in text and "geomean ours/MS" in text
+    assert "gemm128" in text and "geomean ours/MS" in text and "%peak" in text
     write_json(tmp_path / "bench.json", plan, [row], summary)
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["ops"][0]["op"] == "gemm128" and data["summary"]["geomean_vs_ms"] > 0

@@ -130,13 +130,29 @@ def fresh_work_dir(root: Path = DEFAULT_WORK_ROOT) -> Path:
 
 
 def run_bench(plan: BenchPlan, log: Log = _stderr) -> list[OpRow]:
-    """One row per op of the plan, in order."""
+    """One row per op of the plan, in order, each with the FMA peak measured in this run
+    (before and after the ops; the higher counts, since noise only slows a loop down)."""
     rows = []
+    peaks = [_fma_peak(plan, log)]
     with KernelTimer(plan.cores) as timer:
         for i, op in enumerate(plan.ops, 1):
             prefix = f"[{i}/{len(plan.ops)} {op.id}]"
             rows.append(bench_op(op, plan, timer, lambda msg, p=prefix: log(f"{p} {msg}")))
-    return rows
+    peaks.append(_fma_peak(plan, log))
+    peak = max((p for p in peaks if p), default=None)
+    return [replace(r, peak_gflops=peak) for r in rows]
+
+
+def _fma_peak(plan: BenchPlan, log: Log) -> float | None:
+    from tunefarm_app.bench.fma_peak import measure_fma_peak
+
+    try:
+        peak = measure_fma_peak(plan.target, plan.work_dir / "fma")
+    except Exception as exc:  # the column is n/a; the bench goes on
+        log(f"FMA peak: n/a ({_first_line(exc)})")
+        return None
+    log(f"FMA peak: {peak.gflops:.0f} GFLOPS on {peak.cores} cores ({peak.library})")
+    return peak.gflops
 
 
 def write_json(path: Path, plan: BenchPlan, rows: list[OpRow], summary: Summary) -> None:

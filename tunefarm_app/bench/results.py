@@ -34,6 +34,19 @@ SEARCH_SHARE_TARGET = 0.25
 PER_TRIAL_RATIO_TARGET = 1.0
 """Our tuning wall seconds per trial over MetaSchedule's must be at most this."""
 
+GEOMEAN_VS_VENDOR_TARGET = 1.0
+"""Geomean over ops of ours / the best vendor library (numpy or PyTorch) must be at least this."""
+
+MIN_VS_VENDOR_TARGET = 0.7
+"""No op's ours / best vendor may be below this."""
+
+CONV_OP_IDS = ("conv2d", "conv1x1")
+CONV_VS_ONEDNN_TARGET = 0.8
+"""The convolutions against oneDNN (PyTorch's CPU convolution) must reach at least this."""
+
+GEMM_PEAK_SHARE_TARGET = 0.55
+"""GEMM 1024 must reach this share of the measured FMA peak."""
+
 
 @dataclass(frozen=True)
 class OursRun:
@@ -83,6 +96,7 @@ class OpRow:
     torch_secs: float | None
     heldout: HeldOutAccuracy | None
     notes: tuple[str, ...] = ()
+    peak_gflops: float | None = None  # the FMA peak measured in the same run (`fma_peak`)
 
     def throughput(self, secs: float | None) -> float | None:
         return self.work / secs / 1e9 if secs and math.isfinite(secs) else None
@@ -95,10 +109,23 @@ class OpRow:
     def ms_secs(self) -> float | None:
         return self.ms.secs if self.ms else None
 
+    @property
+    def vendor_secs(self) -> float | None:
+        """The faster vendor library's seconds per call (numpy or PyTorch)."""
+        secs = [s for s in (self.numpy_secs, self.torch_secs) if s and math.isfinite(s)]
+        return min(secs) if secs else None
+
     def ratio(self, peer_secs: float | None) -> float | None:
         """ours/peer in throughput: the peer's seconds over ours."""
         ours = self.ours_secs
         return peer_secs / ours if ours and peer_secs else None
+
+    def peak_share(self, secs: float | None) -> float | None:
+        """GFLOPS at `secs` per call over the measured FMA peak (None for memory-bound ops)."""
+        gflops = self.throughput(secs)
+        if self.unit != "GFLOPS" or gflops is None or not self.peak_gflops:
+            return None
+        return gflops / self.peak_gflops
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -113,7 +140,9 @@ class OpRow:
             "metaschedule": self.ratio(self.ms_secs),
             "numpy": self.ratio(self.numpy_secs),
             "torch": self.ratio(self.torch_secs),
+            "best_vendor": self.ratio(self.vendor_secs),
         }
+        d["peak_share"] = {"ours": self.peak_share(self.ours_secs), "metaschedule": self.peak_share(self.ms_secs)}
         d["ours_secs_per_trial"] = self.ours.secs_per_trial if self.ours else None
         d["ours_search_share"] = self.ours.search_share if self.ours else None
         d["ms_secs_per_trial"] = self.ms.secs_per_trial if self.ms else None
@@ -140,6 +169,12 @@ class Summary:
     ms_setup_secs: float | None  # MetaSchedule's one-off start-ups, summed (not in its per-trial time)
     mean_heldout_pairwise: float | None
     mean_heldout_recall: float | None
+    geomean_vs_vendor: float | None = None
+    min_vs_vendor: float | None = None
+    min_vs_vendor_op: str | None = None
+    conv_vs_onednn: float | None = None  # the lower of the convolutions' ours/torch
+    gemm_peak_share: float | None = None
+    peak_gflops: float | None = None
     targets: tuple[TargetCheck, ...] = field(default=())
 
     def as_dict(self) -> dict[str, Any]:
@@ -155,6 +190,10 @@ def summarize(rows: list[OpRow]) -> Summary:
     ours_pt, ms_pt = _per_trial(rows)
     ratio_pt = ours_pt / ms_pt if ours_pt and ms_pt else None
     min_op = min(vs_ms, key=lambda k: vs_ms[k]) if vs_ms else None
+    vs_vendor = {r.op: v for r in rows if (v := r.ratio(r.vendor_secs)) is not None}
+    min_vendor_op = min(vs_vendor, key=lambda k: vs_vendor[k]) if vs_vendor else None
+    conv = [v for r in rows if r.op in CONV_OP_IDS and (v := r.ratio(r.torch_secs)) is not None]
+    gemm_row = next((r for r in rows if r.op == GEMM_OP_ID), None)
     s = Summary(
         geomean_vs_ms=_geomean(list(vs_ms.values())),
         min_vs_ms=vs_ms[min_op] if min_op else None,
@@ -167,6 +206,12 @@ def summarize(rows: list[OpRow]) -> Summary:
         ms_setup_secs=sum(r.ms.setup_secs for r in rows if r.ms) if any(r.ms for r in rows) else None,
         mean_heldout_pairwise=_mean([r.heldout.pairwise for r in rows if r.heldout]),
         mean_heldout_recall=_mean([r.heldout.recall for r in rows if r.heldout]),
+        geomean_vs_vendor=_geomean(list(vs_vendor.values())),
+        min_vs_vendor=vs_vendor[min_vendor_op] if min_vendor_op else None,
+        min_vs_vendor_op=min_vendor_op,
+        conv_vs_onednn=min(conv) if conv else None,
+        gemm_peak_share=gemm_row.peak_share(gemm_row.ours_secs) if gemm_row else None,
+        peak_gflops=next((r.peak_gflops for r in rows if r.peak_gflops), None),
     )
     return Summary(**{**s.__dict__, "targets": _targets(s)})
 
@@ -190,6 +235,24 @@ def _targets(s: Summary) -> tuple[TargetCheck, ...]:
             lambda v: v <= SEARCH_SHARE_TARGET,
         ),
         _check("our wall time per trial <= MS's", s.per_trial_ratio, lambda v: v <= PER_TRIAL_RATIO_TARGET),
+        _check(
+            f"geomean ours/best vendor >= {GEOMEAN_VS_VENDOR_TARGET:.1f}x",
+            s.geomean_vs_vendor,
+            lambda v: v >= GEOMEAN_VS_VENDOR_TARGET,
+        ),
+        _check(
+            f"no op below {MIN_VS_VENDOR_TARGET:.1f}x best vendor", s.min_vs_vendor, lambda v: v >= MIN_VS_VENDOR_TARGET
+        ),
+        _check(
+            f"conv 3x3 and 1x1 >= {CONV_VS_ONEDNN_TARGET:.1f}x oneDNN",
+            s.conv_vs_onednn,
+            lambda v: v >= CONV_VS_ONEDNN_TARGET,
+        ),
+        _check(
+            f"GEMM 1024 >= {GEMM_PEAK_SHARE_TARGET:.0%} of FMA peak",
+            s.gemm_peak_share,
+            lambda v: v >= GEMM_PEAK_SHARE_TARGET,
+        ),
     )
 
 

@@ -33,6 +33,9 @@ COLUMNS: tuple[tuple[str, Callable[[OpRow], str]], ...] = (
     ("ours/MS", lambda r: _ratio(r.ratio(r.ms_secs))),
     ("ours/np", lambda r: _ratio(r.ratio(r.numpy_secs))),
     ("ours/torch", lambda r: _ratio(r.ratio(r.torch_secs))),
+    ("ours/vendor", lambda r: _ratio(r.ratio(r.vendor_secs))),
+    ("%peak", lambda r: _pct(r.peak_share(r.ours_secs))),
+    ("MS %peak", lambda r: _pct(r.peak_share(r.ms_secs))),
     ("s/trial", lambda r: _num(r.ours.secs_per_trial if r.ours else None, ".2f")),
     ("MS s/trial", lambda r: _num(r.ms.secs_per_trial if r.ms else None, ".2f")),
     ("search", lambda r: _pct(r.ours.search_share if r.ours else None)),
@@ -72,6 +75,10 @@ def render_summary(summary: Summary, trials: int) -> list[str]:
         f"  wall s/trial ours / MS   {_num(s.ours_secs_per_trial, '.2f')} / {_num(s.ms_secs_per_trial, '.2f')}"
         f" = {_ratio(s.per_trial_ratio)}"
         f" (MS start-up not counted: {_num(s.ms_setup_secs, '.0f')} s in all)",
+        f"  geomean ours/best vendor {_ratio(s.geomean_vs_vendor)}",
+        f"  min ours/best vendor     {_ratio(s.min_vs_vendor)}{f' ({s.min_vs_vendor_op})' if s.min_vs_vendor_op else ''}",
+        f"  conv ours/oneDNN (min)   {_ratio(s.conv_vs_onednn)}",
+        f"  GEMM 1024 share of peak  {_pct(s.gemm_peak_share)} (FMA peak measured: {_num(s.peak_gflops, '.0f')} GFLOPS)",
         f"  held-out pairwise acc.   {_num(s.mean_heldout_pairwise, '.3f')} (mean over ops;"
         f" recall@8 {_num(s.mean_heldout_recall, '.2f')})",
         f"targets (set for {TARGET_TRIALS} trials; this run: {trials}):",
@@ -85,7 +92,7 @@ def render_summary(summary: Summary, trials: int) -> list[str]:
 def _target_value(name: str, value: float | None) -> str:
     if value is None:
         return NA
-    return _pct(value) if "search" in name else _ratio(value)
+    return _pct(value) if "search" in name or "peak" in name else _ratio(value)
 
 
 def render(rows: list[OpRow], summary: Summary, *, trials: int, header: list[str]) -> str:
