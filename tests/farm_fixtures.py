@@ -65,3 +65,21 @@ def db_sessions(database_url: str):
         yield factory
     finally:
         factory.kw["bind"].dispose()
+
+
+def placeholder_model(team_id: int, input_shapes: dict | None = None):
+    """A `models` row whose files do not exist: for tests that need a job, not a model."""
+    from services.db.models import Model
+
+    return Model(
+        team_id=team_id,
+        name="m",
+        input_shapes=input_shapes or {},
+        onnx_path="m.onnx",
+        onnx_sha256="0" * 64,
+        onnx_size=1,
+        fused_path="m.json",
+        fused_sha256="0" * 64,
+        fused_size=1,
+        task_table=[],
+    )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import pytest
+from farm_fixtures import placeholder_model
 from sqlalchemy import create_engine, func, select, text
 
 from services.db import codec, queries
@@ -35,7 +36,6 @@ from services.db.models import (
     Lease,
     LeaseState,
     Measurement,
-    Model,
     Team,
     Token,
     TokenKind,
@@ -99,18 +99,7 @@ def make_farm(factory, *, batches: int = 1, candidates: int = 2, agents: int = 2
         wl = Workload(key=f"w#{uid}", name="w", module_json="{}", flops=1e6, n_inputs=2, n_outputs=1)
         s.add_all([team, dc, wl])
         s.flush()
-        model = Model(
-            team_id=team.id,
-            name="m",
-            input_shapes={"x": [1, 3]},
-            onnx_path="m.onnx",
-            onnx_sha256="0" * 64,
-            onnx_size=1,
-            fused_path="m.json",
-            fused_sha256="0" * 64,
-            fused_size=1,
-            task_table=[],
-        )
+        model = placeholder_model(team.id, {"x": [1, 3]})
         s.add(model)
         s.flush()
         job = Job(team_id=team.id, model_id=model.id, device_class_id=dc.id, trial_budget=100)

@@ -29,6 +29,7 @@ tvm = pytest.importorskip("tvm")
 redis_mod = pytest.importorskip("redis")
 rq = pytest.importorskip("rq")
 
+from farm_fixtures import placeholder_model  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 from tvm import te  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402
@@ -44,7 +45,6 @@ from services.db.models import (  # noqa: E402
     Lease,
     LeaseState,
     Measurement,
-    Model,
     Team,
     TokenKind,
 )
@@ -228,18 +228,7 @@ def farm(db_sessions, redis_conn, artifact_root, lease_server, worker_context) -
         dc = DeviceClass(name=f"cls-{uid}", target=target)
         s.add_all([team, dc])
         s.flush()
-        model = Model(
-            team_id=team.id,
-            name="m",
-            input_shapes={},
-            onnx_path="m.onnx",
-            onnx_sha256="0" * 64,
-            onnx_size=1,
-            fused_path="m.json",
-            fused_sha256="0" * 64,
-            fused_size=1,
-            task_table=[],
-        )
+        model = placeholder_model(team.id)
         s.add(model)
         s.flush()
         job = Job(team_id=team.id, model_id=model.id, device_class_id=dc.id, trial_budget=1000)

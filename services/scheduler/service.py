@@ -376,6 +376,9 @@ class SchedulerService:
         """The lock connection is gone (and its locks with it): stop running the jobs."""
         for job_id in list(self.runners):
             self._drop(job_id)
+        self._close_lock_connection()
+
+    def _close_lock_connection(self) -> None:
         if self._locks is not None:
             try:
                 self._locks.close()
@@ -394,13 +397,7 @@ class SchedulerService:
         self._executor.shutdown(wait=False, cancel_futures=True)
         for class_id in list(self.models.models):
             self._save_class_model(class_id)
-        if self._locks is not None:
-            try:
-                self._locks.close()
-            except Exception:
-                pass
-            self._locks = None
-            self._held.clear()
+        self._close_lock_connection()
         if self._redis is not None:
             self._redis.close()
 

@@ -1,6 +1,6 @@
 """How much the vectorized math lowerings (`tunefarm.fastmath`) buy, against torch.
 
-    python -m tunefarm_app.bench.fastmath [--threads 1] [--passes 5] [--records softmax=FILE ...]
+    tunefarm bench math [--threads 1] [--passes 5] [--records softmax=FILE ...]
 
 Each op is built several ways from one fixed schedule (rows in parallel, the last axis
 vectorized 16 wide, reductions rfactored 16 wide), so that only the math lowering differs:
@@ -368,10 +368,7 @@ def bench_op(op: Op, target: Any, libmvec: LibmvecRule | None, records: list[str
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tunefarm_app.bench.fastmath", description=__doc__.splitlines()[0]
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=1, help="TVM and torch threads (default 1: a shared machine)"
     )
@@ -381,7 +378,22 @@ def main(argv: list[str] | None = None) -> int:
         "--records", action="append", default=[], metavar="OP=FILE", help="add a tuned kernel (repeatable)"
     )
     p.add_argument("--no-libmvec", action="store_true")
-    args = p.parse_args(argv)
+
+
+def add_command(bsub) -> None:
+    """`tunefarm bench math`."""
+    add_arguments(bsub.add_parser("math", help="the vectorized math lowerings against libm, libmvec and torch"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tunefarm_app.bench.fastmath", description=__doc__.splitlines()[0]
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # read when TVM's thread pool starts
     import torch
     import tvm

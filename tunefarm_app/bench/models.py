@@ -39,9 +39,6 @@ TIMING_PASSES = 3
 TIMING_REPEAT = 20
 """Inferences per timing pass (the untuned default build gets 3: it is slow)."""
 
-FMA_PEAK_GFLOPS_PER_CORE = 265.0
-"""AVX-512 FMA peak per core of this machine class (two FMA pipes, ~4.16 GHz), for the
-"% of peak" column; `tunefarm bench ops` measures it, this is its usual value here."""
 
 
 def _stderr(msg: str) -> None:
@@ -94,12 +91,13 @@ def run_models_bench(args: argparse.Namespace) -> int:
     work = args.work_dir or fresh_work_dir()
     target = host_target_dict()
     _stderr(f"bench models: {', '.join(names)} x {args.trials} trials; work dir {work}")
+    peak = _fma_peak(target, work)
     rows = []
     for name in names:
         rows.append(
             bench_model(
                 name, args.trials, work, target, seed=args.seed, metaschedule=not args.no_metaschedule,
-                round_robin=not args.no_round_robin, log=lambda m, n=name: _stderr(f"[{n}] {m}"),
+                round_robin=not args.no_round_robin, peak_gflops=peak, log=lambda m, n=name: _stderr(f"[{n}] {m}"),
             )
         )
         print("\n".join(render([rows[-1]], target)), flush=True)  # each model as soon as it is done
@@ -114,7 +112,7 @@ def run_models_bench(args: argparse.Namespace) -> int:
 
 def bench_model(
     name: str, trials: int, work: Path, target: dict[str, Any], *, seed: int, metaschedule: bool,
-    round_robin: bool, log: Log,
+    round_robin: bool, peak_gflops: float | None, log: Log,
 ) -> ModelRow:
     from tunefarm.models.build import build_default_library, time_onnxruntime
     from tunefarm.models.examples import export_example
@@ -167,7 +165,7 @@ def bench_model(
     for key, secs in best.items():
         setattr(row, key, secs)
     row.onnxruntime = min(time_onnxruntime(onnx, feeds, repeat=TIMING_REPEAT).median for _ in range(TIMING_PASSES))
-    row.tasks = holdbacks(ours.report, target)
+    row.tasks = holdbacks(ours.report, peak_gflops)
     try:
         from tunefarm_app.bench.heldout import held_out_by_task
 
@@ -215,10 +213,21 @@ def reach_trial(gradient: list[dict], round_robin: list[dict], model: str) -> in
     return None
 
 
-def holdbacks(report: dict, target: dict[str, Any]) -> list[dict]:
-    """Our tasks by share of the estimated latency, with their speed against the peak."""
-    cores = int(target.get("num-cores") or 1)
-    peak = FMA_PEAK_GFLOPS_PER_CORE * cores
+def _fma_peak(target: dict[str, Any], work: Path) -> float | None:
+    """The FMA peak measured now (`fma_peak`), for the tasks' "% of peak"; None if it fails."""
+    from tunefarm_app.bench.fma_peak import measure_fma_peak
+
+    try:
+        peak = measure_fma_peak(target, work / "fma")
+    except Exception as exc:  # a column, never a reason to lose the bench
+        _stderr(f"FMA peak: n/a ({type(exc).__name__}: {exc})")
+        return None
+    _stderr(f"FMA peak: {peak.gflops:.0f} GFLOPS on {peak.cores} cores")
+    return peak.gflops
+
+
+def holdbacks(report: dict, peak: float | None) -> list[dict]:
+    """Our tasks by share of the estimated latency, with their speed against the measured FMA peak."""
     (model,) = report["models"][:1]
     total = sum(t["weighted_seconds"] or 0.0 for t in model["tasks"]) or 1.0
     rows = []
@@ -232,7 +241,7 @@ def holdbacks(report: dict, target: dict[str, Any]) -> list[dict]:
                 "share": (t["weighted_seconds"] or 0.0) / total,
                 "seconds": t["best_seconds"],
                 "gflops": gflops,
-                "peak_share": gflops / peak if gflops else None,
+                "peak_share": gflops / peak if gflops and peak else None,
                 "trials": t["trials"],
             }
         )
