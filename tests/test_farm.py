@@ -29,7 +29,7 @@ tvm = pytest.importorskip("tvm")
 redis_mod = pytest.importorskip("redis")
 rq = pytest.importorskip("rq")
 
-from farm_fixtures import placeholder_model  # noqa: E402
+from farm_fixtures import placeholder_model, service_unavailable  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 from tvm import te  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402
@@ -170,7 +170,7 @@ def redis_conn():
     try:
         conn.ping()
     except redis_mod.exceptions.ConnectionError as exc:
-        pytest.skip(f"Redis is not reachable: {exc}")
+        service_unavailable(f"Redis is not reachable: {exc}")
     yield conn
     conn.close()
 

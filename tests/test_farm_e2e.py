@@ -30,6 +30,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("grpc")
 pytest.importorskip("rq")
 
+from farm_fixtures import service_unavailable  # noqa: E402
 from onnx_models import tiny_onnx  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
@@ -58,7 +59,7 @@ def farm(database_url, tmp_path_factory):
     try:
         redis.Redis.from_url(redis_url, socket_connect_timeout=2).ping()
     except Exception as exc:
-        pytest.skip(f"Redis is not reachable at {redis_url}: {exc}")
+        service_unavailable(f"Redis is not reachable at {redis_url}: {exc}")
     prefix = f"tftest{uuid.uuid4().hex[:10]}"
     state = tmp_path_factory.mktemp("farm")
     config = FarmConfig(
