@@ -25,3 +25,12 @@ def host_target():
 
 # Farm database fixtures (a throw-away PostgreSQL database per module): see farm_fixtures.py.
 from farm_fixtures import database_url, db_sessions, empty_database_url  # noqa: E402, F401
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the dashboard tests wrote their screenshots (tests/browser.py)."""
+    from browser import SCREENSHOTS
+
+    shots = sorted(SCREENSHOTS.glob("*.png")) if SCREENSHOTS.is_dir() else []
+    if shots:
+        terminalreporter.write_line(f"dashboard screenshots: {SCREENSHOTS} ({', '.join(p.name for p in shots)})")

@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
-from fastapi.testclient import TestClient  # noqa: E402
 from farm_fixtures import service_unavailable  # noqa: E402
 from farm_state import seed_farm  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from services.api.app import create_app  # noqa: E402

@@ -55,8 +55,8 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
 def latency_curve_svg(
     points: Sequence[tuple[float, float]],
     *,
-    width: int = 720,
-    height: int = 280,
+    width: int = 1040,
+    height: int = 300,
     target_secs: float | None = None,
     title: str = "estimated latency",
 ) -> str:
@@ -119,7 +119,7 @@ def latency_curve_svg(
 
 
 PLOT_CSS = """
-svg.curve { font: 12px system-ui, sans-serif; background: #fff; }
+svg.curve { font: 12px -apple-system, "Segoe UI", "Liberation Sans", "DejaVu Sans", Arial, sans-serif; background: #fff; }
 svg.curve .frame { fill: none; stroke: #c8ccd2; }
 svg.curve .grid { stroke: #eceef1; }
 svg.curve .tick, svg.curve .axis { fill: #5b6470; }
@@ -133,7 +133,7 @@ svg.curve .target { stroke: #d97706; stroke-dasharray: 6 4; }
 
 PAGE_CSS = """
 :root { color-scheme: light; }
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", Arial, sans-serif; color: #1f2933; background: #f5f6f8;
+body { font: 14px/1.45 -apple-system, "Segoe UI", "Liberation Sans", "DejaVu Sans", Arial, sans-serif; color: #1f2933; background: #f5f6f8;
        margin: 0; }
 header.bar { background: #1f2933; color: #fff; padding: 10px 24px; display: flex; gap: 24px; align-items: center; }
 header.bar a { color: #cbd2d9; text-decoration: none; }
@@ -144,6 +144,12 @@ main { max-width: 1120px; margin: 0 auto; padding: 20px 24px 40px; }
 h1 { font-size: 22px; margin: 8px 0 14px; }
 h2 { font-size: 17px; margin: 26px 0 10px; }
 .card { background: #fff; border: 1px solid #dde1e6; border-radius: 6px; padding: 14px 16px; margin-bottom: 16px; }
+.card.plot { padding: 8px; overflow-x: auto; }
+button { font: inherit; padding: 4px 12px; border-radius: 4px; border: 1px solid #9aa5b1; background: #fff;
+         cursor: pointer; }
+header.bar button { background: transparent; color: #cbd2d9; border-color: #52606d; }
+input[type=password] { font: 14px ui-monospace, monospace; padding: 6px 8px; border: 1px solid #9aa5b1;
+                       border-radius: 4px; }
 table.data { border-collapse: collapse; width: 100%; background: #fff; border: 1px solid #dde1e6; }
 table.data th, table.data td { padding: 6px 10px; border-bottom: 1px solid #eceef1; text-align: left;
                                vertical-align: middle; }
@@ -153,7 +159,8 @@ table.data tr:last-child td { border-bottom: none; }
 .facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 18px; margin: 0; }
 .facts dt { color: #616e7c; }
 .facts dd { margin: 0; }
-.bar-outer { background: #e4e7eb; border-radius: 3px; height: 10px; min-width: 140px; position: relative; }
+.bar-outer { background: #e4e7eb; border-radius: 3px; height: 10px; min-width: 140px; }
+.bar-outer.inline { display: inline-block; width: 360px; vertical-align: middle; margin-right: 10px; }
 .bar-inner { background: #2563eb; border-radius: 3px; height: 10px; }
 .state { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; font-weight: 600;
          background: #e4e7eb; color: #3e4c59; }
