@@ -3,8 +3,8 @@
 A team, against a farm's API (`--server`/`--token`, or TUNEFARM_SERVER/TUNEFARM_TOKEN):
 
   tunefarm submit MODEL.onnx [--input-shape x=1,3,224,224] --device-class C --trials N
-                  [--latency-target MS] [--strategy gradient|round-robin] [--seed S] [--follow]
-  tunefarm status ID [--follow] [--json]
+                  [--latency-target MS] [--strategy gradient|round-robin] [--seed S] [--follow [--retry-secs S]]
+  tunefarm status ID [--follow [--retry-secs S]] [--json]
   tunefarm fetch ID --out DIR [--records]
   tunefarm cancel ID
   tunefarm jobs [--limit N]
@@ -372,6 +372,7 @@ def _farm_up(args: argparse.Namespace) -> int:
         raise UsageError(f"farm up: the database at {config.database_url}: {_first_line(exc)}") from None
     info = farm.info
     print(f"api        {info['api_url']}")
+    print(f"dashboard  {info['api_url']}/ui (log in with the team token in farm.json); metrics at /metrics")
     print(f"grpc       {info['grpc_address']}")
     print(f"class      {info['device_class']}")
     for p in farm.processes.values():
