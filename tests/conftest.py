@@ -25,8 +25,8 @@ def host_target():
     return host_target_dict()
 
 
-# Farm database fixtures (a throw-away PostgreSQL database per module): see farm_fixtures.py.
-from farm_fixtures import database_url, db_sessions, empty_database_url  # noqa: E402, F401
+# Farm database and Redis fixtures (a throw-away PostgreSQL database per module): see farm_fixtures.py.
+from farm_fixtures import database_url, db_sessions, empty_database_url, redis_conn  # noqa: E402, F401
 
 _SESSION_START = time.time()
 

@@ -2,7 +2,9 @@
 
 - `database_url`: a throw-away database per test module, migrated to head, dropped after;
 - `db_sessions`: a session factory on it (use with `services.db.session.transaction`);
-- `empty_database_url`: a throw-away database per test, not migrated (migration tests).
+- `empty_database_url`: a throw-away database per test, not migrated (migration tests);
+- `redis_conn`: a client of the farm's Redis (WorkerSettings' URL), per module; tests keep
+  to keys of their own prefix on it.
 
 The server is the one `DatabaseSettings` names (TUNEFARM_DATABASE_URL); each database is
 `tunefarm_test_<uuid hex>` on it. Tests using these fixtures are skipped when the server
@@ -74,6 +76,21 @@ def db_sessions(database_url: str):
         yield factory
     finally:
         factory.kw["bind"].dispose()
+
+
+@pytest.fixture(scope="module")
+def redis_conn():
+    import redis
+
+    from services.worker.settings import WorkerSettings
+
+    conn = redis.Redis.from_url(WorkerSettings().redis_url)
+    try:
+        conn.ping()
+    except redis.exceptions.ConnectionError as exc:
+        service_unavailable(f"Redis is not reachable: {exc}")
+    yield conn
+    conn.close()
 
 
 def placeholder_model(team_id: int, input_shapes: dict | None = None):

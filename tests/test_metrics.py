@@ -11,7 +11,6 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
-from farm_fixtures import service_unavailable  # noqa: E402
 from farm_state import seed_farm  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -20,18 +19,6 @@ from services.api.app import create_app  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
 from services.worker.queues import BUILD_JOB, build_queue_name  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def redis_conn():
-    import redis
-
-    conn = redis.Redis.from_url(WorkerSettings().redis_url)
-    try:
-        conn.ping()
-    except redis.exceptions.ConnectionError as exc:
-        service_unavailable(f"Redis is not reachable: {exc}")
-    return conn
 
 
 @pytest.fixture(scope="module")
