@@ -136,7 +136,8 @@ def _report() -> dict:
     }
 
 
-def test_report_in_the_terminal_and_as_html(tmp_path, capsys):
+def test_report_in_the_terminal_and_as_html(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # room for whole task names
     (tmp_path / "report.json").write_text(json.dumps(_report()))
     assert main(["report", str(tmp_path), "--html"]) == 0
     out = capsys.readouterr().out

@@ -148,17 +148,24 @@ def print_report(report: Mapping[str, Any], file: Path, console=None) -> None:
               f"(max abs error {check['max_abs_error']:.2g})")
         p(f"estimate   {format_cost(m['estimated_seconds'])} now, {format_cost(m['estimated_seconds_at_start'])} "
           "at the start (sum of weighted task bests)")
+        lines = task_lines(m)
+        columns = [("#", "right"), ("task", "left"), ("weight", "right"), ("trials", "right"), ("best", "right"),
+                   ("GFLOPS", "right"), ("share", "right"), ("tuned", "left")]
+        has_errors, has_notes = any(t.errors for t in lines), any(t.note for t in lines)
+        columns += [("errors", "right")] * has_errors + [("note", "left")] * has_notes
         table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
-        for col, justify in (("#", "right"), ("task", "left"), ("weight", "right"), ("trials", "right"),
-                             ("best", "right"), ("GFLOPS", "right"), ("share", "right"), ("tuned", "left"),
-                             ("errors", "right"), ("note", "left")):
-            table.add_column(col, justify=justify)
-        for i, t in enumerate(task_lines(m)):
-            table.add_row(
-                str(i), t.name[:56], str(t.weight), str(t.trials), format_cost(t.best_secs),
+        for col, justify in columns:
+            table.add_column(col, justify=justify, no_wrap=True)
+        # the task's name gives way on a narrow terminal (the other columns take ~60)
+        room = max(20, console.width - 60 - 8 * has_errors - 16 * has_notes)
+        for i, t in enumerate(lines):
+            cells = [
+                str(i), t.name if len(t.name) <= room else t.name[: room - 1] + "…", str(t.weight), str(t.trials), format_cost(t.best_secs),
                 f"{t.gflops:.1f}" if t.gflops else "--", f"{t.share:.0%}" if t.share is not None else "--",
-                "yes" if t.tuned else "[yellow]no[/yellow]", str(t.errors) if t.errors else "", t.note,
-            )
+                "yes" if t.tuned else "[yellow]no[/yellow]",
+            ]
+            cells += [str(t.errors) if t.errors else ""] * has_errors + [t.note] * has_notes
+            table.add_row(*cells)
         p(table)
     total, per_task, per_reason = rounds_summary(report)
     p()
