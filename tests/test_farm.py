@@ -29,6 +29,7 @@ tvm = pytest.importorskip("tvm")
 redis_mod = pytest.importorskip("redis")
 rq = pytest.importorskip("rq")
 
+from aarch64_fixtures import ELF_MACHINE_AARCH64, elf_machine  # noqa: E402
 from farm_fixtures import placeholder_model, service_unavailable  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 from tvm import te  # noqa: E402
@@ -59,6 +60,7 @@ from services.worker import jobs  # noqa: E402
 from services.worker.builder import LocalBuilder  # noqa: E402
 from services.worker.queues import build_queue_name  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
+from tunefarm.export import artifact_suffix  # noqa: E402
 from tunefarm.measure import MeasureBatch  # noqa: E402
 from tunefarm.records import Candidate, ErrorKind, MeasureInput, TimingConfig  # noqa: E402
 from tunefarm.target import host_target_dict  # noqa: E402
@@ -411,9 +413,12 @@ def test_agent_service_refuses_team_tokens_and_strangers(farm):
         assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
 
 
-def test_cross_target_batches_are_built_as_tar_archives(farm):
+def test_cross_target_batches_are_built_for_the_board(farm):
+    """An aarch64 class's kernels: shared libraries linked by the cross compiler (an
+    aarch64 ELF), or, without one, .tar archives the board links."""
     wl = gemm(16)
     aarch64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
+    suffix = artifact_suffix(aarch64)
     with transaction(farm.sessions) as s:
         s.scalars(select(DeviceClass).where(DeviceClass.name == farm.device_class)).one().target = aarch64
     measurer = farm.measurer()
@@ -425,8 +430,10 @@ def test_cross_target_batches_are_built_as_tar_archives(farm):
     assert batch.state is BatchState.READY  # waits for an aarch64 agent
     with transaction(farm.sessions) as s:
         paths = list(s.scalars(select(BatchCandidate.artifact_path).where(BatchCandidate.batch_id == batch.id)))
-    assert len(paths) == 2 and all(p.endswith(".tar") for p in paths)
+    assert len(paths) == 2 and all(p.endswith(suffix) for p in paths)
     assert all((farm.root / p).stat().st_size > 0 for p in paths)
+    if suffix == ".so":
+        assert {elf_machine(farm.root / p) for p in paths} == {ELF_MACHINE_AARCH64}
     measurer.cancel_pending()
     assert {r.error_kind for r in collect_all(measurer, 2, timeout=10)} == {ErrorKind.RUN_ERROR}
     measurer.close()

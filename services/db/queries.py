@@ -13,7 +13,9 @@ nothing itself. Map:
   `record_build_error` (a candidate that never reached an agent);
 - agents and lost batches: `register_agent`, `release_agent_leases`, `abandon_batch`
   (error results for what a batch that cannot be measured still lacks);
-- cost models: `add_cost_model_version`, `latest_cost_model_version`.
+- cost models: `add_cost_model_version`, `latest_cost_model_version`;
+- model runs (a tuned model run on an agent of its class): `create_model_run`,
+  `lease_model_run`, `finish_model_run`; `heartbeat` extends them like leases.
 
 Time: every `now` argument defaults to the database's clock (`now()`, the transaction's
 start), so hosts with skewed clocks agree; tests pass explicit times.
@@ -24,7 +26,7 @@ active lease is accepted even past `expires_at`, until someone else leases the b
 are refused (`LeaseNotHeld`).
 
 Lock order, kept by every function here so that concurrent callers cannot deadlock:
-batches -> leases -> measurements -> job_tasks -> jobs -> agents. Code elsewhere that
+batches -> leases -> measurements -> job_tasks -> jobs -> model_runs -> agents. Code elsewhere that
 locks several of these in one transaction should keep the same order.
 """
 
@@ -59,6 +61,8 @@ from services.db.models import (
     Lease,
     LeaseState,
     Measurement,
+    ModelRun,
+    ModelRunState,
     Token,
     TokenKind,
     Workload,
@@ -300,8 +304,9 @@ def _end_active_lease(
 def heartbeat(
     session: Session, *, agent_id: int, lease_secs: float, now: datetime | None = None
 ) -> list[int]:
-    """An agent is alive: record it, and extend its active leases to now + `lease_secs`.
-    Returns the ids of the leases extended. Raises `NotFound` for an unknown agent."""
+    """An agent is alive: record it, and extend its active leases and leased model runs
+    to now + `lease_secs`. Returns the ids of the leases extended. Raises `NotFound` for
+    an unknown agent."""
     at = _now(now)
     extended = list(
         session.scalars(
@@ -311,9 +316,17 @@ def heartbeat(
             .returning(Lease.id)
         )
     )
+    runs = list(
+        session.scalars(
+            update(ModelRun)
+            .where(ModelRun.agent_id == agent_id, ModelRun.state == ModelRunState.LEASED)
+            .values(expires_at=at + timedelta(seconds=lease_secs))
+            .returning(ModelRun.id)
+        )
+    )
     state = case(
         (Agent.state == AgentState.DISABLED, Agent.state),
-        else_=AgentState.BUSY if extended else AgentState.IDLE,
+        else_=AgentState.BUSY if extended or runs else AgentState.IDLE,
     )
     found = session.execute(
         update(Agent)
@@ -859,3 +872,165 @@ def latest_cost_model_version(
     if feature_version is not None:
         query = query.where(CostModelVersion.feature_version == feature_version)
     return session.scalars(query.order_by(CostModelVersion.version.desc()).limit(1)).one_or_none()
+
+
+# -- model runs -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A file in the artifact directory: its path relative to it, sha256 and size."""
+
+    path: str
+    sha256: str
+    size: int
+
+
+def create_model_run(
+    session: Session,
+    *,
+    job_id: int,
+    device_class_id: int,
+    library: StoredFile,
+    inputs: StoredFile,
+    repeat: int,
+    warmup: int,
+    timeout_secs: float,
+    now: datetime | None = None,
+) -> ModelRun:
+    """Queue a tuned model for an agent of the class. The job's earlier runs still open
+    (a restarted scheduler finishing the job again) fail as superseded."""
+    at = _now(now)
+    session.execute(
+        update(ModelRun)
+        .where(ModelRun.job_id == job_id, ModelRun.state.in_([ModelRunState.READY, ModelRunState.LEASED]))
+        .values(state=ModelRunState.FAILED, error="superseded by a newer run of the job", finished_at=at),
+        execution_options={"synchronize_session": False},
+    )
+    return session.scalars(
+        insert(ModelRun).returning(ModelRun),
+        [
+            {
+                "job_id": job_id,
+                "device_class_id": device_class_id,
+                "library_path": library.path,
+                "library_sha256": library.sha256,
+                "library_size": library.size,
+                "inputs_path": inputs.path,
+                "inputs_sha256": inputs.sha256,
+                "inputs_size": inputs.size,
+                "repeat": repeat,
+                "warmup": warmup,
+                "timeout_secs": timeout_secs,
+            }
+        ],
+    ).one()
+
+
+def lease_model_run(
+    session: Session, *, agent_id: int, lease_secs: float, max_attempts: int, now: datetime | None = None
+) -> ModelRun | None:
+    """Lease the oldest model run of the agent's class that is ready, or whose lease
+    expired (its agent stopped heartbeating); None when there is none. A run already
+    leased `max_attempts` times fails instead (no agent finishes it: it may be what kills
+    them). `FOR UPDATE SKIP LOCKED`, like `lease_next_batch`. Raises `NotFound` for an
+    unknown agent."""
+    agent = session.get(Agent, agent_id)
+    if agent is None:
+        raise NotFound(f"agent {agent_id}")
+    if agent.state is AgentState.DISABLED:
+        return None
+    at = _now(now)
+    for _ in range(MAX_LEASE_PROBES):
+        run = session.scalars(
+            select(ModelRun)
+            .where(
+                ModelRun.device_class_id == agent.device_class_id,
+                or_(
+                    ModelRun.state == ModelRunState.READY,
+                    and_(ModelRun.state == ModelRunState.LEASED, ModelRun.expires_at < at),
+                ),
+            )
+            .order_by(ModelRun.id)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+            .execution_options(populate_existing=True)
+        ).one_or_none()
+        if run is None:
+            return None
+        if run.attempts >= max_attempts:
+            session.execute(
+                update(ModelRun)
+                .where(ModelRun.id == run.id)
+                .values(
+                    state=ModelRunState.FAILED,
+                    finished_at=at,
+                    error=f"not run: leased {run.attempts} times and no agent finished it",
+                ),
+                execution_options={"synchronize_session": False},
+            )
+            continue
+        leased = session.scalars(
+            update(ModelRun)
+            .where(ModelRun.id == run.id)
+            .values(
+                state=ModelRunState.LEASED,
+                agent_id=agent_id,
+                expires_at=at + timedelta(seconds=lease_secs),
+                attempts=ModelRun.attempts + 1,
+            )
+            .returning(ModelRun),
+            execution_options={"populate_existing": True},
+        ).one()
+        session.execute(
+            update(Agent)
+            .where(Agent.id == agent_id, Agent.state != AgentState.DISABLED)
+            .values(state=AgentState.BUSY),
+            execution_options={"synchronize_session": False},
+        )
+        return leased
+    return None
+
+
+def held_model_run(session: Session, *, model_run_id: int, agent_id: int, lock: bool = False) -> ModelRun:
+    """The model run, if the agent holds it (leased to it, even past `expires_at` until
+    another agent leases it); else `LeaseNotHeld` (`NotFound` if absent)."""
+    run = session.scalars(
+        select(ModelRun)
+        .where(ModelRun.id == model_run_id)
+        .with_for_update(read=not lock)
+        .execution_options(populate_existing=True)
+    ).one_or_none()
+    if run is None:
+        raise NotFound(f"model run {model_run_id}")
+    if run.agent_id != agent_id or run.state is not ModelRunState.LEASED:
+        raise LeaseNotHeld(f"model run {model_run_id} is not held by agent {agent_id} ({run.state})")
+    return run
+
+
+def finish_model_run(
+    session: Session,
+    *,
+    model_run_id: int,
+    agent_id: int,
+    outputs_path: str | None,
+    result: Mapping[str, Any],
+    error: str = "",
+    now: datetime | None = None,
+) -> ModelRun:
+    """The agent ran (or could not run) the model: done with its outputs, or failed with
+    the agent's error. Raises `LeaseNotHeld` unless the agent holds the run."""
+    held_model_run(session, model_run_id=model_run_id, agent_id=agent_id, lock=True)
+    return session.scalars(
+        update(ModelRun)
+        .where(ModelRun.id == model_run_id)
+        .values(
+            state=ModelRunState.FAILED if error else ModelRunState.DONE,
+            outputs_path=outputs_path,
+            result=dict(result),
+            error=error or None,
+            finished_at=_now(now),
+        )
+        .returning(ModelRun),
+        execution_options={"populate_existing": True},
+    ).one()

@@ -158,6 +158,10 @@ class ModelOutcome:
     default_latency: dict | None
     onnxruntime_latency: dict | None = None  # 2 intra-op threads, same input
     error: str = ""
+    # Where the check and the latency were taken when not on this host: a device class's
+    # agent {"device_class", "agent", "emulated", ...}; `emulated` means the latency is
+    # an emulator's, not the device's.
+    measured_on: dict | None = None
 
 
 def finish_model(
@@ -325,6 +329,7 @@ def model_report(
                 "estimated_seconds": estimate,
                 "estimated_seconds_at_start": at_start,
                 "check": o.check,
+                "measured_on": o.measured_on,
                 "error": o.error or None,
                 "warnings": list(m.imported.warnings),
                 "tasks": rows,
