@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -437,6 +437,49 @@ def test_cross_target_batches_are_built_for_the_board(farm):
     measurer.cancel_pending()
     assert {r.error_kind for r in collect_all(measurer, 2, timeout=10)} == {ErrorKind.RUN_ERROR}
     measurer.close()
+
+
+def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_caps):
+    """The path a class the scheduler cannot run takes (here on this host's class, so no
+    emulator is needed): the scheduler's model check queues a model run, an agent
+    leases it, runs the library and sends outputs and latencies, the check compares
+    them with onnxruntime. A library that does not load fails the job; a run no agent
+    takes in time leaves the model unchecked."""
+    pytest.importorskip("onnxruntime")
+    from onnx_models import tiny_onnx
+
+    from services.scheduler.exceptions import JobFailed
+    from services.scheduler.model_check import DeviceRun, check_on_device
+    from tunefarm.models.build import build_model_library
+    from tunefarm.models.finish import load_model
+
+    m = load_model(tiny_onnx(tmp_path / "tiny.onnx"), {"x": [1, 3, 8, 8]}, name="tiny")
+    built = build_model_library(
+        m.tasks.fused_mod, tmp_path / "tuned", target=farm.target, inputs=m.imported.inputs, outputs=m.imported.outputs
+    )
+    with transaction(farm.sessions) as s:
+        class_id = s.scalar(select(DeviceClass.id).where(DeviceClass.name == farm.device_class))
+    where = DeviceRun(
+        farm.sessions, farm.root, job_id=farm.job_id, device_class_id=class_id, device_class=farm.device_class,
+        wait_secs=0.5, stop=threading.Event(), repeat=5, warmup=1, poll_secs=0.05,
+    )  # fmt: skip
+    unchecked = check_on_device(m, built.directory, where)  # no agent yet
+    assert unchecked.check["ok"] is None and "no agent of" in unchecked.check["problem"]
+    assert built.library.is_file()
+
+    where = replace(where, wait_secs=60.0)
+    agent = start_thread_agent(farm, f"{farm.device_class}-m", tmp_path, {**agent_caps, "emulated": False})
+    try:
+        outcome = check_on_device(m, built.directory, where)
+        assert outcome.check["ok"] is True and outcome.check["max_abs_error"] < 1e-4
+        assert outcome.latency["median"] > 0 and outcome.latency["emulated"] is False
+        assert outcome.measured_on["agent"] == f"{farm.device_class}-m" and outcome.measured_on["emulated"] is False
+        built.library.write_bytes(b"not a library")
+        with pytest.raises(JobFailed, match="did not run on"):
+            check_on_device(m, built.directory, where)
+        assert not built.library.exists()  # not kept
+    finally:
+        agent.close()
 
 
 def test_the_agent_imports_no_server_side_packages():

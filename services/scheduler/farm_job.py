@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import shutil
 import tempfile
 import threading
@@ -53,6 +52,7 @@ from services.scheduler.task import SearchTask, make_task, structure_kind
 from services.scheduler.task_scheduler import TaskInfo, similarity_tag
 from services.scheduler.tuner import SearchPace, TaskTuner
 from tunefarm.errors import TunefarmError
+from tunefarm.export import is_cross_target
 from tunefarm.measure import MeasureBatch, Measurer
 from tunefarm.models.build import build_model_library
 from tunefarm.models.finish import (
@@ -447,7 +447,4 @@ class JobRunner:
 def runs_here(target: dict[str, Any]) -> bool:
     """Whether this host can run code built for `target` (a CPU target for its own
     architecture): the tuned model is then checked here against onnxruntime."""
-    if target.get("kind") != "llvm":
-        return False
-    triple = str(target.get("mtriple", ""))
-    return not triple or triple.split("-")[0] in {platform.machine(), platform.machine().replace("arm64", "aarch64")}
+    return target.get("kind") == "llvm" and not is_cross_target(target)
