@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 import pytest
@@ -351,6 +351,26 @@ def test_progress_counters_track_best_and_errors(db_sessions):
         ).one()
         assert m.cost is None and m.fingerprint == FINGERPRINT
         assert codec.record_from_json(m.record) == _record(_input(2), None)
+
+
+def test_a_tasks_best_says_whether_an_emulator_measured_it(db_sessions):
+    farm = make_farm(db_sessions, candidates=3)
+    agent = farm.agent_ids[0]
+    held = lease(db_sessions, agent)
+    ids = farm.candidate_ids[held.batch_id]
+    emulated = replace(_record(_input(0), 0.002), emulated=True)
+    with transaction(db_sessions) as s:  # the bulk path (a results stream)
+        queries.record_measurements(
+            s, lease_id=held.id, agent_id=agent, items=[(ids[0], emulated)], fingerprint=FINGERPRINT
+        )
+        assert s.get(JobTask, farm.job_task_id).best_emulated is True
+    record(db_sessions, farm, held, agent, index=1, cost=0.003)  # slower: the best stays emulated
+    with transaction(db_sessions) as s:
+        assert s.get(JobTask, farm.job_task_id).best_emulated is True
+    record(db_sessions, farm, held, agent, index=2, cost=0.001)  # the one path
+    with transaction(db_sessions) as s:
+        task = s.get(JobTask, farm.job_task_id)
+        assert task.best_emulated is False and task.best_cost == 0.001
 
 
 def test_result_under_another_agents_lease_is_refused(db_sessions):

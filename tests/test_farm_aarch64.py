@@ -132,6 +132,7 @@ def test_a_model_is_tuned_for_the_aarch64_class_through_the_emulated_agent(
     job = wait_done(client, job["id"])
     assert job["state"] == "succeeded", job["error"]
     assert job["trials_used"] == TRIALS and all(t["best_secs"] for t in job["tasks"])
+    assert all(t["best_emulated"] for t in job["tasks"])  # the bests are emulated times, and say so
 
     # the tuned model ran on the agent: outputs checked against onnxruntime, latency flagged
     result = job["result"]
@@ -146,6 +147,7 @@ def test_a_model_is_tuned_for_the_aarch64_class_through_the_emulated_agent(
     assert elf_machine(out / "model.so") == ELF_MACHINE_AARCH64
     report = json.loads((out / "report.json").read_text())
     assert report["models"][0]["measured_on"]["emulated"] is True
+    assert all(t["emulated"] and t["verified"] for t in report["models"][0]["tasks"])
     feeds = random_inputs({"x": (1, 3, 8, 8)}, {"x": "float32"}, seed=11)
     np.savez(tmp_path / "inputs.npz", feeds["x"])
     code = (

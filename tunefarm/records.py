@@ -170,6 +170,7 @@ class RunResult:
     error_msg: str = ""
     verified: bool = False  # output was compared to the reference and matched
     digest: OutputDigest = ()  # fingerprint of the outputs of the warm-up run
+    emulated: bool = False  # ran under an emulator: `costs` are the emulator's, not the device's
 
     @property
     def median(self) -> float:
@@ -291,6 +292,7 @@ class MeasureRecord:
             verified=bool(run is not None and run.verified and not result.error_kind.is_error),
             timestamp=timestamp,
             digest=run.digest if run is not None else (),
+            emulated=bool(run is not None and run.emulated),
         )
 
     @property

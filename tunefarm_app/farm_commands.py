@@ -274,7 +274,9 @@ def _print_job(job: dict) -> None:
     print(f"latency    {cost(job['est_latency_secs'])} estimated now, {cost(job['est_latency_start_secs'])} at the start")
     for t in job["tasks"]:
         dead = f"  ({t['dead_reason']})" if t["dead_reason"] else ""
-        print(f"  task     {t['position']}: {t['name']} x{t['weight']}: {t['trials']} trials, best {cost(t['best_secs'])}{dead}")
+        emulated = " (emulated)" if t.get("best_emulated") else ""
+        print(f"  task     {t['position']}: {t['name']} x{t['weight']}: {t['trials']} trials, "
+              f"best {cost(t['best_secs'])}{emulated}{dead}")
     cm = job["cost_model"]
     if cm["trained_on_at_first_batch"] is not None:
         ranked = "at random" if not cm["trained_on_at_first_batch"] else f"by the class's model ({cm['trained_on_at_first_batch']} programs)"

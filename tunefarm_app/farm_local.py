@@ -173,7 +173,9 @@ class LocalFarm:
         return out
 
     def _stem(self) -> str:
-        return f"{socket.gethostname()}-{os.getpid()}"
+        """Unique to this farm (RQ refuses a worker name still registered in Redis, and
+        one process may start several farms on one Redis, each with its own prefix)."""
+        return f"{socket.gethostname()}-{self.config.queue_prefix}-{os.getpid()}"
 
     # -- processes ----------------------------------------------------------------------------
 

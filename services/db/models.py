@@ -392,6 +392,8 @@ class JobTask(Base):
     best_measurement_id: Mapped[int | None] = mapped_column(
         BigInteger, ForeignKey("measurements.id", use_alter=True), nullable=True
     )
+    # The best was measured under an emulator: best_cost is the emulator's time.
+    best_emulated: Mapped[bool] = mapped_column(server_default=text("false"))
     dead_reason: Mapped[str | None]  # why the search gave the task up (space exhausted, ...)
 
     job: Mapped[Job] = relationship(back_populates="tasks")

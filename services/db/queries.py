@@ -72,6 +72,16 @@ from tunefarm.records import BuildResult, ErrorKind, MeasureRecord, MeasureResul
 Now = datetime | ColumnElement[Any]
 
 
+@dataclass(frozen=True)
+class StoredFile:
+    """A file in the artifact directory as rows keep it: its path relative to the
+    directory, its sha256 and its size in bytes."""
+
+    path: str
+    sha256: str
+    size: int
+
+
 def _now(now: datetime | None) -> Now:
     return now if now is not None else func.now()
 
@@ -548,8 +558,19 @@ def _insert_measurement(
         agent_id=agent_id,
         cost=cost,
         error_kind=str(record.error_kind) if record.error_kind.is_error else None,
+        emulated=record.emulated,
     )
     return Recorded(measurement_id=new_id, created=True)
+
+
+def _new_best(cost: float, measurement_id: int, emulated: bool) -> dict[str, Any]:
+    """A task's best columns after a valid measurement: it, when it is faster."""
+    better = or_(JobTask.best_cost.is_(None), JobTask.best_cost > cost)
+    return {
+        "best_cost": case((better, cost), else_=JobTask.best_cost),
+        "best_measurement_id": case((better, measurement_id), else_=JobTask.best_measurement_id),
+        "best_emulated": case((better, emulated), else_=JobTask.best_emulated),
+    }
 
 
 def _count_measurement(
@@ -561,13 +582,12 @@ def _count_measurement(
     agent_id: int | None,
     cost: float | None,
     error_kind: str | None,
+    emulated: bool = False,
 ) -> None:
     """The precomputed progress a new measurement advances (task, job, agent)."""
     task_values: dict[str, Any] = {"trials": JobTask.trials + 1}
     if cost is not None:
-        better = or_(JobTask.best_cost.is_(None), JobTask.best_cost > cost)
-        task_values["best_cost"] = case((better, cost), else_=JobTask.best_cost)
-        task_values["best_measurement_id"] = case((better, measurement_id), else_=JobTask.best_measurement_id)
+        task_values.update(_new_best(cost, measurement_id, emulated))
     opts = {"synchronize_session": False}
     session.execute(
         update(JobTask).where(JobTask.id == job_task_id).values(**task_values), execution_options=opts
@@ -754,13 +774,10 @@ def _count_measurements(
     new: Sequence[tuple[int, MeasureRecord]],
 ) -> None:
     """`_count_measurement` for several new measurements (id, record) of one task at once."""
-    valid = [(r.cost, mid) for mid, r in new if math.isfinite(r.cost)]
+    valid = [(r.cost, mid, r.emulated) for mid, r in new if math.isfinite(r.cost)]
     task_values: dict[str, Any] = {"trials": JobTask.trials + len(new)}
     if valid:
-        cost, mid = min(valid)
-        better = or_(JobTask.best_cost.is_(None), JobTask.best_cost > cost)
-        task_values["best_cost"] = case((better, cost), else_=JobTask.best_cost)
-        task_values["best_measurement_id"] = case((better, mid), else_=JobTask.best_measurement_id)
+        task_values.update(_new_best(*min(valid)))
     opts = {"synchronize_session": False}
     session.execute(
         update(JobTask).where(JobTask.id == job_task_id).values(**task_values), execution_options=opts
@@ -875,15 +892,6 @@ def latest_cost_model_version(
 
 
 # -- model runs -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    """A file in the artifact directory: its path relative to it, sha256 and size."""
-
-    path: str
-    sha256: str
-    size: int
 
 
 def create_model_run(

@@ -467,7 +467,7 @@ class Agent:
             inputs = run_dir / "inputs.npz"
             got = self._fetch_files([(run.library, library), (run.inputs, inputs)], model_run_id=run.model_run_id)
             outputs = run_dir / "outputs.npz"
-            missing = [why for why in got.values() if isinstance(why, str)]
+            missing = [why for why in (got.get(i, "not fetched") for i in range(2)) if isinstance(why, str)]
             if missing:
                 result = pb.ModelRunResult(error=f"files unavailable: {'; '.join(missing)}")
             else:

@@ -608,7 +608,9 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                         raise BadRequest(f"candidate {msg.result.batch_candidate_id} is not in batch {ctx.batch_id}")
                     if not pending:
                         opened = time.monotonic()
-                    pending.setdefault(msg.result.batch_candidate_id, wire.run_result_from_pb(msg.result))
+                    run = wire.run_result_from_pb(msg.result)
+                    # An emulated agent's costs are the emulator's: its results say so.
+                    pending.setdefault(msg.result.batch_candidate_id, replace(run, emulated=agent.emulated))
                 elif body == "finish":
                     finish = True
             elif isinstance(msg, BaseException):  # the agent went away: keep what it sent
@@ -664,7 +666,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         if finish:  # lock order: the batch before its lease (finish_lease locks both)
             s.execute(select(Batch.id).where(Batch.id == ctx.batch_id).with_for_update())
         stamp = time.time()
-        records = [(bc_id, ctx.record(bc_id, run, stamp, emulated=agent.emulated)) for bc_id, run in items]
+        records = [(bc_id, ctx.record(bc_id, run, stamp)) for bc_id, run in items]
         queries.record_measurements(
             s, lease_id=ctx.lease_id, agent_id=agent.agent_id, items=records, fingerprint=agent.fingerprint
         )
@@ -685,7 +687,7 @@ class _StreamContext:
     builds: dict[int, dict[str, Any] | None]
     _build_cache: dict[int, BuildResult] = field(default_factory=dict)
 
-    def record(self, bc_id: int, run: RunResult, stamp: float, *, emulated: bool = False) -> MeasureRecord:
+    def record(self, bc_id: int, run: RunResult, stamp: float) -> MeasureRecord:
         inp = self.inputs[bc_id]
         if run.candidate_key != inp.key:
             raise BadRequest(f"result of {run.candidate_key!r} sent for candidate {bc_id} ({inp.key!r})")
@@ -694,10 +696,9 @@ class _StreamContext:
             raw = self.builds.get(bc_id)
             build = codec.build_from_json(raw) if raw else BuildResult(inp.key, None, 0.0)
             self._build_cache[bc_id] = build
-        record = MeasureRecord.of(
+        return MeasureRecord.of(
             MeasureResult(inp, build, run), workload=self.workload_name, target=self.target, timestamp=stamp
         )
-        return replace(record, emulated=True) if emulated else record
 
 
 _END = object()

@@ -308,6 +308,7 @@ def model_report(
                     "weighted_seconds": best.cost * t.weight if best else None,
                     "gflops": t.flops / best.cost / 1e9 if best and best.cost > 0 else None,
                     "verified": bool(best and best.verified),
+                    "emulated": bool(best and best.emulated),  # best_seconds is an emulator's time
                     "reference": "yes" if tr.verify_available else "none (kernels checked against each other)",
                     "schedule": "tuned" if best else "default build (no valid measurement)",
                     "dead_reason": tr.dead_reason,

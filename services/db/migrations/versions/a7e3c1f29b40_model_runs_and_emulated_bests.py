@@ -1,5 +1,6 @@
 """Model runs: a tuned model run on an agent of its class (a class whose code the
-scheduler's host cannot run), for its outputs and its latency.
+scheduler's host cannot run), for its outputs and its latency; and whether a job task's
+best time was measured under an emulator.
 
 Revision ID: a7e3c1f29b40
 Revises: dfafefe04f90
@@ -65,9 +66,11 @@ def upgrade() -> None:
         postgresql_where=sa.text("state IN ('ready', 'leased')"),
     )
     op.create_index("ix_model_runs_job_id", "model_runs", ["job_id"], unique=False)
+    op.add_column("job_tasks", sa.Column("best_emulated", sa.Boolean(), server_default=sa.text("false"), nullable=False))
 
 
 def downgrade() -> None:
+    op.drop_column("job_tasks", "best_emulated")
     op.drop_index("ix_model_runs_job_id", table_name="model_runs")
     op.drop_index("ix_model_runs_queue", table_name="model_runs", postgresql_where=sa.text("state IN ('ready', 'leased')"))
     op.drop_table("model_runs")
