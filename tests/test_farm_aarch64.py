@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +37,7 @@ from aarch64_fixtures import (  # noqa: E402
     emulated_python,
     require_cross_compiler,
 )
-from farm_fixtures import service_unavailable  # noqa: E402
+from farm_fixtures import running_farm, team_client, wait_for_job  # noqa: E402
 from onnx_models import tiny_onnx  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 
@@ -48,8 +46,7 @@ from services.db.session import make_session_factory, transaction  # noqa: E402
 from tunefarm.models.finish import compare, extract_archive  # noqa: E402
 from tunefarm.models.importer import random_inputs, run_onnxruntime  # noqa: E402
 from tunefarm.records import MeasureRecord  # noqa: E402
-from tunefarm_app.farm_client import ClientSettings, FarmClient  # noqa: E402
-from tunefarm_app.farm_local import FarmConfig, LocalFarm, down, up  # noqa: E402
+from tunefarm_app.farm_local import LocalFarm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -62,56 +59,24 @@ JOB_TIMEOUT = 300.0
 
 @pytest.fixture(scope="module")
 def farm(database_url, tmp_path_factory, aarch64_root):  # noqa: F811
-    import redis
-
-    from services.worker.settings import WorkerSettings
-
     require_cross_compiler()
-    redis_url = WorkerSettings().redis_url
-    try:
-        redis.Redis.from_url(redis_url, socket_connect_timeout=2).ping()
-    except Exception as exc:
-        service_unavailable(f"Redis is not reachable at {redis_url}: {exc}")
-    prefix = f"tftest{uuid.uuid4().hex[:10]}"
-    state = tmp_path_factory.mktemp("armfarm")
-    config = FarmConfig(
-        state_dir=state,
+    with running_farm(
+        state_dir=tmp_path_factory.mktemp("armfarm"),
         database_url=database_url,
-        redis_url=redis_url,
-        queue_prefix=prefix,
         workers=1,
         device_class=CLASS,
         target=TARGET,
         agent_command=[*emulated_python(aarch64_root), "-m", "services.measurer.agent"],
         agent_env=emulated_env(aarch64_root, cpu=QEMU_CPU),
         extra_env={"TUNEFARM_COST_MODEL_WARMUP": "4", "TUNEFARM_POLL_INTERVAL_SECS": "0.1"},
-    )
-    running = up(config, log=lambda msg: None)
-    try:
+    ) as running:
         yield running
-    finally:
-        down(state, grace=5.0)
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(f"*{prefix}*"))
-        if keys:
-            r.delete(*keys)
 
 
 @pytest.fixture(scope="module")
 def client(farm: LocalFarm):
-    info = farm.info
-    with FarmClient(ClientSettings.load(server=info["api_url"], token=info["team_token"])) as c:
+    with team_client(farm) as c:
         yield c
-
-
-def wait_done(client: FarmClient, job_id: int) -> dict:
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while True:
-        job = client.job(job_id)
-        if job["state"] in ("succeeded", "failed", "cancelled"):
-            return job
-        assert time.monotonic() < deadline, f"job {job_id} stuck: {json.dumps(job)[:600]}"
-        time.sleep(0.5)
 
 
 def test_the_emulated_agent_registered_as_an_aarch64_board(farm, client):
@@ -129,7 +94,7 @@ def test_a_model_is_tuned_for_the_aarch64_class_through_the_emulated_agent(
     onnx_path = tiny_onnx(tmp_path / "tiny.onnx")
     model = client.upload_model(onnx_path, {"x": [1, 3, 8, 8]})
     job = client.create_job(model_id=model["id"], device_class=CLASS, trial_budget=TRIALS)
-    job = wait_done(client, job["id"])
+    job = wait_for_job(client, job["id"], timeout=JOB_TIMEOUT)
     assert job["state"] == "succeeded", job["error"]
     assert job["trials_used"] == TRIALS and all(t["best_secs"] for t in job["tasks"])
     assert all(t["best_emulated"] for t in job["tasks"])  # the bests are emulated times, and say so

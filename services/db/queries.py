@@ -287,15 +287,20 @@ def lease_next_batch(
             execution_options={"synchronize_session": False},
         )
         session.refresh(batch)
-        session.execute(
-            update(Agent)
-            .where(Agent.id == agent_id, Agent.state != AgentState.DISABLED)
-            .values(state=AgentState.BUSY),
-            execution_options={"synchronize_session": False},
-        )
+        _mark_busy(session, agent_id)
         set_committed_value(lease, "batch", batch)  # loaded, not a change to flush
         return lease
     return None
+
+
+def _mark_busy(session: Session, agent_id: int) -> None:
+    """The agent holds something now (unless an operator disabled it)."""
+    session.execute(
+        update(Agent)
+        .where(Agent.id == agent_id, Agent.state != AgentState.DISABLED)
+        .values(state=AgentState.BUSY),
+        execution_options={"synchronize_session": False},
+    )
 
 
 def _end_active_lease(
@@ -411,12 +416,7 @@ def finish_lease(
 def _held_lease(session: Session, *, lease_id: int, agent_id: int, lock: bool) -> Lease:
     """The lease, if it is active and the agent's; else `LeaseNotHeld` (`NotFound` if absent).
     `lock`: FOR UPDATE (the caller changes it), else FOR SHARE (it must not change under us)."""
-    lease = session.scalars(
-        select(Lease)
-        .where(Lease.id == lease_id)
-        .with_for_update(read=not lock)
-        .execution_options(populate_existing=True)
-    ).one_or_none()
+    lease = _row(session, Lease, lease_id, lock=lock)
     if lease is None:
         raise NotFound(f"lease {lease_id}")
     if lease.agent_id != agent_id:
@@ -424,6 +424,16 @@ def _held_lease(session: Session, *, lease_id: int, agent_id: int, lock: bool) -
     if lease.state is not LeaseState.ACTIVE:
         raise LeaseNotHeld(f"lease {lease_id} is {lease.state}")
     return lease
+
+
+def _row(session: Session, entity: Any, row_id: int, *, lock: bool) -> Any:
+    """A row read fresh, locked FOR UPDATE (`lock`: the caller changes it) or FOR SHARE."""
+    return session.scalars(
+        select(entity)
+        .where(entity.id == row_id)
+        .with_for_update(read=not lock)
+        .execution_options(populate_existing=True)
+    ).one_or_none()
 
 
 def mark_agents_offline(session: Session, *, stale_secs: float, now: datetime | None = None) -> list[int]:
@@ -990,12 +1000,7 @@ def lease_model_run(
             .returning(ModelRun),
             execution_options={"populate_existing": True},
         ).one()
-        session.execute(
-            update(Agent)
-            .where(Agent.id == agent_id, Agent.state != AgentState.DISABLED)
-            .values(state=AgentState.BUSY),
-            execution_options={"synchronize_session": False},
-        )
+        _mark_busy(session, agent_id)
         return leased
     return None
 
@@ -1003,12 +1008,7 @@ def lease_model_run(
 def held_model_run(session: Session, *, model_run_id: int, agent_id: int, lock: bool = False) -> ModelRun:
     """The model run, if the agent holds it (leased to it, even past `expires_at` until
     another agent leases it); else `LeaseNotHeld` (`NotFound` if absent)."""
-    run = session.scalars(
-        select(ModelRun)
-        .where(ModelRun.id == model_run_id)
-        .with_for_update(read=not lock)
-        .execution_options(populate_existing=True)
-    ).one_or_none()
+    run = _row(session, ModelRun, model_run_id, lock=lock)
     if run is None:
         raise NotFound(f"model run {model_run_id}")
     if run.agent_id != agent_id or run.state is not ModelRunState.LEASED:

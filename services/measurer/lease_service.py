@@ -410,22 +410,13 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         if run is None:
             return None
         log.info("model run %d (job %d) leased to agent %s", run.id, run.job_id, agent.name)
+        def ref(kind: int, path: str, sha256: str, size: int) -> pb.ArtifactRef:
+            return pb.ArtifactRef(kind=kind, id=run.id, file_name=Path(path).name, sha256=sha256, size=size)
+
         return pb.LeasedModelRun(
             model_run_id=run.id,
-            library=pb.ArtifactRef(
-                kind=pb.ARTIFACT_KIND_MODEL_LIBRARY,
-                id=run.id,
-                file_name=Path(run.library_path).name,
-                sha256=run.library_sha256,
-                size=run.library_size,
-            ),
-            inputs=pb.ArtifactRef(
-                kind=pb.ARTIFACT_KIND_MODEL_INPUTS,
-                id=run.id,
-                file_name=Path(run.inputs_path).name,
-                sha256=run.inputs_sha256,
-                size=run.inputs_size,
-            ),
+            library=ref(pb.ARTIFACT_KIND_MODEL_LIBRARY, run.library_path, run.library_sha256, run.library_size),
+            inputs=ref(pb.ARTIFACT_KIND_MODEL_INPUTS, run.inputs_path, run.inputs_sha256, run.inputs_size),
             repeat=run.repeat,
             warmup=run.warmup,
             timeout_secs=run.timeout_secs,
