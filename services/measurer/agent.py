@@ -21,10 +21,12 @@ survived: every call is retried with exponential backoff, the results stream is 
 and the results it had not acknowledged are sent again (storing is idempotent).
 
 Settings come from the command line or the environment (`AgentSettings.from_env`,
-TUNEFARM_AGENT_*). An agent under an emulator (qemu-user) detects it and registers as
-emulated (`capabilities.emulation`; TUNEFARM_AGENT_EMULATED overrides): its kernels'
-outputs are checked as usual, its timings are flagged and never train a cost model. The agent needs only TVM's runtime, numpy, grpcio and protobuf (the
+TUNEFARM_AGENT_*). The agent needs only TVM's runtime, numpy, grpcio and protobuf (the
 `agent` extra): it imports no search, build or database code.
+
+An agent under an emulator (qemu-user) detects it and registers as emulated
+(`capabilities.emulation`; TUNEFARM_AGENT_EMULATED overrides): its kernels' outputs are
+checked as usual, its timings are flagged and never train a cost model.
 """
 
 from __future__ import annotations
