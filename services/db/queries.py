@@ -323,22 +323,19 @@ def heartbeat(
     to now + `lease_secs`. Returns the ids of the leases extended. Raises `NotFound` for
     an unknown agent."""
     at = _now(now)
-    extended = list(
-        session.scalars(
-            update(Lease)
-            .where(Lease.agent_id == agent_id, Lease.state == LeaseState.ACTIVE)
-            .values(expires_at=at + timedelta(seconds=lease_secs))
-            .returning(Lease.id)
+
+    def extend(entity: Any, held: Any) -> list[int]:
+        return list(
+            session.scalars(
+                update(entity)
+                .where(entity.agent_id == agent_id, entity.state == held)
+                .values(expires_at=at + timedelta(seconds=lease_secs))
+                .returning(entity.id)
+            )
         )
-    )
-    runs = list(
-        session.scalars(
-            update(ModelRun)
-            .where(ModelRun.agent_id == agent_id, ModelRun.state == ModelRunState.LEASED)
-            .values(expires_at=at + timedelta(seconds=lease_secs))
-            .returning(ModelRun.id)
-        )
-    )
+
+    extended = extend(Lease, LeaseState.ACTIVE)
+    runs = extend(ModelRun, ModelRunState.LEASED)
     state = case(
         (Agent.state == AgentState.DISABLED, Agent.state),
         else_=AgentState.BUSY if extended or runs else AgentState.IDLE,
