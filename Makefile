@@ -4,7 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser demo test test-fast bench lint proto clean
+# The aarch64 root the emulated ARM agent runs in (outside the repository; see deploy/aarch64-root.sh).
+TUNEFARM_AARCH64_ROOT ?= /var/cache/tunefarm/aarch64-root
+export TUNEFARM_AARCH64_ROOT
+
+.PHONY: setup browser demo test test-fast test-aarch64 aarch64-root bench lint proto clean
 
 setup: $(STAMP)
 
@@ -36,6 +40,17 @@ test: setup
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
+
+# An aarch64 Debian root with the agent's packages, run under qemu-user through binfmt_misc:
+# cross compiler, qemu, the root and the wheels, each step skipped when done (needs root the
+# first time; a few minutes from nothing, about two seconds after).
+aarch64-root: setup
+	PYTHON=$(BIN)/python deploy/aarch64-root.sh
+
+# The ARM tests: cross-compiled kernels and models, and the farm tuning a model for an
+# aarch64 class through the real agent under emulation (also part of `make test`).
+test-aarch64: setup aarch64-root
+	$(BIN)/pytest -q tests/test_aarch64.py tests/test_farm_aarch64.py
 
 bench: setup
 	$(BIN)/tunefarm bench ops --trials 256

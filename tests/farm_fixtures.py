@@ -4,7 +4,10 @@
 - `db_sessions`: a session factory on it (use with `services.db.session.transaction`);
 - `empty_database_url`: a throw-away database per test, not migrated (migration tests);
 - `redis_conn`: a client of the farm's Redis (WorkerSettings' URL), per module; tests keep
-  to keys of their own prefix on it.
+  to keys of their own prefix on it;
+- `running_farm(config_kwargs)`: `farm up` (tunefarm_app.farm_local) on the local Redis
+  with a queue prefix of its own, `farm down` and the prefix's keys removed after;
+  `team_client(farm)` and `wait_for_job(client, job_id)` for talking to it over REST.
 
 The server is the one `DatabaseSettings` names (TUNEFARM_DATABASE_URL); each database is
 `tunefarm_test_<uuid hex>` on it. Tests using these fixtures are skipped when the server
@@ -13,9 +16,13 @@ cannot be reached.
 
 from __future__ import annotations
 
+import json
 import os
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -109,3 +116,55 @@ def placeholder_model(team_id: int, input_shapes: dict | None = None):
         fused_size=1,
         task_table=[],
     )
+
+
+def _terminal(job: dict) -> bool:
+    return job["state"] in ("succeeded", "failed", "cancelled")
+
+
+@contextmanager
+def running_farm(**config: Any) -> Iterator[Any]:
+    """A whole farm on loopback (`FarmConfig(**config)`, with `database_url` and
+    `state_dir` given), on the local Redis under a queue prefix of its own."""
+    import redis
+
+    from services.worker.settings import WorkerSettings
+    from tunefarm_app.farm_local import FarmConfig, down, up
+
+    redis_url = WorkerSettings().redis_url
+    try:
+        redis.Redis.from_url(redis_url, socket_connect_timeout=2).ping()
+    except Exception as exc:
+        service_unavailable(f"Redis is not reachable at {redis_url}: {exc}")
+    prefix = f"tftest{uuid.uuid4().hex[:10]}"
+    state_dir = config["state_dir"]
+    running = up(FarmConfig(redis_url=redis_url, queue_prefix=prefix, **config), log=lambda msg: None)
+    try:
+        yield running
+    finally:
+        down(state_dir, grace=5.0)
+        r = redis.Redis.from_url(redis_url)
+        keys = list(r.scan_iter(f"*{prefix}*"))
+        if keys:
+            r.delete(*keys)
+
+
+@contextmanager
+def team_client(farm: Any) -> Iterator[Any]:
+    """A REST client of the farm with its team token."""
+    from tunefarm_app.farm_client import ClientSettings, FarmClient
+
+    info = farm.info
+    with FarmClient(ClientSettings.load(server=info["api_url"], token=info["team_token"])) as c:
+        yield c
+
+
+def wait_for_job(client: Any, job_id: int, done: Callable[[dict], bool] = _terminal, timeout: float = 240.0) -> dict:
+    """The job once `done` says so (default: in a final state); fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.job(job_id)
+        if done(job):
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} stuck: {json.dumps(job)[:600]}"
+        time.sleep(0.5)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 import pytest
@@ -36,6 +36,8 @@ from services.db.models import (
     Lease,
     LeaseState,
     Measurement,
+    ModelRun,
+    ModelRunState,
     Team,
     Token,
     TokenKind,
@@ -351,6 +353,26 @@ def test_progress_counters_track_best_and_errors(db_sessions):
         assert codec.record_from_json(m.record) == _record(_input(2), None)
 
 
+def test_a_tasks_best_says_whether_an_emulator_measured_it(db_sessions):
+    farm = make_farm(db_sessions, candidates=3)
+    agent = farm.agent_ids[0]
+    held = lease(db_sessions, agent)
+    ids = farm.candidate_ids[held.batch_id]
+    emulated = replace(_record(_input(0), 0.002), emulated=True)
+    with transaction(db_sessions) as s:  # the bulk path (a results stream)
+        queries.record_measurements(
+            s, lease_id=held.id, agent_id=agent, items=[(ids[0], emulated)], fingerprint=FINGERPRINT
+        )
+        assert s.get(JobTask, farm.job_task_id).best_emulated is True
+    record(db_sessions, farm, held, agent, index=1, cost=0.003)  # slower: the best stays emulated
+    with transaction(db_sessions) as s:
+        assert s.get(JobTask, farm.job_task_id).best_emulated is True
+    record(db_sessions, farm, held, agent, index=2, cost=0.001)  # the one path
+    with transaction(db_sessions) as s:
+        task = s.get(JobTask, farm.job_task_id)
+        assert task.best_emulated is False and task.best_cost == 0.001
+
+
 def test_result_under_another_agents_lease_is_refused(db_sessions):
     farm = make_farm(db_sessions)
     a, b = farm.agent_ids
@@ -422,6 +444,50 @@ def test_heartbeat_keeps_a_lease_and_expire_leases_requeues(db_sessions):
         assert a in offline and b not in offline
     again = lease(db_sessions, b)
     assert again is not None and again.batch_id == held.batch_id
+
+
+def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessions):
+    farm = make_farm(db_sessions, batches=1)
+    a, b = farm.agent_ids
+    file = queries.StoredFile("model_runs/x/model.so", "0" * 64, 10)
+
+    def create():
+        with transaction(db_sessions) as s:
+            return queries.create_model_run(
+                s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file, inputs=file,
+                repeat=3, warmup=1, timeout_secs=60.0,
+            ).id  # fmt: skip
+
+    def lease_run(agent_id, now=None):
+        with transaction(db_sessions) as s:
+            run = queries.lease_model_run(s, agent_id=agent_id, lease_secs=LEASE_SECS, max_attempts=2, now=now)
+            return run.id if run is not None else None
+
+    old, run_id = create(), create()
+    with transaction(db_sessions) as s:  # a second run of the job supersedes the first
+        assert s.get(ModelRun, old).state is ModelRunState.FAILED and "superseded" in s.get(ModelRun, old).error
+    t0 = db_now(db_sessions)
+    assert lease_run(a) == run_id
+    assert lease_run(b) is None  # held by a
+    with transaction(db_sessions) as s:
+        queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, now=t0 + timedelta(seconds=50))
+        assert s.get(Agent, a).state is AgentState.BUSY
+    assert lease_run(b, now=t0 + timedelta(seconds=LEASE_SECS + 1)) is None  # extended to t0+110
+    assert lease_run(b, now=t0 + timedelta(seconds=120)) == run_id  # a went silent: b takes it over
+    with transaction(db_sessions) as s, pytest.raises(LeaseNotHeld):
+        queries.finish_model_run(s, model_run_id=run_id, agent_id=a, outputs_path="o.npz", result={})
+    with transaction(db_sessions) as s:
+        done = queries.finish_model_run(s, model_run_id=run_id, agent_id=b, outputs_path="o.npz", result={"agent": "b"})
+        assert done.state is ModelRunState.DONE and done.attempts == 2 and done.finished_at is not None
+    with transaction(db_sessions) as s, pytest.raises(LeaseNotHeld):  # a resent result changes nothing
+        queries.finish_model_run(s, model_run_id=run_id, agent_id=b, outputs_path=None, result={}, error="late")
+    # A run whose agents keep dying fails after max_attempts leases instead of looping.
+    third = create()
+    assert lease_run(a) == third
+    assert lease_run(b, now=t0 + timedelta(seconds=200)) == third
+    assert lease_run(a, now=t0 + timedelta(seconds=400)) is None
+    with transaction(db_sessions) as s:
+        assert s.get(ModelRun, third).state is ModelRunState.FAILED and "leased 2 times" in s.get(ModelRun, third).error
 
 
 def test_finish_with_candidates_missing_requeues_only_what_is_missing(db_sessions):

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -29,6 +29,7 @@ tvm = pytest.importorskip("tvm")
 redis_mod = pytest.importorskip("redis")
 rq = pytest.importorskip("rq")
 
+from aarch64_fixtures import ELF_MACHINE_AARCH64, elf_machine  # noqa: E402
 from farm_fixtures import placeholder_model  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 from tvm import te  # noqa: E402
@@ -59,6 +60,7 @@ from services.worker import jobs  # noqa: E402
 from services.worker.builder import LocalBuilder  # noqa: E402
 from services.worker.queues import build_queue_name  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
+from tunefarm.export import artifact_suffix  # noqa: E402
 from tunefarm.measure import MeasureBatch  # noqa: E402
 from tunefarm.records import Candidate, ErrorKind, MeasureInput, TimingConfig  # noqa: E402
 from tunefarm.target import host_target_dict  # noqa: E402
@@ -400,9 +402,12 @@ def test_agent_service_refuses_team_tokens_and_strangers(farm):
         assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
 
 
-def test_cross_target_batches_are_built_as_tar_archives(farm):
+def test_cross_target_batches_are_built_for_the_board(farm):
+    """An aarch64 class's kernels: shared libraries linked by the cross compiler (an
+    aarch64 ELF), or, without one, .tar archives the board links."""
     wl = gemm(16)
     aarch64 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mattr": ["+neon"]}
+    suffix = artifact_suffix(aarch64)
     with transaction(farm.sessions) as s:
         s.scalars(select(DeviceClass).where(DeviceClass.name == farm.device_class)).one().target = aarch64
     measurer = farm.measurer()
@@ -414,11 +419,56 @@ def test_cross_target_batches_are_built_as_tar_archives(farm):
     assert batch.state is BatchState.READY  # waits for an aarch64 agent
     with transaction(farm.sessions) as s:
         paths = list(s.scalars(select(BatchCandidate.artifact_path).where(BatchCandidate.batch_id == batch.id)))
-    assert len(paths) == 2 and all(p.endswith(".tar") for p in paths)
+    assert len(paths) == 2 and all(p.endswith(suffix) for p in paths)
     assert all((farm.root / p).stat().st_size > 0 for p in paths)
+    if suffix == ".so":
+        assert {elf_machine(farm.root / p) for p in paths} == {ELF_MACHINE_AARCH64}
     measurer.cancel_pending()
     assert {r.error_kind for r in collect_all(measurer, 2, timeout=10)} == {ErrorKind.RUN_ERROR}
     measurer.close()
+
+
+def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_caps):
+    """The path a class the scheduler cannot run takes (here on this host's class, so no
+    emulator is needed): the scheduler's model check queues a model run, an agent
+    leases it, runs the library and sends outputs and latencies, the check compares
+    them with onnxruntime. A library that does not load fails the job; a run no agent
+    takes in time leaves the model unchecked."""
+    pytest.importorskip("onnxruntime")
+    from onnx_models import tiny_onnx
+
+    from services.scheduler.exceptions import JobFailed
+    from services.scheduler.model_check import DeviceRun, check_on_device
+    from tunefarm.models.build import build_model_library
+    from tunefarm.models.finish import load_model
+
+    m = load_model(tiny_onnx(tmp_path / "tiny.onnx"), {"x": [1, 3, 8, 8]}, name="tiny")
+    built = build_model_library(
+        m.tasks.fused_mod, tmp_path / "tuned", target=farm.target, inputs=m.imported.inputs, outputs=m.imported.outputs
+    )
+    with transaction(farm.sessions) as s:
+        class_id = s.scalar(select(DeviceClass.id).where(DeviceClass.name == farm.device_class))
+    where = DeviceRun(
+        farm.sessions, farm.root, job_id=farm.job_id, device_class_id=class_id, device_class=farm.device_class,
+        wait_secs=0.5, stop=threading.Event(), repeat=5, warmup=1, poll_secs=0.05,
+    )  # fmt: skip
+    unchecked = check_on_device(m, built.directory, where)  # no agent yet
+    assert unchecked.check["ok"] is None and "no agent of" in unchecked.check["problem"]
+    assert built.library.is_file()
+
+    where = replace(where, wait_secs=60.0)
+    agent = start_thread_agent(farm, f"{farm.device_class}-m", tmp_path, {**agent_caps, "emulated": False})
+    try:
+        outcome = check_on_device(m, built.directory, where)
+        assert outcome.check["ok"] is True and outcome.check["max_abs_error"] < 1e-4
+        assert outcome.latency["median"] > 0 and outcome.latency["emulated"] is False
+        assert outcome.measured_on["agent"] == f"{farm.device_class}-m" and outcome.measured_on["emulated"] is False
+        built.library.write_bytes(b"not a library")
+        with pytest.raises(JobFailed, match="did not run on"):
+            check_on_device(m, built.directory, where)
+        assert not built.library.exists()  # not kept
+    finally:
+        agent.close()
 
 
 def test_the_agent_imports_no_server_side_packages():

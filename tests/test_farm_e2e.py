@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -30,7 +29,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("grpc")
 pytest.importorskip("rq")
 
-from farm_fixtures import service_unavailable  # noqa: E402
+from farm_fixtures import running_farm, team_client, wait_for_job  # noqa: E402
 from onnx_models import tiny_onnx  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
@@ -41,8 +40,8 @@ from tunefarm.models.finish import compare, extract_archive  # noqa: E402
 from tunefarm.models.importer import random_inputs, run_onnxruntime  # noqa: E402
 from tunefarm.records import MeasureRecord  # noqa: E402
 from tunefarm_app.cli import main as cli  # noqa: E402
-from tunefarm_app.farm_client import ClientSettings, FarmClient  # noqa: E402
-from tunefarm_app.farm_local import FarmConfig, LocalFarm, down, read_state, up  # noqa: E402
+from tunefarm_app.farm_client import FarmClient  # noqa: E402
+from tunefarm_app.farm_local import LocalFarm, read_state  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -51,43 +50,21 @@ JOB_TIMEOUT = 240.0
 
 @pytest.fixture(scope="module")
 def farm(database_url, tmp_path_factory):
-    import redis
-
-    from services.worker.settings import WorkerSettings
-
-    redis_url = WorkerSettings().redis_url
-    try:
-        redis.Redis.from_url(redis_url, socket_connect_timeout=2).ping()
-    except Exception as exc:
-        service_unavailable(f"Redis is not reachable at {redis_url}: {exc}")
-    prefix = f"tftest{uuid.uuid4().hex[:10]}"
-    state = tmp_path_factory.mktemp("farm")
-    config = FarmConfig(
-        state_dir=state,
+    with running_farm(
+        state_dir=tmp_path_factory.mktemp("farm"),
         database_url=database_url,
-        redis_url=redis_url,
-        queue_prefix=prefix,
         workers=2,
         extra_env={
             "TUNEFARM_COST_MODEL_WARMUP": "8",  # the tiny jobs' few measurements train the shared model
             "TUNEFARM_POLL_INTERVAL_SECS": "0.1",
         },
-    )
-    running = up(config, log=lambda msg: None)
-    try:
+    ) as running:
         yield running
-    finally:
-        down(state, grace=5.0)
-        r = redis.Redis.from_url(redis_url)
-        keys = list(r.scan_iter(f"*{prefix}*"))
-        if keys:
-            r.delete(*keys)
 
 
 @pytest.fixture(scope="module")
 def client(farm: LocalFarm):
-    info = farm.info
-    with FarmClient(ClientSettings.load(server=info["api_url"], token=info["team_token"])) as c:
+    with team_client(farm) as c:
         yield c
 
 
@@ -98,13 +75,7 @@ def tiny(tmp_path_factory) -> Path:
 
 def wait_for(client: FarmClient, job_id: int, done=lambda j: j["state"] in ("succeeded", "failed", "cancelled"),
              timeout: float = JOB_TIMEOUT) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        job = client.job(job_id)
-        if done(job):
-            return job
-        assert time.monotonic() < deadline, f"job {job_id} stuck: {json.dumps(job)[:600]}"
-        time.sleep(0.5)
+    return wait_for_job(client, job_id, done, timeout)
 
 
 def measured_twice(sessions_url: str, job_id: int) -> list[str]:

@@ -170,6 +170,7 @@ class RunResult:
     error_msg: str = ""
     verified: bool = False  # output was compared to the reference and matched
     digest: OutputDigest = ()  # fingerprint of the outputs of the warm-up run
+    emulated: bool = False  # ran under an emulator: `costs` are the emulator's, not the device's
 
     @property
     def median(self) -> float:
@@ -245,10 +246,12 @@ class MeasureRecord:
          "sketch": <int>, "sketch_sig": <str>, "decisions": {<slot>: int | [int...]},
          "trace": <TVM Trace.as_json()>, "costs": [seconds...], "error": <ErrorKind>,
          "error_msg": <str>, "build_secs": <float>, "run_secs": <float>,
-         "verified": <bool>, "time": <unix seconds>, "digest": [float...]}
+         "verified": <bool>, "time": <unix seconds>, "digest": [float...], "emulated": true}
 
     `digest` (optional) fingerprints the kernel's outputs, so kernels can be checked
-    against each other when a task has no reference.
+    against each other when a task has no reference. `emulated` (present only when true)
+    says the kernel ran under an emulator (an agent under qemu-user): its output check
+    holds, its costs are the emulator's, not the device's.
     """
 
     task: str
@@ -266,6 +269,7 @@ class MeasureRecord:
     verified: bool
     timestamp: float
     digest: OutputDigest = ()
+    emulated: bool = False
 
     @staticmethod
     def of(result: MeasureResult, *, workload: str, target: dict[str, Any], timestamp: float) -> MeasureRecord:
@@ -288,6 +292,7 @@ class MeasureRecord:
             verified=bool(run is not None and run.verified and not result.error_kind.is_error),
             timestamp=timestamp,
             digest=run.digest if run is not None else (),
+            emulated=bool(run is not None and run.emulated),
         )
 
     @property
@@ -321,6 +326,7 @@ class MeasureRecord:
                 "verified": self.verified,
                 "time": round(self.timestamp, 3),
                 **({"digest": list(self.digest)} if self.digest else {}),
+                **({"emulated": True} if self.emulated else {}),
             },
             separators=(",", ":"),
         )
@@ -346,4 +352,5 @@ class MeasureRecord:
             verified=bool(d.get("verified", False)),
             timestamp=float(d.get("time", 0.0)),
             digest=tuple(float(x) for x in d.get("digest", ())),
+            emulated=bool(d.get("emulated", False)),
         )

@@ -263,8 +263,14 @@ def cmd_devices(args: argparse.Namespace) -> int:
     for a in agents:
         errors = ", ".join(f"{k} {v}" for k, v in sorted(a["errors_by_kind"].items())) or "no errors"
         seen = a["last_heartbeat_at"] or "never"
-        print(f"agent      {a['name']} ({a['device_class']}): {a['state']}, {a['measurements_done']} measured, "
-              f"{errors}; last heartbeat {seen}")
+        caps = a["capabilities"]
+        machine = f"{caps.get('arch', '?')}, {caps.get('logical_cores', '?')} cores"
+        if caps.get("isa_features"):
+            machine += f", {' '.join(caps['isa_features'])}"
+        if caps.get("emulated"):
+            machine += ", EMULATED (timings are the emulator's)"
+        print(f"agent      {a['name']} ({a['device_class']}; {machine}): {a['state']}, "
+              f"{a['measurements_done']} measured, {errors}; last heartbeat {seen}")
     if not classes and not agents:
         print("no device classes or agents yet")
     return 0
@@ -287,7 +293,9 @@ def _print_job(job: dict) -> None:
     print(f"latency    {cost(job['est_latency_secs'])} estimated now, {cost(job['est_latency_start_secs'])} at the start")
     for t in job["tasks"]:
         dead = f"  ({t['dead_reason']})" if t["dead_reason"] else ""
-        print(f"  task     {t['position']}: {t['name']} x{t['weight']}: {t['trials']} trials, best {cost(t['best_secs'])}{dead}")
+        emulated = " (emulated)" if t.get("best_emulated") else ""
+        print(f"  task     {t['position']}: {t['name']} x{t['weight']}: {t['trials']} trials, "
+              f"best {cost(t['best_secs'])}{emulated}{dead}")
     cm = job["cost_model"]
     if cm["trained_on_at_first_batch"] is not None:
         ranked = "at random" if not cm["trained_on_at_first_batch"] else f"by the class's model ({cm['trained_on_at_first_batch']} programs)"
@@ -296,11 +304,16 @@ def _print_job(job: dict) -> None:
         print(f"error      {job['error']}")
     if job["result"]:
         lat = job["result"].get("latency")
+        on = job["result"].get("measured_on") or {}
+        where = f" on {on['agent']}" if on.get("agent") else ""
         if lat:
-            print(f"tuned      {cost(lat['median'])} median, {cost(lat['p90'])} p90")
+            emulated = " (EMULATED: the emulator's time, not the device's)" if lat.get("emulated") else ""
+            print(f"tuned      {cost(lat['median'])} median, {cost(lat['p90'])} p90{where}{emulated}")
         check = job["result"].get("check") or {}
         if check.get("ok"):
-            print(f"check      matches {check['reference']} (max abs error {check['max_abs_error']:.2g})")
+            print(f"check      matches {check['reference']}{where} (max abs error {check['max_abs_error']:.2g})")
+        elif check.get("problem"):
+            print(f"check      {check['problem']}")
     if job["artifact"]["available"]:
         print(f"fetch it   tunefarm fetch {job['id']} --out DIR")
 

@@ -11,8 +11,12 @@ background, each in its own process group with its log in `D/logs/<name>.log`:
     agent          tunefarm agent           measures on this CPU
 
 They share the artifact root `D/artifacts`, the database and Redis (with the queue
-prefix given). `up` waits until the API answers, the lease service listens and the
-agent has registered, then writes `D/farm.json`: the API URL, the gRPC address, a
+prefix given). The class may be another machine's (`FarmConfig.target`, e.g. an aarch64
+board's: the workers cross-compile for it), measured by an agent started another way
+(`agent_command`, `agent_env`: e.g. the agent under qemu-user in an aarch64 root).
+
+`up` waits until the API answers, the lease service listens and the agent has
+registered, then writes `D/farm.json`: the API URL, the gRPC address, a
 team token and an agent token, and the processes (pid, log, command). The tokens are
 in that file only (mode 0600). `down` stops the processes (SIGTERM to each group,
 SIGKILL after a grace period) and marks them stopped in farm.json.
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tunefarm.errors import UsageError
+from tunefarm.export import target_arch
 
 FARM_FILE = "farm.json"
 LOGS_DIR = "logs"
@@ -65,6 +70,9 @@ class FarmConfig:
     team: str = DEFAULT_TEAM
     device_class: str | None = None  # default: detected for this CPU
     extra_env: dict[str, str] = field(default_factory=dict)  # more settings for every process
+    target: dict[str, Any] | None = None  # the class's TVM target; default: this CPU's
+    agent_command: list[str] | None = None  # how the agent starts; default: `tunefarm agent` here
+    agent_env: dict[str, str] = field(default_factory=dict)  # more environment for the agent only
 
     @property
     def artifact_root(self) -> Path:
@@ -107,7 +115,7 @@ class LocalFarm:
             create_database(c.database_url)
         upgrade(c.database_url)
         _check_redis(c.redis_url)
-        target = host_target_dict()
+        target = c.target or host_target_dict()
         class_name = c.device_class or detected_class_name(target)
         sessions = make_session_factory(c.database_url)
         try:
@@ -161,18 +169,20 @@ class LocalFarm:
         }
         for i in range(1, self.config.workers + 1):
             out[f"worker-{i}"] = [*cli, "worker", "--device-class", klass, "--name", f"{self._stem()}-worker-{i}"]
-        out["agent"] = [*cli, "agent"]
+        out["agent"] = list(self.config.agent_command or [*cli, "agent"])
         return out
 
     def _stem(self) -> str:
-        return f"{socket.gethostname()}-{os.getpid()}"
+        """Unique to this farm (RQ refuses a worker name still registered in Redis, and
+        one process may start several farms on one Redis, each with its own prefix)."""
+        return f"{socket.gethostname()}-{self.config.queue_prefix}-{os.getpid()}"
 
     # -- processes ----------------------------------------------------------------------------
 
     def start(self, name: str) -> Process:
         command = self.commands()[name]
         log_path = self.config.state_dir / LOGS_DIR / f"{name}.log"
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **self.env, **(self.config.agent_env if name == "agent" else {})}
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command,
@@ -345,7 +355,8 @@ def read_state(state_dir: Path) -> dict[str, Any]:
 def detected_class_name(target: dict[str, Any]) -> str:
     """This machine's class name, as an agent names it when given none
     (`services.measurer.capabilities.default_device_class`): arch-cpu-cores."""
-    return f"{platform.machine()}-{target.get('mcpu', 'generic')}-{target.get('num-cores', 1)}c"
+    arch = target_arch(target) or platform.machine()
+    return f"{arch}-{target.get('mcpu', 'generic')}-{target.get('num-cores', 1)}c"
 
 
 def log_tail(path: Path, lines: int = 20) -> str:

@@ -244,6 +244,7 @@ def _progress_statement():
                         JobTask.trials,
                         JobTask.best_cost,
                         JobTask.dead_reason,
+                        JobTask.best_emulated,
                     ).op("ORDER BY")(JobTask.position)
                 ),
                 text("'[]'::json"),
@@ -302,7 +303,8 @@ def job_public(session: Session, *, team_id: int, job_id: int) -> JobPublic:
         config=job.config,
         tasks=[
             JobTaskPublic(
-                position=t[0], name=t[1], key=t[2], weight=t[3], trials=t[4], best_secs=t[5], dead_reason=t[6]
+                position=t[0], name=t[1], key=t[2], weight=t[3], trials=t[4], best_secs=t[5], dead_reason=t[6],
+                best_emulated=t[7],
             )
             for t in task_rows
         ],

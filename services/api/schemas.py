@@ -97,6 +97,9 @@ class JobTaskPublic(BaseModel):
     weight: int
     trials: int = Field(description="measurements of this task so far")
     best_secs: float | None = Field(description="its fastest valid kernel so far")
+    best_emulated: bool = Field(
+        default=False, description="that time was measured under an emulator: it is the emulator's, not the device's"
+    )
     dead_reason: str | None = Field(description="why the search stopped giving it trials")
 
 

@@ -17,20 +17,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from services.db.queries import StoredFile
 
 MODELS_DIR = "models"
 STAGING_DIR = "tmp"
 COPY_CHUNK_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    path: str  # relative to the artifact root
-    sha256: str
-    size: int
 
 
 @contextmanager

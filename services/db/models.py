@@ -7,7 +7,9 @@ Map, by who writes what:
   (the curve), `Batch` + `BatchCandidate` (a proposed round), `CostModelVersion`;
 - the build workers: `Workload` task data (`TaskData`), `BatchCandidate` builds, `Batch`
   building -> ready;
-- the lease service (agents): `Agent`, `Lease`, `Measurement`.
+- the lease service (agents): `Agent`, `Lease`, `Measurement`;
+- a tuned model for a class the scheduler cannot run itself: the scheduler writes a
+  `ModelRun`, an agent of the class leases it and the lease service stores its outputs.
 
 Shared across teams and jobs: `Workload` (a fused subgraph, by its structural key),
 `DeviceClass`, `TaskData`, `CostModelVersion` (one series per device class) and the
@@ -112,6 +114,17 @@ class LeaseState(StrEnum):
     EXPIRED = "expired"  # heartbeats stopped before the deadline; the batch went back to the queue
 
 
+class ModelRunState(StrEnum):
+    READY = "ready"  # waiting for an agent of its class
+    LEASED = "leased"  # an agent runs it (until `expires_at`, extended by its heartbeats)
+    DONE = "done"  # ran: outputs and latencies stored
+    FAILED = "failed"  # did not run (the agent's error, too many leases, or superseded)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (ModelRunState.DONE, ModelRunState.FAILED)
+
+
 def _pg_enum(cls: type[StrEnum], name: str) -> Enum:
     """A PostgreSQL enum type holding the members' values (lowercase), not their names."""
     return Enum(cls, name=name, values_callable=lambda e: [m.value for m in e], validate_strings=True)
@@ -123,6 +136,7 @@ JOB_STATE = _pg_enum(JobState, "job_state")
 BATCH_STATE = _pg_enum(BatchState, "batch_state")
 LEASE_STATE = _pg_enum(LeaseState, "lease_state")
 ERROR_KIND = _pg_enum(ErrorKind, "error_kind")
+MODEL_RUN_STATE = _pg_enum(ModelRunState, "model_run_state")
 
 
 class Base(DeclarativeBase):
@@ -378,6 +392,8 @@ class JobTask(Base):
     best_measurement_id: Mapped[int | None] = mapped_column(
         BigInteger, ForeignKey("measurements.id", use_alter=True), nullable=True
     )
+    # The best was measured under an emulator: best_cost is the emulator's time.
+    best_emulated: Mapped[bool] = mapped_column(server_default=text("false"))
     dead_reason: Mapped[str | None]  # why the search gave the task up (space exhausted, ...)
 
     job: Mapped[Job] = relationship(back_populates="tasks")
@@ -522,6 +538,46 @@ class Measurement(Base):
     record: Mapped[dict[str, Any]]  # the MeasureRecord JSON line, parsed
     fingerprint: Mapped[dict[str, Any]]  # environment: TVM version, device capabilities
     created_at: Mapped[datetime] = _created()
+
+
+class ModelRun(Base):
+    """A tuned model run on an agent of its class: once for the outputs the scheduler
+    checks against the reference, then `repeat` timed inferences (the model's latency on
+    the class's device). Made for classes whose code the scheduler's host cannot run
+    (another architecture). `result` holds the latency samples and who ran them:
+    {"latency_samples": [s...], "run_secs", "agent", "emulated", "fingerprint"}.
+    """
+
+    __tablename__ = "model_runs"
+    __table_args__ = (
+        CheckConstraint("attempts >= 0", name="attempts_nonnegative"),
+        CheckConstraint("state <> 'leased' OR (agent_id IS NOT NULL AND expires_at IS NOT NULL)", name="leased_has_agent"),
+        # The queue of a class: ready runs, and leased ones whose lease may have expired.
+        Index("ix_model_runs_queue", "device_class_id", "id", postgresql_where=text("state IN ('ready', 'leased')")),
+        Index("ix_model_runs_job_id", "job_id"),
+    )
+
+    id: Mapped[int] = _pk()
+    job_id: Mapped[int] = _fk("jobs.id", ondelete="CASCADE")
+    device_class_id: Mapped[int] = _fk("device_classes.id")
+    state: Mapped[ModelRunState] = mapped_column(MODEL_RUN_STATE, server_default=ModelRunState.READY.value)
+    library_path: Mapped[str]
+    library_sha256: Mapped[str] = _sha256()
+    library_size: Mapped[int] = mapped_column(BigInteger)
+    inputs_path: Mapped[str]  # .npz: arr_0, arr_1, ... in the model's input order
+    inputs_sha256: Mapped[str] = _sha256()
+    inputs_size: Mapped[int] = mapped_column(BigInteger)
+    repeat: Mapped[int]
+    warmup: Mapped[int]
+    timeout_secs: Mapped[float]
+    attempts: Mapped[int] = mapped_column(server_default=text("0"))  # leases granted so far
+    agent_id: Mapped[int | None] = _fk("agents.id", nullable=True)  # the agent of the latest lease
+    expires_at: Mapped[datetime | None]  # while leased
+    outputs_path: Mapped[str | None]  # .npz: arr_0, arr_1, ... once done
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    error: Mapped[str | None]
+    created_at: Mapped[datetime] = _created()
+    finished_at: Mapped[datetime | None]
 
 
 class CostModelVersion(Base):

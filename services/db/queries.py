@@ -13,7 +13,9 @@ nothing itself. Map:
   `record_build_error` (a candidate that never reached an agent);
 - agents and lost batches: `register_agent`, `release_agent_leases`, `abandon_batch`
   (error results for what a batch that cannot be measured still lacks);
-- cost models: `add_cost_model_version`, `latest_cost_model_version`.
+- cost models: `add_cost_model_version`, `latest_cost_model_version`;
+- model runs (a tuned model run on an agent of its class): `create_model_run`,
+  `lease_model_run`, `finish_model_run`; `heartbeat` extends them like leases.
 
 Time: every `now` argument defaults to the database's clock (`now()`, the transaction's
 start), so hosts with skewed clocks agree; tests pass explicit times.
@@ -24,7 +26,7 @@ active lease is accepted even past `expires_at`, until someone else leases the b
 are refused (`LeaseNotHeld`).
 
 Lock order, kept by every function here so that concurrent callers cannot deadlock:
-batches -> leases -> measurements -> job_tasks -> jobs -> agents. Code elsewhere that
+batches -> leases -> measurements -> job_tasks -> jobs -> model_runs -> agents. Code elsewhere that
 locks several of these in one transaction should keep the same order.
 """
 
@@ -59,6 +61,8 @@ from services.db.models import (
     Lease,
     LeaseState,
     Measurement,
+    ModelRun,
+    ModelRunState,
     Token,
     TokenKind,
     Workload,
@@ -66,6 +70,16 @@ from services.db.models import (
 from tunefarm.records import BuildResult, ErrorKind, MeasureRecord, MeasureResult, RunResult
 
 Now = datetime | ColumnElement[Any]
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """A file in the artifact directory as rows keep it: its path relative to the
+    directory, its sha256 and its size in bytes."""
+
+    path: str
+    sha256: str
+    size: int
 
 
 def _now(now: datetime | None) -> Now:
@@ -273,15 +287,20 @@ def lease_next_batch(
             execution_options={"synchronize_session": False},
         )
         session.refresh(batch)
-        session.execute(
-            update(Agent)
-            .where(Agent.id == agent_id, Agent.state != AgentState.DISABLED)
-            .values(state=AgentState.BUSY),
-            execution_options={"synchronize_session": False},
-        )
+        _mark_busy(session, agent_id)
         set_committed_value(lease, "batch", batch)  # loaded, not a change to flush
         return lease
     return None
+
+
+def _mark_busy(session: Session, agent_id: int) -> None:
+    """The agent holds something now (unless an operator disabled it)."""
+    session.execute(
+        update(Agent)
+        .where(Agent.id == agent_id, Agent.state != AgentState.DISABLED)
+        .values(state=AgentState.BUSY),
+        execution_options={"synchronize_session": False},
+    )
 
 
 def _end_active_lease(
@@ -300,20 +319,26 @@ def _end_active_lease(
 def heartbeat(
     session: Session, *, agent_id: int, lease_secs: float, now: datetime | None = None
 ) -> list[int]:
-    """An agent is alive: record it, and extend its active leases to now + `lease_secs`.
-    Returns the ids of the leases extended. Raises `NotFound` for an unknown agent."""
+    """An agent is alive: record it, and extend its active leases and leased model runs
+    to now + `lease_secs`. Returns the ids of the leases extended. Raises `NotFound` for
+    an unknown agent."""
     at = _now(now)
-    extended = list(
-        session.scalars(
-            update(Lease)
-            .where(Lease.agent_id == agent_id, Lease.state == LeaseState.ACTIVE)
-            .values(expires_at=at + timedelta(seconds=lease_secs))
-            .returning(Lease.id)
+
+    def extend(entity: Any, held: Any) -> list[int]:
+        return list(
+            session.scalars(
+                update(entity)
+                .where(entity.agent_id == agent_id, entity.state == held)
+                .values(expires_at=at + timedelta(seconds=lease_secs))
+                .returning(entity.id)
+            )
         )
-    )
+
+    extended = extend(Lease, LeaseState.ACTIVE)
+    runs = extend(ModelRun, ModelRunState.LEASED)
     state = case(
         (Agent.state == AgentState.DISABLED, Agent.state),
-        else_=AgentState.BUSY if extended else AgentState.IDLE,
+        else_=AgentState.BUSY if extended or runs else AgentState.IDLE,
     )
     found = session.execute(
         update(Agent)
@@ -388,12 +413,7 @@ def finish_lease(
 def _held_lease(session: Session, *, lease_id: int, agent_id: int, lock: bool) -> Lease:
     """The lease, if it is active and the agent's; else `LeaseNotHeld` (`NotFound` if absent).
     `lock`: FOR UPDATE (the caller changes it), else FOR SHARE (it must not change under us)."""
-    lease = session.scalars(
-        select(Lease)
-        .where(Lease.id == lease_id)
-        .with_for_update(read=not lock)
-        .execution_options(populate_existing=True)
-    ).one_or_none()
+    lease = _row(session, Lease, lease_id, lock=lock)
     if lease is None:
         raise NotFound(f"lease {lease_id}")
     if lease.agent_id != agent_id:
@@ -401,6 +421,16 @@ def _held_lease(session: Session, *, lease_id: int, agent_id: int, lock: bool) -
     if lease.state is not LeaseState.ACTIVE:
         raise LeaseNotHeld(f"lease {lease_id} is {lease.state}")
     return lease
+
+
+def _row(session: Session, entity: Any, row_id: int, *, lock: bool) -> Any:
+    """A row read fresh, locked FOR UPDATE (`lock`: the caller changes it) or FOR SHARE."""
+    return session.scalars(
+        select(entity)
+        .where(entity.id == row_id)
+        .with_for_update(read=not lock)
+        .execution_options(populate_existing=True)
+    ).one_or_none()
 
 
 def mark_agents_offline(session: Session, *, stale_secs: float, now: datetime | None = None) -> list[int]:
@@ -535,8 +565,19 @@ def _insert_measurement(
         agent_id=agent_id,
         cost=cost,
         error_kind=str(record.error_kind) if record.error_kind.is_error else None,
+        emulated=record.emulated,
     )
     return Recorded(measurement_id=new_id, created=True)
+
+
+def _new_best(cost: float, measurement_id: int, emulated: bool) -> dict[str, Any]:
+    """A task's best columns after a valid measurement: it, when it is faster."""
+    better = or_(JobTask.best_cost.is_(None), JobTask.best_cost > cost)
+    return {
+        "best_cost": case((better, cost), else_=JobTask.best_cost),
+        "best_measurement_id": case((better, measurement_id), else_=JobTask.best_measurement_id),
+        "best_emulated": case((better, emulated), else_=JobTask.best_emulated),
+    }
 
 
 def _count_measurement(
@@ -548,13 +589,12 @@ def _count_measurement(
     agent_id: int | None,
     cost: float | None,
     error_kind: str | None,
+    emulated: bool = False,
 ) -> None:
     """The precomputed progress a new measurement advances (task, job, agent)."""
     task_values: dict[str, Any] = {"trials": JobTask.trials + 1}
     if cost is not None:
-        better = or_(JobTask.best_cost.is_(None), JobTask.best_cost > cost)
-        task_values["best_cost"] = case((better, cost), else_=JobTask.best_cost)
-        task_values["best_measurement_id"] = case((better, measurement_id), else_=JobTask.best_measurement_id)
+        task_values.update(_new_best(cost, measurement_id, emulated))
     opts = {"synchronize_session": False}
     session.execute(
         update(JobTask).where(JobTask.id == job_task_id).values(**task_values), execution_options=opts
@@ -741,13 +781,10 @@ def _count_measurements(
     new: Sequence[tuple[int, MeasureRecord]],
 ) -> None:
     """`_count_measurement` for several new measurements (id, record) of one task at once."""
-    valid = [(r.cost, mid) for mid, r in new if math.isfinite(r.cost)]
+    valid = [(r.cost, mid, r.emulated) for mid, r in new if math.isfinite(r.cost)]
     task_values: dict[str, Any] = {"trials": JobTask.trials + len(new)}
     if valid:
-        cost, mid = min(valid)
-        better = or_(JobTask.best_cost.is_(None), JobTask.best_cost > cost)
-        task_values["best_cost"] = case((better, cost), else_=JobTask.best_cost)
-        task_values["best_measurement_id"] = case((better, mid), else_=JobTask.best_measurement_id)
+        task_values.update(_new_best(*min(valid)))
     opts = {"synchronize_session": False}
     session.execute(
         update(JobTask).where(JobTask.id == job_task_id).values(**task_values), execution_options=opts
@@ -859,3 +896,146 @@ def latest_cost_model_version(
     if feature_version is not None:
         query = query.where(CostModelVersion.feature_version == feature_version)
     return session.scalars(query.order_by(CostModelVersion.version.desc()).limit(1)).one_or_none()
+
+
+# -- model runs -------------------------------------------------------------------------------
+
+
+def create_model_run(
+    session: Session,
+    *,
+    job_id: int,
+    device_class_id: int,
+    library: StoredFile,
+    inputs: StoredFile,
+    repeat: int,
+    warmup: int,
+    timeout_secs: float,
+    now: datetime | None = None,
+) -> ModelRun:
+    """Queue a tuned model for an agent of the class. The job's earlier runs still open
+    (a restarted scheduler finishing the job again) fail as superseded."""
+    at = _now(now)
+    session.execute(
+        update(ModelRun)
+        .where(ModelRun.job_id == job_id, ModelRun.state.in_([ModelRunState.READY, ModelRunState.LEASED]))
+        .values(state=ModelRunState.FAILED, error="superseded by a newer run of the job", finished_at=at),
+        execution_options={"synchronize_session": False},
+    )
+    return session.scalars(
+        insert(ModelRun).returning(ModelRun),
+        [
+            {
+                "job_id": job_id,
+                "device_class_id": device_class_id,
+                "library_path": library.path,
+                "library_sha256": library.sha256,
+                "library_size": library.size,
+                "inputs_path": inputs.path,
+                "inputs_sha256": inputs.sha256,
+                "inputs_size": inputs.size,
+                "repeat": repeat,
+                "warmup": warmup,
+                "timeout_secs": timeout_secs,
+            }
+        ],
+    ).one()
+
+
+def lease_model_run(
+    session: Session, *, agent_id: int, lease_secs: float, max_attempts: int, now: datetime | None = None
+) -> ModelRun | None:
+    """Lease the oldest model run of the agent's class that is ready, or whose lease
+    expired (its agent stopped heartbeating); None when there is none. A run already
+    leased `max_attempts` times fails instead (no agent finishes it: it may be what kills
+    them). `FOR UPDATE SKIP LOCKED`, like `lease_next_batch`. Raises `NotFound` for an
+    unknown agent."""
+    agent = session.get(Agent, agent_id)
+    if agent is None:
+        raise NotFound(f"agent {agent_id}")
+    if agent.state is AgentState.DISABLED:
+        return None
+    at = _now(now)
+    for _ in range(MAX_LEASE_PROBES):
+        run = session.scalars(
+            select(ModelRun)
+            .where(
+                ModelRun.device_class_id == agent.device_class_id,
+                or_(
+                    ModelRun.state == ModelRunState.READY,
+                    and_(ModelRun.state == ModelRunState.LEASED, ModelRun.expires_at < at),
+                ),
+            )
+            .order_by(ModelRun.id)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+            .execution_options(populate_existing=True)
+        ).one_or_none()
+        if run is None:
+            return None
+        if run.attempts >= max_attempts:
+            session.execute(
+                update(ModelRun)
+                .where(ModelRun.id == run.id)
+                .values(
+                    state=ModelRunState.FAILED,
+                    finished_at=at,
+                    error=f"not run: leased {run.attempts} times and no agent finished it",
+                ),
+                execution_options={"synchronize_session": False},
+            )
+            continue
+        leased = session.scalars(
+            update(ModelRun)
+            .where(ModelRun.id == run.id)
+            .values(
+                state=ModelRunState.LEASED,
+                agent_id=agent_id,
+                expires_at=at + timedelta(seconds=lease_secs),
+                attempts=ModelRun.attempts + 1,
+            )
+            .returning(ModelRun),
+            execution_options={"populate_existing": True},
+        ).one()
+        _mark_busy(session, agent_id)
+        return leased
+    return None
+
+
+def held_model_run(session: Session, *, model_run_id: int, agent_id: int, lock: bool = False) -> ModelRun:
+    """The model run, if the agent holds it (leased to it, even past `expires_at` until
+    another agent leases it); else `LeaseNotHeld` (`NotFound` if absent)."""
+    run = _row(session, ModelRun, model_run_id, lock=lock)
+    if run is None:
+        raise NotFound(f"model run {model_run_id}")
+    if run.agent_id != agent_id or run.state is not ModelRunState.LEASED:
+        raise LeaseNotHeld(f"model run {model_run_id} is not held by agent {agent_id} ({run.state})")
+    return run
+
+
+def finish_model_run(
+    session: Session,
+    *,
+    model_run_id: int,
+    agent_id: int,
+    outputs_path: str | None,
+    result: Mapping[str, Any],
+    error: str = "",
+    now: datetime | None = None,
+) -> ModelRun:
+    """The agent ran (or could not run) the model: done with its outputs, or failed with
+    the agent's error. Raises `LeaseNotHeld` unless the agent holds the run."""
+    held_model_run(session, model_run_id=model_run_id, agent_id=agent_id, lock=True)
+    return session.scalars(
+        update(ModelRun)
+        .where(ModelRun.id == model_run_id)
+        .values(
+            state=ModelRunState.FAILED if error else ModelRunState.DONE,
+            outputs_path=outputs_path,
+            result=dict(result),
+            error=error or None,
+            finished_at=_now(now),
+        )
+        .returning(ModelRun),
+        execution_options={"populate_existing": True},
+    ).one()

@@ -8,6 +8,12 @@ NAT) to the lease service, and loops:
     process with a timeout (`LocalRunner`, the same `run_kernel` as embedded mode) and
     stream each result as soon as it exists -> finish the lease
 
+An agent also runs whole tuned models when the lease service hands it one instead of a
+batch (`LeasedModelRun`: the scheduler cannot run code built for this board): fetch the
+library and its inputs -> run it once for the outputs and time `repeat` inferences in
+the same runner process (`Runner.run_model`) -> send outputs and latencies
+(`ReportModelRun`).
+
 A heartbeat thread keeps the agent's leases alive and tells it when it lost one (the
 batch then goes to another agent, and this one drops it). A bad kernel never takes the
 agent down: a crash, a hang or a wrong output is a result. The server going away is
@@ -17,6 +23,10 @@ and the results it had not acknowledged are sent again (storing is idempotent).
 Settings come from the command line or the environment (`AgentSettings.from_env`,
 TUNEFARM_AGENT_*). The agent needs only TVM's runtime, numpy, grpcio and protobuf (the
 `agent` extra): it imports no search, build or database code.
+
+An agent under an emulator (qemu-user) detects it and registers as emulated
+(`capabilities.emulation`; TUNEFARM_AGENT_EMULATED overrides): its kernels' outputs are
+checked as usual, its timings are flagged and never train a cost model.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ from services.measurer.exceptions import (
 )
 from services.measurer.generated import measurer_pb2 as pb
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc
-from services.measurer.runner import LocalRunner, Runner
+from services.measurer.runner import LocalRunner, ModelRunInput, Runner
 from tunefarm.records import ErrorKind, RunInput, RunResult
 from tunefarm.target import physical_cores
 
@@ -111,6 +121,7 @@ class AgentSettings:
     reconnect_max_secs: float = 30.0  # TUNEFARM_AGENT_RECONNECT_MAX_SECS: longest wait between retries
     rpc_timeout_secs: float = 30.0  # TUNEFARM_AGENT_RPC_TIMEOUT_SECS: deadline of a unary call
     lease_wait_secs: float = 10.0  # TUNEFARM_AGENT_LEASE_WAIT_SECS: deadline of a long-polling LeaseBatch
+    emulated: bool | None = None  # TUNEFARM_AGENT_EMULATED: runs under an emulator; default: detected
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> AgentSettings:
@@ -128,6 +139,7 @@ class AgentSettings:
             "reconnect_max_secs": float,
             "rpc_timeout_secs": float,
             "lease_wait_secs": float,
+            "emulated": _flag,
         }
         values: dict[str, Any] = {}
         for key, parse in kinds.items():
@@ -218,9 +230,11 @@ class Agent:
                 try:
                     if self.agent_id is None:
                         self._register()
-                    batch = self._lease()
-                    if batch is not None:
-                        self._measure(batch)
+                    leased = self._lease()
+                    if isinstance(leased, pb.LeasedBatch):
+                        self._measure(leased)
+                    elif isinstance(leased, pb.LeasedModelRun):
+                        self._run_model(leased)
                     backoff.reset()
                 except UnknownAgent:
                     log.warning("the server does not know this agent any more; registering again")
@@ -251,7 +265,12 @@ class Agent:
         t = threading.Thread(target=start_runner, daemon=True)
         t.start()
         if self._caps is None:
-            self._caps = caps_mod.detect()
+            self._caps = caps_mod.detect(emulated=self.settings.emulated)
+            if self._caps.get("emulated"):
+                log.warning(
+                    "running under an emulator (%s): outputs are checked, timings are the emulator's",
+                    self._caps.get("emulation"),
+                )
         t.join()
         self._runner_error = str(errors[0]) if errors else ""
         if self._runner_error:
@@ -321,7 +340,7 @@ class Agent:
 
     # -- one batch ----------------------------------------------------------------------
 
-    def _lease(self) -> pb.LeasedBatch | None:
+    def _lease(self) -> pb.LeasedBatch | pb.LeasedModelRun | None:
         if getattr(self, "_runner_error", ""):
             # A runner that does not start would turn every kernel into a crash: measure
             # nothing, say so, and try again later.
@@ -332,8 +351,12 @@ class Agent:
         assert self.agent_id is not None
         t0 = time.monotonic()
         resp = self._call(
-            self.stub.LeaseBatch, pb.LeaseBatchRequest(agent_id=self.agent_id), timeout=self.settings.lease_wait_secs
+            self.stub.LeaseBatch,
+            pb.LeaseBatchRequest(agent_id=self.agent_id, model_runs=True),
+            timeout=self.settings.lease_wait_secs,
         )
+        if resp.HasField("model_run"):
+            return resp.model_run
         if not resp.HasField("batch"):
             # The server waits for a batch before answering; one that answers at once (an
             # older server, a short deadline) is not asked again at once.
@@ -434,6 +457,59 @@ class Agent:
         except Exception as exc:  # the runner never raises for a kernel; be sure anyway
             return _error(inp.candidate_key, f"runner failed: {type(exc).__name__}: {exc}")
 
+    # -- one model run ------------------------------------------------------------------
+
+    def _run_model(self, run: pb.LeasedModelRun) -> None:
+        """Fetch, run and report one leased model run (see the module docstring)."""
+        run_dir = self._work / "model_runs" / str(run.model_run_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log.info("model run %d: %d timed inferences", run.model_run_id, run.repeat)
+        try:
+            library = run_dir / _safe_file_name(run.library.file_name, run.model_run_id)
+            inputs = run_dir / "inputs.npz"
+            got = self._fetch_files([(run.library, library), (run.inputs, inputs)], model_run_id=run.model_run_id)
+            outputs = run_dir / "outputs.npz"
+            missing = [why for why in (got.get(i, "not fetched") for i in range(2)) if isinstance(why, str)]
+            if missing:
+                result = pb.ModelRunResult(error=f"files unavailable: {'; '.join(missing)}")
+            else:
+                ran = self.runner.run_model(
+                    ModelRunInput(str(library), str(inputs), str(outputs), run.repeat, run.warmup, run.timeout_secs)
+                )
+                result = pb.ModelRunResult(
+                    latency_samples=ran.latency_samples,
+                    run_secs=ran.run_secs,
+                    error=ran.error,
+                    outputs_npz=b"" if ran.error else outputs.read_bytes(),
+                )
+            result.agent_id = self.agent_id or 0
+            result.model_run_id = run.model_run_id
+            self._report_model_run(result)
+        except LeaseLost as exc:
+            log.warning("model run %d: %s; dropping it", run.model_run_id, exc)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _report_model_run(self, result: pb.ModelRunResult) -> None:
+        """Send a model run's result until the server stored it (retrying while it is
+        away); a refusal (the run was given to another agent) raises `LeaseLost`."""
+        backoff = Backoff(self.settings.reconnect_max_secs)
+        deadline: float | None = None
+        while deadline is None or time.monotonic() < deadline:
+            if deadline is None and self.stop.is_set():
+                deadline = time.monotonic() + STOP_GRACE_SECS
+            try:
+                self._call(self.stub.ReportModelRun, result)
+                log.info("model run %d reported%s", result.model_run_id, f": {result.error}" if result.error else "")
+                return
+            except (LeaseLost, *FATAL_ERRORS):
+                raise
+            except MeasurerError as exc:
+                delay = backoff.next()
+                log.warning("model run %d not reported (%s); retrying in %.1f s", result.model_run_id, exc, delay)
+                self.stop.wait(delay)
+        log.warning("stopped before model run %d was reported", result.model_run_id)
+
     # -- files --------------------------------------------------------------------------
 
     def _fetch(self, batch: pb.LeasedBatch, lease_dir: Path) -> tuple[dict[int, Path | str], Path | str]:
@@ -460,22 +536,7 @@ class Agent:
                 task_data.touch()  # most recently used
             else:
                 wanted.append((td_ref, task_data))
-        done: dict[int, Path | str] = {}  # index in `wanted` -> path or error
-        backoff = Backoff(self.settings.reconnect_max_secs)
-        for attempt in range(FETCH_ATTEMPTS):
-            todo = [i for i in range(len(wanted)) if i not in done]
-            if not todo:
-                break
-            try:
-                self._fetch_once(batch.lease_id, [wanted[i] for i in todo], todo, done)
-            except LeaseLost:
-                raise
-            except MeasurerError as exc:
-                if isinstance(exc, FATAL_ERRORS) or attempt == FETCH_ATTEMPTS - 1:
-                    for i in todo:
-                        done.setdefault(i, f"fetch failed: {exc}")
-                    break
-                self.stop.wait(backoff.next())
+        done = self._fetch_files(wanted, lease_id=batch.lease_id)
         for i, (ref, _) in enumerate(wanted):
             got = done.get(i, "not fetched")
             if ref.kind == pb.ARTIFACT_KIND_TASK_DATA:
@@ -486,11 +547,43 @@ class Agent:
             _evict(cache, keep=TASK_DATA_CACHE)
         return out, task_data
 
+    def _fetch_files(
+        self, wanted: list[tuple[pb.ArtifactRef, Path]], *, lease_id: int = 0, model_run_id: int = 0
+    ) -> dict[int, Path | str]:
+        """Download the files of a lease (or of a model run) to their paths: one Fetch
+        stream, retried for what is missing after a transport error. Returns, by index
+        in `wanted`, each file's path or why it is unavailable."""
+        done: dict[int, Path | str] = {}
+        backoff = Backoff(self.settings.reconnect_max_secs)
+        for attempt in range(FETCH_ATTEMPTS):
+            todo = [i for i in range(len(wanted)) if i not in done]
+            if not todo:
+                break
+            try:
+                self._fetch_once([wanted[i] for i in todo], todo, done, lease_id=lease_id, model_run_id=model_run_id)
+            except LeaseLost:
+                raise
+            except MeasurerError as exc:
+                if isinstance(exc, FATAL_ERRORS) or attempt == FETCH_ATTEMPTS - 1:
+                    for i in todo:
+                        done.setdefault(i, f"fetch failed: {exc}")
+                    break
+                self.stop.wait(backoff.next())
+        return done
+
     def _fetch_once(
-        self, lease_id: int, files: list[tuple[pb.ArtifactRef, Path]], indices: list[int], done: dict[int, Path | str]
+        self,
+        files: list[tuple[pb.ArtifactRef, Path]],
+        indices: list[int],
+        done: dict[int, Path | str],
+        *,
+        lease_id: int,
+        model_run_id: int,
     ) -> None:
         assert self.agent_id is not None
-        request = pb.FetchRequest(agent_id=self.agent_id, lease_id=lease_id, refs=[ref for ref, _ in files])
+        request = pb.FetchRequest(
+            agent_id=self.agent_id, lease_id=lease_id, model_run_id=model_run_id, refs=[ref for ref, _ in files]
+        )
         sinks: dict[int, _Sink] = {}
         timeout = max(60.0, self.settings.rpc_timeout_secs * 4)
         try:
@@ -725,6 +818,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, dest="num_threads", help="TVM threads per kernel (default: physical cores)")
     p.add_argument("--tls", action="store_true", default=None, help="connect with TLS")
     p.add_argument("--ca-file", type=Path, help="PEM roots to trust (implies --tls)")
+    p.add_argument(
+        "--emulated",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="this agent runs under an emulator: its timings are not the device's (default: detected)",
+    )
     return p
 
 

@@ -7,18 +7,22 @@ rows keep paths relative to it. Agents never see it: they fetch files over gRPC.
     kernels/<sha1>.so | .tar     built kernels (services.worker.builder names them)
     task_data/<workload id>.npz  inputs and expected outputs of a workload
     workloads/<workload id>.json the workload's IRModule, for the builders
+    model_runs/<job id>/<uuid>/  a tuned model run on an agent: model.so, inputs.npz,
+                                 and the outputs.npz the agent sent back
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 KERNELS_DIR = "kernels"
 TASK_DATA_DIR = "task_data"
 WORKLOADS_DIR = "workloads"
+MODEL_RUNS_DIR = "model_runs"
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 """Bytes per Fetch chunk: well under gRPC's 4 MiB message limit, large enough that a
@@ -67,3 +71,20 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def put(root: str | os.PathLike[str], relative: str, data: bytes | Path) -> tuple[str, int]:
+    """Write `data` (bytes, or a file's content) to `relative` under the root, atomically
+    (a reader never sees half a file); returns its sha256 and size."""
+    dest = resolve(root, relative)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    try:
+        if isinstance(data, Path):
+            shutil.copyfile(data, tmp)
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return file_sha256(dest), dest.stat().st_size

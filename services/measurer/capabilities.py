@@ -4,14 +4,34 @@
 in the agent's own process, and asks TVM for the rest (`probe_tvm`: TVM's version,
 LLVM's name for the CPU, the host target dict, a CUDA GPU's name and compute capability)
 in an isolated child process, so that the agent itself never imports TVM.
+
+ARM (aarch64): the ISA features are the kernel's HWCAP bits (`getauxval(AT_HWCAP)` and
+`AT_HWCAP2`, the same bits /proc/cpuinfo's "Features" line prints), named as the kernel
+names them: `asimd` is NEON, `asimddp` the dot product instructions, `sve`/`sve2` the
+scalable vectors, `i8mm`, `bf16`. The agent's target (`agent_target`) is TVM's host
+target with the machine's triple (`aarch64-linux-gnu`: build workers cross-compile for
+it) and, on aarch64, the LLVM features those bits stand for (`+neon`, `+dotprod`, `+sve`...),
+so that a class an agent creates builds for what its CPU has.
+
+Emulation (`emulation`): an agent may run under a user-mode emulator (qemu-user through
+binfmt_misc, which is how the farm tests an aarch64 agent on an x86 machine). The
+process then sees its own architecture (uname, HWCAP, ELF loading are emulated) while
+the kernel's view, which the emulator does not rewrite, is the host's: the kernel's
+architecture (/proc/sys/kernel/arch, or the CPU modalias in sysfs) or the CPU
+/proc/cpuinfo describes is another family than `platform.machine()`. Such an agent
+registers with `emulated: true`; its measurements still check outputs but their costs
+are the emulator's (see the lease service and the shared cost model). The agent's
+`TUNEFARM_AGENT_EMULATED` setting overrides the detection.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,26 +54,158 @@ ISA_FEATURES = frozenset(
 )  # fmt: skip
 """CPU flags worth reporting: those that decide which kernels a machine can run fast."""
 
+AARCH64_HWCAP = (
+    "fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp", "asimdhp",
+    "cpuid", "asimdrdm", "jscvt", "fcma", "lrcpc", "dcpop", "sha3", "sm3", "sm4", "asimddp", "sha512",
+    "sve", "asimdfhm", "dit", "uscat", "ilrcpc", "flagm", "ssbs", "sb", "paca", "pacg",
+)  # fmt: skip
+"""The kernel's names of the AT_HWCAP bits on arm64, bit 0 first (asm/hwcap.h)."""
+
+AARCH64_HWCAP2 = (
+    "dcpodp", "sve2", "sveaes", "svepmull", "svebitperm", "svesha3", "svesm4", "flagm2", "frint",
+    "svei8mm", "svef32mm", "svef64mm", "svebf16", "i8mm", "bf16", "dgh", "rng", "bti", "mte", "ecv",
+    "afp", "rpres", "mte3", "sme",
+)  # fmt: skip
+"""... and of the AT_HWCAP2 bits."""
+
+AARCH64_LLVM_FEATURES = {
+    "asimd": "+neon",
+    "asimdhp": "+fullfp16",
+    "asimddp": "+dotprod",
+    "i8mm": "+i8mm",
+    "bf16": "+bf16",
+    "sve": "+sve",
+    "sve2": "+sve2",
+}
+"""LLVM's `mattr` for the aarch64 features that change the code TVM generates."""
+
+AT_HWCAP, AT_HWCAP2 = 16, 26
+
 PROBE_TIMEOUT_SECS = 120.0
 
 
-def detect(*, probe: bool = True) -> dict[str, Any]:
-    """The capabilities of this machine, as the Register message's fields."""
-    model, features = _cpuinfo()
+def detect(*, probe: bool = True, emulated: bool | None = None) -> dict[str, Any]:
+    """The capabilities of this machine, as the Register message's fields. `emulated`
+    overrides the detection of an emulator (`emulation`)."""
+    machine = platform.machine()
+    cpuinfo = _read("/proc/cpuinfo")
+    model, features = _cpuinfo(cpuinfo)
+    why = emulation(machine, kernel_arch(), cpuinfo)
+    if arch_family(machine) == "arm":
+        hwcaps = _auxv_hwcaps()
+        if hwcaps is not None:  # the process's own view, right under an emulator too
+            features = hwcap_features(*hwcaps)
+    if why:
+        model = f"emulated {machine} ({why})"
     caps: dict[str, Any] = {
         "hostname": socket.gethostname(),
         "os": f"{platform.system()} {platform.release()}",
-        "arch": platform.machine(),
+        "arch": machine,
         "cpu_model": model or platform.processor(),
         "physical_cores": physical_cores(),
         "logical_cores": os.cpu_count() or 1,
         "isa_features": sorted(features & ISA_FEATURES),
         "memory_bytes": _meminfo().get("MemTotal", 0),
         "agent_version": AGENT_VERSION,
+        "emulated": bool(why) if emulated is None else emulated,
+        "emulation": why if emulated is None else ("set by the agent's settings" if emulated else ""),
     }
     if probe:
-        caps.update(probe_in_child())
+        probed = probe_in_child()
+        if probed.get("target_json"):
+            target = agent_target(json.loads(probed["target_json"]), machine, features)
+            probed["target_json"] = json.dumps(target, sort_keys=True)
+        caps.update(probed)
     return caps
+
+
+def agent_target(host: dict[str, Any], machine: str, features: Iterable[str]) -> dict[str, Any]:
+    """The target an agent reports: TVM's host target plus the machine's triple (build
+    workers cross-compile for it) and, on aarch64, the LLVM features of its HWCAP."""
+    target = dict(host)
+    if target.get("kind") != "llvm":
+        return target
+    if platform.system() == "Linux" and "mtriple" not in target:
+        libc = "musl" if platform.libc_ver()[0] not in ("glibc", "") else "gnu"
+        target["mtriple"] = f"{machine}-linux-{libc}"
+    if arch_family(machine) == "arm":
+        have = set(features)
+        mattr = [flag for name, flag in AARCH64_LLVM_FEATURES.items() if name in have]
+        if mattr:
+            target["mattr"] = sorted(set(target.get("mattr", [])) | set(mattr))
+    return target
+
+
+def hwcap_features(hwcap: int, hwcap2: int) -> set[str]:
+    """The aarch64 feature names of AT_HWCAP and AT_HWCAP2 bits."""
+    names = {name for bit, name in enumerate(AARCH64_HWCAP) if hwcap >> bit & 1}
+    return names | {name for bit, name in enumerate(AARCH64_HWCAP2) if hwcap2 >> bit & 1}
+
+
+def _auxv_hwcaps() -> tuple[int, int] | None:
+    """(AT_HWCAP, AT_HWCAP2) of this process, from the C library (None if unavailable)."""
+    try:
+        libc = ctypes.CDLL(None)
+        getauxval = libc.getauxval
+    except (OSError, AttributeError):
+        return None
+    getauxval.restype = ctypes.c_ulong
+    getauxval.argtypes = [ctypes.c_ulong]
+    return int(getauxval(AT_HWCAP)), int(getauxval(AT_HWCAP2))
+
+
+def arch_family(name: str) -> str:
+    """Architectures whose code one CPU runs natively share a family: "x86" (x86_64,
+    i686), "arm" (aarch64, armv7l), "riscv", ...; other names are their own family."""
+    name = name.lower()
+    if name in ("x86", "x86_64", "amd64", "x64") or (len(name) == 4 and name[0] == "i" and name.endswith("86")):
+        return "x86"
+    if name.startswith(("aarch64", "arm")):
+        return "arm"
+    if name.startswith("riscv"):
+        return "riscv"
+    if name.startswith(("ppc", "powerpc")):
+        return "ppc"
+    return name
+
+
+def kernel_arch() -> str:
+    """The running kernel's architecture, as the kernel reports it outside the process
+    (no emulator rewrites these files): /proc/sys/kernel/arch, or the CPU type of
+    /sys/devices/system/cpu/modalias ("cpu:type:x86,..." / "cpu:type:aarch64:..."); "" if neither."""
+    arch = _read("/proc/sys/kernel/arch").strip()
+    if arch:
+        return arch
+    modalias = _read("/sys/devices/system/cpu/modalias")
+    if modalias.startswith("cpu:type:"):
+        return modalias[len("cpu:type:") :].split(":")[0].split(",")[0].strip()
+    return ""
+
+
+def emulation(machine: str, kernel: str, cpuinfo: str) -> str:
+    """Why this process runs under an emulator ("" when nothing says so): the kernel's
+    architecture, or the CPU /proc/cpuinfo describes, is of another family than the
+    process's own (`machine`)."""
+    own = arch_family(machine)
+    if kernel and arch_family(kernel) != own:
+        return f"the process is {machine}, the kernel {kernel}"
+    described = _cpuinfo_family(cpuinfo)
+    if described and described != own:
+        return f"the process is {machine}, /proc/cpuinfo describes an {described} CPU"
+    return ""
+
+
+def _cpuinfo_family(text: str) -> str:
+    """The architecture family whose CPU a /proc/cpuinfo text describes, by the fields
+    only that architecture's kernel prints ("" when it cannot tell)."""
+    keys = {line.partition(":")[0].strip().lower() for line in text.splitlines()}
+    if "vendor_id" in keys and "flags" in keys:
+        return "x86"
+    if "cpu implementer" in keys or "cpu architecture" in keys:
+        return "arm"
+    if "isa" in keys and "mmu" in keys:
+        return "riscv"
+    return ""
 
 
 def probe_in_child(timeout: float = PROBE_TIMEOUT_SECS) -> dict[str, Any]:
@@ -113,11 +265,14 @@ def health_numbers(work_dir: Path) -> dict[str, Any]:
     }
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
+def _read(path: str) -> str:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path(path).read_text()
     except OSError:
-        return "", set()
+        return ""
+
+
+def _cpuinfo(text: str) -> tuple[str, set[str]]:
     model, features = "", set()
     for line in text.splitlines():
         key, _, value = line.partition(":")

@@ -11,7 +11,13 @@ Map:
   `results_flush_max`): one transaction for the results that arrived together, and the
   lease's finish in the same transaction as the last group. Every stored result is
   acknowledged; the agent resends what was not acknowledged after a reconnect, and the
-  unique batch candidate of a measurement makes a resent result a no-op.
+  unique batch candidate of a measurement makes a resent result a no-op. The results of
+  an agent that registered as emulated (`Capabilities.emulated`) are stored as emulated
+  records: their outputs were checked, their costs are the emulator's.
+- Model runs: an agent that asks for them (`LeaseBatchRequest.model_runs`) gets its
+  class's oldest ready `ModelRun` before any batch (it ends a job); `Fetch` serves its
+  library and inputs, `ReportModelRun` stores its outputs under the artifact root and
+  its latencies (flagged emulated as above) in the row, for the scheduler to check.
 - `Sweeper`: a thread that expires leases whose heartbeats stopped (their batches go
   back to the queue), marks silent agents offline, and gives up batches leased
   `max_lease_attempts` times without being finished (`queries.abandon_batch`: their
@@ -31,13 +37,14 @@ import argparse
 import functools
 import json
 import logging
+import platform
 import queue
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -77,6 +84,7 @@ from services.measurer.exceptions import (
 from services.measurer.generated import measurer_pb2 as pb
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc
 from services.measurer.settings import LeaseServiceSettings
+from tunefarm.export import arch_name, target_arch
 from tunefarm.records import BuildResult, MeasureInput, MeasureRecord, MeasureResult, RunResult
 
 log = logging.getLogger("tunefarm.lease_service")
@@ -122,6 +130,7 @@ FINGERPRINT_KEYS = (
     "gpu_compute_capability",
     "tvm_version",
     "agent_version",
+    "emulated",
 )
 """Capabilities of the measuring agent copied into each measurement's fingerprint."""
 
@@ -144,6 +153,7 @@ class _AgentInfo:
     device_class_id: int
     name: str
     fingerprint: dict[str, Any]
+    emulated: bool = False  # registered as running under an emulator: its costs are not the device's
 
 
 class _Auth:
@@ -211,6 +221,7 @@ def _agent_info(row: Agent) -> _AgentInfo:
         device_class_id=row.device_class_id,
         name=row.name,
         fingerprint={"agent": row.name, **{k: caps[k] for k in FINGERPRINT_KEYS if k in caps}},
+        emulated=bool(caps.get("emulated", False)),
     )
 
 
@@ -357,6 +368,10 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             wait = min(wait, max(0.0, remaining - 1.0))
         deadline = time.monotonic() + wait
         while True:
+            if request.model_runs:
+                run = self._tx(lambda s: self._lease_model_run(s, agent))
+                if run is not None:
+                    return pb.LeaseBatchResponse(model_run=run)
             batch = self._tx(lambda s: self._lease_one(s, agent))
             if batch is not None:
                 return pb.LeaseBatchResponse(batch=batch)
@@ -386,6 +401,26 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                 continue
             return self._leased(s, lease, batch, candidates)
         return None
+
+    def _lease_model_run(self, s: Session, agent: _AgentInfo) -> pb.LeasedModelRun | None:
+        st = self.settings
+        run = queries.lease_model_run(
+            s, agent_id=agent.agent_id, lease_secs=st.lease_secs, max_attempts=st.max_lease_attempts
+        )
+        if run is None:
+            return None
+        log.info("model run %d (job %d) leased to agent %s", run.id, run.job_id, agent.name)
+        def ref(kind: int, path: str, sha256: str, size: int) -> pb.ArtifactRef:
+            return pb.ArtifactRef(kind=kind, id=run.id, file_name=Path(path).name, sha256=sha256, size=size)
+
+        return pb.LeasedModelRun(
+            model_run_id=run.id,
+            library=ref(pb.ARTIFACT_KIND_MODEL_LIBRARY, run.library_path, run.library_sha256, run.library_size),
+            inputs=ref(pb.ARTIFACT_KIND_MODEL_INPUTS, run.inputs_path, run.inputs_sha256, run.inputs_size),
+            repeat=run.repeat,
+            warmup=run.warmup,
+            timeout_secs=run.timeout_secs,
+        )
 
     def _leased(self, s: Session, lease: Lease, batch: Batch, candidates: list[BatchCandidate]) -> pb.LeasedBatch:
         wl = s.execute(
@@ -448,6 +483,8 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             yield pb.FetchChunk(parts=parts)
 
     def _fetch_paths(self, s: Session, request: pb.FetchRequest, agent: _AgentInfo) -> list[Path | str]:
+        if request.model_run_id:
+            return self._model_run_paths(s, request, agent)
         lease = _held(s, request.lease_id, agent.agent_id)
         batch = s.get(Batch, lease.batch_id)
         assert batch is not None
@@ -474,16 +511,65 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                 rel = td.path
             else:
                 raise BadRequest(f"unknown artifact kind {ref.kind}")
-            if not rel:
-                out.append("no built kernel")
-                continue
-            try:
-                path = artifacts.resolve(self.artifact_root, rel)
-            except artifacts.OutsideArtifactRoot as exc:
-                out.append(str(exc))
-                continue
-            out.append(path if path.is_file() else f"{rel} is missing from the artifact store")
+            out.append(self._stored(rel) if rel else "no built kernel")
         return out
+
+    def _model_run_paths(self, s: Session, request: pb.FetchRequest, agent: _AgentInfo) -> list[Path | str]:
+        try:
+            run = queries.held_model_run(s, model_run_id=request.model_run_id, agent_id=agent.agent_id)
+        except (db_exc.LeaseNotHeld, db_exc.NotFound) as exc:
+            raise LeaseLost(str(exc)) from None
+        files = {pb.ARTIFACT_KIND_MODEL_LIBRARY: run.library_path, pb.ARTIFACT_KIND_MODEL_INPUTS: run.inputs_path}
+        out: list[Path | str] = []
+        for ref in request.refs:
+            if ref.kind not in files or ref.id != run.id:
+                raise BadRequest(f"model run {run.id} has no file of kind {ref.kind} and id {ref.id}")
+            out.append(self._stored(files[ref.kind]))
+        return out
+
+    def _stored(self, rel: str) -> Path | str:
+        """The file a row's relative path names, or why it cannot be served."""
+        try:
+            path = artifacts.resolve(self.artifact_root, rel)
+        except artifacts.OutsideArtifactRoot as exc:
+            return str(exc)
+        return path if path.is_file() else f"{rel} is missing from the artifact store"
+
+    # -- model runs -----------------------------------------------------------------------
+
+    @_unary
+    def ReportModelRun(self, request: pb.ModelRunResult, context: Any, token_id: int) -> pb.ModelRunAck:
+        agent = self.auth.agent(request.agent_id, token_id)
+        run_id = request.model_run_id
+        lease_error = (db_exc.LeaseNotHeld, db_exc.NotFound)
+        try:
+            run = self._tx(lambda s: queries.held_model_run(s, model_run_id=run_id, agent_id=agent.agent_id))
+        except lease_error as exc:
+            raise LeaseLost(str(exc)) from None
+        outputs: str | None = None
+        if not request.error:
+            if not request.outputs_npz:
+                raise BadRequest(f"model run {run_id}: no outputs and no error")
+            outputs = f"{Path(run.inputs_path).parent.as_posix()}/outputs.npz"
+            artifacts.put(self.artifact_root, outputs, request.outputs_npz)
+        result = {
+            "latency_samples": list(request.latency_samples),
+            "run_secs": request.run_secs,
+            "agent": agent.name,
+            "emulated": agent.emulated,
+            "fingerprint": agent.fingerprint,
+        }
+        try:
+            self._tx(
+                lambda s: queries.finish_model_run(
+                    s, model_run_id=run_id, agent_id=agent.agent_id, outputs_path=outputs, result=result,
+                    error=request.error,
+                )
+            )
+        except lease_error as exc:
+            raise LeaseLost(str(exc)) from None
+        log.info("model run %d %s on agent %s", run_id, f"failed: {request.error}" if request.error else "done", agent.name)
+        return pb.ModelRunAck()
 
     # -- results --------------------------------------------------------------------------
 
@@ -513,7 +599,9 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                         raise BadRequest(f"candidate {msg.result.batch_candidate_id} is not in batch {ctx.batch_id}")
                     if not pending:
                         opened = time.monotonic()
-                    pending.setdefault(msg.result.batch_candidate_id, wire.run_result_from_pb(msg.result))
+                    run = wire.run_result_from_pb(msg.result)
+                    # An emulated agent's costs are the emulator's: its results say so.
+                    pending.setdefault(msg.result.batch_candidate_id, replace(run, emulated=agent.emulated))
                 elif body == "finish":
                     finish = True
             elif isinstance(msg, BaseException):  # the agent went away: keep what it sent
@@ -669,18 +757,17 @@ def given_up_reason(leases: int) -> str:
     )
 
 
-_ARCH_ALIASES = {"arm64": "aarch64", "amd64": "x86_64", "x64": "x86_64"}
-
-
 def _check_compatible(class_name: str, target: dict[str, Any], caps: dict[str, Any]) -> None:
     """Refuse an agent whose machine cannot run its class's kernels at all (another
-    architecture). A different mcpu is only logged: a newer CPU runs an older one's code."""
+    architecture: an aarch64 class needs an aarch64 agent, and a class without an
+    `mtriple`, built for the build workers' own architecture, taken to be this host's,
+    needs an agent of that one). A different mcpu is only logged: a newer CPU runs an
+    older one's code."""
     if target.get("kind") != "llvm":
         return
-    arch = _ARCH_ALIASES.get(str(caps.get("arch", "")), str(caps.get("arch", "")))
-    triple = str(target.get("mtriple", ""))
-    want = _ARCH_ALIASES.get(triple.split("-")[0], triple.split("-")[0]) if triple else ""
-    if want and arch and want != arch:
+    arch = arch_name(str(caps.get("arch", "")))
+    want = target_arch(target) or arch_name(platform.machine())
+    if arch and want != arch:
         raise BadRequest(f"device class {class_name!r} builds for {want}; this agent is {arch}")
     mcpu, own = target.get("mcpu"), caps.get("llvm_cpu")
     if mcpu and own and mcpu != own:
@@ -796,7 +883,7 @@ def make_server(
     servicer = AgentServicer(settings, sessions)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_max_workers, thread_name_prefix="lease-rpc"),
-        options=SERVER_OPTIONS,
+        options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", settings.max_message_bytes)),
     )
     pb_grpc.add_AgentServiceServicer_to_server(servicer, server)
     if settings.tls_cert_file and settings.tls_key_file:

@@ -18,6 +18,12 @@ What one run does (`run_kernel`), following `TimingConfig`:
    caches flushed before each (all arguments but the first); a kernel whose warm-up
    took longer than `slow_cutoff_secs` is timed once; `repeat` 0 times nothing (the
    warm-up call's time is the only cost: runs that only produce outputs).
+
+A runner also runs whole tuned models for the farm (`run_model`, `ModelRunInput`): a
+model built for a device class the scheduler cannot run is sent to an agent of the
+class, which runs it once for its outputs and times `repeat` inferences
+(`tunefarm.models.build.run_job`, the same as `tunefarm run`), in the same process and
+one at a time with the kernels.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +51,28 @@ VERIFY_ATOL = 1e-3
 """Absolute tolerance of the output check, relative to max(1, max |expected|)."""
 
 
+@dataclass(frozen=True)
+class ModelRunInput:
+    """A built model to run: `library` (model.so) on the arrays of `inputs` (.npz,
+    arr_0, arr_1, ... in the model's input order); the outputs go to `outputs` (.npz,
+    arr_0, ...). `warmup` untimed inferences (the first gives the outputs), then `repeat`
+    timed ones."""
+
+    library: str
+    inputs: str
+    outputs: str
+    repeat: int
+    warmup: int
+    timeout_secs: float
+
+
+@dataclass(frozen=True)
+class ModelRunResult:
+    latency_samples: tuple[float, ...]  # seconds per timed inference
+    run_secs: float  # wall time of the whole run
+    error: str = ""  # why the model did not run ("" when it did)
+
+
 class Runner(ABC):
     """Runs and times the built kernels of one measured batch, one kernel at a time."""
 
@@ -61,6 +89,11 @@ class Runner(ABC):
     @abstractmethod
     def close(self) -> None:
         """Called once when tuning is over. The runner is unusable after."""
+
+    def run_model(self, inp: ModelRunInput) -> ModelRunResult:
+        """Run a whole built model (between batches, never during one). Never raises for
+        a model that fails: the result's `error` says why."""
+        return ModelRunResult((), 0.0, f"{type(self).__name__} does not run whole models")
 
     def __enter__(self) -> Runner:
         return self
@@ -95,6 +128,13 @@ class LocalRunner(Runner):
 
     def close(self) -> None:
         self._worker.close()
+
+    def run_model(self, inp: ModelRunInput) -> ModelRunResult:
+        outcome = self._worker.call(_RUN_MODEL_JOB, inp, timeout=inp.timeout_secs)
+        if outcome.status is CallStatus.OK:
+            return ModelRunResult(tuple(outcome.value), outcome.secs)
+        message = outcome.message if outcome.status is not CallStatus.RAISED else summarize_error(outcome.message)
+        return ModelRunResult((), outcome.secs, f"{outcome.status}: {message}")
 
     def _run_one(self, inp: RunInput) -> RunResult:
         outcome = self._worker.call(_RUN_JOB, inp, timeout=inp.timeout_secs)
@@ -152,6 +192,7 @@ def _index(flat: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
 # -- the job, run inside the worker process -----------------------------------------------
 
 _RUN_JOB = f"{__name__}:run_kernel"
+_RUN_MODEL_JOB = f"{__name__}:run_model"
 
 _TASK_DATA_CACHE_SIZE = 4
 """Task data files kept in memory per worker process (keyed by path, mtime and size)."""
@@ -215,6 +256,16 @@ def run_kernel(inp: RunInput) -> RunResult:
     )
     costs = tuple(float(c) for c in evaluator(*args).results)
     return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint)
+
+
+def run_model(inp: ModelRunInput) -> list[float]:
+    """Run a whole model in this process (see `ModelRunInput`); its latency samples.
+    Exceptions (a library that does not load, wrong inputs) propagate."""
+    from tunefarm.models.build import run_job
+
+    outputs, samples = run_job(inp.library, inp.inputs, inp.repeat, inp.warmup)
+    np.savez(inp.outputs, *outputs)
+    return [float(x) for x in samples]
 
 
 def _load_task_data(path: str) -> TaskData:

@@ -16,6 +16,7 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_RESULTS_FLUSH_SECS | 0.05 | results of a stream are stored together within this window |
 | TUNEFARM_RESULTS_FLUSH_MAX | 256 | ... and at most this many per transaction |
 | TUNEFARM_FETCH_CHUNK_BYTES | 262144 | bytes of file data per Fetch message |
+| TUNEFARM_MAX_MESSAGE_BYTES | 67108864 | largest message an agent may send (a model run's outputs) |
 | TUNEFARM_GRPC_MAX_WORKERS | 64 | server threads (each streaming agent holds one or two) |
 | TUNEFARM_TOKEN_CACHE_SECS | 30 | how long a verified token is trusted without asking the database |
 | TUNEFARM_AUTO_CREATE_DEVICE_CLASSES | true | an agent may name a new device class (its detected target) |
@@ -61,6 +62,8 @@ class LeaseServiceSettings(DatabaseSettings):
     results_flush_max: int = 256
     # Bytes per Fetch chunk.
     fetch_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # The largest message the service accepts: a model run's outputs come in one.
+    max_message_bytes: int = 64 * 1024 * 1024
     # Server threads; every agent holds one while streaming results and one per call.
     grpc_max_workers: int = 64
     # A verified token is trusted this long before the database is asked again (revoking

@@ -19,3 +19,8 @@ class JobFailed(SchedulerError):
 
 class JobVanished(SchedulerError):
     """The job's row is gone or no longer this process's to run."""
+
+
+class FinishInterrupted(SchedulerError):
+    """The scheduler stopped while a job was finishing (waiting for a device to run its
+    tuned model): the job stays finishing and the next scheduler finishes it."""

@@ -18,8 +18,10 @@ Life cycle (driven by `service.SchedulerService`):
               ever proposed twice), adopt the batches still in flight, start the session
     step()    one turn of the session (propose while under the fair-share cap, collect)
     finish()  build the tuned model with every task's best schedule, check it against
-              onnxruntime, write model.so, manifest.json, records.jsonl, report.json and
-              pack them into jobs/<id>/tuned.tar.gz (the API hands it out)
+              onnxruntime (here, or for a class this host cannot run on one of the
+              class's agents: `model_check`), write model.so, manifest.json,
+              records.jsonl, report.json and pack them into jobs/<id>/tuned.tar.gz (the
+              API hands it out)
     cancel()  give the job's open batches up and stop
 """
 
@@ -27,12 +29,12 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +45,14 @@ from services.scheduler import job_store
 from services.scheduler.config import TuneConfig
 from services.scheduler.exceptions import JobFailed
 from services.scheduler.job_store import JobSetup
+from services.scheduler.model_check import DeviceRun, check_on_device
 from services.scheduler.session import SessionCallback, TuningSession
 from services.scheduler.shared_model import ClassModel, SharedModelView
 from services.scheduler.task import SearchTask, make_task, structure_kind
 from services.scheduler.task_scheduler import TaskInfo, similarity_tag
 from services.scheduler.tuner import SearchPace, TaskTuner
 from tunefarm.errors import TunefarmError
+from tunefarm.export import is_cross_target
 from tunefarm.measure import MeasureBatch, Measurer
 from tunefarm.models.build import build_model_library
 from tunefarm.models.finish import (
@@ -91,6 +95,10 @@ class RunnerContext:
     measurer_factory: MeasurerFactory
     check_tuned_model: bool
     log: Callable[[str], None]
+    # How long an agent of a class this host cannot run may take to run a tuned model.
+    model_run_wait_secs: float = 1800.0
+    # Set when the service stops: a finish waiting for a device gives up (resumed later).
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 class JobProgressRows(SessionCallback):
@@ -358,6 +366,7 @@ class JobRunner:
                     "latency": outcome.latency,
                     "onnxruntime_latency": outcome.onnxruntime_latency,
                     "check": outcome.check,
+                    "measured_on": outcome.measured_on,
                     "tuned_tasks": sum(1 for r in report["models"][0]["tasks"] if r["schedule"] == "tuned"),
                     "tasks": len(report["models"][0]["tasks"]),
                 }
@@ -371,10 +380,15 @@ class JobRunner:
         self.log(f"succeeded: tuned model in {rel} ({size} bytes)")
 
     def _build(self, m: LoadedModel, directory: Path, schedules: dict[str, Any]) -> ModelOutcome:
-        target = self.setup.target
+        """Build the tuned model; check and time it here when this host runs the class's
+        target, on an agent of the class otherwise (`model_check`)."""
+        s = self.setup
+        target = s.target
         try:
             if self.ctx.check_tuned_model and runs_here(target):
-                return finish_model(m, directory, target, schedules, log=self.log)
+                outcome = finish_model(m, directory, target, schedules, log=self.log)
+                here = {"on": "the scheduler's host", "device_class": s.device_class, "agent": None, "emulated": False}
+                return replace(outcome, measured_on=here)
             build_model_library(
                 m.tasks.fused_mod,
                 directory,
@@ -384,8 +398,18 @@ class JobRunner:
                 schedules={t.key: schedules.get(t.key) for t in m.tasks.tasks},
                 name=m.name,
             )
-            why = "not run: this host cannot run the class's target" if self.ctx.check_tuned_model else "disabled"
-            check = {"ok": None, "reference": "onnxruntime", "problem": why}
+            if self.ctx.check_tuned_model:
+                where = DeviceRun(
+                    self.ctx.sessions,
+                    self.ctx.artifact_root,
+                    job_id=self.job_id,
+                    device_class_id=s.device_class_id,
+                    device_class=s.device_class,
+                    wait_secs=self.ctx.model_run_wait_secs,
+                    stop=self.ctx.stop,
+                )
+                return check_on_device(m, directory, where, log=self.log)
+            check = {"ok": None, "reference": "onnxruntime", "problem": "disabled"}
             return ModelOutcome(m.name, directory, None, check, None, None)
         except TunefarmError as exc:
             raise JobFailed(str(exc)) from None
@@ -423,7 +447,4 @@ class JobRunner:
 def runs_here(target: dict[str, Any]) -> bool:
     """Whether this host can run code built for `target` (a CPU target for its own
     architecture): the tuned model is then checked here against onnxruntime."""
-    if target.get("kind") != "llvm":
-        return False
-    triple = str(target.get("mtriple", ""))
-    return not triple or triple.split("-")[0] in {platform.machine(), platform.machine().replace("arm64", "aarch64")}
+    return target.get("kind") == "llvm" and not is_cross_target(target)

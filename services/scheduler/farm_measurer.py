@@ -529,7 +529,14 @@ def result_from_record(record: MeasureRecord, *, artifact: str | None = None) ->
         return MeasureResult(inp, build, None)
     build = BuildResult(inp.key, artifact, record.build_secs)
     run = RunResult(
-        inp.key, record.costs, record.run_secs, record.error_kind, record.error_msg, record.verified, record.digest
+        inp.key,
+        record.costs,
+        record.run_secs,
+        record.error_kind,
+        record.error_msg,
+        record.verified,
+        record.digest,
+        record.emulated,
     )
     return MeasureResult(inp, build, run)
 

@@ -15,8 +15,9 @@ One loop, one pass at a time (`SchedulerService.run_once`):
 3. step every job once, round-robin (propose under its cap, collect what landed); a
    job whose cancel was requested stops and gives its open batches up; a job whose
    budget is spent starts finishing: the tuned model is built, checked against
-   onnxruntime and archived in a worker thread (the builds run in child processes), and
-   the job succeeds (or fails with the reason);
+   onnxruntime and archived in a worker thread (the builds run in child processes; a
+   class this host cannot run has its model run by one of its agents, which the thread
+   waits for: `model_check`), and the job succeeds (or fails with the reason);
 4. the shared cost models (`shared_model.ClassModels`) learn the measurements that
    landed, per class, and save a new version every so often and whenever a job ends.
 
@@ -45,13 +46,16 @@ from services.db.exceptions import Contention, DatabaseError, Unavailable
 from services.db.models import JobState
 from services.db.session import make_session_factory, transaction
 from services.scheduler import job_store
-from services.scheduler.exceptions import JobFailed, JobVanished
+from services.scheduler.exceptions import FinishInterrupted, JobFailed, JobVanished
 from services.scheduler.farm_job import JobRunner, MeasurerFactory, RunnerContext
 from services.scheduler.job_store import JobSetup
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.shared_model import ClassModels
 
 log = logging.getLogger("tunefarm.scheduler")
+
+FINISHING_THREADS = 4
+"""Jobs finished at the same time (each builds its model in a child process)."""
 
 LOCK_NAMESPACE = 0x74660001
 """First key of the per-job advisory locks (`pg_try_advisory_lock(LOCK_NAMESPACE, job id)`)."""
@@ -110,6 +114,7 @@ class SchedulerService:
             measurer_factory=measurer_factory,
             check_tuned_model=settings.check_tuned_model,
             log=self.log,
+            model_run_wait_secs=settings.model_run_wait_secs,
         )
         self.models = ClassModels(
             self.sessions,
@@ -121,7 +126,8 @@ class SchedulerService:
         )
         self.runners: dict[int, JobRunner] = {}
         self.finishing: dict[int, tuple[JobRunner, Future[None]]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finish")
+        # Finishing jobs: one may wait long for an agent to run its model while others build.
+        self._executor = ThreadPoolExecutor(max_workers=FINISHING_THREADS, thread_name_prefix="finish")
         self._locks: Connection | None = None
         self._held: set[int] = set()
 
@@ -276,6 +282,8 @@ class SchedulerService:
             error = future.exception()
             if isinstance(error, JobFailed):
                 self._fail(job_id, str(error))
+            elif isinstance(error, FinishInterrupted):
+                self.log(f"job {job_id}: {error}; it finishes on the next pick")
             elif isinstance(error, (Unavailable, Contention)):
                 self.log(f"job {job_id}: database trouble while finishing ({error}); it finishes on the next pick")
             elif error is not None:
@@ -392,6 +400,7 @@ class SchedulerService:
     def close(self) -> None:
         """Stop every job where it is (batches in flight stay in the farm), save the cost
         models, release the locks."""
+        self.ctx.stop.set()  # a finish waiting for a device gives up; the job stays finishing
         for job_id in list(self.runners):
             self._drop(job_id)
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -16,6 +16,7 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_COST_MODEL_SAVE_EVERY | 256 | new measurements between two saved versions of a class's model |
 | TUNEFARM_COST_MODEL_CATCH_UP_SECS | 10 | how often a class's model reads measurements made elsewhere |
 | TUNEFARM_CHECK_TUNED_MODEL | true | run the tuned model against onnxruntime before keeping it |
+| TUNEFARM_MODEL_RUN_WAIT_SECS | 1800 | how long an agent may take to run a tuned model this host cannot run |
 | TUNEFARM_SCHEDULER_HEARTBEAT_FILE | unset | touched after every pass (a container's health check reads its age) |
 """
 
@@ -57,9 +58,12 @@ class SchedulerSettings(DatabaseSettings):
     cost_model_warmup: int = 32
     cost_model_save_every: int = 256
     cost_model_catch_up_secs: float = 10.0
-    # Run the tuned model and compare it with onnxruntime before keeping it (only where
-    # this host can run the class's target; otherwise the report says it was not run).
+    # Run the tuned model and compare it with onnxruntime before keeping it: here when
+    # this host can run the class's target, otherwise on an agent of the class (a model
+    # run), which has model_run_wait_secs to pick it up and run it (then it is kept
+    # unchecked and the report says so).
     check_tuned_model: bool = True
+    model_run_wait_secs: float = 1800.0
     # A file touched after every pass of the loop: its age tells a health check that the
     # loop is alive (None: no file).
     scheduler_heartbeat_file: Path | None = None

@@ -21,6 +21,15 @@ already ranked by a trained model) instead of from random scores.
   `cost_models/<class id>/<sha256>.npz`), the training size and the last measurement id
   it includes, so the next version trains on what came after it.
 
+Emulated measurements never train it: a kernel timed by an agent under an emulator
+(`MeasureRecord.emulated`, e.g. an aarch64 agent under qemu-user) has a checked output
+but the emulator's cost, which ranks programs by how fast the emulator translates them,
+not by how fast the board runs them. `catch_up` passes over them (they still count as
+seen). A job on an emulated class still makes progress: its tuners keep each task's
+fastest verified kernel by the emulated cost (flagged as such in the records and the
+report), and propose with the class's model as it is (random scores while it has learnt
+nothing).
+
 Features: a measurement's features come from its task's program space (the same
 `features_of` the tuner uses). Tasks of running jobs are taken from their tuners; other
 tasks are rebuilt from their workload rows (`make_task`), once per process.
@@ -171,8 +180,8 @@ class ClassModels:
         return shared.dirty or time.monotonic() - shared.last_catch_up >= self.catch_up_secs
 
     def catch_up(self, shared: ClassModel, tasks: Mapping[str, SearchTask] | None = None) -> int:
-        """Learn every measurement of the class after `seen_through` (retraining once per
-        chunk); returns how many were learnt. `tasks` are the search tasks of running
+        """Learn every measurement of the class after `seen_through` but the emulated ones
+        (retraining once per chunk); returns how many were read. `tasks` are the search tasks of running
         jobs by key (their feature caches are reused)."""
         learnt = 0
         while True:
@@ -190,6 +199,8 @@ class ClassModels:
             workloads: dict[str, int] = {}
             for _id, workload_id, data in rows:
                 record = record_from_json(data)
+                if record.emulated:  # the emulator's cost, not the device's: never learnt
+                    continue
                 by_task.setdefault(record.task, []).append(record)
                 workloads[record.task] = workload_id
             for key, records in by_task.items():

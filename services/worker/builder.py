@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import queue
-import shutil
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -21,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tunefarm.export import artifact_suffix, export_library
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
 from tunefarm.records import BuildInput, BuildResult, Stage, TraceJSON, failure_kind
 
@@ -158,7 +158,7 @@ def build_module(workload: str, trace: TraceJSON | None, target: dict[str, Any],
         mod = _step("splitting off the layout transform", layout.kernel_library_module, mod)
     tvm_target = _step("making the target", tvm.target.Target, target)
     ex = _step("compiling", tvm.compile, mod, target=tvm_target)
-    _step("exporting the library", _export, ex, out_path, target)
+    _step("exporting the library", export_library, ex, out_path, target)
     return time.perf_counter() - t0
 
 
@@ -192,62 +192,3 @@ def _apply_trace(mod: Any, trace: TraceJSON) -> Any:
     tvm.s_tir.Trace.apply_json_to_schedule(trace, sch)
     return sch.mod
 
-
-def _export(ex: Any, out_path: str, target: dict[str, Any] | None = None) -> None:
-    """Export under a temporary name, then rename: a reader never loads half a library,
-    and two workers building the same program do not collide. A cross-compiled .so is
-    linked with the target's cross compiler (`cross_compiler`); a .tar needs no linker."""
-    suffix = Path(out_path).suffix or ".so"
-    tmp = f"{out_path}.{os.getpid()}.tmp{suffix}"
-    fcompile = None
-    compiler = cross_compiler(target) if suffix == ".so" and target is not None and is_cross_target(target) else None
-    if compiler is not None:
-        import tvm
-
-        fcompile = tvm.support.cc.cross_compiler(compiler)
-    try:
-        if fcompile is not None:
-            ex.export_library(tmp, fcompile=fcompile)
-        else:
-            ex.export_library(tmp)
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-# -- cross-compilation --------------------------------------------------------------------
-
-_ARCH_ALIASES = {"arm64": "aarch64", "amd64": "x86_64", "x64": "x86_64"}
-
-
-def _arch(name: str) -> str:
-    return _ARCH_ALIASES.get(name, name)
-
-
-def is_cross_target(target: dict[str, Any]) -> bool:
-    """An LLVM target for another architecture than this machine's (its `mtriple`)."""
-    import platform
-
-    triple = str(target.get("mtriple", ""))
-    return target.get("kind") == "llvm" and bool(triple) and _arch(triple.split("-")[0]) != _arch(platform.machine())
-
-
-def cross_compiler(target: dict[str, Any]) -> str | None:
-    """The C++ cross compiler on PATH for a cross target (`<mtriple>-g++`, or its
-    triple without the vendor part, as Debian names them), or None."""
-    triple = str(target.get("mtriple", ""))
-    parts = triple.split("-")
-    names = [f"{triple}-g++"]
-    if len(parts) == 4:  # aarch64-unknown-linux-gnu -> aarch64-linux-gnu
-        names.append(f"{parts[0]}-{parts[2]}-{parts[3]}-g++")
-    return next((n for n in names if shutil.which(n)), None)
-
-
-def artifact_suffix(target: dict[str, Any]) -> str:
-    """How a built kernel is exported: a shared library (.so), or, for a cross target
-    with no cross compiler here, a .tar of object files that the board links at load
-    time (`tvm.runtime.load_module` on a .tar). Build workers never run what they build."""
-    if is_cross_target(target) and cross_compiler(target) is None:
-        return ".tar"
-    return ".so"

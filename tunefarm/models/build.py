@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from tunefarm.errors import ModelError
+from tunefarm.export import export_library
 from tunefarm.isolation import IsolatedWorker, summarize_error
 from tunefarm.records import TensorSpec, TraceJSON
 
@@ -245,21 +246,18 @@ def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: st
         # Weights the schedules store in a rewritten layout: the transforms are split off
         # and folded into the constants now, never run per inference.
         mod = _fold_layouts(mod)
+    target = json.loads(target_json)
     try:
-        ex = tvm.compile(mod, target=tvm.target.Target(json.loads(target_json)))
+        ex = tvm.compile(mod, target=tvm.target.Target(target))
     except Exception as exc:
         raise ModelError(f"compiling failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
-    tmp = f"{lib_path}.{os.getpid()}.tmp.so"
     try:
-        ex.export_library(tmp)
-        os.replace(tmp, lib_path)
+        # A board's target is linked by its cross compiler (tunefarm.export).
+        export_library(ex, lib_path, target)
     except Exception as exc:
         raise ModelError(
             f"exporting the library failed: {summarize_error(f'{type(exc).__name__}: {exc}')}"
         ) from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return {"secs": time.perf_counter() - t0, "scheduled": keys}
 
 

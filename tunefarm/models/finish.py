@@ -158,6 +158,10 @@ class ModelOutcome:
     default_latency: dict | None
     onnxruntime_latency: dict | None = None  # 2 intra-op threads, same input
     error: str = ""
+    # Where the check and the latency were taken when not on this host: a device class's
+    # agent {"device_class", "agent", "emulated", ...}; `emulated` means the latency is
+    # an emulator's, not the device's.
+    measured_on: dict | None = None
 
 
 def finish_model(
@@ -304,6 +308,7 @@ def model_report(
                     "weighted_seconds": best.cost * t.weight if best else None,
                     "gflops": t.flops / best.cost / 1e9 if best and best.cost > 0 else None,
                     "verified": bool(best and best.verified),
+                    "emulated": bool(best and best.emulated),  # best_seconds is an emulator's time
                     "reference": "yes" if tr.verify_available else "none (kernels checked against each other)",
                     "schedule": "tuned" if best else "default build (no valid measurement)",
                     "dead_reason": tr.dead_reason,
@@ -325,6 +330,7 @@ def model_report(
                 "estimated_seconds": estimate,
                 "estimated_seconds_at_start": at_start,
                 "check": o.check,
+                "measured_on": o.measured_on,
                 "error": o.error or None,
                 "warnings": list(m.imported.warnings),
                 "tasks": rows,

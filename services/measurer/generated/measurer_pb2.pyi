@@ -19,6 +19,8 @@ class ArtifactKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ARTIFACT_KIND_UNSPECIFIED: _ClassVar[ArtifactKind]
     ARTIFACT_KIND_KERNEL: _ClassVar[ArtifactKind]
     ARTIFACT_KIND_TASK_DATA: _ClassVar[ArtifactKind]
+    ARTIFACT_KIND_MODEL_LIBRARY: _ClassVar[ArtifactKind]
+    ARTIFACT_KIND_MODEL_INPUTS: _ClassVar[ArtifactKind]
 
 class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +38,8 @@ HEALTH_STATUS_FAILING: HealthStatus
 ARTIFACT_KIND_UNSPECIFIED: ArtifactKind
 ARTIFACT_KIND_KERNEL: ArtifactKind
 ARTIFACT_KIND_TASK_DATA: ArtifactKind
+ARTIFACT_KIND_MODEL_LIBRARY: ArtifactKind
+ARTIFACT_KIND_MODEL_INPUTS: ArtifactKind
 ERROR_KIND_NONE: ErrorKind
 ERROR_KIND_BUILD_ERROR: ErrorKind
 ERROR_KIND_BUILD_TIMEOUT: ErrorKind
@@ -45,7 +49,7 @@ ERROR_KIND_RUN_TIMEOUT: ErrorKind
 ERROR_KIND_WRONG_RESULT: ErrorKind
 
 class Capabilities(_message.Message):
-    __slots__ = ("hostname", "os", "arch", "cpu_model", "physical_cores", "logical_cores", "isa_features", "llvm_cpu", "gpu_name", "gpu_compute_capability", "tvm_version", "agent_version", "target_json", "memory_bytes")
+    __slots__ = ("hostname", "os", "arch", "cpu_model", "physical_cores", "logical_cores", "isa_features", "llvm_cpu", "gpu_name", "gpu_compute_capability", "tvm_version", "agent_version", "target_json", "memory_bytes", "emulated", "emulation")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     OS_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +64,8 @@ class Capabilities(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_JSON_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_FIELD_NUMBER: _ClassVar[int]
+    EMULATION_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     os: str
     arch: str
@@ -74,7 +80,9 @@ class Capabilities(_message.Message):
     agent_version: str
     target_json: str
     memory_bytes: int
-    def __init__(self, hostname: _Optional[str] = ..., os: _Optional[str] = ..., arch: _Optional[str] = ..., cpu_model: _Optional[str] = ..., physical_cores: _Optional[int] = ..., logical_cores: _Optional[int] = ..., isa_features: _Optional[_Iterable[str]] = ..., llvm_cpu: _Optional[str] = ..., gpu_name: _Optional[str] = ..., gpu_compute_capability: _Optional[str] = ..., tvm_version: _Optional[str] = ..., agent_version: _Optional[str] = ..., target_json: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    emulated: bool
+    emulation: str
+    def __init__(self, hostname: _Optional[str] = ..., os: _Optional[str] = ..., arch: _Optional[str] = ..., cpu_model: _Optional[str] = ..., physical_cores: _Optional[int] = ..., logical_cores: _Optional[int] = ..., isa_features: _Optional[_Iterable[str]] = ..., llvm_cpu: _Optional[str] = ..., gpu_name: _Optional[str] = ..., gpu_compute_capability: _Optional[str] = ..., tvm_version: _Optional[str] = ..., agent_version: _Optional[str] = ..., target_json: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., emulated: _Optional[bool] = ..., emulation: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("device_class", "name", "capabilities")
@@ -133,10 +141,12 @@ class HealthResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseBatchRequest(_message.Message):
-    __slots__ = ("agent_id",)
+    __slots__ = ("agent_id", "model_runs")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_RUNS_FIELD_NUMBER: _ClassVar[int]
     agent_id: int
-    def __init__(self, agent_id: _Optional[int] = ...) -> None: ...
+    model_runs: bool
+    def __init__(self, agent_id: _Optional[int] = ..., model_runs: _Optional[bool] = ...) -> None: ...
 
 class ArtifactRef(_message.Message):
     __slots__ = ("kind", "id", "file_name", "sha256", "size")
@@ -200,21 +210,41 @@ class LeasedBatch(_message.Message):
     workload_name: str
     def __init__(self, lease_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[LeasedCandidate, _Mapping]]] = ..., task_data: _Optional[_Union[ArtifactRef, _Mapping]] = ..., n_inputs: _Optional[int] = ..., n_outputs: _Optional[int] = ..., verify: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., run_timeout_secs: _Optional[float] = ..., workload_name: _Optional[str] = ...) -> None: ...
 
+class LeasedModelRun(_message.Message):
+    __slots__ = ("model_run_id", "library", "inputs", "repeat", "warmup", "timeout_secs")
+    MODEL_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LIBRARY_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECS_FIELD_NUMBER: _ClassVar[int]
+    model_run_id: int
+    library: ArtifactRef
+    inputs: ArtifactRef
+    repeat: int
+    warmup: int
+    timeout_secs: float
+    def __init__(self, model_run_id: _Optional[int] = ..., library: _Optional[_Union[ArtifactRef, _Mapping]] = ..., inputs: _Optional[_Union[ArtifactRef, _Mapping]] = ..., repeat: _Optional[int] = ..., warmup: _Optional[int] = ..., timeout_secs: _Optional[float] = ...) -> None: ...
+
 class LeaseBatchResponse(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "model_run")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_RUN_FIELD_NUMBER: _ClassVar[int]
     batch: LeasedBatch
-    def __init__(self, batch: _Optional[_Union[LeasedBatch, _Mapping]] = ...) -> None: ...
+    model_run: LeasedModelRun
+    def __init__(self, batch: _Optional[_Union[LeasedBatch, _Mapping]] = ..., model_run: _Optional[_Union[LeasedModelRun, _Mapping]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("agent_id", "lease_id", "refs")
+    __slots__ = ("agent_id", "lease_id", "refs", "model_run_id")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     REFS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     agent_id: int
     lease_id: int
     refs: _containers.RepeatedCompositeFieldContainer[ArtifactRef]
-    def __init__(self, agent_id: _Optional[int] = ..., lease_id: _Optional[int] = ..., refs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ...) -> None: ...
+    model_run_id: int
+    def __init__(self, agent_id: _Optional[int] = ..., lease_id: _Optional[int] = ..., refs: _Optional[_Iterable[_Union[ArtifactRef, _Mapping]]] = ..., model_run_id: _Optional[int] = ...) -> None: ...
 
 class FilePart(_message.Message):
     __slots__ = ("index", "offset", "data", "last", "total_size", "sha256", "error")
@@ -285,3 +315,23 @@ class ResultAck(_message.Message):
     finished: bool
     batch_state: str
     def __init__(self, batch_candidate_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., batch_state: _Optional[str] = ...) -> None: ...
+
+class ModelRunResult(_message.Message):
+    __slots__ = ("agent_id", "model_run_id", "outputs_npz", "latency_samples", "run_secs", "error")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_NPZ_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RUN_SECS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    agent_id: int
+    model_run_id: int
+    outputs_npz: bytes
+    latency_samples: _containers.RepeatedScalarFieldContainer[float]
+    run_secs: float
+    error: str
+    def __init__(self, agent_id: _Optional[int] = ..., model_run_id: _Optional[int] = ..., outputs_npz: _Optional[bytes] = ..., latency_samples: _Optional[_Iterable[float]] = ..., run_secs: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ModelRunAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

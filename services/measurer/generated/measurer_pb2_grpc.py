@@ -64,6 +64,11 @@ class AgentServiceStub:
                 request_serializer=tunefarm_dot_v1_dot_measurer__pb2.HealthReport.SerializeToString,
                 response_deserializer=tunefarm_dot_v1_dot_measurer__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.ReportModelRun = channel.unary_unary(
+                '/tunefarm.v1.AgentService/ReportModelRun',
+                request_serializer=tunefarm_dot_v1_dot_measurer__pb2.ModelRunResult.SerializeToString,
+                response_deserializer=tunefarm_dot_v1_dot_measurer__pb2.ModelRunAck.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -111,6 +116,13 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportModelRun(self, request, context):
+        """The outputs and latency of a leased model run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.ReportHealth,
                     request_deserializer=tunefarm_dot_v1_dot_measurer__pb2.HealthReport.FromString,
                     response_serializer=tunefarm_dot_v1_dot_measurer__pb2.HealthResponse.SerializeToString,
+            ),
+            'ReportModelRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportModelRun,
+                    request_deserializer=tunefarm_dot_v1_dot_measurer__pb2.ModelRunResult.FromString,
+                    response_serializer=tunefarm_dot_v1_dot_measurer__pb2.ModelRunAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +324,33 @@ class AgentService:
             '/tunefarm.v1.AgentService/ReportHealth',
             tunefarm_dot_v1_dot_measurer__pb2.HealthReport.SerializeToString,
             tunefarm_dot_v1_dot_measurer__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportModelRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tunefarm.v1.AgentService/ReportModelRun',
+            tunefarm_dot_v1_dot_measurer__pb2.ModelRunResult.SerializeToString,
+            tunefarm_dot_v1_dot_measurer__pb2.ModelRunAck.FromString,
             options,
             channel_credentials,
             insecure,

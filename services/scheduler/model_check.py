@@ -1,0 +1,169 @@
+"""A tuned model checked and timed on a device of its class, for classes whose code the
+scheduler's host cannot run (a board of another architecture).
+
+In embedded mode, and in the farm for a class of this host's architecture, the tuned
+model is run here: its output is compared with onnxruntime's and it is timed
+(`tunefarm.models.finish.finish_model`). A model built for an aarch64 board cannot run
+on an x86 scheduler, so `check_on_device` asks an agent of the class instead:
+
+1. the library (cross-compiled for the class) and the model's seeded inputs are stored
+   under the artifact root (`model_runs/<job id>/<uuid>/`) and a `ModelRun` row queues
+   them for the class;
+2. an agent of the class leases it before any batch, runs the model once for its
+   outputs and `repeat` timed inferences, and sends outputs and latencies back (the
+   lease service stores them, with the agent's name and whether it is emulated);
+3. here, the outputs are compared with the reference's on the same inputs (onnxruntime,
+   run on this host: the reference does not depend on the device), exactly as a local
+   check compares them. A mismatch, or a run the agent could not do, fails the job and
+   the library is not kept.
+
+The latency is the device's, and `ModelOutcome.measured_on` says where it came from:
+the agent, its class, and `emulated` when that agent runs under an emulator (then the
+latency is the emulator's, not the board's). A model no agent ran within `wait_secs` is
+kept unchecked; the report says why.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.db import queries
+from services.db.models import ModelRun, ModelRunState
+from services.db.session import transaction
+from services.measurer import artifacts
+from services.scheduler.exceptions import FinishInterrupted, JobFailed
+from tunefarm.models.build import LIBRARY_NAME, RUN_TIMEOUT, LatencyStats
+from tunefarm.models.finish import LATENCY_REPEAT, LoadedModel, ModelOutcome, compare, model_inputs
+
+INPUTS_NAME = "inputs.npz"
+
+POLL_SECS = 0.5
+"""How often the model run's row is read while waiting for an agent."""
+
+
+@dataclass(frozen=True)
+class DeviceRun:
+    """Where a model runs when this host cannot run it: a device class's agents."""
+
+    sessions: sessionmaker[Session]
+    artifact_root: Path
+    job_id: int
+    device_class_id: int
+    device_class: str
+    wait_secs: float  # how long an agent of the class may take to pick it up and run it
+    stop: threading.Event  # set when the scheduler stops: the job is finished by the next one
+    repeat: int = LATENCY_REPEAT
+    warmup: int = 3
+    timeout_secs: float = RUN_TIMEOUT  # the agent's limit for one whole run
+    poll_secs: float = POLL_SECS
+
+
+def check_on_device(
+    m: LoadedModel, directory: Path, where: DeviceRun, *, log: Callable[[str], None] = lambda msg: None
+) -> ModelOutcome:
+    """Run the model built in `directory` on an agent of the class (see the module
+    docstring), compare its outputs with the reference and keep its latency. Raises
+    `JobFailed` when the run failed or the outputs differ (the library is removed), and
+    `FinishInterrupted` when the scheduler stops while waiting."""
+    feeds = model_inputs(m)
+    inputs = [feeds[t.name] for t in m.imported.inputs]
+    run_id = _submit(where, directory / LIBRARY_NAME, inputs)
+    log(f"{m.name}: the tuned model is queued for an agent of {where.device_class} (model run {run_id})")
+    row = _wait(where, run_id)
+    if row is None:
+        why = f"not run: no agent of {where.device_class} ran it within {where.wait_secs:.0f} s"
+        log(f"{m.name}: {why}; the tuned model is kept unchecked")
+        check = {"ok": None, "reference": m.reference_name, "problem": why}
+        return ModelOutcome(m.name, directory, None, check, None, None, measured_on=_measured_on(where, run_id, None))
+    measured_on = _measured_on(where, run_id, row)
+    if row.state is ModelRunState.FAILED:
+        (directory / LIBRARY_NAME).unlink(missing_ok=True)
+        raise JobFailed(f"{m.name}: the tuned model did not run on {measured_on.get('agent') or where.device_class}: {row.error}")
+    outputs = _outputs(where.artifact_root, row)
+    check = compare(outputs, m.reference(feeds))
+    check["reference"] = m.reference_name
+    if not check["ok"]:
+        (directory / LIBRARY_NAME).unlink(missing_ok=True)
+        raise JobFailed(
+            f"{m.name}: the tuned model's output on {measured_on['agent']} differs from {m.reference_name}'s "
+            f"(max abs error {check['max_abs_error']:.3g}, max rel error {check['max_rel_error']:.3g}); "
+            "the library was not kept"
+        )
+    samples = [float(x) for x in (row.result or {}).get("latency_samples", [])]
+    latency = None
+    if samples:
+        stats = LatencyStats.of(samples)
+        latency = {"median": stats.median, "p90": stats.p90, "emulated": measured_on["emulated"]}
+    log(
+        f"{m.name}: checked on {measured_on['agent']}{' (emulated)' if measured_on['emulated'] else ''}: "
+        f"max abs error {check['max_abs_error']:.3g}"
+    )
+    return ModelOutcome(m.name, directory, latency, check, None, None, measured_on=measured_on)
+
+
+def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray]) -> int:
+    rel = f"{artifacts.MODEL_RUNS_DIR}/{where.job_id}/{uuid.uuid4().hex}"
+    buffer = io.BytesIO()
+    np.savez(buffer, *inputs)
+    lib_sha, lib_size = artifacts.put(where.artifact_root, f"{rel}/{LIBRARY_NAME}", library)
+    in_sha, in_size = artifacts.put(where.artifact_root, f"{rel}/{INPUTS_NAME}", buffer.getvalue())
+    with transaction(where.sessions) as s:
+        run = queries.create_model_run(
+            s,
+            job_id=where.job_id,
+            device_class_id=where.device_class_id,
+            library=queries.StoredFile(f"{rel}/{LIBRARY_NAME}", lib_sha, lib_size),
+            inputs=queries.StoredFile(f"{rel}/{INPUTS_NAME}", in_sha, in_size),
+            repeat=where.repeat,
+            warmup=where.warmup,
+            timeout_secs=where.timeout_secs,
+        )
+        return run.id
+
+
+def _wait(where: DeviceRun, run_id: int) -> ModelRun | None:
+    """The run's row once it is done or failed; None after `wait_secs`."""
+    deadline = time.monotonic() + where.wait_secs
+    while True:
+        with transaction(where.sessions) as s:
+            row = s.get(ModelRun, run_id)
+            if row is None:
+                raise JobFailed(f"model run {run_id} vanished")
+            if row.state.is_terminal:
+                s.expunge(row)
+                return row
+        if time.monotonic() >= deadline:
+            return None
+        if where.stop.wait(where.poll_secs):
+            raise FinishInterrupted(f"the scheduler stopped while model run {run_id} was waiting")
+
+
+def _outputs(root: Path, row: ModelRun) -> list[np.ndarray]:
+    if not row.outputs_path:
+        raise JobFailed(f"model run {row.id} is done but has no outputs")
+    try:
+        with np.load(artifacts.resolve(root, row.outputs_path), allow_pickle=False) as data:
+            return [data[f"arr_{i}"] for i in range(len(data.files))]
+    except (OSError, ValueError, KeyError) as exc:
+        raise JobFailed(f"the outputs of model run {row.id} are unreadable: {exc}") from None
+
+
+def _measured_on(where: DeviceRun, run_id: int, row: ModelRun | None) -> dict[str, Any]:
+    result = (row.result if row is not None else None) or {}
+    return {
+        "on": "an agent of the class",
+        "device_class": where.device_class,
+        "agent": result.get("agent"),
+        "emulated": bool(result.get("emulated", False)),
+        "model_run": run_id,
+    }
