@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TUNEFARM_AARCH64_ROOT ?= /var/cache/tunefarm/aarch64-root
 export TUNEFARM_AARCH64_ROOT
 
-.PHONY: setup demo test test-fast test-aarch64 aarch64-root bench lint proto clean
+.PHONY: setup browser demo test test-fast test-aarch64 aarch64-root bench lint proto clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/python -m tunefarm.selfcheck
 	touch $(STAMP)
+
+# Headless Chromium and its driver for the dashboard's browser tests (Debian's packages;
+# does nothing when both are there). CI runs it before `make test`.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then echo "chromium and chromedriver are installed"; \
+	else $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; fi
 
 # The main job on the embedded default: generate a small example CNN (ONNX), tune it end to
 # end on this CPU (about five minutes), then run the tuned model. `tune` prints its speed-up

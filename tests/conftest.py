@@ -6,6 +6,8 @@ benchmark-sized defaults.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 
@@ -23,5 +25,17 @@ def host_target():
     return host_target_dict()
 
 
-# Farm database fixtures (a throw-away PostgreSQL database per module): see farm_fixtures.py.
-from farm_fixtures import database_url, db_sessions, empty_database_url  # noqa: E402, F401
+# Farm database and Redis fixtures (a throw-away PostgreSQL database per module): see farm_fixtures.py.
+from farm_fixtures import database_url, db_sessions, empty_database_url, redis_conn  # noqa: E402, F401
+
+_SESSION_START = time.time()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the dashboard tests wrote their screenshots in this run (tests/browser.py)."""
+    from browser import SCREENSHOTS
+
+    shots = sorted(p for p in SCREENSHOTS.glob("*.png") if p.stat().st_mtime >= _SESSION_START) \
+        if SCREENSHOTS.is_dir() else []
+    if shots:
+        terminalreporter.write_line(f"dashboard screenshots: {SCREENSHOTS} ({', '.join(p.name for p in shots)})")

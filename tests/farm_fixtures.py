@@ -3,6 +3,8 @@
 - `database_url`: a throw-away database per test module, migrated to head, dropped after;
 - `db_sessions`: a session factory on it (use with `services.db.session.transaction`);
 - `empty_database_url`: a throw-away database per test, not migrated (migration tests);
+- `redis_conn`: a client of the farm's Redis (WorkerSettings' URL), per module; tests keep
+  to keys of their own prefix on it;
 - `running_farm(config_kwargs)`: `farm up` (tunefarm_app.farm_local) on the local Redis
   with a queue prefix of its own, `farm down` and the prefix's keys removed after;
   `team_client(farm)` and `wait_for_job(client, job_id)` for talking to it over REST.
@@ -81,6 +83,21 @@ def db_sessions(database_url: str):
         yield factory
     finally:
         factory.kw["bind"].dispose()
+
+
+@pytest.fixture(scope="module")
+def redis_conn():
+    import redis
+
+    from services.worker.settings import WorkerSettings
+
+    conn = redis.Redis.from_url(WorkerSettings().redis_url)
+    try:
+        conn.ping()
+    except redis.exceptions.ConnectionError as exc:
+        service_unavailable(f"Redis is not reachable: {exc}")
+    yield conn
+    conn.close()
 
 
 def placeholder_model(team_id: int, input_shapes: dict | None = None):

@@ -30,7 +30,7 @@ redis_mod = pytest.importorskip("redis")
 rq = pytest.importorskip("rq")
 
 from aarch64_fixtures import ELF_MACHINE_AARCH64, elf_machine  # noqa: E402
-from farm_fixtures import placeholder_model, service_unavailable  # noqa: E402
+from farm_fixtures import placeholder_model  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 from tvm import te  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402
@@ -164,17 +164,6 @@ class Farm:
     def batch_rows(self) -> list[Batch]:
         with transaction(self.sessions) as s:
             return list(s.scalars(select(Batch).where(Batch.job_id == self.job_id).order_by(Batch.id)))
-
-
-@pytest.fixture(scope="module")
-def redis_conn():
-    conn = redis_mod.Redis.from_url(WorkerSettings().redis_url)
-    try:
-        conn.ping()
-    except redis_mod.exceptions.ConnectionError as exc:
-        service_unavailable(f"Redis is not reachable: {exc}")
-    yield conn
-    conn.close()
 
 
 @pytest.fixture(scope="module")

@@ -148,6 +148,9 @@ def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     assert (tmp_path / "cli" / "model.so").is_file()
     assert cli(["cancel", str(job["id"]), *argv]) == 2  # finished: a one-line error
     assert "already succeeded" in capsys.readouterr().err
+    assert cli(["report", str(tmp_path / "cli"), "--html"]) == 0  # the farm's report reads like tune's
+    assert "matches onnxruntime" in capsys.readouterr().out
+    assert 'class="curve"' in (tmp_path / "cli" / "report.html").read_text()
 
 
 def test_a_second_job_starts_from_the_shared_model(farm, client, tiny):

@@ -7,6 +7,7 @@
   tunefarm apply-best RECORDS --out LIB [--workload NAME]
   tunefarm sketches WORKLOAD [--shape ...]
   tunefarm export-ms RECORDS --out DIR
+  tunefarm report DIR [--html [--out FILE]]
   tunefarm bench ops [--trials N]
   tunefarm bench models [--trials N] [--models resnet18,bert_layer] [--json F]
 
@@ -45,6 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tunefarm", description="Ansor-style auto-scheduler for tensor programs.")
+    p.add_argument("--version", action="version", version=version_text(), help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     model_commands.add_commands(sub)
     farm_commands.add_commands(sub)
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--records", type=Path, help="JSON-lines records file (resumed if it exists)")
     t.add_argument("--json", type=Path, help="write the report here")
     t.add_argument("--target", help="TVM target as a JSON dict (default: this host)")
-    t.add_argument("--seed", type=int, default=1)
+    t.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
     t.add_argument("--batch-size", type=int, default=32, help="measurements per round (default 32)")
     t.add_argument("--early-stopping", type=int, help="stop after this many trials without improvement")
     t.add_argument("--cost-model", type=Path, help="load the cost model from this file if it exists; save it there")
@@ -65,33 +67,52 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no live progress line")
 
     a = sub.add_parser("apply-best", help="rebuild the best kernel of a records file, no search")
-    a.add_argument("records", type=Path)
+    a.add_argument("records", type=Path, help="a records file (JSON lines)")
     a.add_argument("--out", type=Path, required=True, help="shared library to write (function 'main')")
     a.add_argument("--workload", help="which workload, when the file holds several")
 
     s = sub.add_parser("sketches", help="print the sketches a workload gets")
-    s.add_argument("workload")
-    s.add_argument("--shape")
+    s.add_argument("workload", help="registry name (matmul, conv2d, ...), file.py:function or a TVMScript file.py")
+    s.add_argument("--shape", help="shape parameters, e.g. M=1024,N=1024,K=1024")
     s.add_argument("--const", action="append", metavar="NAME", help=CONST_HELP)
-    s.add_argument("--target")
+    s.add_argument("--target", help="TVM target as a JSON dict (default: this host)")
 
     e = sub.add_parser("export-ms", help="write the records as a TVM MetaSchedule JSON database")
-    e.add_argument("records", type=Path)
+    e.add_argument("records", type=Path, help="a records file (JSON lines)")
     e.add_argument("--out", type=Path, required=True, help="database directory")
+
+    r = sub.add_parser("report", help="show a tuned model directory's report (latency, check, tasks, rounds)")
+    r.add_argument("directory", type=Path, help="a directory written by `tunefarm tune` or `tunefarm fetch`")
+    r.add_argument("--html", action="store_true", help="also write it as one self-contained HTML file")
+    r.add_argument("--out", type=Path, help="where --html writes (default: DIRECTORY/report.html)")
 
     b = sub.add_parser("bench", help="benchmarks against TVM MetaSchedule and vendor libraries")
     bsub = b.add_subparsers(dest="suite", required=True, parser_class=_Parser)
     bo = bsub.add_parser("ops", help="tune the operator set and compare with the peers")
-    bo.add_argument("--trials", type=int, default=256)
+    bo.add_argument("--trials", type=int, default=256, help="trials per operator (default 256)")
     bo.add_argument("--ops", help="comma-separated subset of the benchmark's op ids")
-    bo.add_argument("--no-metaschedule", action="store_true")
+    bo.add_argument("--no-metaschedule", action="store_true", help="do not tune with TVM MetaSchedule as a peer")
     bo.add_argument("--json", type=Path, help="write the table as JSON here")
     bo.add_argument("--work-dir", type=Path, help="keep records and peer outputs here")
-    bo.add_argument("--seed", type=int, default=1)
+    bo.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
     bench_models.add_command(bsub)
     bench_farm.add_command(bsub)
     bench_math.add_command(bsub)
     return p
+
+
+def version_text() -> str:
+    """`tunefarm --version`: ours, TVM's and Python's."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tunefarm import __version__
+
+    try:
+        tvm = version("apache-tvm")
+    except PackageNotFoundError:
+        tvm = "not installed"
+    return f"tunefarm {__version__} (TVM {tvm}, Python {platform.python_version()})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +147,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _sketches(args)
     if args.command == "export-ms":
         return _export_ms(args)
+    if args.command == "report":
+        return _report(args)
     if args.command == "bench" and args.suite == "models":
         return bench_models.run_models_bench(args)
     if args.command == "bench" and args.suite == "farm":
@@ -213,6 +236,23 @@ def _sketches(args: argparse.Namespace) -> int:
         print(f"sketch {i} ({sk.signature})")
         for line in sk.describe():
             print(f"    {line}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from tunefarm_app.tuned_report import html_report, load_report, print_report
+
+    if args.out and not args.html:
+        raise UsageError("--out is where --html writes: give --html too")
+    file, report = load_report(args.directory)
+    print_report(report, file)
+    if args.html:
+        out = args.out or file.with_name("report.html")
+        if out.is_dir():
+            raise UsageError(f"--out {out} is a directory")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(html_report(report, file))
+        print(f"html       {out}")
     return 0
 
 

@@ -3,6 +3,9 @@ which token) and `FarmClient` (one method per endpoint, errors as one line).
 
 Every failure is a `FarmError` (a `UsageError`: the CLI prints one line and exits 2):
 the API's own JSON error message with its status, or why the farm could not be reached.
+A `TransientFarmError` (no connection, a reset or timed-out request, a 5xx answer) may
+pass: `follow` retries those with a growing pause (`RETRY_PAUSES_SECS`), saying so, and
+gives up once the farm has not answered for `follow_retry_secs`.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ DEFAULT_SERVER = "http://127.0.0.1:8000"
 
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 
-FOLLOW_INTERVAL_SECS = 2.0
-"""Seconds between two polls of `--follow` (and `tunefarm status --follow`)."""
+RETRY_PAUSES_SECS = (1.0, 2.0, 4.0, 8.0, 15.0)
+"""Pauses before the 1st, 2nd, ... retry of a poll that failed; the last one repeats."""
 
 
 class FarmError(UsageError):
     """The farm answered with an error, or could not be reached."""
+
+
+class TransientFarmError(FarmError):
+    """The farm could not be reached, the request broke off or timed out, or the farm
+    answered 5xx: worth asking again."""
 
 
 class ClientSettings(BaseSettings):
@@ -42,10 +50,18 @@ class ClientSettings(BaseSettings):
     token: str
     # Seconds one HTTP request may take (uploads of large models take longer to import).
     http_timeout_secs: float = 600.0
+    # Seconds between two polls of a followed job (`--follow`).
+    follow_interval_secs: float = 2.0
+    # How long `--follow` keeps retrying while the farm does not answer (the --retry-secs flag).
+    follow_retry_secs: float = 300.0
 
     @classmethod
-    def load(cls, *, server: str | None = None, token: str | None = None) -> ClientSettings:
-        given = {k: v for k, v in {"server": server, "token": token}.items() if v}
+    def load(
+        cls, *, server: str | None = None, token: str | None = None, follow_retry_secs: float | None = None
+    ) -> ClientSettings:
+        given: dict[str, Any] = {k: v for k, v in {"server": server, "token": token}.items() if v}
+        if follow_retry_secs is not None:
+            given["follow_retry_secs"] = follow_retry_secs
         try:
             settings = cls(**given)
         except ValidationError:
@@ -61,6 +77,7 @@ class FarmClient:
     def __init__(self, settings: ClientSettings, *, transport: Any = None):
         import httpx
 
+        self.settings = settings
         self.base = settings.server.rstrip("/")
         self.http = httpx.Client(
             base_url=self.base,
@@ -125,19 +142,46 @@ class FarmClient:
             raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
 
     def follow(
-        self, job_id: int, on_change: Callable[[dict], None], *, interval: float = FOLLOW_INTERVAL_SECS
+        self,
+        job_id: int,
+        on_change: Callable[[dict], None],
+        *,
+        on_retry: Callable[[str], None] = lambda message: None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> dict:
-        """Poll the job until it ends; `on_change` sees every new state of it."""
+        """Poll the job until it ends; `on_change` sees every new state of it. A poll that
+        fails transiently is retried (`on_retry` is told why and when) until the farm has
+        not answered for `follow_retry_secs`; then a `FarmError` says so."""
         last = None
+        failing_since: float | None = None
+        attempt = 0
         while True:
-            job = self.job(job_id)
-            view = (job["state"], job["trials_used"], job["est_latency_secs"])
+            try:
+                job = self.job(job_id)
+            except TransientFarmError as exc:
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                down = now - failing_since
+                pause = RETRY_PAUSES_SECS[min(attempt, len(RETRY_PAUSES_SECS) - 1)]
+                if down + pause > self.settings.follow_retry_secs:
+                    raise FarmError(
+                        f"gave up following job {job_id}: no answer from the farm for {down:.0f} s "
+                        f"(last: {exc}); `tunefarm status {job_id} --follow` picks it up again"
+                    ) from None
+                attempt += 1
+                on_retry(f"retrying in {pause:g} s (attempt {attempt}): {exc}")
+                sleep(pause)
+                continue
+            if failing_since is not None:
+                on_retry(f"the farm answers again after {time.monotonic() - failing_since:.0f} s")
+                failing_since, attempt = None, 0
+            view = (job["state"], job["trials_used"], job["est_latency_secs"], job["est_latency_start_secs"])
             if view != last:
                 on_change(job)
                 last = view
             if job["state"] in TERMINAL_STATES:
                 return job
-            time.sleep(interval)
+            sleep(self.settings.follow_interval_secs)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -146,6 +190,8 @@ class FarmClient:
 
         try:
             response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise TransientFarmError(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
         if response.status_code >= 400:
@@ -158,4 +204,10 @@ class FarmClient:
             message = response.json()["error"]["message"]
         except Exception:
             message = response.text.strip()[:300] or response.reason_phrase
-        return FarmError(f"{message} (HTTP {response.status_code})")
+        kind = TransientFarmError if response.status_code >= 500 else FarmError
+        return kind(f"{message} (HTTP {response.status_code})")
+
+
+def _describe(exc: Exception) -> str:
+    """An httpx transport error in a few words (its message can be empty: a reset)."""
+    return str(exc).strip() or type(exc).__name__

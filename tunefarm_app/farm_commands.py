@@ -3,8 +3,8 @@
 A team, against a farm's API (`--server`/`--token`, or TUNEFARM_SERVER/TUNEFARM_TOKEN):
 
   tunefarm submit MODEL.onnx [--input-shape x=1,3,224,224] --device-class C --trials N
-                  [--latency-target MS] [--strategy gradient|round-robin] [--seed S] [--follow]
-  tunefarm status ID [--follow] [--json]
+                  [--latency-target MS] [--strategy gradient|round-robin] [--seed S] [--follow [--retry-secs S]]
+  tunefarm status ID [--follow [--retry-secs S]] [--json]
   tunefarm fetch ID --out DIR [--records]
   tunefarm cancel ID
   tunefarm jobs [--limit N]
@@ -32,6 +32,8 @@ from pathlib import Path
 
 from tunefarm.errors import UsageError
 
+DATABASE_URL_HELP = "SQLAlchemy URL of the farm database (default: TUNEFARM_DATABASE_URL, else the local PostgreSQL)"
+
 SERVICE_COMMANDS = {
     "api": ("services.api.app", "the farm's HTTP API (uvicorn)"),
     "scheduler": ("services.scheduler.service", "the scheduler service: every job's search"),
@@ -51,28 +53,32 @@ def add_commands(sub) -> None:
     s.add_argument("--trials", type=int, required=True, help="measurements in total over all the model's tasks")
     s.add_argument("--latency-target", type=float, metavar="MS", help="stop once the estimated latency is at most MS")
     s.add_argument("--strategy", choices=["gradient", "round-robin"], default="gradient", help="task scheduler")
-    s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--seed", type=int, default=1, help="seed of the job's search (default 1)")
     s.add_argument("--name", help="the model's name (default: the file name)")
-    s.add_argument("--follow", action="store_true", help="show progress until the job ends")
+    s.add_argument("--follow", action="store_true",
+                   help="show the live progress table until the job ends (retries a lost connection)")
+    _follow_args(s)
     _client_args(s)
 
     st = sub.add_parser("status", help="a job's state, trials, per-task best and estimated latency")
-    st.add_argument("job", type=int)
-    st.add_argument("--follow", action="store_true", help="poll until the job ends")
+    st.add_argument("job", type=int, help="the job's id")
+    st.add_argument("--follow", action="store_true",
+                    help="show the live progress table until the job ends (retries a lost connection)")
     st.add_argument("--json", action="store_true", help="print the API's JSON")
+    _follow_args(st)
     _client_args(st)
 
     f = sub.add_parser("fetch", help="download a finished job's tuned model (model.so, manifest, records, report)")
-    f.add_argument("job", type=int)
+    f.add_argument("job", type=int, help="the job's id")
     f.add_argument("--out", type=Path, required=True, help="directory to unpack into")
     _client_args(f)
 
     c = sub.add_parser("cancel", help="cancel a job")
-    c.add_argument("job", type=int)
+    c.add_argument("job", type=int, help="the job's id")
     _client_args(c)
 
     j = sub.add_parser("jobs", help="your team's jobs, newest first")
-    j.add_argument("--limit", type=int, default=20)
+    j.add_argument("--limit", type=int, default=20, help="jobs to list (default 20)")
     _client_args(j)
 
     d = sub.add_parser("devices", help="the farm's agents and device classes")
@@ -89,7 +95,7 @@ def add_commands(sub) -> None:
     db = sub.add_parser("db", help="the farm database")
     dbsub = db.add_subparsers(dest="db_command", required=True)
     up = dbsub.add_parser("upgrade", help="run the migrations to the newest schema")
-    up.add_argument("--database-url", help="default: TUNEFARM_DATABASE_URL")
+    up.add_argument("--database-url", help=DATABASE_URL_HELP)
     up.add_argument("--create", action="store_true", help="create the database first if it does not exist")
 
     farm = sub.add_parser("farm", help="run a whole farm on this machine; operator actions")
@@ -99,25 +105,25 @@ def add_commands(sub) -> None:
     fu.add_argument("--workers", type=int, default=2, help="build workers (default 2)")
     fu.add_argument("--api-bind", default="127.0.0.1:0", help="HOST:PORT of the API (port 0: a free one)")
     fu.add_argument("--lease-bind", default="127.0.0.1:0", help="HOST:PORT of the lease service")
-    fu.add_argument("--database-url", help="default: TUNEFARM_DATABASE_URL or the local PostgreSQL")
+    fu.add_argument("--database-url", help=DATABASE_URL_HELP)
     fu.add_argument("--redis-url", help="default: TUNEFARM_REDIS_URL or the local Redis")
     fu.add_argument("--queue-prefix", default="tunefarm", help="prefix of the farm's Redis queues")
     fu.add_argument("--team", default="local", help="the team whose token farm.json holds")
     fu.add_argument("--device-class", help="name of this CPU's class (default: arch-cpu-cores)")
     fd = fsub.add_parser("down", help="stop a farm started with farm up")
-    fd.add_argument("--state-dir", type=Path, required=True)
+    fd.add_argument("--state-dir", type=Path, required=True, help="the --state-dir given to farm up")
     ft = fsub.add_parser("team", help="create a team (if needed) and print a new token for it")
-    ft.add_argument("name")
+    ft.add_argument("name", help="the team's name")
     ft.add_argument("--value", help="store this token (a deployment's secret) instead of making one")
-    ft.add_argument("--database-url")
+    ft.add_argument("--database-url", help=DATABASE_URL_HELP)
     fa = fsub.add_parser("agent-token", help="print a new agent token")
     fa.add_argument("--value", help="store this token (a deployment's secret) instead of making one")
-    fa.add_argument("--database-url")
+    fa.add_argument("--database-url", help=DATABASE_URL_HELP)
     fc = fsub.add_parser("device-class", help="create a device class")
-    fc.add_argument("name")
+    fc.add_argument("name", help="the class's name (jobs and agents name it)")
     fc.add_argument("--target", help="TVM target as a JSON dict (default: this machine)")
-    fc.add_argument("--description", default="")
-    fc.add_argument("--database-url")
+    fc.add_argument("--description", default="", help="a line shown with the class")
+    fc.add_argument("--database-url", help=DATABASE_URL_HELP)
 
 
 class _PassThrough(argparse.ArgumentParser):
@@ -129,6 +135,12 @@ class _PassThrough(argparse.ArgumentParser):
         return namespace, []
 
 
+def _follow_args(p) -> None:
+    p.add_argument("--retry-secs", type=float, metavar="SECS",
+                   help="while following, keep retrying a farm that does not answer this long "
+                        "(default: TUNEFARM_FOLLOW_RETRY_SECS or 300)")
+
+
 def _client_args(p) -> None:
     p.add_argument("--server", help="the farm's API, http://HOST:PORT (default: TUNEFARM_SERVER)")
     p.add_argument("--token", help="your team token (default: TUNEFARM_TOKEN)")
@@ -137,7 +149,21 @@ def _client_args(p) -> None:
 def _client(args: argparse.Namespace):
     from tunefarm_app.farm_client import ClientSettings, FarmClient
 
-    return FarmClient(ClientSettings.load(server=args.server, token=args.token))
+    retry = getattr(args, "retry_secs", None)
+    if retry is not None and not (math.isfinite(retry) and retry >= 0):
+        raise UsageError("--retry-secs must be a number of seconds, 0 or more")
+    return FarmClient(ClientSettings.load(server=args.server, token=args.token, follow_retry_secs=retry))
+
+
+def _follow(client, job_id: int) -> dict:
+    """Follow a job with the live progress table (`tune`'s), retrying a lost farm."""
+    from tunefarm_app.progress import JobProgressView
+
+    view = JobProgressView()
+    try:
+        return client.follow(job_id, view.update, on_retry=lambda msg: view.note(f"farm       {msg}"))
+    finally:
+        view.close()
 
 
 # -- a team's commands ------------------------------------------------------------------------
@@ -173,14 +199,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if not args.follow:
             print(f"follow it  tunefarm status {job['id']} --follow")
             return 0
-        final = client.follow(job["id"], _print_progress)
+        final = _follow(client, job["id"])
     return _print_end(final)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.follow:
-            final = client.follow(args.job, _print_progress)
+            final = _follow(client, args.job)
             return _print_end(final)
         job = client.job(args.job)
     if args.json:
@@ -248,13 +274,6 @@ def cmd_devices(args: argparse.Namespace) -> int:
     if not classes and not agents:
         print("no device classes or agents yet")
     return 0
-
-
-def _print_progress(job: dict) -> None:
-    from tunefarm_app.progress import format_cost
-
-    est = format_cost(job["est_latency_secs"]) if job["est_latency_secs"] else "-"
-    print(f"{job['state']:<10} trials {job['trials_used']}/{job['trial_budget']}  est latency {est}", flush=True)
 
 
 def _print_end(job: dict) -> int:
@@ -366,6 +385,7 @@ def _farm_up(args: argparse.Namespace) -> int:
         raise UsageError(f"farm up: the database at {config.database_url}: {_first_line(exc)}") from None
     info = farm.info
     print(f"api        {info['api_url']}")
+    print(f"dashboard  {info['api_url']}/ui (log in with the team token in farm.json); metrics at /metrics")
     print(f"grpc       {info['grpc_address']}")
     print(f"class      {info['device_class']}")
     for p in farm.processes.values():

@@ -27,7 +27,7 @@ def add_commands(sub) -> None:
     u.add_argument("--trials", type=int, default=2000, help="measurements in total over all tasks (default 2000)")
     u.add_argument("--out", type=Path, required=True, help="directory for model.so, manifest, records and report")
     u.add_argument("--target", help="TVM target as a JSON dict (default: this host)")
-    u.add_argument("--seed", type=int, default=1)
+    u.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
     u.add_argument("--strategy", choices=["gradient", "round-robin"], default="gradient", help="task scheduler")
     u.add_argument(
         "--latency-target",

@@ -5,7 +5,8 @@ follow them and fetch the tuned models.
 |---|---|
 | `settings.py` | `ApiSettings` (bind address, artifact root, upload and budget limits) |
 | `app.py` | `create_app(settings)`, the error handlers, `main` (`tunefarm api`, uvicorn) |
-| `routers/` | one router per resource: `models`, `jobs`, `devices`, `health` |
+| `routers/` | one router per resource: `models`, `jobs`, `devices`, `health`; `metrics` (Prometheus), `dashboard` (HTML pages) |
+| `templates/` | the dashboard's Jinja2 pages |
 | `deps.py` | the `Annotated` dependencies: settings, database session, team, page |
 | `schemas.py` | request and response bodies (`JobCreate`, `JobPublic`, ...) |
 | `crud.py` | the database work, small keyword-only functions |

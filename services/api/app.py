@@ -1,7 +1,8 @@
 """The farm's HTTP API: `create_app(settings)` builds the FastAPI application, `main(argv)`
 serves it with uvicorn (`tunefarm api`).
 
-Routers: `/v1/models`, `/v1/jobs`, `/v1/devices` + `/v1/device-classes`, `/healthz`.
+Routers: `/v1/models`, `/v1/jobs`, `/v1/devices` + `/v1/device-classes`, `/healthz`,
+`/metrics` (Prometheus), and the dashboard's HTML pages under `/ui` (not in the schema).
 Every error is a JSON body `{"error": {"code", "message"}}` (`schemas.ErrorBody`):
 the API's own errors (`exceptions.py`), validation errors (422), unknown routes (404),
 an oversized body (413, `limits.BodySizeLimit`), the database unreachable (503).
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.api.deps import TokenCache
 from services.api.exceptions import ApiError
 from services.api.limits import BodySizeLimit
-from services.api.routers import devices, health, jobs, models
+from services.api.routers import dashboard, devices, health, jobs, metrics, models
 from services.api.settings import ApiSettings
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.session import make_session_factory
@@ -75,7 +76,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         lifespan=lifespan,
         generate_unique_id_function=lambda route: route.name,  # operation ids: upload_model, get_job, ...
     )
-    for router in (models.router, jobs.router, devices.router, health.router):
+    for router in (models.router, jobs.router, devices.router, health.router, metrics.router, dashboard.router):
         app.include_router(router)
     _add_error_handlers(app)
     # The JSON 413 for a request refused before the application saw it.

@@ -15,6 +15,8 @@ many measurements the job has.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import bindparam, func, select, text, update
@@ -56,6 +58,7 @@ from services.db.models import (
 from services.db.session import transaction
 from services.scheduler.task import target_key
 from tunefarm.models.finish import batch_size_for
+from tunefarm.records import ErrorKind
 
 RECORDS_FETCH = 500
 """Measurements fetched per round trip while streaming a job's records."""
@@ -330,14 +333,17 @@ def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None)
             Job.id,
             Job.state,
             Job.model_id,
+            Model.name.label("model_name"),
             DeviceClass.name.label("device_class"),
             Job.trial_budget,
             Job.trials_used,
+            Job.est_latency_start_secs,
             Job.est_latency_secs,
             Job.created_at,
             Job.finished_at,
         )
         .join(DeviceClass, DeviceClass.id == Job.device_class_id)
+        .join(Model, Model.id == Job.model_id)
         .where(Job.team_id == team_id)
     )
     if cursor is not None:
@@ -348,9 +354,11 @@ def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None)
             id=r.id,
             state=r.state.value,
             model_id=r.model_id,
+            model_name=r.model_name,
             device_class=r.device_class,
             trial_budget=r.trial_budget,
             trials_used=r.trials_used,
+            est_latency_start_secs=r.est_latency_start_secs,
             est_latency_secs=r.est_latency_secs,
             created_at=r.created_at,
             finished_at=r.finished_at,
@@ -358,6 +366,39 @@ def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None)
         for r in rows[:limit]
     ]
     return items, (rows[limit - 1].id if len(rows) > limit else None)
+
+
+@dataclass(frozen=True)
+class TaskDetail:
+    """What the dashboard's task table adds to a job's progress: the task's FLOPs per call
+    and its measurements that are errors, by kind."""
+
+    flops: float
+    errors_by_kind: dict[str, int]
+
+
+def job_task_details(session: Session, *, team_id: int, job_id: int) -> dict[int, TaskDetail]:
+    """Per task position of the team's job. Unlike `job_public` this counts the job's
+    error measurements (one indexed pass over the job's measurements): for the dashboard's
+    job page, not for pollers."""
+    _owned_job(session, team_id=team_id, job_id=job_id)
+    flops = dict(
+        session.execute(
+            select(JobTask.position, Workload.flops)
+            .join(Workload, Workload.id == JobTask.workload_id)
+            .where(JobTask.job_id == job_id)
+        ).all()
+    )
+    errors: dict[int, dict[str, int]] = {}
+    rows = session.execute(
+        select(JobTask.position, Measurement.error_kind, func.count())
+        .join(JobTask, JobTask.id == Measurement.job_task_id)
+        .where(Measurement.job_id == job_id, Measurement.error_kind != ErrorKind.NONE)
+        .group_by(JobTask.position, Measurement.error_kind)
+    )
+    for position, kind, n in rows:
+        errors.setdefault(position, {})[str(kind)] = int(n)
+    return {p: TaskDetail(flops=f, errors_by_kind=errors.get(p, {})) for p, f in flops.items()}
 
 
 def request_cancel(session: Session, *, team_id: int, job_id: int) -> None:
@@ -439,6 +480,11 @@ def list_device_classes(session: Session) -> list[DeviceClassPublic]:
         DeviceClassPublic(name=dc.name, target=dc.target, description=dc.description, agents_online=int(n))
         for dc, n in rows
     ]
+
+
+def database_now(session: Session) -> datetime:
+    """The database's clock (ages of heartbeats are measured against it, as they are written)."""
+    return session.scalar(select(func.now()))
 
 
 def schema_revision(session: Session) -> str:

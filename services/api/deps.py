@@ -101,7 +101,13 @@ async def get_team(
     thread hop and no query (pollers of the progress endpoint)."""
     if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
         raise Unauthorized("missing bearer token: send 'Authorization: Bearer <team token>'")
-    plain = credentials.credentials
+    return await team_of_token(request, sessions, credentials.credentials)
+
+
+async def team_of_token(request: Request, sessions: sessionmaker[Session], plain: str) -> Team:
+    """The team of a plain team token (`Unauthorized`, or `Forbidden` for an agent
+    token), through the process's token cache. The dashboard's pages authenticate with
+    it too (the token from their cookie)."""
     cache: TokenCache = request.app.state.token_cache
     token_hash = queries.hash_token(plain)
     team = cache.get(token_hash)

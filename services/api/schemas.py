@@ -155,9 +155,11 @@ class JobSummary(BaseModel):
     id: int
     state: JobStateName
     model_id: int
+    model_name: str
     device_class: str
     trial_budget: int
     trials_used: int
+    est_latency_start_secs: float | None = Field(description="the first complete estimate (see JobPublic)")
     est_latency_secs: float | None
     created_at: datetime
     finished_at: datetime | None

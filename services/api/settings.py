@@ -12,6 +12,10 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_PAGE_SIZE_MAX | 100 | largest page of a list endpoint |
 | TUNEFARM_TOKEN_CACHE_SECS | 10 | how long a verified team token is trusted without asking the database |
 | TUNEFARM_API_WORKERS | 1 | uvicorn worker processes |
+| TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the build queues' Redis (`/metrics` reports their depth) |
+| TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` (as the workers') |
+| TUNEFARM_LEASE_SECS | 30 | the lease window: `/metrics` counts an agent alive if it heartbeat within it |
+| TUNEFARM_METRICS_TOKEN | unset | when set, `/metrics` wants it as a bearer token; unset, `/metrics` is open |
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from pydantic_settings import SettingsConfigDict
 
 from services.db.settings import DatabaseSettings
+from services.worker.settings import DEFAULT_REDIS_URL
 
 
 class ApiSettings(DatabaseSettings):
@@ -48,6 +53,15 @@ class ApiSettings(DatabaseSettings):
     token_cache_secs: float = 10.0
     # uvicorn worker processes (each has its own database pool and intake child).
     api_workers: int = 1
+    # The build workers' Redis and queue prefix (the same variables as theirs): /metrics
+    # reports the depth of each device class's build queue.
+    redis_url: str = DEFAULT_REDIS_URL
+    queue_prefix: str = "tunefarm"
+    # The lease service's lease window (the same variable): an agent that heartbeat
+    # within it counts as alive in /metrics.
+    lease_secs: float = 30.0
+    # A secret Prometheus sends as a bearer token to scrape /metrics; None: /metrics is open.
+    metrics_token: str | None = None
 
     @property
     def host(self) -> str:

@@ -56,8 +56,8 @@ def add_command(bsub) -> None:
     bf.add_argument("--repeat", type=int, default=3, help="timed repeats per kernel (default 3)")
     bf.add_argument("--min-repeat-ms", type=float, default=10.0, help="minimum length of a repeat (default 10)")
     bf.add_argument("--dispatch-batches", type=int, default=16, help="batches of 64 in the pipelined dispatch run")
-    bf.add_argument("--skip-throughput", action="store_true")
-    bf.add_argument("--skip-dispatch", action="store_true")
+    bf.add_argument("--skip-throughput", action="store_true", help="skip the measurements-per-second runs")
+    bf.add_argument("--skip-dispatch", action="store_true", help="skip the dispatch overhead run")
     bf.add_argument("--json", type=Path, help="write the results as JSON here")
     farm_progress.add_arguments(bf)  # the control plane's part: the progress endpoint under pollers
 

@@ -299,14 +299,18 @@ def run_progress_bench(
     return {"rows": [r.__dict__ for r in rows], "target_p99_secs": TARGET_P99_SECS, "api_workers": api_workers}
 
 
-def start_api(database_url: str, *, workers: int = 1, artifact_root: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """`tunefarm api` in a child process on a free loopback port; returns it and its URL."""
+def start_api(
+    database_url: str, *, workers: int = 1, artifact_root: Path | None = None, port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`tunefarm api` in a child process on loopback (`port`, default a free one); returns
+    it and its URL once it answers."""
     import tempfile
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     root = artifact_root or Path(tempfile.mkdtemp(prefix="tunefarm-bench-api-"))
     env = {**os.environ, "TUNEFARM_DATABASE_URL": database_url, "TUNEFARM_API_BIND": f"127.0.0.1:{port}",
            "TUNEFARM_ARTIFACT_ROOT": str(root), "TUNEFARM_API_WORKERS": str(workers)}

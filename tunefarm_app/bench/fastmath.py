@@ -372,12 +372,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=1, help="TVM and torch threads (default 1: a shared machine)"
     )
-    p.add_argument("--passes", type=int, default=5)
-    p.add_argument("--ops", default="softmax,layer_norm,gelu_erf,gelu_tanh,silu")
+    p.add_argument("--passes", type=int, default=5, help="timing passes; each op keeps its best (default 5)")
+    p.add_argument("--ops", default="softmax,layer_norm,gelu_erf,gelu_tanh,silu", help="comma-separated ops to time")
     p.add_argument(
         "--records", action="append", default=[], metavar="OP=FILE", help="add a tuned kernel (repeatable)"
     )
-    p.add_argument("--no-libmvec", action="store_true")
+    p.add_argument("--no-libmvec", action="store_true", help="leave out the glibc libmvec column")
 
 
 def add_command(bsub) -> None:

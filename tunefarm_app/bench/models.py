@@ -68,13 +68,13 @@ class ModelRow:
 
 def add_command(bsub) -> None:
     bm = bsub.add_parser("models", help="tune whole models; compare with onnxruntime and MetaSchedule")
-    bm.add_argument("--trials", type=int, default=2000)
+    bm.add_argument("--trials", type=int, default=2000, help="trial budget per model (default 2000)")
     bm.add_argument("--models", help=f"comma-separated subset of {','.join(BENCH_MODELS)} (and small_cnn)")
-    bm.add_argument("--no-metaschedule", action="store_true")
-    bm.add_argument("--no-round-robin", action="store_true")
+    bm.add_argument("--no-metaschedule", action="store_true", help="do not tune with TVM MetaSchedule as a peer")
+    bm.add_argument("--no-round-robin", action="store_true", help="skip the round-robin task scheduler run")
     bm.add_argument("--json", type=Path, help="write the results as JSON here")
     bm.add_argument("--work-dir", type=Path, help="keep models, records and builds here")
-    bm.add_argument("--seed", type=int, default=1)
+    bm.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
 
 
 def run_models_bench(args: argparse.Namespace) -> int:

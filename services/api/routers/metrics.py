@@ -1,0 +1,227 @@
+"""`GET /metrics`: the farm's state in Prometheus' text format, read at each scrape.
+
+| metric | type | labels | what |
+|---|---|---|---|
+| `tunefarm_build_queue_depth` | gauge | device_class | RQ build jobs waiting in the class's queue (Redis) |
+| `tunefarm_redis_up` | gauge | | 1 when Redis answered this scrape (else no queue depths) |
+| `tunefarm_batches` | gauge | device_class, state | batches not finished: proposed, building, ready, leased |
+| `tunefarm_leases_active` | gauge | device_class | active leases (batches an agent is measuring) |
+| `tunefarm_agents` | gauge | device_class, state | agents by state (idle, busy, offline, disabled) |
+| `tunefarm_agents_alive` | gauge | device_class | agents whose last heartbeat is within `lease_secs` |
+| `tunefarm_measurements_total` | counter | device_class | candidates measured by agents |
+| `tunefarm_measurement_errors_total` | counter | device_class, kind | measurements that are errors, by kind (agents' and failed builds') |
+| `tunefarm_jobs` | gauge | state | jobs by state |
+
+Measurements per second is the counter's rate, taken by Prometheus:
+`rate(tunefarm_measurements_total[1m])` (errors alike). The counters are the agents'
+precomputed counts (kept with each measurement), so a scrape costs the same however many
+measurements the farm holds; failed builds (no agent) are counted from the measurements'
+agent index.
+
+Auth: none by default — meant for an internal port or network, like most exporters; it
+shows counts per device class and no team's data. With `TUNEFARM_METRICS_TOKEN` set, a
+scrape must send `Authorization: Bearer <that token>` (Prometheus' `authorization`
+setting), else 401.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from sqlalchemy import Integer, case, cast, func, literal_column, select
+from sqlalchemy.orm import Session
+
+from services.api.deps import SessionsDep, SettingsDep
+from services.api.exceptions import Unauthorized
+from services.api.routers.responses import errors
+from services.api.schemas import ErrorBody
+from services.db.models import (
+    Agent,
+    AgentState,
+    Batch,
+    BatchState,
+    DeviceClass,
+    Job,
+    JobState,
+    Lease,
+    LeaseState,
+    Measurement,
+)
+from services.db.session import transaction
+from services.worker.queues import build_queue_name
+
+log = logging.getLogger("tunefarm.api.metrics")
+
+OPEN_BATCH_STATES = (BatchState.PROPOSED, BatchState.BUILDING, BatchState.READY, BatchState.LEASED)
+REDIS_TIMEOUT_SECS = 1.0
+"""A scrape does not wait longer than this for Redis (the database's metrics still come)."""
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.get(
+    "/metrics",
+    summary="The farm's metrics (Prometheus text format)",
+    response_class=Response,
+    responses={
+        200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+              "description": "queue depths, leases, agents, measurements and errors, jobs"},
+        **errors(401),
+        503: {"model": ErrorBody, "description": "the database cannot be reached"},
+    },
+)
+def metrics(request: Request, settings: SettingsDep, sessions: SessionsDep) -> Response:
+    """Open unless the farm sets TUNEFARM_METRICS_TOKEN; then that token as a bearer."""
+    if settings.metrics_token:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), settings.metrics_token):
+            raise Unauthorized("metrics need 'Authorization: Bearer <the farm's metrics token>'")
+    with transaction(sessions) as db:
+        families = list(database_metrics(db, alive_secs=settings.lease_secs))
+        class_names = list(db.scalars(select(DeviceClass.name).order_by(DeviceClass.name)))
+    families += queue_metrics(request, settings.redis_url, settings.queue_prefix, class_names)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Families:
+    """A collector of metric families computed before the scrape is rendered."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def database_metrics(db: Session, *, alive_secs: float) -> Iterator[Metric]:
+    names = dict(db.execute(select(DeviceClass.id, DeviceClass.name)).all())
+
+    batches = GaugeMetricFamily("tunefarm_batches", "batches not finished, by state", labels=["device_class", "state"])
+    counts = db.execute(
+        select(Batch.device_class_id, Batch.state, func.count())
+        .where(Batch.state.in_(OPEN_BATCH_STATES))
+        .group_by(Batch.device_class_id, Batch.state)
+    ).all()
+    by_state = {(c, s): n for c, s, n in counts}
+    for class_id, name in names.items():  # every state of every class: absent means 0, not unknown
+        for state in OPEN_BATCH_STATES:
+            batches.add_metric([name, state.value], by_state.get((class_id, state), 0))
+    yield batches
+
+    leases = GaugeMetricFamily("tunefarm_leases_active", "active leases", labels=["device_class"])
+    active = dict(
+        db.execute(
+            select(Batch.device_class_id, func.count())
+            .select_from(Lease)
+            .join(Batch, Batch.id == Lease.batch_id)
+            .where(Lease.state == LeaseState.ACTIVE)
+            .group_by(Batch.device_class_id)
+        ).all()
+    )
+    for class_id, name in names.items():
+        leases.add_metric([name], active.get(class_id, 0))
+    yield leases
+
+    agents = GaugeMetricFamily("tunefarm_agents", "agents by state", labels=["device_class", "state"])
+    alive = GaugeMetricFamily(
+        "tunefarm_agents_alive", f"agents that heartbeat within the lease window ({alive_secs:g} s)",
+        labels=["device_class"],
+    )
+    measured = CounterMetricFamily("tunefarm_measurements", "candidates measured by agents", labels=["device_class"])
+    recent = Agent.last_heartbeat_at >= func.now() - timedelta(seconds=alive_secs)
+    rows = db.execute(
+        select(
+            Agent.device_class_id,
+            Agent.state,
+            func.count(),
+            func.sum(case((recent, 1), else_=0)),
+            func.sum(Agent.measurements_done),
+        ).group_by(Agent.device_class_id, Agent.state)
+    ).all()
+    per_class: dict[int, dict[str, Any]] = {c: {"alive": 0, "measured": 0, "states": {}} for c in names}
+    for class_id, state, n, n_alive, n_measured in rows:
+        entry = per_class[class_id]
+        entry["states"][state] = n
+        entry["alive"] += int(n_alive or 0)
+        entry["measured"] += int(n_measured or 0)
+    for class_id, name in names.items():
+        entry = per_class[class_id]
+        for state in AgentState:
+            agents.add_metric([name, state.value], entry["states"].get(state, 0))
+        alive.add_metric([name], entry["alive"])
+        measured.add_metric([name], entry["measured"])
+    yield from (agents, alive, measured)
+
+    errors_family = CounterMetricFamily(
+        "tunefarm_measurement_errors", "measurements that are errors, by kind", labels=["device_class", "kind"]
+    )
+    kinds: dict[tuple[int, str], int] = {}
+    each = func.jsonb_each_text(Agent.errors_by_kind).table_valued("key", "value").alias("e")
+    for class_id, kind, n in db.execute(
+        select(Agent.device_class_id, each.c.key, func.sum(cast(each.c.value, Integer)))
+        .select_from(Agent)
+        .join(each, literal_column("true"))
+        .group_by(Agent.device_class_id, each.c.key)
+    ).all():
+        kinds[(class_id, kind)] = kinds.get((class_id, kind), 0) + int(n)
+    for class_id, kind, n in db.execute(  # failed builds: measured by no agent
+        select(Measurement.device_class_id, Measurement.error_kind, func.count())
+        .where(Measurement.agent_id.is_(None))
+        .group_by(Measurement.device_class_id, Measurement.error_kind)
+    ).all():
+        key = (class_id, str(kind))
+        kinds[key] = kinds.get(key, 0) + int(n)
+    for (class_id, kind), n in sorted(kinds.items()):
+        errors_family.add_metric([names[class_id], kind], n)
+    yield errors_family
+
+    jobs = GaugeMetricFamily("tunefarm_jobs", "jobs by state", labels=["state"])
+    job_counts = dict(db.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+    for state in JobState:
+        jobs.add_metric([state.value], job_counts.get(state, 0))
+    yield jobs
+
+
+def queue_metrics(request: Request, redis_url: str, prefix: str, class_names: list[str]) -> list[Metric]:
+    """RQ build queue lengths per class, and whether Redis answered."""
+    from redis import Redis
+    from redis.exceptions import RedisError
+
+    up = GaugeMetricFamily("tunefarm_redis_up", "1 when Redis answered this scrape")
+    depth = GaugeMetricFamily("tunefarm_build_queue_depth", "build jobs waiting in the class's RQ queue",
+                              labels=["device_class"])
+    client = getattr(request.app.state, "metrics_redis", None)
+    if client is None:
+        client = Redis.from_url(redis_url, socket_timeout=REDIS_TIMEOUT_SECS, socket_connect_timeout=REDIS_TIMEOUT_SECS)
+        request.app.state.metrics_redis = client
+    try:
+        pipe = client.pipeline(transaction=False)
+        for name in class_names:
+            pipe.llen(_rq_queue_key(build_queue_name(name, prefix)))
+        lengths = pipe.execute()
+    except RedisError as exc:
+        log.warning("metrics: Redis at %s did not answer: %s", redis_url, exc)
+        up.add_metric([], 0)
+        return [up]
+    up.add_metric([], 1)
+    for name, n in zip(class_names, lengths):
+        depth.add_metric([name], int(n))
+    return [up, depth]
+
+
+def _rq_queue_key(queue_name: str) -> str:
+    """The Redis list RQ keeps a queue's job ids in (`rq.Queue(name).key`)."""
+    from rq import Queue
+
+    return Queue.redis_queue_namespace_prefix + queue_name
+

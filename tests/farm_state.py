@@ -1,0 +1,169 @@
+"""A farm in a known state, written through the farm's own functions (the API's `crud`, the
+scheduler's `job_store`, the lease service's `queries`), for the dashboard and /metrics
+tests: two teams, a device class, a 3-task model, a running job of team A with measured
+batches (valid kernels and errors by kind), its curve, a job of team B, two agents (one
+alive, one silent), and batches left in the queue.
+
+The numbers the views must show are in `FarmState`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from sqlalchemy import func, insert, select, update
+
+from services.api import admin, crud
+from services.api.schemas import JobCreate
+from services.api.storage import StoredFile
+from services.db import codec, queries
+from services.db.models import Agent, Batch, BatchCandidate, BatchState, JobTask
+from services.db.session import transaction
+from services.scheduler import job_store
+from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
+
+TASKS = (  # name, weight, flops per call
+    ("fused_conv2d_add_relu(1x3x32x32)", 1, 2.0e6),
+    ("max_pool2d(1x16x32x32)", 2, 1.0e5),
+    ("fused_matmul_add(1x512,512x10)", 1, 1.0e4),
+)
+
+# Per task: the costs (seconds) measured, None for an error of the paired kind.
+MEASURED = (
+    [(4e-5, None), (3e-5, None), (None, ErrorKind.RUN_ERROR), (None, ErrorKind.RUN_TIMEOUT)],
+    [(8e-6, None), (6e-6, None), (None, ErrorKind.RUN_ERROR)],
+    [],  # never measured: "not yet" tuned
+)
+
+CURVE = ((8, 9e-5), (16, 7e-5), (24, 5.5e-5), (32, 4.2e-5))
+"""(trials, estimated latency) points the scheduler wrote."""
+
+
+@dataclass
+class FarmState:
+    device_class: str
+    team_a_token: str
+    team_b_token: str
+    agent_token: str
+    job_a: int
+    job_b: int
+    alive_agent: str
+    silent_agent: str
+    model_name: str
+    trial_budget: int
+    queued_batches: int  # ready, waiting for an agent
+    proposed_batches: int
+    errors_by_task: list[dict[str, int]] = field(default_factory=list)
+    best_by_task: list[float | None] = field(default_factory=list)
+    measured_by_alive: int = 0
+
+
+def _record(inp: MeasureInput, name: str, cost: float | None, kind: ErrorKind | None) -> MeasureRecord:
+    return MeasureRecord(
+        task=inp.task, workload=name, target={"kind": "llvm"}, sketch=0, sketch_sig=inp.sketch_sig,
+        decisions=inp.candidate.decisions, trace=inp.trace, costs=(cost,) if cost is not None else (),
+        error_kind=kind or ErrorKind.NONE, error_msg="" if kind is None else "failed", build_secs=0.1,
+        run_secs=0.01, verified=cost is not None, timestamp=1.0,
+    )
+
+
+def _batch(s, *, job_id: int, job_task_id: int, workload_id: int, class_id: int, task_key: str, n: int, salt: int):
+    inputs = [MeasureInput(task_key, Candidate.make(0, {"t": i, "salt": salt}), "sig", [["trace"]]) for i in range(n)]
+    batch_id = s.scalar(
+        insert(Batch).values(job_id=job_id, job_task_id=job_task_id, workload_id=workload_id, device_class_id=class_id,
+                             timing=codec.timing_to_json(TimingConfig()), build_timeout_secs=60, run_timeout_secs=30)
+        .returning(Batch.id)
+    )
+    ids = list(s.scalars(insert(BatchCandidate).returning(BatchCandidate.id), [
+        {"batch_id": batch_id, "position": i, "candidate_key": m.key, "input": codec.input_to_json(m)}
+        for i, m in enumerate(inputs)
+    ]))
+    return batch_id, list(zip(ids, inputs))
+
+
+def seed_farm(sessions, *, trial_budget: int = 64) -> FarmState:
+    uid = uuid.uuid4().hex[:8]
+    with transaction(sessions) as s:
+        a = admin.ensure_team(s, name=f"ui-a-{uid}")
+        b = admin.ensure_team(s, name=f"ui-b-{uid}")
+        token_a, token_b = admin.issue_team_token(s, team_id=a.id), admin.issue_team_token(s, team_id=b.id)
+        agent_token = admin.issue_agent_token(s)
+        dc = admin.ensure_device_class(s, name=f"ui-class-{uid}", target={"kind": "llvm", "num-cores": 2})
+        intake = {
+            "tasks": [
+                {"position": i, "name": name, "key": f"{name}#{uid}{i}", "shapes": "-", "weight": w, "flops": f,
+                 "share": 1 / len(TASKS), "module_json": "{}", "n_inputs": 2, "n_outputs": 1,
+                 "const_inputs": [], "global_vars": [f"f{i}"]}
+                for i, (name, w, f) in enumerate(TASKS)
+            ],
+            "inputs": [{"name": "x", "shape": [1, 3, 32, 32], "dtype": "float32"}],
+            "outputs": [{"name": "y", "shape": [1, 10], "dtype": "float32"}],
+            "warnings": [],
+        }
+        stored = StoredFile(path=f"models/{uid}.onnx", sha256="0" * 64, size=1)
+        model_a = crud.store_model(s, team_id=a.id, name=f"cnn-{uid}", input_shapes={"x": [1, 3, 32, 32]},
+                                   onnx=stored, fused=stored, intake=intake)
+        model_b = crud.store_model(s, team_id=b.id, name=f"other-{uid}", input_shapes={"x": [1, 3, 32, 32]},
+                                   onnx=stored, fused=stored, intake=intake)
+        body = JobCreate(model_id=model_a.id, device_class=dc.name, trial_budget=trial_budget)
+        job_a = crud.create_job(s, team_id=a.id, body=body, max_trial_budget=10_000).id
+        job_b = crud.create_job(s, team_id=b.id, body=body.model_copy(update={"model_id": model_b.id}),
+                                max_trial_budget=10_000).id
+        class_id = dc.id
+        model_name = model_a.name
+    with transaction(sessions) as s:
+        setup = job_store.claim_job(s, job_id=job_a)
+        alive = queries.register_agent(s, name=f"agent-alive-{uid}", device_class_id=class_id, token_id=None,
+                                       capabilities={"cpu_model": "Test CPU"})
+        silent = queries.register_agent(s, name=f"agent-silent-{uid}", device_class_id=class_id, token_id=None,
+                                        capabilities={"cpu_model": "Test CPU"})
+        alive_id, silent_id, alive_name, silent_name = alive.id, silent.id, alive.name, silent.name
+    state = FarmState(dc.name, token_a, token_b, agent_token, job_a, job_b, alive_name, silent_name, model_name,
+                      trial_budget, queued_batches=1, proposed_batches=1)
+    wl_ids = {}
+    with transaction(sessions) as s:
+        for jt in s.scalars(select(JobTask).where(JobTask.job_id == job_a).order_by(JobTask.position)):
+            wl_ids[jt.position] = (jt.id, jt.workload_id, jt.task_key)
+    for position, measured in enumerate(MEASURED):
+        errors: dict[str, int] = {}
+        costs = [c for c, _ in measured if c is not None]
+        state.best_by_task.append(min(costs) if costs else None)
+        if not measured:
+            state.errors_by_task.append(errors)
+            continue
+        jt_id, wl_id, key = wl_ids[position]
+        with transaction(sessions) as s:
+            batch_id, cands = _batch(s, job_id=job_a, job_task_id=jt_id, workload_id=wl_id, class_id=class_id,
+                                     task_key=key, n=len(measured), salt=position)
+            queries.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
+            queries.mark_batch_ready(s, batch_id=batch_id)
+        with transaction(sessions) as s:
+            lease = queries.lease_next_batch(s, agent_id=alive_id, lease_secs=30)
+            assert lease is not None and lease.batch_id == batch_id
+            items = []
+            for (cid, inp), (cost, kind) in zip(cands, measured):
+                items.append((cid, _record(inp, TASKS[position][0], cost, kind)))
+                if kind is not None:
+                    errors[str(kind)] = errors.get(str(kind), 0) + 1
+            queries.record_measurements(s, lease_id=lease.id, agent_id=alive_id, items=items, fingerprint={"t": 1})
+            assert queries.finish_lease(s, lease_id=lease.id, agent_id=alive_id) is BatchState.DONE
+        state.errors_by_task.append(errors)
+        state.measured_by_alive += len(measured)
+    # The queue: one batch ready (waiting for an agent), one just proposed (waiting for a build).
+    jt_id, wl_id, key = wl_ids[2]
+    with transaction(sessions) as s:
+        ready_id, _ = _batch(s, job_id=job_a, job_task_id=jt_id, workload_id=wl_id, class_id=class_id, task_key=key,
+                             n=2, salt=10)
+        queries.transition_batch(s, batch_id=ready_id, to=BatchState.BUILDING)
+        queries.mark_batch_ready(s, batch_id=ready_id)
+        _batch(s, job_id=job_a, job_task_id=jt_id, workload_id=wl_id, class_id=class_id, task_key=key, n=2, salt=11)
+    with transaction(sessions) as s:
+        for trials, est in CURVE:
+            job_store.write_progress(s, job_id=job_a, trials=trials, est_latency_secs=est)
+        queries.heartbeat(s, agent_id=alive_id, lease_secs=30)  # holds no lease now: idle
+        # The silent agent last heartbeat long ago (beyond any lease window).
+        s.execute(update(Agent).where(Agent.id == silent_id).values(last_heartbeat_at=func.now() - timedelta(hours=1)))
+    assert setup.job_id == job_a
+    return state

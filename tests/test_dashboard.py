@@ -1,0 +1,170 @@
+"""The dashboard in a real browser: `tunefarm api` (uvicorn on loopback, real PostgreSQL)
+serving a farm in a known state (farm_state.py), driven by headless Chromium.
+
+Logs in with a team token, checks the numbers each page shows (jobs with their progress,
+the job's curve as an SVG with its points, the per-task table, the agents with heartbeats
+and errors), that another team's job is not there, that no token or a bad one leads to
+the login page, and writes a screenshot of every page (tunefarm-test-artifacts/screenshots/).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("jinja2")
+
+import httpx  # noqa: E402
+from browser import SCREENSHOTS, chrome, screenshot  # noqa: E402
+from farm_state import CURVE, TASKS, seed_farm  # noqa: E402
+
+from tunefarm_app.bench.farm_progress import start_api  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(database_url, db_sessions, tmp_path_factory):
+    state = seed_farm(db_sessions)
+    proc, base = start_api(database_url, artifact_root=tmp_path_factory.mktemp("artifacts"))
+    try:
+        yield state, base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
+    driver = chrome()
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def by_css(driver, selector: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, selector)
+
+
+def wait_until(driver, condition) -> None:
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    WebDriverWait(driver, 10).until(condition)
+
+
+def log_in(driver, base: str, token: str) -> None:
+    """Submit the login form; return once the next page (or the login error) is shown."""
+    driver.delete_all_cookies()
+    driver.get(f"{base}/ui/login")
+    field = by_css(driver, "input#token")[0]
+    field.send_keys(token)
+    field.submit()
+    wait_until(driver, lambda d: not d.current_url.endswith("/ui/login") or by_css(d, "#login-error"))
+
+
+def test_without_a_token_every_page_is_the_login_page(served, browser):
+    state, base = served
+    for page in ("/ui/jobs", f"/ui/jobs/{state.job_a}", "/ui/devices"):
+        r = httpx.get(base + page, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/ui/login", (page, r.status_code)
+        r = httpx.get(base + page, headers={"Authorization": "Bearer tft_not_a_token"}, follow_redirects=False)
+        assert r.status_code == 303, page
+    browser.delete_all_cookies()
+    browser.get(f"{base}/ui/jobs")
+    assert browser.current_url.endswith("/ui/login")
+    assert by_css(browser, "form input#token")
+    screenshot(browser, "login")
+
+
+@pytest.mark.parametrize("which", ["unknown", "agent"])
+def test_a_bad_token_is_refused_with_a_message(served, browser, which):
+    state, base = served
+    log_in(browser, base, "tft_unknown_token" if which == "unknown" else state.agent_token)
+    assert browser.current_url.endswith("/ui/login")
+    message = by_css(browser, "#login-error")[0].text
+    assert ("unknown" in message) if which == "unknown" else ("agent token" in message), message
+    assert not browser.get_cookies()
+
+
+def test_jobs_page_shows_the_teams_jobs_with_progress(served, browser):
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    assert browser.current_url.endswith("/ui/jobs")
+    cookie = browser.get_cookie("tunefarm_token")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui"
+    rows = by_css(browser, "tr.job")
+    ids = {int(r.get_attribute("data-job-id")) for r in rows}
+    assert state.job_a in ids and state.job_b not in ids  # team B's job is not shown
+    row = by_css(browser, f"tr#job-{state.job_a}")[0]
+    assert "running" in row.text and state.model_name in row.text
+    measured = 7
+    assert by_css(row, ".trials")[0].text == f"{measured} / {state.trial_budget}"
+    bar = by_css(row, ".bar-inner")[0].get_attribute("style")
+    assert f"{100 * measured / state.trial_budget:.1f}%" in bar
+    assert by_css(row, ".est-start")[0].text == "90.0 us"  # the first complete estimate
+    assert by_css(row, ".est-now")[0].text == "42.0 us"
+    screenshot(browser, "jobs")
+
+
+def test_job_page_plots_the_curve_and_lists_the_tasks(served, browser):
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    browser.get(f"{base}/ui/jobs/{state.job_a}")
+    svg = by_css(browser, "svg.curve")[0]
+    assert svg.get_attribute("data-points") == str(len(CURVE))
+    assert len(by_css(browser, "svg.curve circle.point")) == len(CURVE)
+    assert by_css(browser, "#est-now")[0].text == "42.0 us"
+    rows = by_css(browser, "tr.task")
+    assert [r.find_element("css selector", ".task-name").text for r in rows] == [t[0] for t in TASKS]
+    for row, (name, _, flops), best, errors in zip(rows, TASKS, state.best_by_task, state.errors_by_task):
+        cells = {c: row.find_element("css selector", c).text for c in (".task-trials", ".task-best", ".task-gflops",
+                                                                        ".task-errors")}
+        assert cells[".task-errors"] == str(sum(errors.values())), name
+        if best is None:
+            assert cells[".task-best"] == "--" and "not yet" in row.text and cells[".task-trials"] == "0"
+        else:
+            assert cells[".task-gflops"] == f"{flops / best / 1e9:.1f}", name
+            assert "tuned" in row.text
+    assert "run_error 1, run_timeout 1" in rows[0].text
+    screenshot(browser, "job")
+
+
+def test_another_teams_job_is_not_found(served, browser):
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    browser.get(f"{base}/ui/jobs/{state.job_b}")
+    assert "not found" in by_css(browser, "#error")[0].text
+    r = httpx.get(f"{base}/ui/jobs/{state.job_b}", headers={"Authorization": f"Bearer {state.team_a_token}"})
+    assert r.status_code == 404
+    r = httpx.get(f"{base}/ui/jobs/{state.job_b}", headers={"Authorization": f"Bearer {state.team_b_token}"})
+    assert r.status_code == 200 and f"Job {state.job_b}" in r.text  # its own team sees it
+
+
+def test_devices_page_shows_heartbeats_and_errors(served, browser):
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    browser.get(f"{base}/ui/devices")
+    assert any(state.device_class in r.text for r in by_css(browser, "tr.device-class"))
+    agents = {r.get_attribute("data-agent"): r for r in by_css(browser, "tr.agent")}
+    alive, silent = agents[state.alive_agent], agents[state.silent_agent]
+    assert by_css(alive, ".measurements")[0].text == "7"
+    assert by_css(alive, ".errors")[0].text == "run_error 2, run_timeout 1"
+    assert by_css(alive, ".heartbeat")[0].text.endswith("s ago")
+    assert by_css(silent, ".heartbeat")[0].text.startswith("1h")  # silent for an hour
+    assert by_css(silent, ".errors")[0].text == "none"
+    screenshot(browser, "devices")
+
+
+def test_logging_out_forgets_the_token(served, browser):
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    by_css(browser, "header form button")[0].click()
+    wait_until(browser, lambda d: d.current_url.endswith("/ui/login"))
+    browser.get(f"{base}/ui/jobs")
+    assert browser.current_url.endswith("/ui/login")

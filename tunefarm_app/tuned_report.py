@@ -1,0 +1,210 @@
+"""`tunefarm report DIR [--html]`: what a tuned model directory's `report.json` says, for
+a person.
+
+The terminal view (rich) shows the run (target, trials, stop reason, time), per model its
+measured latency against TVM's untuned build and onnxruntime, the output check, the
+estimated latency at the start and at the end, the per-task table, and a summary of the
+task scheduler's rounds. `--html` writes the same as one self-contained HTML file
+(inline CSS and SVG, no script, nothing fetched) with the estimated latency over trials
+drawn by `tunefarm.display.latency_curve_svg`, the plot the farm's dashboard shows.
+
+The report is read as plain data (`load_report`), validated only as far as this view
+needs: a missing file, bad JSON or another report version is a `UsageError`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, latency_curve_svg
+from tunefarm.errors import UsageError
+
+TEMPLATES = Path(__file__).with_name("templates")
+
+
+def load_report(path: Path) -> tuple[Path, dict[str, Any]]:
+    """The report of a tuned model directory (or the report file itself): its path and data."""
+    from tunefarm.models.finish import REPORT_NAME, REPORT_VERSION
+
+    file = path / REPORT_NAME if path.is_dir() else path
+    if not file.is_file():
+        raise UsageError(f"no {REPORT_NAME} in {path} (a directory written by `tunefarm tune` or `tunefarm fetch`)")
+    try:
+        report = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{file}: not a readable JSON report ({exc})") from None
+    if not isinstance(report, dict) or report.get("version") != REPORT_VERSION or not isinstance(report.get("models"), list):
+        found = report.get("version") if isinstance(report, dict) else None
+        raise UsageError(f"{file}: not a tunefarm report of version {REPORT_VERSION} (version {found!r})")
+    return file, report
+
+
+# -- what both views show -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskLine:
+    name: str
+    shapes: str
+    weight: int
+    trials: int
+    best_secs: float | None
+    gflops: float | None
+    share: float | None  # of the model's estimated latency
+    tuned: bool
+    errors: int
+    errors_text: str
+    note: str  # why the search stopped giving it trials, or why it kept the default build
+
+
+def task_lines(model: Mapping[str, Any]) -> list[TaskLine]:
+    total = sum(t["weighted_seconds"] or 0.0 for t in model["tasks"]) or None
+    out = []
+    for t in model["tasks"]:
+        errors = t.get("errors") or {}
+        tuned = t["schedule"] == "tuned"
+        out.append(
+            TaskLine(
+                name=t["name"],
+                shapes=t["shapes"],
+                weight=t["weight"],
+                trials=t["trials"],
+                best_secs=t["best_seconds"],
+                gflops=t["gflops"],
+                share=(t["weighted_seconds"] / total) if total and t["weighted_seconds"] is not None else None,
+                tuned=tuned,
+                errors=sum(errors.values()),
+                errors_text=", ".join(f"{k} {v}" for k, v in sorted(errors.items())),
+                note=t["dead_reason"] or ("" if tuned else t["schedule"]),
+            )
+        )
+    return out
+
+
+def curve_points(report: Mapping[str, Any], model_name: str) -> list[tuple[float, float]]:
+    """(trials, estimated seconds) of `model_name` after each round whose estimate covers
+    every task (the same rule as the report's `estimated_seconds_at_start`)."""
+    return [
+        (p["trials"], p["estimated_seconds"][model_name])
+        for p in report.get("timeline", ())
+        if not p["unknown_tasks"] and p["estimated_seconds"].get(model_name) is not None
+    ]
+
+
+def speedup(base: Mapping[str, Any] | None, tuned: Mapping[str, Any] | None) -> float | None:
+    if not base or not tuned or not base.get("median") or not tuned.get("median"):
+        return None
+    return base["median"] / tuned["median"]
+
+
+def rounds_summary(report: Mapping[str, Any]) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
+    """Rounds in all, rounds per task (most first), rounds per reason."""
+    rounds = report.get("task_scheduler", {}).get("rounds", [])
+    per_task = Counter(r["task_name"] for r in rounds).most_common()
+    per_reason = Counter(r["reason"] for r in rounds).most_common()
+    return len(rounds), per_task, per_reason
+
+
+# -- the terminal -----------------------------------------------------------------------------
+
+
+def print_report(report: Mapping[str, Any], file: Path, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(highlight=False)
+    p = console.print
+    target = report["target"]
+    target_text = target if isinstance(target, str) else json.dumps(target)
+    p(f"[bold]report[/bold]     {file}")
+    p(f"target     {target_text}", markup=False)
+    p(f"trials     {report['trials']} of {report['trials_budget']} ({report['resumed_trials']} resumed); "
+      f"stopped: {report['stop_reason']}")
+    share = report.get("search_share")
+    p(f"time       {report['tuning_seconds']:.0f} s tuning ({report['wall_seconds']:.0f} s in all), "
+      f"search {share or 0:.0%}, {report['seconds_per_trial']:.2f} s per trial")
+    for m in report["models"]:
+        p()
+        p(f"[bold]model      {m['name']}[/bold]")
+        if m.get("error"):
+            p(f"[red]error      {m['error']}[/red]")
+        lat = m.get("latency")
+        if lat:
+            p(f"latency    {format_cost(lat['median'])} median, {format_cost(lat['p90'])} p90")
+        for label, key in (("vs untuned", "untuned_latency"), ("vs ORT", "onnxruntime_latency")):
+            x = speedup(m.get(key), lat)
+            if x is not None:
+                p(f"{label:<10} {x:.2f}x the speed of {'TVM' if key == 'untuned_latency' else 'onnxruntime'} "
+                  f"({format_cost(m[key]['median'])})")
+        check = m.get("check")
+        if check:
+            verdict = "matches" if check["ok"] else "[red]DOES NOT match[/red]"
+            p(f"check      {verdict} {check.get('reference', 'the reference')} "
+              f"(max abs error {check['max_abs_error']:.2g})")
+        p(f"estimate   {format_cost(m['estimated_seconds'])} now, {format_cost(m['estimated_seconds_at_start'])} "
+          "at the start (sum of weighted task bests)")
+        lines = task_lines(m)
+        columns = [("#", "right"), ("task", "left"), ("weight", "right"), ("trials", "right"), ("best", "right"),
+                   ("GFLOPS", "right"), ("share", "right"), ("tuned", "left")]
+        has_errors, has_notes = any(t.errors for t in lines), any(t.note for t in lines)
+        columns += [("errors", "right")] * has_errors + [("note", "left")] * has_notes
+        table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+        for col, justify in columns:
+            table.add_column(col, justify=justify, no_wrap=True)
+        # the task's name gives way on a narrow terminal (the other columns take ~60)
+        room = max(20, console.width - 60 - 8 * has_errors - 16 * has_notes)
+        for i, t in enumerate(lines):
+            cells = [
+                str(i), t.name if len(t.name) <= room else t.name[: room - 1] + "…", str(t.weight), str(t.trials), format_cost(t.best_secs),
+                f"{t.gflops:.1f}" if t.gflops else "--", f"{t.share:.0%}" if t.share is not None else "--",
+                "yes" if t.tuned else "[yellow]no[/yellow]",
+            ]
+            cells += [str(t.errors) if t.errors else ""] * has_errors + [t.note] * has_notes
+            table.add_row(*cells)
+        p(table)
+    total, per_task, per_reason = rounds_summary(report)
+    p()
+    p(f"[bold]rounds[/bold]     {total} ({report.get('task_scheduler', {}).get('strategy', '?')} task scheduler): "
+      + ", ".join(f"{reason} {n}" for reason, n in per_reason))
+    for name, n in per_task[:8]:
+        p(f"  {n:>4}  {name}", markup=False)
+    if len(per_task) > 8:
+        p(f"  ({len(per_task) - 8} more tasks)")
+
+
+# -- HTML -------------------------------------------------------------------------------------
+
+
+def html_report(report: Mapping[str, Any], file: Path) -> str:
+    """The report as one self-contained HTML page."""
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html"]))
+    env.filters["cost"] = format_cost
+    models = [
+        {
+            "data": m,
+            "tasks": task_lines(m),
+            "plot": latency_curve_svg(curve_points(report, m["name"]), title=f"{m['name']}: estimated latency"),
+            "vs_untuned": speedup(m.get("untuned_latency"), m.get("latency")),
+            "vs_ort": speedup(m.get("onnxruntime_latency"), m.get("latency")),
+        }
+        for m in report["models"]
+    ]
+    total, per_task, per_reason = rounds_summary(report)
+    target = report["target"]
+    return env.get_template("report.html").render(
+        report=report,
+        file=str(file),
+        target=target if isinstance(target, str) else json.dumps(target),
+        models=models,
+        rounds_total=total,
+        rounds_per_task=per_task,
+        rounds_per_reason=per_reason,
+        css=PAGE_CSS + PLOT_CSS,
+    )
