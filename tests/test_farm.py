@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
@@ -31,7 +32,7 @@ rq = pytest.importorskip("rq")
 
 from aarch64_fixtures import ELF_MACHINE_AARCH64, elf_machine  # noqa: E402
 from farm_fixtures import placeholder_model  # noqa: E402
-from sqlalchemy import func, select  # noqa: E402
+from sqlalchemy import func, select, update  # noqa: E402
 from tvm import te  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402
 
@@ -653,7 +654,6 @@ def test_a_batch_no_agent_finishes_is_given_up_with_error_results(farm, lease_se
             s, name=f"{farm.device_class}-dies", device_class_id=measurer.device_class_id, token_id=None, capabilities={}
         )
         now = s.scalar(select(func.now()))
-    from datetime import timedelta
 
     for attempt in range(3):  # leased, then its agent goes silent and the lease expires, three times
         t = now + timedelta(seconds=100 * attempt)
@@ -681,3 +681,134 @@ def test_the_generated_grpc_code_is_what_make_proto_writes(tmp_path):
     for path in written:
         checked_in = proto_build.OUT_DIR / path.name
         assert checked_in.read_text() == path.read_text(), f"{checked_in} is stale: run `make proto`"
+
+
+# -- results the lease service refuses --------------------------------------------------------
+
+
+def _ready_batches(farm: Farm, measurer: FarmMeasurer, task, groups: list[list[MeasureInput]]) -> list[int]:
+    """Submit one batch per group and put each in the queue as if built."""
+    for n, group in enumerate(groups):
+        measurer.submit(MeasureBatch(id=f"0:{n + 1}", task=task, inputs=tuple(group), timing=FAST))
+    ids = [b.id for b in farm.batch_rows()]
+    with transaction(farm.sessions) as s:
+        for batch_id in ids:
+            queries.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
+            queries.mark_batch_ready(s, batch_id=batch_id)
+    return ids
+
+
+def _report(stub, token: str, agent_id: int, lease_id: int, results: list[pb.Result], finish: bool = False) -> list:
+    """One ReportResults stream: the acks, or the stream's RpcError."""
+    msgs = [pb.ResultMessage(agent_id=agent_id, lease_id=lease_id, result=r) for r in results]
+    if finish:
+        msgs.append(pb.ResultMessage(agent_id=agent_id, lease_id=lease_id, finish=pb.Finish()))
+    return list(stub.ReportResults(iter(msgs), metadata=wire.auth_metadata(token), timeout=10))
+
+
+def _ok(candidate: pb.LeasedCandidate, cost: float) -> pb.Result:
+    return pb.Result(
+        batch_candidate_id=candidate.batch_candidate_id, candidate_key=candidate.candidate_key,
+        costs=[cost], run_secs=0.01, error_kind=pb.ERROR_KIND_NONE, verified=True,
+    )
+
+
+def _stored(farm: Farm) -> dict[int, tuple[int | None, float | None]]:
+    """Every measurement of the farm's job: candidate id -> (lease id, cost)."""
+    with transaction(farm.sessions) as s:
+        rows = s.execute(
+            select(Measurement.batch_candidate_id, Measurement.lease_id, Measurement.cost).where(
+                Measurement.job_id == farm.job_id
+            )
+        ).all()
+    return {r.batch_candidate_id: (r.lease_id, r.cost) for r in rows}
+
+
+def test_late_and_fabricated_results_are_refused_and_nothing_is_stored(farm):
+    """At the gRPC level against the real lease service: results from an agent that does
+    not hold the lease (it expired and the batch went to another agent; another agent's
+    lease; a lease that does not exist) and fabricated ones (unknown candidate, a candidate
+    of another batch, the same candidate twice, one measured under another lease) are
+    refused with their status code, and nothing of theirs is stored."""
+    wl = gemm(16)
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    inputs = gemm_inputs(wl, task.key, 6)
+    first, second = _ready_batches(farm, measurer, task, [inputs[:4], inputs[4:]])
+    with transaction(farm.sessions) as s:
+        _, token_b = queries.issue_token(s, kind=TokenKind.AGENT, label="b")
+        other_batch_candidate = s.scalar(select(func.min(BatchCandidate.id)).where(BatchCandidate.batch_id == second))
+    caps = pb.Capabilities(arch=os.uname().machine, target_json=json.dumps(farm.target))
+    code = grpc.StatusCode
+    with grpc.insecure_channel(farm.server_address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+
+        def register(name: str, token: str) -> int:
+            request = pb.RegisterRequest(name=f"{farm.device_class}-{name}", device_class=farm.device_class, capabilities=caps)
+            return stub.Register(request, metadata=wire.auth_metadata(token), timeout=10).agent_id
+
+        def lease(agent_id: int, token: str) -> pb.LeasedBatch:
+            resp = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent_id), metadata=wire.auth_metadata(token), timeout=10)
+            assert resp.HasField("batch")
+            return resp.batch
+
+        def refused(expected: grpc.StatusCode, token: str, agent_id: int, lease_id: int, results, finish=False) -> str:
+            before = _stored(farm)
+            with pytest.raises(grpc.RpcError) as err:
+                _report(stub, token, agent_id, lease_id, results, finish)
+            assert err.value.code() is expected, err.value.details()
+            assert _stored(farm) == before  # nothing of it was stored
+            return err.value.details()
+
+        a, b = register("a", farm.token), register("b", token_b)
+        la = lease(a, farm.token)
+        assert la.batch_id == first and len(la.candidates) == 4
+        c1, c2, c3, c4 = la.candidates
+        # Fabricated results under A's own lease.
+        forged = pb.Result(batch_candidate_id=10**12, candidate_key="x", costs=[1e-3])
+        assert "not in batch" in refused(code.INVALID_ARGUMENT, farm.token, a, la.lease_id, [forged])
+        of_other_batch = pb.Result(batch_candidate_id=other_batch_candidate, candidate_key=inputs[4].key, costs=[1e-3])
+        refused(code.INVALID_ARGUMENT, farm.token, a, la.lease_id, [of_other_batch])
+        wrong_key = pb.Result(batch_candidate_id=c1.batch_candidate_id, candidate_key=c2.candidate_key, costs=[1e-3])
+        refused(code.INVALID_ARGUMENT, farm.token, a, la.lease_id, [wrong_key])
+        # A lease that does not exist, for a batch never leased; and another agent's lease.
+        never = pb.Result(batch_candidate_id=other_batch_candidate, candidate_key=inputs[4].key, costs=[1e-3])
+        refused(code.FAILED_PRECONDITION, farm.token, a, la.lease_id + 10**6, [never])
+        refused(code.FAILED_PRECONDITION, token_b, b, la.lease_id, [_ok(c1, 1e-3)], finish=True)
+        refused(code.PERMISSION_DENIED, token_b, a, la.lease_id, [_ok(c1, 1e-3)])  # acting as A with B's token
+
+        # A reports c1; the same result again on a new stream (a reconnect) is stored once.
+        for _ in range(2):
+            acks = _report(stub, farm.token, a, la.lease_id, [_ok(c1, 2e-3)])
+            assert [list(x.batch_candidate_ids) for x in acks] == [[c1.batch_candidate_id]]
+        assert _stored(farm) == {c1.batch_candidate_id: (la.lease_id, 2e-3)}
+        # The same candidate twice on one stream: refused; the second copy is never stored
+        # (the first may be, when the stream stored it before the second came).
+        with pytest.raises(grpc.RpcError) as err:
+            _report(stub, farm.token, a, la.lease_id, [_ok(c4, 3e-3), _ok(c4, 4e-3)])
+        assert err.value.code() is code.INVALID_ARGUMENT and "twice" in err.value.details()
+        c4_stored = _stored(farm).get(c4.batch_candidate_id)
+        assert c4_stored in (None, (la.lease_id, 3e-3))
+
+        # A goes silent: its lease expires and B leases the batch (only what is unmeasured).
+        with transaction(farm.sessions) as s:
+            s.execute(update(Lease).where(Lease.id == la.lease_id).values(expires_at=func.now() - timedelta(seconds=60)))
+        lb = lease(b, token_b)
+        assert lb.batch_id == first and lb.lease_id != la.lease_id
+        unmeasured = [c2, c3] + ([c4] if c4_stored is None else [])
+        assert [c.batch_candidate_id for c in lb.candidates] == [c.batch_candidate_id for c in unmeasured]
+        # A's late results and finish are refused; so is B reporting what A measured.
+        details = refused(code.FAILED_PRECONDITION, farm.token, a, la.lease_id, [_ok(c2, 5e-3), _ok(c3, 5e-3)], True)
+        assert "expired" in details
+        refused(code.ALREADY_EXISTS, token_b, b, lb.lease_id, [_ok(c1, 6e-3)])
+        refused(code.FAILED_PRECONDITION, farm.token, a, lb.lease_id, [_ok(c2, 5e-3)])  # B's lease, A's results
+        # B's results are stored and finish the batch.
+        acks = _report(stub, token_b, b, lb.lease_id, [_ok(c, 7e-3) for c in unmeasured], finish=True)
+        assert acks[-1].finished and acks[-1].batch_state == "done"
+    assert _stored(farm) == {
+        c1.batch_candidate_id: (la.lease_id, 2e-3),
+        c2.batch_candidate_id: (lb.lease_id, 7e-3),
+        c3.batch_candidate_id: (lb.lease_id, 7e-3),
+        c4.batch_candidate_id: c4_stored or (lb.lease_id, 7e-3),
+    }
+    measurer.close()

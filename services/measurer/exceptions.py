@@ -39,6 +39,11 @@ class NameTaken(MeasurerError):
     """The agent name belongs to an agent of another token."""
 
 
+class AlreadyMeasured(MeasurerError):
+    """A result for a candidate that has its measurement from another lease (the one
+    that measured it, or the batch given up): this lease was never handed it."""
+
+
 class LeaseLost(MeasurerError):
     """The lease is not the sender's active one any more (it expired, was finished, or the
     batch was given up): its results are refused; drop the batch."""
@@ -58,6 +63,7 @@ _CODES: tuple[tuple[type[MeasurerError], grpc.StatusCode], ...] = (
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (NameTaken, grpc.StatusCode.ALREADY_EXISTS),
+    (AlreadyMeasured, grpc.StatusCode.ALREADY_EXISTS),
     (LeaseLost, grpc.StatusCode.FAILED_PRECONDITION),
     (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (Transient, grpc.StatusCode.UNAVAILABLE),

@@ -29,6 +29,19 @@ Map:
 Authentication: `authorization: Bearer <agent token>` on every call. A missing or
 unknown token is UNAUTHENTICATED; a team token is PERMISSION_DENIED, and so is an agent
 id registered under another token.
+
+Results are stored only from the agent holding the lease, and only for what it was
+handed; everything else is refused and nothing of the refused stream's pending results
+is stored:
+
+| a results stream that ... | status |
+|---|---|
+| names a lease that is not the sender's active one (expired, re-leased to another agent, finished, another agent's, or none at all) | FAILED_PRECONDITION |
+| carries a candidate not in the lease's batch (unknown, or another batch's), a result under another candidate's key, or the same candidate twice | INVALID_ARGUMENT |
+| carries a candidate measured before this lease (by an earlier lease of the batch, or given up) | ALREADY_EXISTS |
+
+A result sent again on a new stream of the same lease (the agent reconnected before the
+acknowledgement) is acknowledged and stored once.
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ from services.db.models import (
     DeviceClass,
     Lease,
     LeaseState,
+    Measurement,
     TaskData,
     TokenKind,
     Workload,
@@ -72,6 +86,7 @@ from services.db.session import make_session_factory, transaction
 from services.measurer import artifacts, wire
 from services.measurer.exceptions import (
     UNKNOWN_AGENT_PREFIX,
+    AlreadyMeasured,
     BadRequest,
     LeaseLost,
     NameTaken,
@@ -595,13 +610,12 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                     raise BadRequest("one results stream carries one lease")
                 body = msg.WhichOneof("body")
                 if body == "result":
-                    if msg.result.batch_candidate_id not in ctx.inputs:
-                        raise BadRequest(f"candidate {msg.result.batch_candidate_id} is not in batch {ctx.batch_id}")
+                    bc_id = msg.result.batch_candidate_id
+                    run = ctx.admit(bc_id, wire.run_result_from_pb(msg.result))
                     if not pending:
                         opened = time.monotonic()
-                    run = wire.run_result_from_pb(msg.result)
                     # An emulated agent's costs are the emulator's: its results say so.
-                    pending.setdefault(msg.result.batch_candidate_id, replace(run, emulated=agent.emulated))
+                    pending[bc_id] = replace(run, emulated=agent.emulated)
                 elif body == "finish":
                     finish = True
             elif isinstance(msg, BaseException):  # the agent went away: keep what it sent
@@ -633,9 +647,15 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             .where(Batch.id == lease.batch_id)
         ).one()
         rows = s.execute(
-            select(BatchCandidate.id, BatchCandidate.input, BatchCandidate.build).where(
-                BatchCandidate.batch_id == lease.batch_id
+            select(
+                BatchCandidate.id,
+                BatchCandidate.input,
+                BatchCandidate.build,
+                Measurement.id.label("measurement_id"),
+                Measurement.lease_id,
             )
+            .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
+            .where(BatchCandidate.batch_id == lease.batch_id)
         ).all()
         return _StreamContext(
             lease_id=lease.id,
@@ -644,6 +664,9 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             target=dict(target),
             inputs={r.id: codec.input_from_json(r.input) for r in rows},
             builds={r.id: r.build for r in rows},
+            measured_elsewhere={
+                r.id: r.lease_id for r in rows if r.measurement_id is not None and r.lease_id != lease.id
+            },
         )
 
     def _store(
@@ -676,12 +699,36 @@ class _StreamContext:
     target: dict[str, Any]
     inputs: dict[int, MeasureInput]
     builds: dict[int, dict[str, Any] | None]
+    # Candidates of the batch measured before this lease (by an earlier lease, or given
+    # up): this lease was not handed them, so no result of its may be stored for them.
+    measured_elsewhere: dict[int, int | None] = field(default_factory=dict)
+    _seen: set[int] = field(default_factory=set)
     _build_cache: dict[int, BuildResult] = field(default_factory=dict)
+
+    def admit(self, bc_id: int, run: RunResult) -> RunResult:
+        """`run` if this stream may carry it: a candidate of the lease's batch, not
+        measured under another lease, of the candidate's own key, and sent once per stream
+        (a stream reopened after a break sends unacknowledged results again: that is a new
+        stream, and storing them again is a no-op). Raises `BadRequest` or `AlreadyMeasured`."""
+        inp = self.inputs.get(bc_id)
+        if inp is None:
+            raise BadRequest(f"candidate {bc_id} is not in batch {self.batch_id} of lease {self.lease_id}")
+        if bc_id in self.measured_elsewhere:
+            by = self.measured_elsewhere[bc_id]
+            raise AlreadyMeasured(
+                f"candidate {bc_id} was measured before lease {self.lease_id}"
+                + (f" (under lease {by})" if by is not None else " (given up)")
+                + "; its result is not this lease's to report"
+            )
+        if bc_id in self._seen:
+            raise BadRequest(f"candidate {bc_id} sent twice on one results stream")
+        if run.candidate_key != inp.key:
+            raise BadRequest(f"result of {run.candidate_key!r} sent for candidate {bc_id} ({inp.key!r})")
+        self._seen.add(bc_id)
+        return run
 
     def record(self, bc_id: int, run: RunResult, stamp: float) -> MeasureRecord:
         inp = self.inputs[bc_id]
-        if run.candidate_key != inp.key:
-            raise BadRequest(f"result of {run.candidate_key!r} sent for candidate {bc_id} ({inp.key!r})")
         build = self._build_cache.get(bc_id)
         if build is None:
             raw = self.builds.get(bc_id)
