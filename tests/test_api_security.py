@@ -1,0 +1,193 @@
+"""The HTTP API under attack, against a real PostgreSQL (a throw-away database for the
+module): request bodies over the limit are refused while they stream in (chunked, with a
+lying Content-Length, over a real socket) without the rest being read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from services.api import admin  # noqa: E402
+from services.api.app import create_app  # noqa: E402
+from services.api.limits import LINGER_BYTES  # noqa: E402
+from services.api.settings import ApiSettings  # noqa: E402
+from services.db.session import transaction  # noqa: E402
+
+MAX_UPLOAD = 64 * 1024
+CHUNK = 16 * 1024
+BOUNDARY = "tunefarmboundary"
+MULTIPART_HEAD = (
+    f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"m.onnx\"\r\n"
+    "Content-Type: application/octet-stream\r\n\r\n"
+).encode()
+
+
+@pytest.fixture(scope="module")
+def settings(database_url, tmp_path_factory) -> ApiSettings:
+    return ApiSettings(
+        database_url=database_url,
+        artifact_root=tmp_path_factory.mktemp("artifacts"),
+        max_upload_bytes=MAX_UPLOAD,
+        multipart_overhead_bytes=1024,
+        token_cache_secs=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def team_token(db_sessions) -> str:
+    with transaction(db_sessions) as s:
+        team = admin.ensure_team(s, name="team-attack")
+        return admin.issue_team_token(s, team_id=team.id)
+
+
+def _limit(settings: ApiSettings) -> int:
+    return settings.max_upload_bytes + settings.multipart_overhead_bytes
+
+
+def _assert_413(status: int, body: bytes) -> None:
+    assert status == 413, body[:300]
+    assert json.loads(body)["error"]["code"] == "payload_too_large"
+
+
+# -- streaming in process: how much of the body the application asked for ----------------------
+
+
+class CountingBody:
+    """A request body of `total` bytes that counts how much of it was consumed."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.consumed = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield MULTIPART_HEAD
+        while self.consumed < self.total:
+            self.consumed += CHUNK
+            yield b"\0" * CHUNK
+
+
+def _post_in_process(settings: ApiSettings, token: str, body: CountingBody, headers: dict[str, str]) -> httpx.Response:
+    async def go() -> httpx.Response:
+        app = create_app(settings)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+                return await client.post(
+                    "/v1/models",
+                    content=body,
+                    headers={
+                        "Authorization": f"Bearer {token}",
+                        "Content-Type": f"multipart/form-data; boundary={BOUNDARY}",
+                        **headers,
+                    },
+                )
+
+    return asyncio.run(go())
+
+
+def test_a_chunked_body_over_the_limit_is_cut_off_as_it_streams(settings, team_token):
+    body = CountingBody(total=256 * MAX_UPLOAD)  # 16 MiB offered, no Content-Length: chunked
+    r = _post_in_process(settings, team_token, body, {})
+    _assert_413(r.status_code, r.content)
+    assert r.headers["connection"] == "close"
+    # Read up to the limit, then at most the lingering close's bytes; never the rest.
+    assert body.consumed <= _limit(settings) + LINGER_BYTES + 2 * CHUNK < body.total
+
+
+@pytest.mark.parametrize("declared", ["100", str(10**12)])
+def test_a_lying_content_length_does_not_get_a_body_past_the_limit(settings, team_token, declared):
+    """Declared small, sent large: cut off at the limit all the same. Declared huge:
+    refused before any of the body is read (the linger then drains a bounded amount)."""
+    body = CountingBody(total=256 * MAX_UPLOAD)
+    r = _post_in_process(settings, team_token, body, {"Content-Length": declared})
+    _assert_413(r.status_code, r.content)
+    assert body.consumed <= _limit(settings) + LINGER_BYTES + 2 * CHUNK < body.total
+
+
+# -- over a real socket: the server stops reading ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(settings) -> Iterator[int]:
+    """The API on a loopback port (uvicorn in a thread); its port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield sock.getsockname()[1]
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def _send_until_answered(port: int, head: bytes, frames: Iterator[bytes], offered: int) -> tuple[int, bytes]:
+    """Send `head` then `frames` until the server answers and closes (or `offered` bytes
+    went out); (bytes of body the socket took, the answer)."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+    conn.sendall(head)
+    conn.setblocking(False)
+    sent, answer, closed = 0, b"", False
+    deadline = time.monotonic() + 30
+    pending = b""
+    while not closed and time.monotonic() < deadline:
+        want_write = sent < offered
+        readable, writable, _ = select.select([conn], [conn] if want_write else [], [], 1.0)
+        if readable:
+            try:
+                data = conn.recv(65536)
+            except ConnectionResetError:
+                data = b""
+            answer += data
+            closed = not data
+        if writable and not closed:
+            pending = pending or next(frames)
+            try:
+                n = conn.send(pending)
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                continue
+            except BlockingIOError:
+                continue
+            sent += n
+            pending = pending[n:]
+    conn.close()
+    return sent, answer
+
+
+def test_over_a_socket_the_server_stops_reading_a_chunked_body(served, settings, team_token):
+    offered = 1024 * MAX_UPLOAD  # 64 MiB
+
+    def frames() -> Iterator[bytes]:
+        yield b"%x\r\n%s\r\n" % (len(MULTIPART_HEAD), MULTIPART_HEAD)
+        while True:
+            yield b"%x\r\n%s\r\n" % (CHUNK, b"\0" * CHUNK)
+
+    head = (
+        f"POST /v1/models HTTP/1.1\r\nHost: api\r\nAuthorization: Bearer {team_token}\r\n"
+        f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    sent, answer = _send_until_answered(served, head, frames(), offered)
+    status_line, _, rest = answer.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    _assert_413(int(status_line.split()[1]), body)
+    assert b"connection: close" in headers.lower()
+    # The server closed the connection: what the socket took is the limit, the linger
+    # and the kernel's buffers, a fraction of what was offered.
+    assert sent < offered // 4, sent
