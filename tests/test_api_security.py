@@ -1,6 +1,9 @@
 """The HTTP API under attack, against a real PostgreSQL (a throw-away database for the
 module): request bodies over the limit are refused while they stream in (chunked, with a
-lying Content-Length, over a real socket) without the rest being read."""
+lying Content-Length, over a real socket) without the rest being read; ONNX external
+data naming files outside the upload is refused, naming the tensor and the location,
+while a model uploaded with its external data files (as `tunefarm submit` sends it) is
+taken in and kept self-contained."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +195,73 @@ def test_over_a_socket_the_server_stops_reading_a_chunked_body(served, settings,
     # The server closed the connection: what the socket took is the limit, the linger
     # and the kernel's buffers, a fraction of what was offered.
     assert sent < offered // 4, sent
+
+
+# -- ONNX external data ------------------------------------------------------------------------
+
+
+def _stored_files(settings: ApiSettings) -> list[str]:
+    root = settings.artifact_root
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _upload(port: int, token: str, model: Path, extra: list | None = None) -> httpx.Response:
+    files = [("file", ("model.onnx", model.read_bytes()))] + (extra or [])
+    return httpx.post(
+        f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {token}"},
+        files=files, data={"input_shapes": json.dumps({"x": [1, 3, 8, 8]})}, timeout=600,
+    )
+
+
+def test_a_model_with_its_external_data_is_taken_in_and_kept_self_contained(served, settings, team_token, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from test_onnx_external_data import with_external_data
+
+    from tunefarm.models.external_data import external_tensors
+    from tunefarm_app.farm_client import ClientSettings, FarmClient
+
+    path = with_external_data(tmp_path / "m", location="weights/tiny.bin")
+    client_settings = ClientSettings.load(server=f"http://127.0.0.1:{served}", token=team_token)
+    with FarmClient(client_settings) as client:  # what `tunefarm submit` does: the side files go along
+        model = client.upload_model(path, {"x": [1, 3, 8, 8]})
+    assert [t["position"] for t in model["tasks"]] == [0, 1]
+    kept = onnx.load(str(settings.artifact_root / "models" / f"{model['onnx_sha256']}.onnx"), load_external_data=False)
+    assert not list(external_tensors(kept)) and {t.name for t in kept.graph.initializer} == {"w1", "w2"}
+    assert not any("tiny.bin" in f for f in _stored_files(settings))
+
+
+@pytest.mark.parametrize("location", ["../../etc/passwd", "/etc/passwd", "weights/../../../etc/passwd"])
+def test_external_data_outside_the_upload_is_refused_naming_tensor_and_location(
+    served, settings, team_token, tmp_path, location
+):
+    pytest.importorskip("onnx")
+    from test_onnx_external_data import relocated, with_external_data
+
+    path = relocated(with_external_data(tmp_path / "m"), location)
+    before = _stored_files(settings)
+    r = _upload(served, team_token, path, [("external_data", ("tiny.onnx.data", (tmp_path / "m" / "tiny.onnx.data").read_bytes()))])
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_model"
+    assert "'w1'" in error["message"] and repr(location) in error["message"], error["message"]
+    assert "root:" not in r.text  # nothing of /etc/passwd
+    assert _stored_files(settings) == before
+
+
+def test_bad_external_data_parts_get_clear_errors(served, settings, team_token, tmp_path):
+    pytest.importorskip("onnx")
+    from test_onnx_external_data import with_external_data
+
+    path = with_external_data(tmp_path / "m")
+    data = (tmp_path / "m" / "tiny.onnx.data").read_bytes()
+    before = _stored_files(settings)
+    missing = _upload(served, team_token, path)
+    assert missing.status_code == 422 and "'tiny.onnx.data'" in missing.json()["error"]["message"]
+    assert "external_data part" in missing.json()["error"]["message"]
+    for name, words in (("../tiny.onnx.data", "'..'"), ("/abs/tiny.onnx.data", "absolute"), ("model.onnx", "reserved")):
+        r = _upload(served, team_token, path, [("external_data", (name, data))])
+        assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+        assert words in r.json()["error"]["message"]
+    twice = _upload(served, team_token, path, [("external_data", ("tiny.onnx.data", data))] * 2)
+    assert twice.status_code == 422 and "twice" in twice.json()["error"]["message"]
+    assert _stored_files(settings) == before

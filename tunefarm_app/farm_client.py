@@ -10,6 +10,7 @@ gives up once the farm has not answered for `follow_retry_secs`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -103,8 +104,11 @@ class FarmClient:
         data = {"input_shapes": json.dumps({k: list(v) for k, v in input_shapes.items()})}
         if name:
             data["name"] = name
-        with open(path, "rb") as f:
-            return self._call("POST", "/v1/models", files={"file": (path.name, f, "application/octet-stream")}, data=data)
+        with contextlib.ExitStack() as files:
+            parts = [("file", (path.name, files.enter_context(open(path, "rb")), "application/octet-stream"))]
+            for location, data_file in model_external_files(path):
+                parts.append(("external_data", (location, files.enter_context(open(data_file, "rb")), "application/octet-stream")))
+            return self._call("POST", "/v1/models", files=parts, data=data)
 
     def create_job(self, **body: Any) -> dict:
         return self._call("POST", "/v1/jobs", json={k: v for k, v in body.items() if v is not None})
@@ -211,3 +215,22 @@ class FarmClient:
 def _describe(exc: Exception) -> str:
     """An httpx transport error in a few words (its message can be empty: a reset)."""
     return str(exc).strip() or type(exc).__name__
+
+
+def model_external_files(path: Path) -> list[tuple[str, Path]]:
+    """(location, file) of each external data file the ONNX model at `path` names, which
+    an upload carries along; each must be in the model's directory (a `ModelError`
+    naming the tensor and the location otherwise). Without the onnx package the model
+    goes alone (the farm names any file it misses)."""
+    try:
+        import onnx
+    except ImportError:
+        return []
+    from tunefarm.models.external_data import external_files
+
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(path.read_bytes())
+    except Exception:  # not ONNX: the farm says what is wrong with it
+        return []
+    return external_files(model, path.parent)

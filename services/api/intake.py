@@ -1,6 +1,12 @@
 """Taking in an uploaded model: import, simplify, fuse, list the tasks, check each can be
 tuned, and save the fused module.
 
+An upload may carry the model's external data (weights in side files): one
+`external_data` part per file, named by the location the model gives it. They are
+staged next to the model, where the importer reads them (it refuses any location
+outside that directory, naming the tensor); what is kept is the model with that data
+read into it, one self-contained ONNX file like any other upload.
+
 All of it runs in a child process (`tunefarm.isolation.IsolatedWorker`): TVM's importer
 on an arbitrary file may crash or hang, and must never take the API down. The child
 writes `fused.json` into a staging directory and returns plain data (`intake_job`); the
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -19,8 +26,14 @@ from typing import Any, BinaryIO
 from services.api.exceptions import InvalidModel, InvalidRequest, PayloadTooLarge, ServiceUnavailable
 from services.api.storage import StoredFile, copy_limited, keep, staging
 from tunefarm.isolation import CallStatus, IsolatedWorker, WorkerStartError
+from tunefarm.models.external_data import location_problem
 
 FUSED_NAME = "fused.json"
+INLINED_NAME = "inlined.onnx"
+"""The uploaded model with its external data read into it: what is kept of such an upload."""
+UPLOAD_DIR = "model"
+"""The staging subdirectory of an upload's model file and its external data files."""
+UPLOAD_NAME = "model.onnx"
 
 PROBE_TARGET = {"kind": "llvm", "num-cores": 4}
 """The target a task's sketches are derived for when checking that it can be tuned at
@@ -35,11 +48,18 @@ def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str) ->
 
     from services.scheduler.task import make_task
     from tunefarm.errors import ModelError, WorkloadError
-    from tunefarm.models.importer import import_model
+    from tunefarm.models.importer import import_model, read_onnx_file
     from tunefarm.models.tasks import extract_tasks
 
     shapes = json.loads(shapes_json)
-    imported = import_model(Path(onnx_path).read_bytes(), shapes, name=name)
+    # External data is read from the upload's own directory only (the files that came
+    # with it); the model kept is then self-contained.
+    model, inlined = read_onnx_file(Path(onnx_path), label="the model")
+    kept = Path(onnx_path)
+    if inlined:
+        kept = Path(staging_dir) / INLINED_NAME
+        kept.write_bytes(model.SerializeToString())
+    imported = import_model(model, shapes, name=name)
     tasks = extract_tasks(imported, name=name)
     if not tasks.tasks:
         raise ModelError(f"{name}: the model has no kernel to tune (every operator is a reshape)")
@@ -57,6 +77,7 @@ def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str) ->
         "warnings": list(imported.warnings),
         "elided": list(tasks.elided),
         "fused_path": str(fused),
+        "onnx_path": str(kept),
         "tasks": [
             {
                 "position": i,
@@ -80,8 +101,17 @@ def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str) ->
 _SHAPE_HINT = re.compile(r"pass its full shape with --input-shape (\S+?)=d0,d1,\.\.\., e\.g\. --input-shape \S+?=([\d,]+)")
 
 
+_MISSING_EXTERNAL = re.compile(r"keeps its data in ('[^']*'), which is missing from the model's directory")
+
+
 def _for_the_api(message: str) -> str:
-    """The importer's hints name the command line's flag; an API client sets `input_shapes`."""
+    """The importer's hints name the command line's flag; an API client sets `input_shapes`.
+    A missing external data file is one that did not come with the upload."""
+    message = _MISSING_EXTERNAL.sub(
+        lambda m: f"keeps its data in {m[1]}, which did not come with the upload "
+        f"(send it as an external_data part named {m[1]}; tunefarm submit does)",
+        message,
+    )
     return _SHAPE_HINT.sub(
         lambda m: f'pass its full shape in input_shapes, e.g. {{"{m[1]}": [{", ".join(m[2].split(","))}]}} '
         f"(tunefarm submit --input-shape {m[1]}={m[2]})",
@@ -172,23 +202,55 @@ def accept_upload(
     root: Path,
     max_bytes: int,
     timeout: float,
+    external_data: Sequence[tuple[str | None, BinaryIO]] = (),
 ) -> TakenIn:
-    """Copy the upload to staging (at most `max_bytes`), take it in, and keep its files.
+    """Copy the upload and its external data files (file name: the location the model
+    names) to staging (at most `max_bytes` in all), take it in, and keep its files.
     Raises `PayloadTooLarge`, `InvalidRequest` or `InvalidModel`, having stored nothing."""
     shapes = parse_input_shapes(input_shapes_text)
     model_name = name.strip() if name and name.strip() else _name_from(filename)
+    locations = [external_location(loc) for loc, _ in external_data]
+    twice = sorted({loc for loc in locations if locations.count(loc) > 1})
+    if twice:
+        raise InvalidRequest(f"external_data {twice[0]!r} was sent twice")
     with staging(root) as tmp:
-        staged = tmp / "model.onnx"
+        model_dir = tmp / UPLOAD_DIR
+        model_dir.mkdir()
+        staged = model_dir / UPLOAD_NAME
         copied = copy_limited(upload, staged, limit=max_bytes)
         if copied is None:
             raise PayloadTooLarge(f"the model is larger than this farm accepts ({max_bytes} bytes)")
         sha256, size = copied
         if size == 0:
             raise InvalidModel("the uploaded file is empty")
+        budget = max_bytes - size
+        for location, (_, source) in zip(locations, external_data):
+            dest = model_dir / location
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                copied = copy_limited(source, dest, limit=budget)
+            except OSError as exc:  # "a" and "a/b", "w/": not a set of files
+                raise InvalidRequest(f"external_data {location!r} cannot be stored as a file ({exc.strerror})") from None
+            if copied is None:
+                raise PayloadTooLarge(f"the model and its external data are larger than this farm accepts ({max_bytes} bytes)")
+            budget -= copied[1]
         intake = take_in(worker, onnx_path=staged, input_shapes=shapes, name=model_name, staging_dir=tmp, timeout=timeout)
-        onnx = keep(root, staged, suffix=".onnx", sha256=sha256)
+        kept = Path(intake["onnx_path"])
+        onnx = keep(root, staged, suffix=".onnx", sha256=sha256) if kept == staged else keep(root, kept, suffix=".onnx")
         fused = keep(root, Path(intake["fused_path"]), suffix=".fused.json")
     return TakenIn(model_name, shapes, onnx, fused, intake)
+
+
+def external_location(filename: str | None) -> str:
+    """The location an `external_data` part stands for (its file name), checked: a
+    relative path below the model's directory, not the model's own name."""
+    location = (filename or "").strip()
+    problem = location_problem(location)
+    if problem is not None:
+        raise InvalidRequest(f"external_data file name {location!r} {problem}; name each part by the location the model gives it")
+    if location == UPLOAD_NAME:
+        raise InvalidRequest(f"external_data file name {location!r} is reserved for the model itself")
+    return location
 
 
 def _name_from(filename: str | None) -> str:

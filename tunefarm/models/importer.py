@@ -8,7 +8,10 @@ outputs as `TensorSpec`s, the ONNX graph that was converted, and warnings as str
 The ONNX path, step by step:
 
 1. Load and sanity-check the file. A malformed, truncated or non-ONNX file is a
-   `ModelError` with one line.
+   `ModelError` with one line. Weights in external files are read from the model's own
+   directory only (`external_data.py`: a location outside it is refused, naming the
+   tensor) into the graph; a model given as bytes or a ModelProto has no directory and
+   may have no external tensor.
 2. Graph inputs are the `graph.input` entries that are not initializers. Every dynamic
    dimension (a `dim_param` or a missing `dim_value`) needs a value from `input_shapes`;
    a missing one is a `UsageError` naming the input and its dynamic dimensions and the
@@ -53,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from tunefarm.errors import ModelError, UsageError
+from tunefarm.models.external_data import inline_external_data, refuse_external_data
 from tunefarm.records import TensorSpec
 
 SIMPLIFY_TOLERANCE = 1e-4
@@ -121,35 +125,42 @@ def _load_onnx(source: Any):
     """(ModelProto, default name) from a path, bytes or a ModelProto; one-line errors."""
     onnx = _onnx()
     if isinstance(source, onnx.ModelProto):
+        refuse_external_data(source, "the given onnx.ModelProto")
         return source, source.graph.name or "model"
     if isinstance(source, (bytes, bytearray, memoryview)):
-        data, label, default_name = bytes(source), "the given ONNX data", "model"
-        model = _parse_onnx(data, label)
-    elif isinstance(source, (str, os.PathLike)):
+        model = _parse_onnx(bytes(source), "the given ONNX data")
+        refuse_external_data(model, "the given ONNX data")
+        return model, "model"
+    if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        label, default_name = str(path), path.stem
-        if not path.is_file():
-            raise ModelError(f"{path}: no such file")
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise ModelError(f"{path}: cannot read: {exc.strerror or exc}") from None
-        model = _parse_onnx(data, label)
-        if _has_external_data(model):
-            try:  # weights in side files next to the model
-                from onnx.external_data_helper import load_external_data_for_model
+        return read_onnx_file(path)[0], path.stem
+    raise UsageError(
+        f"cannot import a {type(source).__name__}: give an ONNX file path, ONNX bytes, "
+        "an onnx.ModelProto or a torch.nn.Module"
+    )
 
-                load_external_data_for_model(model, str(path.parent))
-            except Exception as exc:
-                raise ModelError(
-                    f"{path}: cannot load its external weight files: {_first_line(exc)}"
-                ) from None
-    else:
-        raise UsageError(
-            f"cannot import a {type(source).__name__}: give an ONNX file path, ONNX bytes, "
-            "an onnx.ModelProto or a torch.nn.Module"
-        )
-    return model, default_name
+
+def read_onnx_file(path: Path, *, label: str | None = None):
+    """(ModelProto, tensors read from external files) of an ONNX file. External data
+    (weights in side files) is read only from the model's own directory or below it
+    (`tunefarm.models.external_data`); a location outside it is a one-line `ModelError`
+    naming the tensor and the location, and nothing is read. Errors start with `label`
+    (default: the path)."""
+    label = label or str(path)
+    if not path.is_file():
+        raise ModelError(f"{label}: no such file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ModelError(f"{label}: cannot read: {exc.strerror or exc}") from None
+    model = _parse_onnx(data, label)
+    try:
+        inlined = inline_external_data(model, path.parent)
+    except ModelError as exc:
+        raise ModelError(f"{label}: {exc}") from None
+    except OSError as exc:
+        raise ModelError(f"{label}: cannot read its external data: {exc.strerror or exc}") from None
+    return model, inlined
 
 
 def _parse_onnx(data: bytes, label: str):
@@ -165,11 +176,6 @@ def _parse_onnx(data: bytes, label: str):
     if model.ir_version <= 0 or not model.HasField("graph") or not model.graph.node:
         raise ModelError(f"{label} is not a valid ONNX model (no graph with nodes; truncated or not ONNX)")
     return model
-
-
-def _has_external_data(model) -> bool:
-    onnx = _onnx()
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,20 @@ def upload_model(
         str, Form(description='JSON object {"input name": [d0, d1, ...]}, needed for inputs with dynamic dimensions')
     ] = "{}",
     name: Annotated[str | None, Form(max_length=100, description="default: the file name's stem")] = None,
+    external_data: Annotated[
+        list[UploadFile],
+        File(
+            description="the model's external data files (weights it keeps outside the .onnx), one part each, "
+            "named by the location the model gives it (e.g. model.onnx.data, weights/w0.bin)"
+        ),
+    ] = [],  # noqa: B006 (FastAPI copies defaults)
 ) -> ModelPublic:
     """Import the model with fixed input shapes, fuse it and list its tuning tasks. A
-    malformed or unsupported model is a 422 naming the operator; nothing is stored."""
-    if file.size is not None and file.size > settings.max_upload_bytes:
+    malformed or unsupported model is a 422 naming the operator; so is external data the
+    model names outside its own directory (naming the tensor and the location), or that
+    did not come with it. Nothing is stored then."""
+    total = sum(f.size or 0 for f in (file, *external_data))
+    if total > settings.max_upload_bytes:
         raise PayloadTooLarge(f"the model is larger than this farm accepts ({settings.max_upload_bytes} bytes)")
     taken = accept_upload(
         intake,
@@ -42,6 +52,7 @@ def upload_model(
         root=settings.artifact_root,
         max_bytes=settings.max_upload_bytes,
         timeout=settings.intake_timeout_secs,
+        external_data=[(f.filename, f.file) for f in external_data],
     )
     with transaction(sessions) as db:
         model = crud.store_model(
