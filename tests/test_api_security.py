@@ -265,3 +265,51 @@ def test_bad_external_data_parts_get_clear_errors(served, settings, team_token, 
     twice = _upload(served, team_token, path, [("external_data", ("tiny.onnx.data", data))] * 2)
     assert twice.status_code == 422 and "twice" in twice.json()["error"]["message"]
     assert _stored_files(settings) == before
+
+
+# -- fuzzing from the OpenAPI schema -----------------------------------------------------------
+
+schemathesis = pytest.importorskip("schemathesis")
+
+from hypothesis import HealthCheck, Phase  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+FUZZ_EXAMPLES = 20
+"""Examples per operation: the whole run stays within a few seconds."""
+
+
+@pytest.fixture(scope="module")
+def fuzzed_team(db_sessions) -> str:
+    """A team with a model and a running job (ids the fuzzer's small integers meet); its token."""
+    from tunefarm_app.bench.farm_progress import seed_job
+
+    return seed_job(db_sessions, measurements=4, tasks=2, curve_points=3).team_token
+
+
+@pytest.fixture(scope="module")
+def api_schema(served):
+    return schemathesis.openapi.from_url(f"http://127.0.0.1:{served}/openapi.json")
+
+
+fuzz_schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@fuzz_schema.parametrize()
+@hypothesis_settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
+def test_fuzzing_every_operation_from_the_schema_gets_no_server_error(case, fuzzed_team):
+    """Every operation, with generated valid and invalid inputs and the team's token: no
+    5xx, and every response conforms to the schema (status, content type, headers, body).
+    Not checked: that a schema-valid request is accepted (an empty file is a valid
+    `file` and not a model; a job names a model and a class that must exist), and that
+    a query parameter the operation does not have is refused (it is ignored)."""
+    case.call_and_validate(
+        headers={"Authorization": f"Bearer {fuzzed_team}"},
+        timeout=60,
+        excluded_checks=[schemathesis.checks.positive_data_acceptance, schemathesis.checks.negative_data_rejection],
+    )

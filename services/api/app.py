@@ -20,6 +20,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from services.api.deps import TokenCache
 from services.api.exceptions import ApiError
@@ -118,7 +119,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "error")
-        return _error(exc.status_code, code, str(exc.detail), headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette names the methods of the first route of the path only
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(app, request))}
+        return _error(exc.status_code, code, str(exc.detail), headers=headers)
 
     @app.exception_handler(DatabaseError)
     async def database_error(request: Request, exc: DatabaseError) -> JSONResponse:
@@ -126,6 +130,16 @@ def _add_error_handlers(app: FastAPI) -> None:
             return _error(503, "unavailable", "the database cannot be reached; try again shortly")
         log.exception("database error", exc_info=exc)
         return _error(500, "internal_error", "the database refused the request")
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route of the request's path answers."""
+    methods: set[str] = set()
+    for route in app.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def main(argv: list[str] | None = None) -> int:

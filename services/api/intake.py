@@ -44,21 +44,24 @@ _OWN_ERRORS = ("ModelError: ", "UsageError: ", "WorkloadError: ")
 
 def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str) -> dict[str, Any]:
     """Child side: plain arguments, plain result; raises `ModelError`/`UsageError`."""
-    import tvm
-
-    from services.scheduler.task import make_task
-    from tunefarm.errors import ModelError, WorkloadError
     from tunefarm.models.importer import import_model, read_onnx_file
-    from tunefarm.models.tasks import extract_tasks
 
     shapes = json.loads(shapes_json)
     # External data is read from the upload's own directory only (the files that came
-    # with it); the model kept is then self-contained.
+    # with it); the model kept is then self-contained. A file that is not ONNX at all
+    # is refused here, before TVM is loaded.
     model, inlined = read_onnx_file(Path(onnx_path), label="the model")
     kept = Path(onnx_path)
     if inlined:
         kept = Path(staging_dir) / INLINED_NAME
         kept.write_bytes(model.SerializeToString())
+
+    import tvm
+
+    from services.scheduler.task import make_task
+    from tunefarm.errors import ModelError, WorkloadError
+    from tunefarm.models.tasks import extract_tasks
+
     imported = import_model(model, shapes, name=name)
     tasks = extract_tasks(imported, name=name)
     if not tasks.tasks:

@@ -20,7 +20,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=AUTH)
 JobId = Annotated[int, Path(ge=1, description="the job's id")]
 
 
-@router.post("", status_code=201, responses=errors(404), summary="Tune a model on a device class")
+@router.post("", status_code=201, responses=errors(400, 404, 413), summary="Tune a model on a device class")
 def create_job(body: JobCreate, team: TeamDep, sessions: SessionsDep, settings: SettingsDep) -> JobPublic:
     """Queue a job; the scheduler picks it up. 404 for a model that is not your team's;
     422 for an unknown device class or a budget beyond the farm's limit."""

@@ -17,7 +17,7 @@ from services.db.session import transaction
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=AUTH)
 
 
-@router.post("", status_code=201, responses=errors(413), summary="Upload an ONNX model")
+@router.post("", status_code=201, responses=errors(400, 413), summary="Upload an ONNX model")
 def upload_model(
     team: TeamDep,
     sessions: SessionsDep,

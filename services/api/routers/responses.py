@@ -9,11 +9,12 @@ from services.api.schemas import ErrorBody
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
+        400: "the body cannot be parsed (JSON that is not JSON or not UTF-8, a broken multipart form)",
         401: "no bearer token, or an unknown or revoked one",
         403: "an agent token: it cannot be used on the team API",
         404: "no such resource for your team",
         409: "the resource's state does not allow this now",
-        413: "the upload is larger than the farm accepts; nothing was stored",
+        413: "the request body is larger than the farm accepts; nothing was stored",
         422: "the request is malformed or asks for something impossible",
     }
     return {s: {"model": ErrorBody, "description": descriptions[s]} for s in statuses}
