@@ -267,6 +267,44 @@ def test_bad_external_data_parts_get_clear_errors(served, settings, team_token, 
     assert _stored_files(settings) == before
 
 
+# -- revoking tokens ----------------------------------------------------------------------------
+
+
+def test_a_revoked_team_token_is_refused_at_once_though_the_api_trusts_tokens_for_an_hour(
+    settings, database_url, db_sessions, capsys
+):
+    from fastapi.testclient import TestClient
+
+    from tunefarm_app.cli import main
+
+    with transaction(db_sessions) as s:
+        team = admin.ensure_team(s, name="team-revoked-at-once")
+        plain = admin.issue_team_token(s, team_id=team.id, label="laptop")
+        kept = admin.issue_team_token(s, team_id=team.id, label="ci")
+    with TestClient(create_app(settings.model_copy(update={"token_cache_secs": 3600}))) as client:
+        assert client.app.state.token_cache.listener.wait_connected(10)
+        headers = {"Authorization": f"Bearer {plain}"}
+        assert client.get("/v1/jobs", headers=headers).status_code == 200  # trusted for an hour from now
+        assert main(["farm", "token", "revoke", plain[:12], "--database-url", database_url]) == 0
+        assert capsys.readouterr().out.startswith("revoked    token ")
+        deadline = time.monotonic() + 10  # the notification's way: milliseconds, not the cache's hour
+        while (r := client.get("/v1/jobs", headers=headers)).status_code == 200:
+            assert time.monotonic() < deadline, "a revoked token was still accepted"
+            time.sleep(0.05)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        assert "revoked" in r.json()["error"]["message"]
+        assert client.get("/v1/jobs", headers={"Authorization": f"Bearer {kept}"}).status_code == 200
+    assert main(["farm", "token", "list", "--team", "team-revoked-at-once", "--database-url", database_url]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == 2
+    assert "laptop" in listed[0] and "revoked" in listed[0] and plain[:12] in listed[0]
+    assert "ci" in listed[1] and "active" in listed[1]
+    for ref, words in (("tft_", "tokens"), ("nonsense", "not a token id"), ("999999", "no token")):
+        assert main(["farm", "token", "revoke", ref, "--database-url", database_url]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err, err
+
+
 # -- fuzzing from the OpenAPI schema -----------------------------------------------------------
 
 schemathesis = pytest.importorskip("schemathesis")

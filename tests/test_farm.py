@@ -812,3 +812,61 @@ def test_late_and_fabricated_results_are_refused_and_nothing_is_stored(farm):
         c4.batch_candidate_id: c4_stored or (lb.lease_id, 7e-3),
     }
     measurer.close()
+
+
+def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_work(farm, lease_server):
+    """The lease service trusts a verified token for 30 s (its cache); revoking it
+    reaches the service at once (a PostgreSQL notification): the agent's next call is
+    UNAUTHENTICATED, its lease ends (the batch goes to another agent without waiting for
+    the lease to expire), and nothing it sends is stored."""
+    from services.api import admin
+
+    assert lease_server.servicer.settings.token_cache_secs >= 30
+    assert lease_server.revocations.wait_connected(10)
+    wl = gemm(16)
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    batch_id = _ready_without_building(farm, measurer, task, gemm_inputs(wl, task.key, 2))
+    with transaction(farm.sessions) as s:
+        _, token_b = queries.issue_token(s, kind=TokenKind.AGENT, label="b")
+    caps = pb.Capabilities(arch=os.uname().machine, target_json=json.dumps(farm.target))
+    code = grpc.StatusCode
+    with grpc.insecure_channel(farm.server_address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        meta_a, meta_b = wire.auth_metadata(farm.token), wire.auth_metadata(token_b)
+
+        def register(name: str, metadata) -> int:
+            request = pb.RegisterRequest(name=f"{farm.device_class}-{name}", device_class=farm.device_class, capabilities=caps)
+            return stub.Register(request, metadata=metadata, timeout=10).agent_id
+
+        a, b = register("a", meta_a), register("b", meta_b)
+        la = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=a), metadata=meta_a, timeout=10).batch
+        assert la.batch_id == batch_id
+        stub.Heartbeat(pb.HeartbeatRequest(agent_id=a), metadata=meta_a, timeout=10)  # the token is cached now
+        with transaction(farm.sessions) as s:
+            revoked = admin.revoke_token(s, ref=farm.token)
+            assert revoked.kind is TokenKind.AGENT and revoked.revoked_at is not None
+        deadline = time.monotonic() + 10  # the notification's way: milliseconds, not the cache's 30 s
+        while True:
+            try:
+                stub.Heartbeat(pb.HeartbeatRequest(agent_id=a), metadata=meta_a, timeout=10)
+            except grpc.RpcError as err:
+                assert err.code() is code.UNAUTHENTICATED and "revoked" in err.details()
+                break
+            assert time.monotonic() < deadline, "a revoked token was still accepted"
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=a), metadata=meta_a, timeout=10)
+        assert err.value.code() is code.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            _report(stub, farm.token, a, la.lease_id, [_ok(la.candidates[0], 1e-3)], finish=True)
+        assert err.value.code() is code.UNAUTHENTICATED
+        with transaction(farm.sessions) as s:
+            assert s.get(Agent, a).state.value == "offline"
+            assert s.get(Lease, la.lease_id).state is LeaseState.EXPIRED
+            assert queries.lease_next_batch(s, agent_id=a, lease_secs=60) is None  # even past the service
+        # The batch went back to the queue at once: another agent leases it now.
+        lb = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=b), metadata=meta_b, timeout=10).batch
+        assert lb.batch_id == batch_id and len(lb.candidates) == 2
+    assert _stored(farm) == {}
+    measurer.close()

@@ -16,6 +16,8 @@ An operator, on the farm's machines:
   tunefarm farm down --state-dir D
   tunefarm farm team NAME                 a team and a new team token
   tunefarm farm agent-token               a new agent token
+  tunefarm farm token list [--team T] [--kind team|agent]
+  tunefarm farm token revoke ID|PREFIX|TOKEN   refused by the API and the lease service at once
   tunefarm farm device-class NAME [--target JSON]
   tunefarm db upgrade                     run the database migrations
   tunefarm api | scheduler | worker | agent | lease-service [ARGS...]   one process each
@@ -119,6 +121,15 @@ def add_commands(sub) -> None:
     fa = fsub.add_parser("agent-token", help="print a new agent token")
     fa.add_argument("--value", help="store this token (a deployment's secret) instead of making one")
     fa.add_argument("--database-url", help=DATABASE_URL_HELP)
+    tok = fsub.add_parser("token", help="list or revoke team and agent tokens")
+    toksub = tok.add_subparsers(dest="token_command", required=True)
+    tl = toksub.add_parser("list", help="every token: id, kind, team, prefix, label, created, revoked")
+    tl.add_argument("--team", help="only this team's tokens")
+    tl.add_argument("--kind", choices=["team", "agent"], help="only tokens of this kind")
+    tl.add_argument("--database-url", help=DATABASE_URL_HELP)
+    tr = toksub.add_parser("revoke", help="revoke a token: refused at once; an agent token's agents get no more work")
+    tr.add_argument("token", help="the token's id or prefix (as `farm token list` shows them), or the token itself")
+    tr.add_argument("--database-url", help=DATABASE_URL_HELP)
     fc = fsub.add_parser("device-class", help="create a device class")
     fc.add_argument("name", help="the class's name (jobs and agents name it)")
     fc.add_argument("--target", help="TVM target as a JSON dict (default: this machine)")
@@ -431,6 +442,26 @@ def _farm_agent_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _farm_token(args: argparse.Namespace) -> int:
+    from services.api import admin
+    from services.db.models import TokenKind
+
+    if args.token_command == "revoke":
+        token = _with_db(args.database_url, lambda s: admin.revoke_token(s, ref=args.token))
+        print(f"revoked    token {token.id} ({token.kind}, {token.prefix}...) at {token.revoked_at:%Y-%m-%d %H:%M:%S %Z}")
+        return 0
+    kind = TokenKind(args.kind) if args.kind else None
+    tokens = _with_db(args.database_url, lambda s: admin.list_tokens(s, team=args.team, kind=kind))
+    if not tokens:
+        print("no tokens")
+    for t in tokens:
+        owner = f"team {t.team.name}" if t.team is not None else "agents"
+        state = f"revoked {t.revoked_at:%Y-%m-%d %H:%M}" if t.revoked_at else "active"
+        label = f"  {t.label}" if t.label else ""
+        print(f"{t.id:>5}  {t.kind:<5}  {t.prefix}...  {owner:<20}  created {t.created_at:%Y-%m-%d %H:%M}  {state}{label}")
+    return 0
+
+
 def _farm_device_class(args: argparse.Namespace) -> int:
     from services.api import admin
     from tunefarm.target import parse_target
@@ -477,6 +508,7 @@ FARM_COMMANDS = {
     "down": _farm_down,
     "team": _farm_team,
     "agent-token": _farm_agent_token,
+    "token": _farm_token,
     "device-class": _farm_device_class,
 }
 

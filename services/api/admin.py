@@ -1,5 +1,5 @@
 """Operator actions on the farm's database (the `tunefarm farm` commands; not on the API):
-teams and their tokens, agent tokens, device classes.
+teams and their tokens, agent tokens (issued, listed, revoked), device classes.
 
 Keyword-only functions over the caller's session, like `crud`; a token's plain text is
 returned once and never stored.
@@ -14,6 +14,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from services.db import queries
+from services.db.exceptions import NotFound
 from services.db.models import DeviceClass, Team, Token, TokenKind
 
 
@@ -45,6 +46,58 @@ def register_token(session: Session, *, kind: TokenKind, plain: str, team_id: in
                 prefix=plain[: queries.TOKEN_DISPLAY_CHARS], label=label)
         .on_conflict_do_nothing(index_elements=[Token.token_hash])
     )
+
+
+def list_tokens(session: Session, *, team: str | None = None, kind: TokenKind | None = None) -> list[Token]:
+    """Tokens (their team loaded), oldest first; of one team, or of one kind. Raises
+    `ValueError` for an unknown team."""
+    query = select(Token).order_by(Token.id)
+    if team is not None:
+        team_id = session.scalar(select(Team.id).where(Team.name == team))
+        if team_id is None:
+            raise ValueError(f"no team {team!r}")
+        query = query.where(Token.team_id == team_id)
+    if kind is not None:
+        query = query.where(Token.kind == kind)
+    tokens = list(session.scalars(query))
+    for t in tokens:
+        _ = t.team  # loaded for the caller, who reads it after the session
+    return tokens
+
+
+def find_token(session: Session, *, ref: str) -> Token:
+    """The token `ref` names: its id, the prefix `tunefarm farm token list` shows (the
+    first characters, `tft_...`/`tfa_...`), or the whole token. `ValueError` when none
+    or several match."""
+    ref = ref.strip()
+    if ref.isdigit():
+        token = session.get(Token, int(ref))
+        if token is None:
+            raise ValueError(f"no token with id {ref}")
+        return token
+    if not ref.startswith(tuple(queries.TOKEN_PREFIXES.values())):
+        raise ValueError(f"{ref!r} is not a token id, a token prefix (tft_..., tfa_...) or a token")
+    exact = session.scalars(select(Token).where(Token.token_hash == queries.hash_token(ref))).one_or_none()
+    if exact is not None:
+        return exact
+    if len(ref) > queries.TOKEN_DISPLAY_CHARS:
+        raise ValueError("no such token")
+    matches = list(session.scalars(select(Token).where(Token.prefix.startswith(ref, autoescape=True)).limit(10)))
+    if not matches:
+        raise ValueError(f"no token starts with {ref!r}")
+    if len(matches) > 1:
+        raise ValueError(f"{ref!r} names {len(matches)} tokens (ids {', '.join(str(t.id) for t in matches)}): give the id")
+    return matches[0]
+
+
+def revoke_token(session: Session, *, ref: str) -> Token:
+    """Revoke the token `ref` names (`find_token`): the API and the lease service refuse it
+    at once, and an agent token's agents get no more work (`queries.revoke_token`)."""
+    token = find_token(session, ref=ref)
+    try:
+        return queries.revoke_token(session, token_id=token.id)
+    except NotFound as exc:  # deleted in between
+        raise ValueError(str(exc)) from None
 
 
 def ensure_device_class(

@@ -22,12 +22,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from services.api.deps import TokenCache
+from services.api.deps import Team
 from services.api.exceptions import ApiError
 from services.api.limits import BodySizeLimit
 from services.api.routers import dashboard, devices, health, jobs, metrics, models
 from services.api.settings import ApiSettings
 from services.db.exceptions import DatabaseError, Unavailable
+from services.db.revocations import RevocationListener, VerifiedTokens
 from services.db.session import make_session_factory
 from tunefarm.isolation import IsolatedWorker
 
@@ -57,12 +58,15 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         settings.artifact_root.mkdir(parents=True, exist_ok=True)
         app.state.settings = settings
         app.state.sessions = make_session_factory(settings)
-        app.state.token_cache = TokenCache(settings.token_cache_secs)
+        revocations = RevocationListener(app.state.sessions.kw["bind"])
+        revocations.start()
+        app.state.token_cache = VerifiedTokens[Team](settings.token_cache_secs, revocations)
         app.state.intake = IsolatedWorker(preload=["services.api.intake"], name="model-intake")
         try:
             yield
         finally:
             app.state.intake.close()
+            revocations.stop()
             app.state.sessions.kw["bind"].dispose()
 
     app = FastAPI(

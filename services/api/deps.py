@@ -17,8 +17,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -31,6 +29,7 @@ from services.api.exceptions import Forbidden, Unauthorized
 from services.api.settings import ApiSettings
 from services.db import queries
 from services.db.models import TokenKind
+from services.db.revocations import VerifiedTokens
 from services.db.session import transaction
 from tunefarm.isolation import IsolatedWorker
 
@@ -63,32 +62,6 @@ class Team:
     token_id: int
 
 
-class TokenCache:
-    """Verified team tokens by hash, each trusted for `ttl` seconds (a poller's every
-    request would otherwise cost a database round trip)."""
-
-    def __init__(self, ttl: float):
-        self.ttl = ttl
-        self._entries: dict[str, tuple[float, Team]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, token_hash: str) -> Team | None:
-        with self._lock:
-            entry = self._entries.get(token_hash)
-            if entry is None or entry[0] < time.monotonic():
-                self._entries.pop(token_hash, None)
-                return None
-            return entry[1]
-
-    def put(self, token_hash: str, team: Team) -> None:
-        if self.ttl <= 0:
-            return
-        with self._lock:
-            if len(self._entries) > 10_000:
-                self._entries.clear()
-            self._entries[token_hash] = (time.monotonic() + self.ttl, team)
-
-
 bearer = HTTPBearer(auto_error=False, description="a team token (tft_...) issued by the farm's operator")
 
 
@@ -108,7 +81,7 @@ async def team_of_token(request: Request, sessions: sessionmaker[Session], plain
     """The team of a plain team token (`Unauthorized`, or `Forbidden` for an agent
     token), through the process's token cache. The dashboard's pages authenticate with
     it too (the token from their cookie)."""
-    cache: TokenCache = request.app.state.token_cache
+    cache: VerifiedTokens[Team] = request.app.state.token_cache
     token_hash = queries.hash_token(plain)
     team = cache.get(token_hash)
     if team is None:

@@ -10,7 +10,7 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_MAX_TRIAL_BUDGET | 100000 | largest trial budget a job may ask for |
 | TUNEFARM_INTAKE_TIMEOUT_SECS | 600 | how long importing an uploaded model may take |
 | TUNEFARM_PAGE_SIZE_MAX | 100 | largest page of a list endpoint |
-| TUNEFARM_TOKEN_CACHE_SECS | 10 | how long a verified team token is trusted without asking the database |
+| TUNEFARM_TOKEN_CACHE_SECS | 10 | how long a verified team token is trusted without asking the database (a revoked one is dropped at once) |
 | TUNEFARM_API_WORKERS | 1 | uvicorn worker processes |
 | TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the build queues' Redis (`/metrics` reports their depth) |
 | TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` (as the workers') |
@@ -48,8 +48,8 @@ class ApiSettings(DatabaseSettings):
     # Items per page of the list endpoints: the default and the most a client may ask for.
     page_size_default: int = 20
     page_size_max: int = 100
-    # A verified team token is trusted this long before the database is asked again
-    # (revoking a token takes effect within this time).
+    # A verified team token is trusted this long before the database is asked again;
+    # a revoked token is dropped at once (services/db/revocations.py).
     token_cache_secs: float = 10.0
     # uvicorn worker processes (each has its own database pool and intake child).
     api_workers: int = 1

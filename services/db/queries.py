@@ -3,7 +3,7 @@
 Every function works inside the caller's transaction (`session.transaction`) and commits
 nothing itself. Map:
 
-- tokens: `new_token`, `hash_token`, `issue_token`, `verify_token`;
+- tokens: `new_token`, `hash_token`, `issue_token`, `verify_token`, `revoke_token`;
 - batch lifecycle: `transition_batch` (the state machine, `BATCH_TRANSITIONS`),
   `mark_batch_ready`, `unmeasured_candidates`;
 - leases: `lease_next_batch` (FIFO, `FOR UPDATE SKIP LOCKED`), `heartbeat`,
@@ -67,6 +67,7 @@ from services.db.models import (
     TokenKind,
     Workload,
 )
+from services.db.revocations import CHANNEL as REVOCATION_CHANNEL
 from tunefarm.records import BuildResult, ErrorKind, MeasureRecord, MeasureResult, RunResult
 
 Now = datetime | ColumnElement[Any]
@@ -145,6 +146,36 @@ def verify_token(session: Session, *, plain: str, kind: TokenKind) -> Token | No
             Token.token_hash == hash_token(plain), Token.kind == kind, Token.revoked_at.is_(None)
         )
     ).one_or_none()
+
+
+def revoke_token(session: Session, *, token_id: int, now: datetime | None = None) -> Token:
+    """Revoke a token (again: nothing changes). It is refused from now on: every process
+    that caches verified tokens hears of it when this transaction commits
+    (`revocations.CHANNEL`). The agents of an agent token hold nothing any more: their
+    leases end now (the batches go back to the queue for other agents) and they are
+    offline. Raises `NotFound` for an unknown token."""
+    token = session.scalars(
+        select(Token).where(Token.id == token_id).with_for_update().execution_options(populate_existing=True)
+    ).one_or_none()
+    if token is None:
+        raise NotFound(f"token {token_id}")
+    if token.revoked_at is None:
+        token = session.scalars(
+            update(Token).where(Token.id == token_id).values(revoked_at=_now(now)).returning(Token),
+            execution_options={"populate_existing": True},
+        ).one()
+    if token.kind is TokenKind.AGENT:
+        agent_ids = list(session.scalars(select(Agent.id).where(Agent.token_id == token_id).order_by(Agent.id)))
+        for agent_id in agent_ids:
+            release_agent_leases(session, agent_id=agent_id, now=now)
+        session.execute(
+            update(Agent)
+            .where(Agent.id.in_(agent_ids), Agent.state.in_([AgentState.IDLE, AgentState.BUSY]))
+            .values(state=AgentState.OFFLINE),
+            execution_options={"synchronize_session": False},
+        )
+    session.execute(select(func.pg_notify(REVOCATION_CHANNEL, token.token_hash)))
+    return token
 
 
 # -- batches ----------------------------------------------------------------------------------
@@ -231,7 +262,7 @@ def lease_next_batch(
     session: Session, *, agent_id: int, lease_secs: float, now: datetime | None = None
 ) -> Lease | None:
     """Lease the oldest batch of the agent's device class that is ready, or whose lease
-    expired; None when there is none (or the agent is disabled).
+    expired; None when there is none (or the agent is disabled, or its token revoked).
 
     Batches are locked with `FOR UPDATE SKIP LOCKED`, so concurrent agents never get the
     same batch and never wait on each other. A re-leased batch's old lease becomes
@@ -241,7 +272,7 @@ def lease_next_batch(
     agent = session.get(Agent, agent_id)
     if agent is None:
         raise NotFound(f"agent {agent_id}")
-    if agent.state is AgentState.DISABLED:
+    if not _may_lease(session, agent):
         return None
     at = _now(now)
     expired = exists().where(
@@ -291,6 +322,17 @@ def lease_next_batch(
         set_committed_value(lease, "batch", batch)  # loaded, not a change to flush
         return lease
     return None
+
+
+def _may_lease(session: Session, agent: Agent) -> bool:
+    """The agent may be handed work: not disabled, and its token not revoked."""
+    if agent.state is AgentState.DISABLED:
+        return False
+    return agent.token_id is None or not _token_revoked(session, agent.token_id)
+
+
+def _token_revoked(session: Session, token_id: int) -> bool:
+    return session.scalar(select(Token.revoked_at.is_not(None)).where(Token.id == token_id)) is not False
 
 
 def _mark_busy(session: Session, agent_id: int) -> None:
@@ -630,7 +672,8 @@ def register_agent(
     An agent registering again holds none of its earlier leases (its process restarted):
     they end now and their batches go back to the queue, instead of waiting for the
     leases to expire. Raises `Conflict` when the name belongs to an agent of another
-    token."""
+    token (unless that token was revoked: a board whose token was replaced keeps its
+    name)."""
     at = _now(now)
     agent = session.scalars(
         select(Agent).where(Agent.name == name).with_for_update().execution_options(populate_existing=True)
@@ -648,7 +691,7 @@ def register_agent(
             )
             .returning(Agent)
         ).one()
-    if agent.token_id is not None and agent.token_id != token_id:
+    if agent.token_id is not None and agent.token_id != token_id and not _token_revoked(session, agent.token_id):
         raise Conflict(f"agent name {name!r} is taken by an agent of another token", constraint="uq_agents_name")
     release_agent_leases(session, agent_id=agent.id, now=now)
     state = case((Agent.state == AgentState.DISABLED, Agent.state), else_=AgentState.IDLE)
@@ -953,7 +996,7 @@ def lease_model_run(
     agent = session.get(Agent, agent_id)
     if agent is None:
         raise NotFound(f"agent {agent_id}")
-    if agent.state is AgentState.DISABLED:
+    if not _may_lease(session, agent):
         return None
     at = _now(now)
     for _ in range(MAX_LEASE_PROBES):

@@ -82,6 +82,7 @@ from services.db.models import (
     TokenKind,
     Workload,
 )
+from services.db.revocations import RevocationListener, VerifiedTokens
 from services.db.session import make_session_factory, transaction
 from services.measurer import artifacts, wire
 from services.measurer.exceptions import (
@@ -175,11 +176,11 @@ class _Auth:
     """Verifies bearer tokens and agent ownership, with a short-lived cache so that the
     hot calls (heartbeats, leases, results) do not ask the database every time."""
 
-    def __init__(self, sessions: sessionmaker[Session], ttl: float):
+    def __init__(self, sessions: sessionmaker[Session], ttl: float, revocations: RevocationListener | None = None):
         self.sessions = sessions
         self.ttl = ttl
         self._lock = threading.Lock()
-        self._tokens: dict[str, tuple[int, float]] = {}  # token hash -> (token id, valid until)
+        self._tokens = VerifiedTokens[int](ttl, revocations)  # token hash -> token id
         self._agents: dict[int, tuple[_AgentInfo, float]] = {}
 
     def token_id(self, context: grpc.ServicerContext) -> int:
@@ -187,11 +188,9 @@ class _Auth:
         if plain is None:
             raise Unauthenticated("no bearer token (metadata 'authorization: Bearer <agent token>')")
         key = queries.hash_token(plain)
-        now = time.monotonic()
-        with self._lock:
-            hit = self._tokens.get(key)
-        if hit is not None and hit[1] > now:
-            return hit[0]
+        hit = self._tokens.get(key)
+        if hit is not None:
+            return hit
         with transaction(self.sessions) as s:
             token = queries.verify_token(s, plain=plain, kind=TokenKind.AGENT)
             if token is None:
@@ -199,8 +198,7 @@ class _Auth:
                     raise PermissionDenied("a team token cannot act as a device agent; use an agent token")
                 raise Unauthenticated("unknown or revoked token")
             token_id = token.id
-        with self._lock:
-            self._tokens[key] = (token_id, now + self.ttl)
+        self._tokens.put(key, token_id)
         return token_id
 
     def agent(self, agent_id: int, token_id: int) -> _AgentInfo:
@@ -269,10 +267,15 @@ def _streaming(method: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]
 
 
 class AgentServicer(pb_grpc.AgentServiceServicer):
-    def __init__(self, settings: LeaseServiceSettings, sessions: sessionmaker[Session]):
+    def __init__(
+        self,
+        settings: LeaseServiceSettings,
+        sessions: sessionmaker[Session],
+        revocations: RevocationListener | None = None,
+    ):
         self.settings = settings
         self.sessions = sessions
-        self.auth = _Auth(sessions, settings.token_cache_secs)
+        self.auth = _Auth(sessions, settings.token_cache_secs, revocations)
         self.artifact_root = Path(settings.artifact_root)
 
     # -- plumbing -------------------------------------------------------------------------
@@ -906,6 +909,7 @@ class LeaseServer:
     port: int
     servicer: AgentServicer
     sweeper: Sweeper
+    revocations: RevocationListener
     host: str = "127.0.0.1"
 
     @property
@@ -913,12 +917,14 @@ class LeaseServer:
         return f"{self.host}:{self.port}"
 
     def start(self) -> None:
+        self.revocations.start()
         self.server.start()
         self.sweeper.start()
 
     def stop(self, grace: float = 5.0) -> None:
         self.sweeper.stop()
         self.server.stop(grace).wait()
+        self.revocations.stop()
 
 
 def make_server(
@@ -927,7 +933,8 @@ def make_server(
     """The lease service for `settings`, bound but not started."""
     settings = settings or LeaseServiceSettings()
     sessions = sessions or make_session_factory(settings)
-    servicer = AgentServicer(settings, sessions)
+    revocations = RevocationListener(sessions.kw["bind"])
+    servicer = AgentServicer(settings, sessions, revocations)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_max_workers, thread_name_prefix="lease-rpc"),
         options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", settings.max_message_bytes)),
@@ -944,7 +951,7 @@ def make_server(
         raise OSError(f"cannot listen on {settings.lease_bind}")
     host = settings.lease_bind.rsplit(":", 1)[0].strip("[]")
     host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-    return LeaseServer(server, port, servicer, Sweeper(settings, sessions), host=host)
+    return LeaseServer(server, port, servicer, Sweeper(settings, sessions), revocations, host=host)
 
 
 def serve(settings: LeaseServiceSettings | None = None) -> None:

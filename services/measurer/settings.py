@@ -18,7 +18,7 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_FETCH_CHUNK_BYTES | 262144 | bytes of file data per Fetch message |
 | TUNEFARM_MAX_MESSAGE_BYTES | 67108864 | largest message an agent may send (a model run's outputs) |
 | TUNEFARM_GRPC_MAX_WORKERS | 64 | server threads (each streaming agent holds one or two) |
-| TUNEFARM_TOKEN_CACHE_SECS | 30 | how long a verified token is trusted without asking the database |
+| TUNEFARM_TOKEN_CACHE_SECS | 30 | how long a verified token is trusted without asking the database (a revoked one is dropped at once) |
 | TUNEFARM_AUTO_CREATE_DEVICE_CLASSES | true | an agent may name a new device class (its detected target) |
 | TUNEFARM_TLS_CERT_FILE, TUNEFARM_TLS_KEY_FILE | unset | serve TLS with this certificate chain and key |
 """
@@ -66,8 +66,8 @@ class LeaseServiceSettings(DatabaseSettings):
     max_message_bytes: int = 64 * 1024 * 1024
     # Server threads; every agent holds one while streaming results and one per call.
     grpc_max_workers: int = 64
-    # A verified token is trusted this long before the database is asked again (revoking
-    # a token takes effect within this time).
+    # A verified token is trusted this long before the database is asked again; a
+    # revoked token is dropped at once (services/db/revocations.py).
     token_cache_secs: float = 30.0
     # Registering with an unknown device class creates it, with the agent's detected target.
     auto_create_device_classes: bool = True
