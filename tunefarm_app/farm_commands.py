@@ -13,6 +13,7 @@ A team, against a farm's API (`--server`/`--token`, or TUNEFARM_SERVER/TUNEFARM_
 An operator, on the farm's machines:
 
   tunefarm farm up --state-dir D [--workers 2] [--database-url URL] [--redis-url URL]
+                   [--tls-cert F --tls-key F [--tls-ca F] [--tls-client-ca F --agent-tls-cert F --agent-tls-key F]]
   tunefarm farm down --state-dir D
   tunefarm farm team NAME                 a team and a new team token
   tunefarm farm agent-token               a new agent token
@@ -112,6 +113,15 @@ def add_commands(sub) -> None:
     fu.add_argument("--queue-prefix", default="tunefarm", help="prefix of the farm's Redis queues")
     fu.add_argument("--team", default="local", help="the team whose token farm.json holds")
     fu.add_argument("--device-class", help="name of this CPU's class (default: arch-cpu-cores)")
+    fu.add_argument("--tls-cert", type=Path, help="serve the agents' gRPC over TLS with this PEM certificate chain")
+    fu.add_argument("--tls-key", type=Path, help="the certificate's PEM private key")
+    fu.add_argument("--tls-ca", type=Path,
+                    help="the CA (PEM) the local agent checks the certificate against (default: the system's roots)")
+    fu.add_argument("--tls-client-ca", type=Path, help="mutual TLS: agents must present a certificate this PEM CA signed")
+    fu.add_argument("--agent-tls-cert", type=Path, help="the local agent's client certificate (PEM), for mutual TLS")
+    fu.add_argument("--agent-tls-key", type=Path, help="the local agent's client key (PEM)")
+    fu.add_argument("--tls-server-name",
+                    help="the name in the certificate the local agent checks (default: the lease service's host)")
     fd = fsub.add_parser("down", help="stop a farm started with farm up")
     fd.add_argument("--state-dir", type=Path, required=True, help="the --state-dir given to farm up")
     ft = fsub.add_parser("team", help="create a team (if needed) and print a new token for it")
@@ -375,10 +385,20 @@ def _farm_up(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from services.db.exceptions import DatabaseError
-    from tunefarm_app.farm_local import FarmConfig, up
+    from tunefarm_app.farm_local import FarmConfig, FarmTls, up
 
     if args.workers < 1:
         raise UsageError("--workers must be at least 1")
+    tls = None
+    tls_flags = (args.tls_ca, args.tls_client_ca, args.agent_tls_cert, args.agent_tls_key, args.tls_server_name)
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise UsageError("--tls-cert and --tls-key go together")
+        tls = FarmTls(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_ca, args.agent_tls_cert,
+                      args.agent_tls_key, args.tls_server_name)
+        tls.check()
+    elif any(f is not None for f in tls_flags):
+        raise UsageError("the TLS flags need --tls-cert and --tls-key (the lease service's certificate)")
     config = FarmConfig(
         state_dir=args.state_dir,
         database_url=_database_url(args.database_url),
@@ -389,6 +409,7 @@ def _farm_up(args: argparse.Namespace) -> int:
         workers=args.workers,
         team=args.team,
         device_class=args.device_class,
+        tls=tls,
     )
     try:
         farm = up(config)
@@ -397,7 +418,7 @@ def _farm_up(args: argparse.Namespace) -> int:
     info = farm.info
     print(f"api        {info['api_url']}")
     print(f"dashboard  {info['api_url']}/ui (log in with the team token in farm.json); metrics at /metrics")
-    print(f"grpc       {info['grpc_address']}")
+    print(f"grpc       {info['grpc_address']}" + (" (TLS)" if info.get("grpc_tls") else " (plaintext)"))
     print(f"class      {info['device_class']}")
     for p in farm.processes.values():
         print(f"process    {p.name}: pid {p.pid}, log {p.log}")

@@ -90,6 +90,9 @@ FETCH_ATTEMPTS = 5
 STOP_GRACE_SECS = 10.0
 """A stopping agent tries this long to deliver the results it has and finish its lease."""
 
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+"""Servers a token may reach in plaintext without a warning."""
+
 CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -116,8 +119,11 @@ class AgentSettings:
     name: str | None = None  # TUNEFARM_AGENT_NAME; default: the host name
     work_dir: Path = field(default_factory=_default_work_dir)  # TUNEFARM_AGENT_WORK_DIR: downloads, cache
     num_threads: int | None = None  # TUNEFARM_AGENT_THREADS: TVM threads per kernel; default: physical cores
-    tls: bool = False  # TUNEFARM_AGENT_TLS: connect with TLS (system roots, or ca_file)
-    ca_file: Path | None = None  # TUNEFARM_AGENT_CA_FILE: PEM roots to trust (implies tls)
+    tls: bool = False  # TUNEFARM_AGENT_TLS: connect with TLS only (the system's roots, or tls_ca)
+    tls_ca: Path | None = None  # TUNEFARM_AGENT_TLS_CA: PEM roots to trust instead (implies tls)
+    tls_cert: Path | None = None  # TUNEFARM_AGENT_TLS_CERT: client certificate for mutual TLS (implies tls)
+    tls_key: Path | None = None  # TUNEFARM_AGENT_TLS_KEY: its private key
+    tls_server_name: str | None = None  # TUNEFARM_AGENT_TLS_SERVER_NAME: checked against the server's certificate
     reconnect_max_secs: float = 30.0  # TUNEFARM_AGENT_RECONNECT_MAX_SECS: longest wait between retries
     rpc_timeout_secs: float = 30.0  # TUNEFARM_AGENT_RPC_TIMEOUT_SECS: deadline of a unary call
     lease_wait_secs: float = 10.0  # TUNEFARM_AGENT_LEASE_WAIT_SECS: deadline of a long-polling LeaseBatch
@@ -135,7 +141,10 @@ class AgentSettings:
             "work_dir": Path,
             "num_threads": int,
             "tls": _flag,
-            "ca_file": Path,
+            "tls_ca": Path,
+            "tls_cert": Path,
+            "tls_key": Path,
+            "tls_server_name": str,
             "reconnect_max_secs": float,
             "rpc_timeout_secs": float,
             "lease_wait_secs": float,
@@ -154,6 +163,15 @@ class AgentSettings:
             if not values.get(required):
                 raise BadRequest(f"no {required}: pass --{required} or set {ENV_PREFIX}{required.upper()}")
         return cls(**values)
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise BadRequest("a client certificate needs its key: give both --tls-cert and --tls-key")
+
+    @property
+    def uses_tls(self) -> bool:
+        """Connect with TLS, and never in plaintext."""
+        return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_server_name)
 
 
 def _flag(text: str) -> bool:
@@ -204,7 +222,7 @@ class Agent:
         self.runner = runner or LocalRunner(settings.num_threads or physical_cores())
         self._caps = capabilities
         self.metadata = wire.auth_metadata(settings.token)
-        self.channel = _channel(settings)
+        self.channel = open_channel(settings)
         self.stub = pb_grpc.AgentServiceStub(self.channel)
         self.agent_id: int | None = None
         self.heartbeat_secs = 5.0
@@ -786,11 +804,34 @@ def _drain(outbox: queue.SimpleQueue[object]) -> Iterator[pb.ResultMessage]:
         yield item
 
 
-def _channel(settings: AgentSettings) -> grpc.Channel:
-    if settings.tls or settings.ca_file:
-        roots = Path(settings.ca_file).read_bytes() if settings.ca_file else None
-        return grpc.secure_channel(settings.server, grpc.ssl_channel_credentials(roots), options=CHANNEL_OPTIONS)
-    return grpc.insecure_channel(settings.server, options=CHANNEL_OPTIONS)
+def open_channel(settings: AgentSettings) -> grpc.Channel:
+    """The agent's channel to the lease service: TLS when the settings ask for it (the
+    server's certificate checked against `tls_ca`, or the system's roots; a client
+    certificate for mutual TLS), and then never plaintext: a server that does not speak
+    TLS, or whose certificate does not check, answers nothing (UNAVAILABLE, retried).
+    Plaintext otherwise, with a warning when the server is not on this machine (the
+    token would travel in clear). Raises `BadRequest` for a file that cannot be read."""
+    if not settings.uses_tls:
+        host = settings.server.rsplit(":", 1)[0].strip("[]")
+        if host not in LOOPBACK_HOSTS:
+            log.warning("connecting to %s in plaintext: the agent token travels in clear (use --tls)", settings.server)
+        return grpc.insecure_channel(settings.server, options=CHANNEL_OPTIONS)
+
+    def read(path: Path | None, what: str) -> bytes | None:
+        try:
+            return Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise BadRequest(f"cannot read the {what} {path}: {exc.strerror}") from None
+
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read(settings.tls_ca, "CA certificate"),
+        private_key=read(settings.tls_key, "client key"),
+        certificate_chain=read(settings.tls_cert, "client certificate"),
+    )
+    options = CHANNEL_OPTIONS
+    if settings.tls_server_name:
+        options = (*options, ("grpc.ssl_target_name_override", settings.tls_server_name))
+    return grpc.secure_channel(settings.server, credentials, options=options)
 
 
 # -- entry points ---------------------------------------------------------------------------
@@ -816,8 +857,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="this agent's unique name (default: the host name)")
     p.add_argument("--work-dir", type=Path, help="downloads and the task data cache")
     p.add_argument("--threads", type=int, dest="num_threads", help="TVM threads per kernel (default: physical cores)")
-    p.add_argument("--tls", action="store_true", default=None, help="connect with TLS")
-    p.add_argument("--ca-file", type=Path, help="PEM roots to trust (implies --tls)")
+    p.add_argument("--tls", action="store_true", default=None,
+                   help="connect with TLS only, never plaintext (TUNEFARM_AGENT_TLS; implied by the flags below)")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA certificate(s) the server's certificate must chain to "
+                   "(default: the system's roots; TUNEFARM_AGENT_TLS_CA)")
+    p.add_argument("--tls-cert", type=Path, help="client certificate (PEM) for a farm that wants mutual TLS "
+                   "(TUNEFARM_AGENT_TLS_CERT)")
+    p.add_argument("--tls-key", type=Path, help="the client certificate's private key (PEM; TUNEFARM_AGENT_TLS_KEY)")
+    p.add_argument("--tls-server-name", help="the name the server's certificate is checked against "
+                   "(default: the host of --server; TUNEFARM_AGENT_TLS_SERVER_NAME)")
     p.add_argument(
         "--emulated",
         action=argparse.BooleanOptionalAction,

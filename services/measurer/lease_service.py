@@ -53,6 +53,7 @@ import logging
 import platform
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +64,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
@@ -940,11 +942,8 @@ def make_server(
         options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", settings.max_message_bytes)),
     )
     pb_grpc.add_AgentServiceServicer_to_server(servicer, server)
-    if settings.tls_cert_file and settings.tls_key_file:
-        creds = grpc.ssl_server_credentials(
-            [(Path(settings.tls_key_file).read_bytes(), Path(settings.tls_cert_file).read_bytes())]
-        )
-        port = server.add_secure_port(settings.lease_bind, creds)
+    if settings.tls:
+        port = server.add_secure_port(settings.lease_bind, server_credentials(settings))
     else:
         port = server.add_insecure_port(settings.lease_bind)
     if port == 0:
@@ -952,6 +951,16 @@ def make_server(
     host = settings.lease_bind.rsplit(":", 1)[0].strip("[]")
     host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
     return LeaseServer(server, port, servicer, Sweeper(settings, sessions), revocations, host=host)
+
+
+def server_credentials(settings: LeaseServiceSettings) -> grpc.ServerCredentials:
+    """TLS with the settings' certificate and key; with a client CA, mutual TLS (a client
+    without a certificate that CA signed is refused in the handshake). Raises `OSError`
+    for a file that cannot be read."""
+    assert settings.tls_cert_file is not None and settings.tls_key_file is not None
+    pair = (Path(settings.tls_key_file).read_bytes(), Path(settings.tls_cert_file).read_bytes())
+    client_ca = Path(settings.tls_client_ca_file).read_bytes() if settings.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 def serve(settings: LeaseServiceSettings | None = None) -> None:
@@ -965,27 +974,53 @@ def serve(settings: LeaseServiceSettings | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     lease_server.start()
-    log.info("lease service listening on %s (artifacts in %s)", settings.lease_bind, settings.artifact_root)
+    security = ("mutual TLS" if settings.tls_client_ca_file else "TLS") if settings.tls else "plaintext"
+    log.info("lease service listening on %s, %s (artifacts in %s)", settings.lease_bind, security, settings.artifact_root)
     print(f"lease service listening on port {lease_server.port}", flush=True)
     stop.wait()
     lease_server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`tunefarm lease-service [--bind HOST:PORT] [--artifact-root DIR]`; the rest comes
-    from the environment (LeaseServiceSettings)."""
+    """`tunefarm lease-service [--bind HOST:PORT] [--artifact-root DIR] [--tls-cert F
+    --tls-key F [--tls-client-ca F]]`; the rest comes from the environment
+    (LeaseServiceSettings). 2 with one line for settings that do not make sense."""
     parser = argparse.ArgumentParser(prog="tunefarm lease-service", description="the farm's agent service (gRPC)")
     parser.add_argument("--bind", help="host:port to listen on (TUNEFARM_LEASE_BIND)")
     parser.add_argument("--artifact-root", type=Path, help="shared artifact directory (TUNEFARM_ARTIFACT_ROOT)")
+    parser.add_argument("--tls-cert", type=Path, help="serve TLS with this PEM certificate chain (TUNEFARM_TLS_CERT_FILE)")
+    parser.add_argument("--tls-key", type=Path, help="the certificate's PEM private key (TUNEFARM_TLS_KEY_FILE)")
+    parser.add_argument("--tls-client-ca", type=Path,
+                        help="mutual TLS: agents must present a certificate this PEM CA signed (TUNEFARM_TLS_CLIENT_CA_FILE)")
     args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {}
-    if args.bind:
-        overrides["lease_bind"] = args.bind
-    if args.artifact_root:
-        overrides["artifact_root"] = args.artifact_root
+    flags = {
+        "lease_bind": args.bind,
+        "artifact_root": args.artifact_root,
+        "tls_cert_file": args.tls_cert,
+        "tls_key_file": args.tls_key,
+        "tls_client_ca_file": args.tls_client_ca,
+    }
+    try:
+        settings = LeaseServiceSettings(**{k: v for k, v in flags.items() if v is not None})
+        if settings.tls:
+            server_credentials(settings)  # unreadable files: one line now, not a traceback later
+    except (ValidationError, OSError) as exc:
+        print(f"tunefarm lease-service: error: {_settings_problem(exc)}", file=sys.stderr, flush=True)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(LeaseServiceSettings(**overrides))
+    serve(settings)
     return 0
+
+
+def _settings_problem(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        message = str(first.get("msg", exc)).removeprefix("Value error, ")
+        return f"{where}: {message}" if where else message
+    if isinstance(exc, OSError):
+        return f"cannot read {exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,15 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_GRPC_MAX_WORKERS | 64 | server threads (each streaming agent holds one or two) |
 | TUNEFARM_TOKEN_CACHE_SECS | 30 | how long a verified token is trusted without asking the database (a revoked one is dropped at once) |
 | TUNEFARM_AUTO_CREATE_DEVICE_CLASSES | true | an agent may name a new device class (its detected target) |
-| TUNEFARM_TLS_CERT_FILE, TUNEFARM_TLS_KEY_FILE | unset | serve TLS with this certificate chain and key |
+| TUNEFARM_TLS_CERT_FILE, TUNEFARM_TLS_KEY_FILE | unset | serve TLS with this certificate chain and key (PEM); unset: plaintext |
+| TUNEFARM_TLS_CLIENT_CA_FILE | unset | mutual TLS: agents must present a certificate this CA (PEM) signed |
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.db.settings import DatabaseSettings
@@ -72,6 +74,26 @@ class LeaseServiceSettings(DatabaseSettings):
     # Registering with an unknown device class creates it, with the agent's detected target.
     auto_create_device_classes: bool = True
     # TLS: PEM certificate chain and private key; both unset serves plaintext (loopback,
-    # or behind a TLS-terminating proxy).
+    # or behind a TLS-terminating proxy). One without the other is an error, never a
+    # silent fallback to plaintext.
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    # Mutual TLS: the CA (PEM) whose certificates agents must present; needs the above.
+    tls_client_ca_file: Path | None = None
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value  # `VAR=` in a compose file or .env: unset
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> LeaseServiceSettings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("TLS needs both a certificate and its key (TUNEFARM_TLS_CERT_FILE, TUNEFARM_TLS_KEY_FILE)")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("mutual TLS (TUNEFARM_TLS_CLIENT_CA_FILE) needs the server's certificate and key too")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
