@@ -76,8 +76,11 @@ def test_secrets_have_no_defaults_and_settings_exist(compose):
 
     known = {f"TUNEFARM_{f.upper()}" for cls in (ApiSettings, LeaseServiceSettings, SchedulerSettings, WorkerSettings)
              for f in cls.model_fields}
-    known |= {"TUNEFARM_AGENT_SERVER", "TUNEFARM_AGENT_TOKEN", "TUNEFARM_AGENT_DEVICE_CLASS", "TUNEFARM_AGENT_NAME",
-              "TUNEFARM_AGENT_WORK_DIR"}  # the agent's (AgentSettings.from_env)
+    from dataclasses import fields
+
+    from services.measurer.agent import AgentSettings, env_name
+
+    known |= {env_name(f.name) for f in fields(AgentSettings)}  # the agent's (AgentSettings.from_env)
     known |= {"TUNEFARM_DEVICE_CLASS", "TUNEFARM_TEAM", "TUNEFARM_TEAM_TOKEN"}  # read by the compose commands
     for name, service in compose["services"].items():
         for var in service.get("environment", {}):

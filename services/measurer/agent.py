@@ -152,7 +152,7 @@ class AgentSettings:
         }
         values: dict[str, Any] = {}
         for key, parse in kinds.items():
-            var = ENV_PREFIX + ("THREADS" if key == "num_threads" else key.upper())
+            var = env_name(key)
             if env.get(var):
                 try:
                     values[key] = parse(env[var])
@@ -172,6 +172,11 @@ class AgentSettings:
     def uses_tls(self) -> bool:
         """Connect with TLS, and never in plaintext."""
         return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_server_name)
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of an `AgentSettings` field."""
+    return ENV_PREFIX + ("THREADS" if field_name == "num_threads" else field_name.upper())
 
 
 def _flag(text: str) -> bool:
