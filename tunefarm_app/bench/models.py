@@ -173,6 +173,8 @@ def bench_model(
         for t in row.tasks:
             a = next((v for k, v in acc.items() if k.startswith(t["key"] + "@")), None)
             t["heldout_pairwise"] = a.pairwise if a is not None and math.isfinite(a.pairwise) else None
+            t["heldout_spearman"] = a.spearman if a is not None and math.isfinite(a.spearman) else None
+            t["heldout_pairs_dropped"] = f"{a.dropped}/{a.dropped + a.pairs}" if a is not None else None
     except Exception as exc:  # a metric, never a reason to lose the bench
         row.notes.append(f"held-out accuracy: {type(exc).__name__}: {exc}")
     return row
@@ -288,7 +290,13 @@ def render(rows: list[ModelRow], target: dict[str, Any]) -> list[str]:
             peak = f"{t['peak_share']:.0%} of peak" if t["peak_share"] else "n/a"
             gf = f"{t['gflops']:.1f} GFLOPS" if t["gflops"] else "n/a"
             acc = t.get("heldout_pairwise")
-            acc_text = f"  held-out pairwise {acc:.2f}" if acc is not None else ""
+            rho = t.get("heldout_spearman")
+            acc_text = (
+                f"  held-out pairwise {acc:.2f} (pairs within noise dropped {t.get('heldout_pairs_dropped')})"
+                + (f" Spearman {rho:.2f}" if rho is not None else "")
+                if acc is not None
+                else ""
+            )
             lines.append(
                 f"  {t['share']:5.1%}  {t['task'][:70]}  x{t['weight']}  {gf}  {peak}  {t['trials']} trials{acc_text}"
             )
