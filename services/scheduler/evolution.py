@@ -8,7 +8,8 @@ One round, `EvolutionarySearch.next_batch`:
      with probability proportional to their score, each offspring a mutation
      (`mutation_prob`), a crossover (`crossover_prob`) or a copy;
   3. pick the batch epsilon-greedily: the best-scored unmeasured programs, plus an
-     `eps_greedy` share of random unmeasured ones from the initial population.
+     `eps_greedy` share of random unmeasured ones from the initial population (at
+     least `min_random_per_batch` in a batch of two or more, `random_picks`).
 While the cost model has too little data to be trusted (`model_ready` False), the
 evolution is skipped and the batch is random, as Ansor does with its random model.
 Nothing already measured is proposed again.
@@ -36,6 +37,13 @@ class RoundStats:
     generations: int = 0
     invalid: int = 0  # draws, mutations or crossovers that gave no valid program
     seconds: float = 0.0
+
+
+def random_picks(n: int, cfg: SearchConfig) -> int:
+    """Random programs in a batch of `n`: the `eps_greedy` share, at least
+    `min_random_per_batch` when the batch has room for a guided pick beside them."""
+    share = int(round(cfg.eps_greedy * n))
+    return max(share, min(cfg.min_random_per_batch, n - 1))
 
 
 class EvolutionarySearch:
@@ -102,7 +110,11 @@ class EvolutionarySearch:
         total = cum[-1]
 
         def parent() -> Built:
-            return population[int(np.searchsorted(cum, self.rng.random() * total, side="right").clip(0, len(population) - 1))]
+            return population[
+                int(
+                    np.searchsorted(cum, self.rng.random() * total, side="right").clip(0, len(population) - 1)
+                )
+            ]
 
         children: list[Built] = []
         seen: set[str] = set()
@@ -124,7 +136,7 @@ class EvolutionarySearch:
         return children
 
     def _eps_greedy(self, ranked: list[Built], randoms: list[Built], n: int) -> list[Built]:
-        n_random = int(round(self.config.eps_greedy * n))
+        n_random = random_picks(n, self.config)
         picks: list[Built] = []
         taken: set[str] = set()
 
