@@ -86,9 +86,12 @@ def tune_models(
     compare_default: bool = False,
     callbacks: Sequence[SessionCallback] = (),
     work_dir: Path | None = None,
+    cost_model: Path | None = None,
     log: Callable[[str], None] = _stderr,
 ) -> ModelTuneResult:
-    """Tune one or several models together and write the tuned models to `out`."""
+    """Tune one or several models together and write the tuned models to `out`.
+    `cost_model`: a cost model file to start from (if it is there and fits the target)
+    and to save the run's model to; None: a fresh model, not kept."""
     if trials < 1:
         raise UsageError("--trials must be at least 1")
     out = Path(out)
@@ -121,6 +124,7 @@ def tune_models(
         config,
         records=out / RECORDS_NAME,
         work_dir=work_dir,
+        cost_model_path=cost_model,
         callbacks=callbacks,
         latency_targets=targets or None,
         log=log,

@@ -264,6 +264,18 @@ class _History:
             "group_names": np.array(self.group_names, dtype=str),
         }
 
+    def keep_last(self, n: int) -> _History:
+        """The history of the latest `n` programs only (group names all kept)."""
+        if self.num_programs <= n:
+            return self
+        arrays = self.arrays()
+        start = self.num_programs - n
+        first_row = int(arrays["row_counts"][:start].sum())
+        kept = {key: arrays[key][start:] for key in ("row_counts", "costs", "group_ids")}
+        kept["rows"] = arrays["rows"][first_row:] if arrays["rows"].size else arrays["rows"]
+        kept["group_names"] = arrays["group_names"]
+        return _History.from_arrays(kept, self.num_features)
+
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], num_features: int | None) -> _History:
         history = cls()
@@ -301,6 +313,9 @@ class XGBCostModel(CostModel):
         self._booster: xgb.Booster | None = None
         self._trained_on = 0
         self._last_training: TrainingStats | None = None
+        # What the owner wants kept with the model (JSON-serialisable), e.g. the feature
+        # version and target the programs were described and measured with.
+        self.metadata: dict[str, Any] = {}
 
     @property
     def config(self) -> XGBConfig:
@@ -319,6 +334,17 @@ class XGBCostModel(CostModel):
     def last_training(self) -> TrainingStats | None:
         """Statistics of the latest retraining in this process (None if none happened)."""
         return self._last_training
+
+    @property
+    def num_features(self) -> int | None:
+        """Width of the feature rows it was given (None before the first program with rows)."""
+        return self._history.num_features
+
+    def trim_history(self, max_programs: int) -> None:
+        """Forget all but the latest `max_programs` programs, so that retraining on the
+        history stays bounded; the current trees are kept until the next retraining."""
+        self._history = self._history.keep_last(max_programs)
+        self._trained_on = min(self._trained_on, self._history.num_programs)
 
     def update(self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str]) -> None:
         """Record the batch, then retrain from scratch on the whole history if due."""
@@ -355,6 +381,7 @@ class XGBCostModel(CostModel):
             "num_features": self._history.num_features,
             "trained_on": self._trained_on,
             "rng_state": self._random.rng_state(),
+            "metadata": self.metadata,
         }
         booster = np.empty(0, np.uint8)
         if self._booster is not None:
@@ -380,6 +407,7 @@ class XGBCostModel(CostModel):
         model._history = _History.from_arrays(arrays, state["num_features"])
         model._random.set_rng_state(state["rng_state"])
         model._trained_on = int(state["trained_on"])
+        model.metadata = dict(state.get("metadata") or {})
         booster_bytes = arrays["booster"]
         if booster_bytes.size:
             model._booster = xgb.Booster(model_file=bytearray(booster_bytes.tobytes()))
