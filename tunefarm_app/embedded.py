@@ -24,9 +24,16 @@ from typing import Any
 from services.measurer.local import LocalMeasurer
 from services.measurer.runner import LocalRunner
 from services.scheduler.config import TuneConfig
-from services.scheduler.session import SessionCallback, SessionStats, StoreRecords, TuningSession
+from services.scheduler.session import (
+    SessionCallback,
+    SessionStats,
+    ShareBestPrograms,
+    StoreRecords,
+    TuningSession,
+)
 from services.scheduler.task import SearchTask, make_task, structure_kind
 from services.scheduler.task_scheduler import TaskInfo, similarity_tag
+from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import SearchPace, TaskState, TaskTuner
 from services.worker.builder import LocalBuilder
 from tunefarm import target as targets
@@ -176,8 +183,11 @@ def tune_tasks(
         try:
             measure_tasks = [measurer.prepare(t.workload, t.key, target) for t in tasks]
             pace = SearchPace()
+            similar = SimilarPrograms()
+            similar.add(all_records)  # this run's tasks and the others of the records file
             tuners = [
-                TaskTuner(t, config, model, verify=m.verify, pace=pace, log=log) for t, m in zip(tasks, measure_tasks)
+                TaskTuner(t, config, model, verify=m.verify, pace=pace, similar=similar, log=log)
+                for t, m in zip(tasks, measure_tasks)
             ]
             session = TuningSession(
                 tuners,
@@ -186,7 +196,7 @@ def tune_tasks(
                 measurer,
                 config,
                 model=model,
-                callbacks=[StoreRecords(store), _Timeline(timeline), *callbacks],
+                callbacks=[StoreRecords(store), ShareBestPrograms(similar), _Timeline(timeline), *callbacks],
                 targets=latency_targets,
                 log=log,
             )

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from services.scheduler.config import TuneConfig
 from services.scheduler.cost_model import CostModel
 from services.scheduler.task_scheduler import TaskInfo, TaskScheduler, make_scheduler
+from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import TaskTuner
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.records import MeasureRecord
@@ -79,6 +80,17 @@ class StoreRecords(SessionCallback):
 
     def on_records(self, session: TuningSession, tuner: TaskTuner, records: list[MeasureRecord]) -> None:
         self.store.append(records)
+
+
+class ShareBestPrograms(SessionCallback):
+    """Keep every task's best programs where the tasks similar to it find them
+    (`transfer.SimilarPrograms`)."""
+
+    def __init__(self, similar: SimilarPrograms):
+        self.similar = similar
+
+    def on_records(self, session: TuningSession, tuner: TaskTuner, records: list[MeasureRecord]) -> None:
+        self.similar.add(records)
 
 
 class RetrainCostModel(SessionCallback):
