@@ -85,3 +85,27 @@ def test_kfold_holds_each_record_out_once_and_is_seeded():
         assert not set(train.tolist()) & set(test.tolist()) and len(train) + len(test) == 23
     assert all(np.array_equal(a[1], b[1]) for a, b in zip(splits, kfold_splits(23, 5, seed=7)))
     assert not all(np.array_equal(a[1], b[1]) for a, b in zip(splits, kfold_splits(23, 5, seed=8)))
+
+
+def test_per_task_labels_carry_to_a_task_the_model_has_no_label_of():
+    """Three tasks, one rule: within a task, the larger feature f the faster the program;
+    the larger tasks (larger f overall, like an op count) take 100x the seconds. Labels
+    relative to each task's best teach the rule; labels relative to the best of all tasks
+    make the large tasks' programs all ~0, and the model has nothing to rank a new large
+    task's programs by."""
+    from tunefarm_app.bench.heldout import task_splits
+
+    rng = np.random.default_rng(5)
+    features, costs, groups = [], [], []
+    for task, scale, offset in (("small", 1e-3, 0.0), ("large", 1e-1, 2.0), ("held", 5e-2, 2.0)):
+        x = rng.uniform(0.0, 1.0, 60)
+        features += [np.array([[xi + offset, rng.uniform()]], dtype=np.float32) for xi in x]
+        costs += list(scale * (1.0 + 4.0 * (1.0 - x)))
+        groups += [task] * 60
+    noise = np.zeros(len(costs))
+    held_out = [split for split in task_splits(groups) if groups[split[1][0]] == "held"]
+    per_task = cross_validate(features, costs, noise, groups, held_out, seed=1)["held"]
+    global_ = cross_validate(features, costs, noise, groups, held_out, seed=1, labels_per_group=False)["held"]
+    assert per_task.n_train == 0 and per_task.n_test == 60
+    assert per_task.pairwise > 0.9
+    assert global_.pairwise < 0.7

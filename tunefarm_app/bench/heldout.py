@@ -85,6 +85,13 @@ def time_ordered_split(n: int, train_fraction: float = 0.8) -> list[Split]:
     return [(np.arange(cut), np.arange(cut, n))]
 
 
+def task_splits(groups: Sequence[str]) -> list[Split]:
+    """One split per task: trained on every other task's records, its own held out (how
+    well what the model learnt carries to a task it has no label of)."""
+    group = np.asarray(groups, dtype=object)
+    return [(np.flatnonzero(group != g), np.flatnonzero(group == g)) for g in dict.fromkeys(groups)]
+
+
 def cross_validate(
     features: Sequence[np.ndarray],
     costs: Sequence[float],
@@ -93,9 +100,11 @@ def cross_validate(
     splits: Sequence[Split],
     *,
     seed: int,
+    labels_per_group: bool = True,
 ) -> dict[str, HeldOutAccuracy]:
     """Per group: train a fresh model on each split's training records, score its held-out
-    ones, and pool the metrics over the splits."""
+    ones, and pool the metrics over the splits. `labels_per_group`: the model's labels
+    (`XGBConfig.labels_per_group`)."""
     cost = np.asarray(costs, dtype=np.float64)
     spread = np.asarray(noise, dtype=np.float64)
     group = np.asarray(groups, dtype=object)
@@ -107,7 +116,7 @@ def cross_validate(
     for train, test in splits:
         if not len(train) or not len(test):
             continue
-        model = XGBCostModel(XGBConfig(seed=seed, num_warmup_samples=1))
+        model = XGBCostModel(XGBConfig(seed=seed, num_warmup_samples=1, labels_per_group=labels_per_group))
         model.update([features[i] for i in train], cost[train], list(group[train]))
         scores = model.predict([features[i] for i in test])
         for g in dict.fromkeys(group[test]):
@@ -148,6 +157,18 @@ def held_out_by_task(records_path: Path, *, seed: int) -> dict[str, HeldOutAccur
     """Per task of a multi-task records file (a model's run): k-fold over all its records,
     one model per fold trained on every task's training records, as the tuning's shared
     model is."""
+    return _evaluate(*_tasks_and_records(records_path), seed)
+
+
+def held_out_across_tasks(
+    records_path: Path, *, seed: int, labels_per_group: bool = True
+) -> dict[str, HeldOutAccuracy]:
+    """Per task of a multi-task records file: scored by a model trained on the other
+    tasks' records only (`task_splits`)."""
+    return _evaluate(*_tasks_and_records(records_path), seed, by_task=True, labels_per_group=labels_per_group)
+
+
+def _tasks_and_records(records_path: Path) -> tuple[dict[str, SearchTask], list[MeasureRecord]]:
     import tvm
 
     from tunefarm.workloads import workload_from_prim_func
@@ -162,14 +183,19 @@ def held_out_by_task(records_path: Path, *, seed: int) -> dict[str, HeldOutAccur
         name, mod_json = stored
         wl = workload_from_prim_func(name, tvm.ir.load_json(mod_json)["main"])
         tasks[key] = make_task(wl, records[0].target)
-    return _evaluate(tasks, records, seed)
+    return tasks, records
 
 
 _EMPTY = HeldOutAccuracy(math.nan, math.nan, math.nan, 0, 0, 0, 0)
 
 
 def _evaluate(
-    tasks: dict[str, SearchTask], records: Sequence[MeasureRecord], seed: int
+    tasks: dict[str, SearchTask],
+    records: Sequence[MeasureRecord],
+    seed: int,
+    *,
+    by_task: bool = False,
+    labels_per_group: bool = True,
 ) -> dict[str, HeldOutAccuracy]:
     usable = [r for r in records if r.task in tasks]
     feats: list[np.ndarray] = []
@@ -179,13 +205,15 @@ def _evaluate(
     usable = [r for key in tasks for r in usable if r.task == key]  # the order of `feats`
     if not usable:
         return {}
+    groups = [r.task for r in usable]
     return cross_validate(
         feats,
         [r.cost for r in usable],
         relative_spread([r.costs for r in usable]),
-        [r.task for r in usable],
-        kfold_splits(len(usable), FOLDS, seed),
+        groups,
+        task_splits(groups) if by_task else kfold_splits(len(usable), FOLDS, seed),
         seed=seed,
+        labels_per_group=labels_per_group,
     )
 
 

@@ -88,6 +88,11 @@ class XGBConfig:
     num_warmup_samples: int = 64  # below this many programs, predict gives random scores
     adaptive_training: bool = True  # retrain only when the new data is >= 20% of the last training
     min_weight: float = 0.05  # floor of the loss weight w = max(y, min_weight); see module doc
+    # Labels relative to each group's (task's) best, as Ansor: what carries across tasks is
+    # how close a program comes to the best of its own task, not its seconds, which
+    # differ by orders of magnitude between tasks. False: relative to the best program
+    # of all groups (only to measure what the per-task labels bring).
+    labels_per_group: bool = True
 
     def xgb_params(self) -> dict[str, Any]:
         """The parameter dict for ``xgboost.train``."""
@@ -122,10 +127,15 @@ class TrainingStats:
 # --- objective and metric (pure numpy) -------------------------------------------------------
 
 
-def normalized_throughputs(costs: np.ndarray, group_ids: np.ndarray, num_groups: int) -> np.ndarray:
-    """Label of each program: min_cost(its group) / its cost, in (0, 1]; 0 for an inf cost."""
+def normalized_throughputs(
+    costs: np.ndarray, group_ids: np.ndarray, num_groups: int, *, per_group: bool = True
+) -> np.ndarray:
+    """Label of each program: min_cost(its group) / its cost, in (0, 1]; 0 for an inf cost.
+    Without `per_group`, the minimum is over all programs."""
     best = np.full(num_groups, np.inf)
     np.minimum.at(best, group_ids, costs)
+    if not per_group:
+        best[:] = best.min(initial=np.inf)
     finite = np.isfinite(costs)
     y = np.zeros(len(costs))
     y[finite] = best[group_ids[finite]] / costs[finite]
@@ -242,10 +252,10 @@ class _History:
             raise ValueError(f"feature width {rows.shape[1]} differs from the model's {self.num_features}")
         return rows
 
-    def training_data(self, min_weight: float) -> _TrainingData:
+    def training_data(self, min_weight: float, per_group: bool = True) -> _TrainingData:
         """Rows and freshly computed labels and weights of every program that has rows."""
         costs = self._costs.view()
-        y = normalized_throughputs(costs, self._group_ids.view(), len(self.group_names))
+        y = normalized_throughputs(costs, self._group_ids.view(), len(self.group_names), per_group=per_group)
         w = np.maximum(y, min_weight)
         has_rows = self._row_counts.view() > 0
         # Renumber programs so that programs without rows (no loss term) drop out.
@@ -424,7 +434,7 @@ class XGBCostModel(CostModel):
 
     def _train(self) -> None:
         start = time.perf_counter()
-        data = self._history.training_data(self._config.min_weight)
+        data = self._history.training_data(self._config.min_weight, self._config.labels_per_group)
         if not data.rows.shape[0]:
             return  # only invalid programs so far: nothing to learn from
 
