@@ -78,3 +78,47 @@ def test_saving_keeps_the_latest_programs_only(tmp_path, monkeypatch):
     np.testing.assert_array_equal(kept["rows"], rows[-100:])  # two rows per program
     loaded.update(feats[-2:], [1e-3, 2e-3], ["t", "t"])  # and it keeps learning
     assert loaded.num_samples == 52
+
+
+def _record(task: str, tile: int, cost: float):
+    from tunefarm.records import ErrorKind, MeasureRecord
+
+    return MeasureRecord(
+        task=task, workload="w", target=TARGET, sketch=0, sketch_sig="s", decisions=(("x.tile", (tile, 1)),),
+        trace=[], costs=(cost,), error_kind=ErrorKind.NONE, error_msg="", build_secs=0.0, run_secs=0.0,
+        verified=True, timestamp=0.0,
+    )  # fmt: skip
+
+
+class _Tuner:
+    key = "t"
+
+    def features(self, records):
+        return [np.full((1, NUM_FEATURES), r.cost, dtype=np.float32) for r in records]
+
+
+class _Session:
+    def __init__(self, resumed):
+        self.tuners = [_Tuner()]
+        self.resumed_usable = [resumed]
+
+
+def test_resumed_records_the_kept_model_learnt_are_not_learnt_twice(tmp_path):
+    from services.scheduler.session import RetrainCostModel, program_id
+
+    a, b = _record("t", 1, 1e-3), _record("t", 2, 2e-3)
+    model = XGBCostModel(XGBConfig(seed=1, num_warmup_samples=1, num_boost_round=5))
+    learnt: list[str] = []
+    RetrainCostModel(model, learnt).on_start(_Session([a]))  # the first run learns a
+    assert model.num_samples == 1 and learnt == [program_id(a)]
+    path = tmp_path / "m.npz"
+    cache.save_model(model, path, TARGET, learnt=learnt, log=print)
+
+    again = cache.load_model(path, TARGET, seed=1, batch_size=8, log=print)
+    learnt_again = cache.learnt_programs(again)
+    assert learnt_again == [program_id(a)]
+    RetrainCostModel(again, learnt_again).on_start(_Session([a, b]))  # resumed: a again, and b
+    assert again.num_samples == 2 and learnt_again == [program_id(a), program_id(b)]
+
+    cache.save_model(again, path, TARGET, learnt=learnt_again[:1], log=print)  # out of step: not kept
+    assert cache.learnt_programs(XGBCostModel.load(path)) == []

@@ -12,8 +12,10 @@ cache format (`CACHE_FORMAT`), the feature version and width, and the target. A 
 that cannot be read, or that was written for other features or another target, is
 ignored with a warning (it is replaced at the end of the run); nothing here stops a
 run. The model keeps the latest `MAX_PROGRAMS` programs, so its retraining stays
-bounded however many runs fed it. Two runs on one target at the same time each save
-what they learnt; the last to finish wins.
+bounded however many runs fed it, and the identities of the programs it learnt
+(`session.program_id`, in the metadata), so that a run resuming a records file does not
+learn the measurements it made before the interruption twice. Two runs on one target at
+the same time each save what they learnt; the last to finish wins.
 """
 
 from __future__ import annotations
@@ -100,17 +102,32 @@ def incompatibility(model: XGBCostModel, target: dict[str, Any]) -> str | None:
     return None
 
 
+def learnt_programs(model: XGBCostModel) -> list[str]:
+    """The identities of the programs a loaded model learnt, in its history's order
+    (empty for a fresh model); the run extends the list as the model learns."""
+    learnt = [str(p) for p in model.metadata.get("programs") or ()]
+    return learnt if len(learnt) == model.num_samples else []
+
+
 def save_model(
-    model: XGBCostModel, path: Path, target: dict[str, Any], *, log: Callable[[str], None]
+    model: XGBCostModel,
+    path: Path,
+    target: dict[str, Any],
+    *,
+    learnt: list[str] | None = None,
+    log: Callable[[str], None],
 ) -> None:
-    """Write the model (latest `MAX_PROGRAMS` programs) with its metadata; a failure to
-    write is a warning (the run's results are already saved)."""
+    """Write the model (latest `MAX_PROGRAMS` programs) with its metadata; `learnt`: the
+    identities of its programs in the history's order (kept only when they match it).
+    A failure to write is a warning (the run's results are already saved)."""
+    aligned = learnt is not None and len(learnt) == model.num_samples
     model.trim_history(MAX_PROGRAMS)
     model.metadata = {
         "cache_format": CACHE_FORMAT,
         "feature_version": FEATURE_VERSION,
         "target_key": target_key(target),
         "target": target,
+        "programs": learnt[-MAX_PROGRAMS:] if aligned and learnt else [],
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

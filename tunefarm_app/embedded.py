@@ -164,6 +164,7 @@ def tune_tasks(
     )
     log("config " + json.dumps(config.as_dict(), separators=(",", ":"), default=str))
     model = cost_model_cache.load_model(cost_model_path, target, seed=config.seed, batch_size=config.batch_size, log=log)
+    learnt = cost_model_cache.learnt_programs(model)
     cores = targets.num_cores(target)
     infos = [
         TaskInfo(
@@ -198,6 +199,7 @@ def tune_tasks(
                 model=model,
                 callbacks=[StoreRecords(store), ShareBestPrograms(similar), _Timeline(timeline), *callbacks],
                 targets=latency_targets,
+                learnt_programs=learnt,
                 log=log,
             )
             session.resume([by_task.get(t.key, []) for t in tasks])
@@ -208,7 +210,7 @@ def tune_tasks(
         finally:
             measurer.close()
             if cost_model_path is not None:  # what was learnt is kept, interrupted or not
-                cost_model_cache.save_model(model, cost_model_path, target, log=log)
+                cost_model_cache.save_model(model, cost_model_path, target, learnt=learnt, log=log)
     states = session.scheduler.states
     results = [
         TaskResult(t, tuner.state, m.verify, st.dead_reason)
