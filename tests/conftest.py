@@ -6,6 +6,8 @@ benchmark-sized defaults.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 
 import pytest
@@ -16,6 +18,28 @@ def te_workload(name: str, build):
     from tunefarm.workloads import workload_from_te
 
     return workload_from_te(name, build())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_home(tmp_path_factory):
+    """`tunefarm tune` keeps its cost model under $XDG_CACHE_HOME: tests (and the
+    processes they start) get a throw-away one, never the user's..."""
+    path = tmp_path_factory.mktemp("xdg-cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache_home(private_cache_home, monkeypatch, request):
+    """...and one of their own each: a model one test's tuning kept must not steer another's."""
+    path = private_cache_home / hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:12]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(path))
+    return path
 
 
 @pytest.fixture(scope="session")

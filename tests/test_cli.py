@@ -56,14 +56,17 @@ def test_console_script_runs():
 
 
 @pytest.mark.slow
-def test_tune_op_on_a_tvmscript_file_then_apply_best(tmp_path):
+def test_tune_op_on_a_tvmscript_file_then_apply_best(tmp_path, capsys, host_target):
     """The README's flow on a user's TVMScript kernel: tune a few trials (reference from
-    the unscheduled program), write the report, rebuild the best kernel."""
+    the unscheduled program), write the report, rebuild the best kernel. The run keeps
+    its cost model in the per-target cache, and the next run starts from it."""
     import json
     from pathlib import Path
 
     import numpy as np
     import tvm
+
+    from tunefarm_app.cost_model_cache import cache_path
 
     kernel = Path(__file__).resolve().parents[1] / "examples" / "kernel.py"
     records, report = tmp_path / "k.jsonl", tmp_path / "k.json"
@@ -73,6 +76,11 @@ def test_tune_op_on_a_tvmscript_file_then_apply_best(tmp_path):
     assert data["trials"] == 6 and data["verified"] is True and data["reference_available"] is True
     assert data["best_schedule"]["tvm_trace"] and data["gflops"] > 0
     assert len(records.read_text().splitlines()) == 6
+    cached = cache_path(host_target)
+    assert cached.is_file()
+    capsys.readouterr()
+    assert main([*argv[:3], "9", *argv[4:]]) == 0  # three more trials, from the cached model
+    assert f"cost model: {cached} (" in capsys.readouterr().err
     lib_path = tmp_path / "k.so"
     assert main(["apply-best", str(records), "--out", str(lib_path)]) == 0
     lib = tvm.runtime.load_module(str(lib_path))

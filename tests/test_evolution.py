@@ -77,7 +77,9 @@ def test_best_measured_programs_seed_the_population():
     rng = random.Random(2)
     best = [b.candidate for b in space.sample_many(8, rng)]
     measured = {c.key for c in best}
-    picks, _ = EvolutionarySearch(space, SMALL_SEARCH, rng).next_batch(PreferVectorized(), 8, measured, best, True)
+    picks, _ = EvolutionarySearch(space, SMALL_SEARCH, rng).next_batch(
+        PreferVectorized(), 8, measured, best, True
+    )
     assert not measured & {b.candidate.key for b in picks}
 
 
@@ -113,3 +115,25 @@ def test_crossover_takes_each_block_from_a_parent():
         for slot, v in dc.items():
             assert v in (da.get(slot), db.get(slot)) or slot.endswith(("location", "parallel", "vector"))
     assert made > 0
+
+
+def test_a_small_batch_gets_a_random_program():
+    """5% of a batch of 4 rounds to no random pick; the floor gives it one (exploration)."""
+    from services.scheduler.evolution import random_picks
+
+    space = _space()
+    rng = random.Random(3)
+    pool = space.sample_many(40, rng)
+    ranked, randoms = pool[:20], pool[20:]
+    search = EvolutionarySearch(space, SMALL_SEARCH, rng)
+    picks = search._eps_greedy(ranked, randoms, 4)
+    random_keys = {b.candidate.key for b in randoms}
+    assert sum(b.candidate.key in random_keys for b in picks[:4]) == 1
+    assert [b.candidate.key for b in picks[:3]] == [b.candidate.key for b in ranked[:3]]
+    assert random_picks(1, SMALL_SEARCH) == 0  # a single pick stays guided
+    assert random_picks(64, SMALL_SEARCH) == 3  # large batches keep the 5% share
+    off = SearchConfig(population=64, generations=2, min_random_per_batch=0)
+    assert (
+        not {b.candidate.key for b in EvolutionarySearch(space, off, rng)._eps_greedy(ranked, randoms, 4)[:4]}
+        & random_keys
+    )

@@ -62,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
     t.add_argument("--batch-size", type=int, default=32, help="measurements per round (default 32)")
     t.add_argument("--early-stopping", type=int, help="stop after this many trials without improvement")
-    t.add_argument("--cost-model", type=Path, help="load the cost model from this file if it exists; save it there")
     t.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
     t.add_argument("--no-progress", action="store_true", help="no live progress line")
+    model_commands.add_cost_model_args(t)
 
     a = sub.add_parser("apply-best", help="rebuild the best kernel of a records file, no search")
     a.add_argument("records", type=Path, help="a records file (JSON lines)")
@@ -187,7 +187,7 @@ def _tune_op(args: argparse.Namespace) -> int:
         config,
         records=records,
         work_dir=args.work_dir,
-        cost_model_path=args.cost_model,
+        cost_model_path=model_commands.cost_model_file(args, target),
         callbacks=callbacks,
     )
     for line in summary_lines(result):

@@ -5,7 +5,8 @@ processes, a JSON-lines record store and a cost model in memory (no Redis, no Po
 `tune`) with their weights per model, a trial budget for all of them, and a records file
 that makes the run resumable. It builds the session of `services.scheduler.session`
 (task scheduler, one evolutionary search per task, one shared cost model) over a
-`LocalMeasurer`.
+`LocalMeasurer`. With `cost_model_path`, the shared cost model is loaded from that file
+(when it fits the target) and saved back at the end (`cost_model_cache`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,16 @@ from typing import Any
 from services.measurer.local import LocalMeasurer
 from services.measurer.runner import LocalRunner
 from services.scheduler.config import TuneConfig
-from services.scheduler.cost_model import CostModel, XGBConfig, XGBCostModel
-from services.scheduler.session import SessionCallback, SessionStats, StoreRecords, TuningSession
+from services.scheduler.session import (
+    SessionCallback,
+    SessionStats,
+    ShareBestPrograms,
+    StoreRecords,
+    TuningSession,
+)
 from services.scheduler.task import SearchTask, make_task, structure_kind
 from services.scheduler.task_scheduler import TaskInfo, similarity_tag
+from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import SearchPace, TaskState, TaskTuner
 from services.worker.builder import LocalBuilder
 from tunefarm import target as targets
@@ -34,6 +41,7 @@ from tunefarm.errors import UsageError
 from tunefarm.records import MeasureRecord
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import Workload
+from tunefarm_app import cost_model_cache
 
 
 def _stderr(msg: str) -> None:
@@ -43,17 +51,6 @@ def _stderr(msg: str) -> None:
 def default_records_path(workload: Workload) -> Path:
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in workload.name)
     return Path("tunefarm-records") / f"{safe}.jsonl"
-
-
-def load_or_new_model(path: Path | None, seed: int, batch_size: int = 64) -> CostModel:
-    if path is not None and path.exists():
-        try:
-            return XGBCostModel.load(path)
-        except Exception as exc:
-            raise UsageError(f"--cost-model {path}: not a tunefarm cost model ({exc})") from None
-    # Retrain after every measured batch, not only when the data grew by 20% as
-    # MetaSchedule's adaptive training does; start learning after the first batch.
-    return XGBCostModel(XGBConfig(seed=seed, adaptive_training=False, num_warmup_samples=min(64, batch_size)))
 
 
 @dataclass(frozen=True)
@@ -166,7 +163,8 @@ def tune_tasks(
         f"{config.trials} trials, seed {config.seed}, {config.strategy} task scheduler"
     )
     log("config " + json.dumps(config.as_dict(), separators=(",", ":"), default=str))
-    model = load_or_new_model(cost_model_path, config.seed, config.batch_size)
+    model = cost_model_cache.load_model(cost_model_path, target, seed=config.seed, batch_size=config.batch_size, log=log)
+    learnt = cost_model_cache.learnt_programs(model)
     cores = targets.num_cores(target)
     infos = [
         TaskInfo(
@@ -186,8 +184,11 @@ def tune_tasks(
         try:
             measure_tasks = [measurer.prepare(t.workload, t.key, target) for t in tasks]
             pace = SearchPace()
+            similar = SimilarPrograms()
+            similar.add(all_records)  # this run's tasks and the others of the records file
             tuners = [
-                TaskTuner(t, config, model, verify=m.verify, pace=pace, log=log) for t, m in zip(tasks, measure_tasks)
+                TaskTuner(t, config, model, verify=m.verify, pace=pace, similar=similar, log=log)
+                for t, m in zip(tasks, measure_tasks)
             ]
             session = TuningSession(
                 tuners,
@@ -196,8 +197,9 @@ def tune_tasks(
                 measurer,
                 config,
                 model=model,
-                callbacks=[StoreRecords(store), _Timeline(timeline), *callbacks],
+                callbacks=[StoreRecords(store), ShareBestPrograms(similar), _Timeline(timeline), *callbacks],
                 targets=latency_targets,
+                learnt_programs=learnt,
                 log=log,
             )
             session.resume([by_task.get(t.key, []) for t in tasks])
@@ -207,8 +209,8 @@ def tune_tasks(
             stats = session.run()
         finally:
             measurer.close()
-    if cost_model_path is not None:
-        model.save(cost_model_path)
+            if cost_model_path is not None:  # what was learnt is kept, interrupted or not
+                cost_model_cache.save_model(model, cost_model_path, target, learnt=learnt, log=log)
     states = session.scheduler.states
     results = [
         TaskResult(t, tuner.state, m.verify, st.dead_reason)

@@ -39,12 +39,35 @@ def add_commands(sub) -> None:
     u.add_argument("--compare-default", action="store_true", help="also time TVM's untuned default build")
     u.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
     u.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live view")
+    add_cost_model_args(u)
 
     r = sub.add_parser("run", help="run a tuned model and print its latency")
     r.add_argument("directory", type=Path, help="a directory written by `tunefarm tune`")
     r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input (default: random)")
     r.add_argument("--output", type=Path, help="write the outputs to this .npz")
     r.add_argument("--repeat", type=int, default=50, help="timed inferences (default 50)")
+
+
+def add_cost_model_args(p) -> None:
+    p.add_argument(
+        "--cost-model",
+        type=Path,
+        metavar="PATH",
+        help="start from the cost model in this file (if it is there) and save the run's model to it "
+        "(default: a per-target file under $XDG_CACHE_HOME/tunefarm/cost_models)",
+    )
+    p.add_argument(
+        "--no-cost-model-cache",
+        action="store_true",
+        help="start from a fresh cost model and keep nothing (without --cost-model)",
+    )
+
+
+def cost_model_file(args: argparse.Namespace, target: dict) -> Path | None:
+    """The cost model file of a `tune` or `tune-op` run (None: a fresh model, not kept)."""
+    from tunefarm_app.cost_model_cache import model_path
+
+    return model_path(args.cost_model, target, use_cache=not args.no_cost_model_cache)
 
 
 def _input_shape_arg(p) -> None:
@@ -136,18 +159,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     names = [model_name(p, taken) for p in args.models]
     targets = parse_latency_targets(args.latency_target, names)
     callbacks = [] if args.no_progress else [ProgressView()]
+    target = parse_target(args.target)
     result = tune_models(
         args.models,
         input_shapes=shapes,
         trials=args.trials,
         out=args.out,
-        target=parse_target(args.target),
+        target=target,
         seed=args.seed,
         strategy=args.strategy,
         latency_targets=targets,
         compare_default=args.compare_default,
         callbacks=callbacks,
         work_dir=args.work_dir,
+        cost_model=cost_model_file(args, target),
     )
     report = result.report
     failed = False

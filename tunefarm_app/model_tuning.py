@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.scheduler.config import TuneConfig
+from services.scheduler.config import SearchConfig, TuneConfig
 from services.scheduler.session import SessionCallback
 from tunefarm.errors import UsageError
 from tunefarm.models.finish import (  # noqa: F401  (re-exported: the app layer's names for them)
@@ -86,9 +86,14 @@ def tune_models(
     compare_default: bool = False,
     callbacks: Sequence[SessionCallback] = (),
     work_dir: Path | None = None,
+    cost_model: Path | None = None,
+    search: SearchConfig | None = None,
     log: Callable[[str], None] = _stderr,
 ) -> ModelTuneResult:
-    """Tune one or several models together and write the tuned models to `out`."""
+    """Tune one or several models together and write the tuned models to `out`.
+    `cost_model`: a cost model file to start from (if it is there and fits the target)
+    and to save the run's model to; None: a fresh model, not kept. `search`: the
+    evolutionary search's parameters (default `SearchConfig()`)."""
     if trials < 1:
         raise UsageError("--trials must be at least 1")
     out = Path(out)
@@ -113,7 +118,13 @@ def tune_models(
         + ", ".join(f"{m.name} ({len(m.tasks.tasks)} tasks)" for m in models)
     )
     out.mkdir(parents=True, exist_ok=True)
-    config = TuneConfig(trials=trials, batch_size=batch_size_for(trials, len(shared)), seed=seed, strategy=strategy)
+    config = TuneConfig(
+        trials=trials,
+        batch_size=batch_size_for(trials, len(shared)),
+        seed=seed,
+        strategy=strategy,
+        search=search or SearchConfig(),
+    )
     specs = [TaskSpec(t.workload, dict(t.weights)) for t in shared]
     result = tune_tasks(
         specs,
@@ -121,6 +132,7 @@ def tune_models(
         config,
         records=out / RECORDS_NAME,
         work_dir=work_dir,
+        cost_model_path=cost_model,
         callbacks=callbacks,
         latency_targets=targets or None,
         log=log,

@@ -33,8 +33,16 @@ class SearchConfig:
     crossover_prob: float = 0.05
     # Share of each measured batch picked at random from the initial population (Ansor: 0.05).
     eps_greedy: float = 0.05
+    # Fewest random programs in a batch of two or more. 5% of the small batches a model's
+    # tasks get (4-16 programs) rounds to none, so without a floor a task measures only
+    # what a model trained on few labels likes, and that model never sees the rest.
+    min_random_per_batch: int = 1
     # Share of the initial population seeded with the best measured programs (Ansor: 0.2).
     use_measured_ratio: float = 0.2
+    # While a task has fewer measured programs than that share, fill it with the best
+    # programs of its similar tasks (same sketch signature), refit to its extents
+    # (`transfer.py`): a task's first rounds start from what worked on its siblings.
+    transfer_from_similar: bool = True
     # Mutation kinds and their weights (Ansor CPU: tile 0.90, unroll 0.04,
     # compute location 0.05, parallel 0.01).
     mutation_weights: dict[str, float] = field(

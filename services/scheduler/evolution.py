@@ -2,15 +2,18 @@
 
 One round, `EvolutionarySearch.next_batch`:
   1. initial population: fresh random programs plus the best measured ones
-     (`use_measured_ratio` of the population);
+     (`use_measured_ratio` of the population) and the programs transferred from similar
+     tasks (`transfer.py`);
   2. `generations` times: score the population with the cost model, remember the best
      unmeasured programs seen so far, and breed the next population — parents drawn
      with probability proportional to their score, each offspring a mutation
      (`mutation_prob`), a crossover (`crossover_prob`) or a copy;
   3. pick the batch epsilon-greedily: the best-scored unmeasured programs, plus an
-     `eps_greedy` share of random unmeasured ones from the initial population.
+     `eps_greedy` share of random unmeasured ones from the initial population (at
+     least `min_random_per_batch` in a batch of two or more, `random_picks`).
 While the cost model has too little data to be trusted (`model_ready` False), the
-evolution is skipped and the batch is random, as Ansor does with its random model.
+evolution is skipped and the batch is random, as Ansor does with its random model
+(transferred programs first, up to half of it).
 Nothing already measured is proposed again.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -35,7 +39,19 @@ class RoundStats:
     scored: int = 0  # programs scored by the cost model (with repeats)
     generations: int = 0
     invalid: int = 0  # draws, mutations or crossovers that gave no valid program
+    transferred: int = 0  # programs of similar tasks put in the initial population
     seconds: float = 0.0
+
+
+def _unique(programs: list[Built]) -> list[Built]:
+    return list({b.candidate.key: b for b in programs}.values())
+
+
+def random_picks(n: int, cfg: SearchConfig) -> int:
+    """Random programs in a batch of `n`: the `eps_greedy` share, at least
+    `min_random_per_batch` when the batch has room for a guided pick beside them."""
+    share = int(round(cfg.eps_greedy * n))
+    return max(share, min(cfg.min_random_per_batch, n - 1))
 
 
 class EvolutionarySearch:
@@ -52,10 +68,12 @@ class EvolutionarySearch:
         best_measured: list[Candidate],
         model_ready: bool,
         population: int | None = None,
+        transferred: Sequence[Built] = (),
     ) -> tuple[list[Built], RoundStats]:
         """Up to `2 n` unmeasured programs, the ones to measure first at the front; the
         caller takes them in order and skips any TVM rejects. `population` overrides
-        the configured population size for this round."""
+        the configured population size for this round; `transferred` are programs made
+        from similar tasks' best, added to the initial population."""
         t0 = time.perf_counter()
         stats = RoundStats()
         cfg = self.config
@@ -63,16 +81,20 @@ class EvolutionarySearch:
             cfg = replace(cfg, population=population)
         invalid_before = self.space.invalid_draws
         n_seed = min(len(best_measured), int(cfg.use_measured_ratio * cfg.population)) if model_ready else 0
-        fresh = self.space.sample_many(cfg.population - n_seed, self.rng, cfg.max_invalid_draws)
+        transferred = [b for b in transferred if b.candidate.key not in measured]
+        stats.transferred = len(transferred)
+        fresh = self.space.sample_many(
+            max(cfg.population - n_seed - len(transferred), 1), self.rng, cfg.max_invalid_draws
+        )
         stats.sampled = len(fresh)
         unmeasured_fresh = [b for b in fresh if b.candidate.key not in measured]
         if not model_ready:
             self.rng.shuffle(unmeasured_fresh)
             stats.invalid = self.space.invalid_draws - invalid_before
             stats.seconds = time.perf_counter() - t0
-            return unmeasured_fresh[: 2 * n], stats
+            return _unique([*transferred[: n // 2], *unmeasured_fresh])[: 2 * n], stats
         seeds = [b for b in (self.space.rebuild(c) for c in best_measured[:n_seed]) if b is not None]
-        population = fresh + seeds
+        population = fresh + seeds + transferred
         best: dict[str, tuple[float, Built]] = {}
         for gen in range(cfg.generations + 1):
             if not population:
@@ -102,7 +124,11 @@ class EvolutionarySearch:
         total = cum[-1]
 
         def parent() -> Built:
-            return population[int(np.searchsorted(cum, self.rng.random() * total, side="right").clip(0, len(population) - 1))]
+            return population[
+                int(
+                    np.searchsorted(cum, self.rng.random() * total, side="right").clip(0, len(population) - 1)
+                )
+            ]
 
         children: list[Built] = []
         seen: set[str] = set()
@@ -124,7 +150,7 @@ class EvolutionarySearch:
         return children
 
     def _eps_greedy(self, ranked: list[Built], randoms: list[Built], n: int) -> list[Built]:
-        n_random = int(round(self.config.eps_greedy * n))
+        n_random = random_picks(n, self.config)
         picks: list[Built] = []
         taken: set[str] = set()
 

@@ -46,10 +46,11 @@ from services.scheduler.config import TuneConfig
 from services.scheduler.exceptions import JobFailed
 from services.scheduler.job_store import JobSetup
 from services.scheduler.model_check import DeviceRun, check_on_device
-from services.scheduler.session import SessionCallback, TuningSession
+from services.scheduler.session import SessionCallback, ShareBestPrograms, TuningSession
 from services.scheduler.shared_model import ClassModel, SharedModelView
 from services.scheduler.task import SearchTask, make_task, structure_kind
 from services.scheduler.task_scheduler import TaskInfo, similarity_tag
+from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import SearchPace, TaskTuner
 from tunefarm.errors import TunefarmError
 from tunefarm.export import is_cross_target
@@ -230,8 +231,11 @@ class JobRunner:
         measure_tasks = [measurer.prepare(t.workload, t.key, s.target) for t in self.tasks]
         view = SharedModelView(self.shared)
         pace = SearchPace()
+        similar = SimilarPrograms()  # each task's best, for its similar tasks to start from
+        similar.add(records)
         self.tuners = [
-            TaskTuner(t, config, view, verify=m.verify, pace=pace, log=self.log) for t, m in zip(self.tasks, measure_tasks)
+            TaskTuner(t, config, view, verify=m.verify, pace=pace, similar=similar, log=self.log)
+            for t, m in zip(self.tasks, measure_tasks)
         ]
         weights = {t.key: t.weight for t in model_tasks}
         infos = [
@@ -251,7 +255,7 @@ class JobRunner:
             measurer,
             config,
             model=view,
-            callbacks=[JobProgressRows(self)],
+            callbacks=[ShareBestPrograms(similar), JobProgressRows(self)],
             targets=targets,
             log=self.log,
         )

@@ -65,10 +65,13 @@ class ProgramSpace:
         self.invalid_draws = 0
 
     # -- building
-    def build(self, sketch: int, decisions: dict[str, DecisionValue], rng: random.Random | None = None) -> Built:
+    def build(
+        self, sketch: int, decisions: dict[str, DecisionValue], rng: random.Random | None = None, *, refit: bool = False
+    ) -> Built:
         """The program of a sketch and decisions; with `rng`, slots missing or outside
-        their domain are drawn at random. Raises InvalidProgram."""
-        decider = Decider(decisions, rng)
+        their domain are drawn at random (with `refit`, moved to their domain's nearest
+        value where it has one). Raises InvalidProgram."""
+        decider = Decider(decisions, rng, refit=refit)
         try:
             prog = build(self.dag, self.sketches[sketch], decider, self.num_cores)
         except InvalidDecision as exc:
@@ -156,6 +159,20 @@ class ProgramSpace:
         if cand.key not in self._domains:
             self.build(cand.sketch, cand.as_dict())
         return self._domains[cand.key]
+
+    def transfer(self, signature: str, decisions: dict[str, DecisionValue], rng: random.Random) -> Built | None:
+        """A program of this space made from another task's program of the sketch with the
+        same `signature` (same structure, other extents): its decisions, tile sizes refit
+        to this task's extents, slots it lacks drawn at random. None when no sketch here
+        has that signature or the program is invalid."""
+        index = next((i for i, s in enumerate(self.sketches) if s.signature == signature), None)
+        if index is None:
+            return None
+        try:
+            return self.build(index, decisions, rng, refit=True)
+        except InvalidProgram:
+            self.invalid_draws += 1
+            return None
 
     def rebuild(self, cand: Candidate) -> Built | None:
         try:

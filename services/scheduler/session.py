@@ -22,6 +22,7 @@ layer draw what happened. A single-operator run is a session with one task.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from services.scheduler.config import TuneConfig
 from services.scheduler.cost_model import CostModel
 from services.scheduler.task_scheduler import TaskInfo, TaskScheduler, make_scheduler
+from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import TaskTuner
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.records import MeasureRecord
@@ -81,19 +83,43 @@ class StoreRecords(SessionCallback):
         self.store.append(records)
 
 
+class ShareBestPrograms(SessionCallback):
+    """Keep every task's best programs where the tasks similar to it find them
+    (`transfer.SimilarPrograms`)."""
+
+    def __init__(self, similar: SimilarPrograms):
+        self.similar = similar
+
+    def on_records(self, session: TuningSession, tuner: TaskTuner, records: list[MeasureRecord]) -> None:
+        self.similar.add(records)
+
+
+def program_id(record: MeasureRecord) -> str:
+    """A short identity of a measured program (its task and decisions)."""
+    return hashlib.sha1(f"{record.task}|{record.candidate.key}".encode()).hexdigest()[:16]
+
+
 class RetrainCostModel(SessionCallback):
     """Give the shared cost model each finished round's measurements (it retrains on them);
-    labels are normalised per task inside the model."""
+    labels are normalised per task inside the model.
 
-    def __init__(self, model: CostModel):
+    `learnt`: the `program_id` of every program the model has learnt, in the order it
+    learnt them (a model kept from earlier runs comes with its list), extended here as
+    it learns; resumed records already in it are not learnt twice. None: not tracked."""
+
+    def __init__(self, model: CostModel, learnt: list[str] | None = None):
         self.model = model
+        self.learnt = learnt
 
     def on_start(self, session: TuningSession) -> None:
+        known = set(self.learnt or ())
         feats, costs, groups = [], [], []
         for tuner, records in zip(session.tuners, session.resumed_usable):
+            records = [r for r in records if program_id(r) not in known]
             feats += tuner.features(records)
             costs += [r.cost for r in records]
             groups += [tuner.key] * len(records)
+            self._note(records)
         if feats:
             self.model.update(feats, costs, groups)
 
@@ -101,7 +127,12 @@ class RetrainCostModel(SessionCallback):
         records = list(summary.records)
         if records:
             self.model.update(tuner.features(records), [r.cost for r in records], [tuner.key] * len(records))
+            self._note(records)
         tuner.trim_caches()
+
+    def _note(self, records: list[MeasureRecord]) -> None:
+        if self.learnt is not None:
+            self.learnt += [program_id(r) for r in records]
 
 
 @dataclass
@@ -127,6 +158,7 @@ class TuningSession:
         callbacks: Sequence[SessionCallback] = (),
         targets: dict[str, float] | None = None,
         max_in_flight: int = 1,
+        learnt_programs: list[str] | None = None,
         log: Callable[[str], None] = lambda msg: None,
     ):
         if not tuners or not len(tuners) == len(infos) == len(measure_tasks):
@@ -146,7 +178,7 @@ class TuningSession:
         self.resumed_usable: list[list[MeasureRecord]] = [[] for _ in self.tuners]
         # Retraining is the first callback: it is part of the search's time, and the
         # progress views after it see the retrained model.
-        self._retrain = RetrainCostModel(model)
+        self._retrain = RetrainCostModel(model, learnt_programs)
         # Rounds measured at the same time: 1 in embedded mode (a kernel is timed alone on
         # this machine's cores); a farm keeps one per free agent.
         self.max_in_flight = max_in_flight

@@ -9,7 +9,9 @@ Two kinds of slot:
   granularity, unroll depth).
 
 `Decider` fills the slots while the loop-nest model is built: a value given in
-`decisions` is used (and checked against its domain), a missing one is drawn.
+`decisions` is used (and checked against its domain), a missing one is drawn. With
+`refit`, a given value outside its domain (a program of another task of the same
+structure, other extents) is moved to the domain's `nearest` value instead of drawn.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from tunefarm.records import DecisionValue
 
@@ -86,8 +90,26 @@ class TileDomain:
                 return out
         return None
 
+    def nearest(self, value: DecisionValue) -> tuple[int, ...] | None:
+        """The tiling of this extent closest to `value`, a tiling of another extent into
+        as many parts: least weighted sum of |log factor differences|, inner levels
+        weighing more (the innermost, the vector or unrolled tile, double), so the outer
+        loops take up a change of extent. None for a value of another shape."""
+        if not isinstance(value, tuple) or len(value) != self.parts or any(v < 1 for v in value):
+            return None
+        logs = _option_logs(self.extent, self.parts, self.max_innermost, self.min_innermost)
+        weights = 1.0 + np.arange(self.parts) / self.parts  # outer levels give way first
+        weights[-1] = 2.0
+        distance = np.abs(logs - np.log([float(v) for v in value])) @ weights
+        return self.options()[int(np.argmin(distance))]
+
     def describe(self) -> str:
         return f"tile {self.extent} into {self.parts} (inner <= {self.max_innermost})"
+
+
+@lru_cache(maxsize=1024)
+def _option_logs(extent: int, parts: int, max_inner: int, min_inner: int) -> np.ndarray:
+    return np.log(np.array(_tile_options(extent, parts, max_inner, min_inner), dtype=np.float64))
 
 
 @lru_cache(maxsize=4096)
@@ -120,6 +142,9 @@ class IntRange:
         new = rng.randint(self.lo, self.hi - 1)
         return new if new < value else new + 1
 
+    def nearest(self, value: DecisionValue) -> int | None:
+        return min(max(value, self.lo), self.hi) if isinstance(value, int) else None
+
     def describe(self) -> str:
         return f"integer in [{self.lo}, {self.hi}]"
 
@@ -140,6 +165,9 @@ class ChoiceDomain:
         new = rng.randrange(self.n - 1)
         return new if new < value else new + 1
 
+    def nearest(self, value: DecisionValue) -> int | None:
+        return min(max(value, 0), self.n - 1) if isinstance(value, int) else None
+
     def describe(self) -> str:
         return f"choice of {self.n}"
 
@@ -154,9 +182,12 @@ class Decider:
     domains; slots given but not used are dropped (e.g. after a location change).
     """
 
-    def __init__(self, given: dict[str, DecisionValue] | None = None, rng: random.Random | None = None):
+    def __init__(
+        self, given: dict[str, DecisionValue] | None = None, rng: random.Random | None = None, *, refit: bool = False
+    ):
         self.given = given or {}
         self.rng = rng
+        self.refit = refit
         self.decisions: dict[str, DecisionValue] = {}
         self.domains: dict[str, Domain] = {}
 
@@ -171,7 +202,9 @@ class Decider:
             if not domain.contains(value):
                 if self.rng is None:
                     raise InvalidDecision(f"{slot}={value!r} is outside {domain.describe()}")
-                value = domain.sample(self.rng)  # repair, e.g. a location domain that shrank
+                near = domain.nearest(value) if self.refit else None
+                # repair, e.g. a location domain that shrank
+                value = near if near is not None and domain.contains(near) else domain.sample(self.rng)
         elif self.rng is None:
             raise InvalidDecision(f"no value for slot {slot}")
         else:

@@ -33,8 +33,10 @@ import numpy as np
 from services.scheduler.config import TuneConfig
 from services.scheduler.cost_model import CostModel
 from services.scheduler.evolution import EvolutionarySearch, RoundStats
+from services.scheduler.program_space import Built
 from services.scheduler.realize import RealizeError, realize, trace_json
 from services.scheduler.task import SearchTask
+from services.scheduler.transfer import SimilarPrograms
 from tunefarm import digest
 from tunefarm.records import ErrorKind, MeasureInput, MeasureRecord, MeasureResult, TimingConfig
 
@@ -135,9 +137,11 @@ class TaskTuner:
         *,
         verify: bool = True,
         pace: SearchPace | None = None,
+        similar: SimilarPrograms | None = None,
         log: Callable[[str], None] = lambda msg: None,
     ):
         self.task = task
+        self.similar = similar  # the best programs of every task of the run, to seed from
         self.config = config
         self.model = model
         self.verify = verify  # False: no reference, kernels are checked against each other
@@ -204,6 +208,7 @@ class TaskTuner:
             [r.candidate for r in self.best_measured],
             self.model_ready(),
             population=population,
+            transferred=self.transferred(population),
         )
         inputs: list[MeasureInput] = []
         refused = 0
@@ -235,10 +240,26 @@ class TaskTuner:
                 "sampled": stats.sampled,
                 "scored": stats.scored,
                 "invalid": stats.invalid + refused,
+                "transferred": stats.transferred,
                 "search_secs": round(secs, 3),
             }
         )
         return Proposal(tuple(inputs), stats, population, refused, secs)
+
+    def transferred(self, population: int) -> list[Built]:
+        """Programs made from similar tasks' best (`transfer.py`), filling the population's
+        seed share that the task's own best programs do not fill yet."""
+        cfg = self.config.search
+        room = int(cfg.use_measured_ratio * population) - len(self.best_measured)
+        if self.similar is None or not cfg.transfer_from_similar or room <= 0:
+            return []
+        signatures = {s.signature for s in self.task.sketches}
+        out = []
+        for donor in self.similar.donors(self.key, signatures, room):
+            built = self.task.space.transfer(donor.sketch_sig, donor.candidate.as_dict(), self.rng)
+            if built is not None:
+                out.append(built)
+        return out
 
     def timing(self, base: TimingConfig) -> TimingConfig:
         """`base` with a slow cutoff at SLOW_FACTOR x the best so far."""

@@ -1,86 +1,181 @@
 """The cost model's ranking accuracy on measurements it has not seen (Ansor paper §7.5).
 
-A fresh `XGBCostModel` is trained on the first `TRAIN_FRACTION` of a records file in
-measurement order (the order the search produced them) and scores the rest; the report is
-the pairwise ranking accuracy and recall@k of those scores against the measured costs.
-Failed measurements are in the training set (the model learns they are bad) and are
-dropped from the held-out metrics (a failure has no rank).
+Split: seeded k-fold (`FOLDS`) over the records, in random order. Each fold is scored by
+a fresh `XGBCostModel` trained on the other folds, all tasks of the file together as
+the tuning's shared model is. A split in measurement order (train on the first 80%,
+score the last 20%) would score the search's winners: the last measurements are the
+programs the search converged on, nearly equally fast, whose order is mostly noise
+(winner's curse); `time_ordered_split` is kept to show the difference (tests).
 
-The tuning model only starts learning after `XGBConfig.num_warmup_samples` (64) programs;
-here it trains on whatever the training split holds, so small budgets give a number too
-(a noisy one: 32 trials leave 7 held-out programs, 21 pairs, and no recall@8).
+Reported per task:
+- pairwise accuracy over the held-out pairs whose costs differ by more than the
+  measurement noise (`pairwise_beyond_noise`: the larger of 3% and the two records'
+  combined relative std of repeats), with the number of pairs dropped as within it;
+- Spearman rank correlation of scores with speed (mean over folds);
+- recall@`RECALL_K` (mean over the folds with more than k valid held-out programs).
+Failed measurements are in the training folds (the model learns they are bad) and are
+left out of the metrics (a failure has no rank). Pairs are only formed within a fold
+(one model's scores) and within a task (costs of different tasks are not comparable).
+
+The tuning model only starts learning after its warm-up; here it trains on whatever
+the training folds hold, so small budgets give a number too (a noisy one).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.scheduler.cost_model import XGBConfig, XGBCostModel, pairwise_accuracy, recall_at_k
-from services.scheduler.task import make_task
+import numpy as np
+
+from services.scheduler.cost_model import XGBConfig, XGBCostModel, recall_at_k
+from services.scheduler.cost_model.metrics import (
+    NO_PAIRS,
+    PairCounts,
+    pairwise_beyond_noise,
+    relative_spread,
+    spearman,
+)
+from services.scheduler.task import SearchTask, make_task
+from tunefarm.records import MeasureRecord
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import Workload
 
-TRAIN_FRACTION = 0.8
-"""Share of the records (the earliest ones) the model is trained on."""
+FOLDS = 5
+"""Folds of the cross-validation: each record is held out once, scored by a model
+trained on the other four fifths."""
 
 RECALL_K = 8
 """k of the reported recall@k."""
 
 MIN_HELD_OUT = 5
-"""Fewest valid held-out measurements worth a pairwise accuracy (10 pairs)."""
+"""Fewest valid measurements of a task worth a pairwise accuracy."""
+
+Split = tuple[np.ndarray, np.ndarray]
+"""Indices of the training records and of the held-out ones."""
 
 
 @dataclass(frozen=True)
 class HeldOutAccuracy:
-    pairwise: float  # NaN when there is no usable pair
-    recall: float  # recall@RECALL_K; NaN unless more than RECALL_K held-out programs are valid
-    n_train: int
-    n_test: int  # valid held-out measurements the metrics are computed on
+    pairwise: float  # over pairs beyond the noise; NaN when there is none
+    spearman: float  # mean over folds; NaN when no fold gives one
+    recall: float  # recall@RECALL_K, mean over folds with more than RECALL_K valid programs
+    pairs: int  # pairs compared (beyond the noise), all folds
+    dropped: int  # pairs within the measurement noise, not compared
+    n_train: int  # records of the task the models were trained on, per fold (mean)
+    n_test: int  # valid held-out measurements of the task, all folds
+
+
+def kfold_splits(n: int, folds: int, seed: int) -> list[Split]:
+    """`folds` splits of `n` records in a seeded random order; each record is held out once."""
+    order = np.random.default_rng(seed).permutation(n)
+    parts = np.array_split(order, min(folds, n)) if n else []
+    return [
+        (np.sort(np.concatenate([p for k, p in enumerate(parts) if k != i])), np.sort(test))
+        for i, test in enumerate(parts)
+    ]
+
+
+def time_ordered_split(n: int, train_fraction: float = 0.8) -> list[Split]:
+    """The first `train_fraction` of the records (in measurement order) against the rest."""
+    cut = int(n * train_fraction)
+    return [(np.arange(cut), np.arange(cut, n))]
+
+
+def task_splits(groups: Sequence[str]) -> list[Split]:
+    """One split per task: trained on every other task's records, its own held out (how
+    well what the model learnt carries to a task it has no label of)."""
+    group = np.asarray(groups, dtype=object)
+    return [(np.flatnonzero(group != g), np.flatnonzero(group == g)) for g in dict.fromkeys(groups)]
+
+
+def cross_validate(
+    features: Sequence[np.ndarray],
+    costs: Sequence[float],
+    noise: Sequence[float],
+    groups: Sequence[str],
+    splits: Sequence[Split],
+    *,
+    seed: int,
+    labels_per_group: bool = True,
+) -> dict[str, HeldOutAccuracy]:
+    """Per group: train a fresh model on each split's training records, score its held-out
+    ones, and pool the metrics over the splits. `labels_per_group`: the model's labels
+    (`XGBConfig.labels_per_group`)."""
+    cost = np.asarray(costs, dtype=np.float64)
+    spread = np.asarray(noise, dtype=np.float64)
+    group = np.asarray(groups, dtype=object)
+    pairs: dict[str, PairCounts] = {}
+    rhos: dict[str, list[float]] = {}
+    recalls: dict[str, list[float]] = {}
+    trained: dict[str, list[int]] = {}
+    tested: dict[str, int] = {}
+    for train, test in splits:
+        if not len(train) or not len(test):
+            continue
+        model = XGBCostModel(XGBConfig(seed=seed, num_warmup_samples=1, labels_per_group=labels_per_group))
+        model.update([features[i] for i in train], cost[train], list(group[train]))
+        scores = model.predict([features[i] for i in test])
+        for g in dict.fromkeys(group[test]):
+            mine = group[test] == g
+            c = cost[test][mine]
+            n_valid = int(np.isfinite(c).sum())
+            trained.setdefault(g, []).append(int(np.sum(group[train] == g)))
+            tested[g] = tested.get(g, 0) + n_valid
+            pairs[g] = pairs.get(g, NO_PAIRS) + pairwise_beyond_noise(scores[mine], c, spread[test][mine])
+            rhos.setdefault(g, []).append(spearman(scores[mine], c))
+            if n_valid > RECALL_K:
+                recalls.setdefault(g, []).append(recall_at_k(scores[mine], c, RECALL_K))
+    out = {}
+    for g, counts in pairs.items():
+        enough = tested[g] >= MIN_HELD_OUT
+        out[g] = HeldOutAccuracy(
+            pairwise=counts.accuracy if enough else math.nan,
+            spearman=_mean(rhos[g]) if enough else math.nan,
+            recall=_mean(recalls.get(g, [])),
+            pairs=counts.compared,
+            dropped=counts.dropped,
+            n_train=round(float(np.mean(trained[g]))),
+            n_test=tested[g],
+        )
+    return out
 
 
 def held_out_accuracy(
     records_path: Path, workload: Workload, target: dict[str, Any], *, seed: int
 ) -> HeldOutAccuracy:
-    """Train on the first TRAIN_FRACTION of the file's records, score the rest."""
-    records = JsonlRecordStore(records_path).load()
+    """K-fold held-out accuracy of one workload's records (`tunefarm bench ops`)."""
     task = make_task(workload, target)
-    records = [r for r in records if r.task == task.key]
-    split = int(len(records) * TRAIN_FRACTION)
-    train, test = records[:split], records[split:]
-    n_test = sum(1 for r in test if r.is_valid)
-    if not train or n_test < MIN_HELD_OUT:
-        return HeldOutAccuracy(math.nan, math.nan, len(train), n_test)
-    model = XGBCostModel(XGBConfig(seed=seed, num_warmup_samples=1))
-    model.update(
-        task.space.features_of([r.candidate for r in train]), [r.cost for r in train], [task.key] * len(train)
-    )
-    scores = model.predict(task.space.features_of([r.candidate for r in test]))
-    costs = [r.cost for r in test]
-    return HeldOutAccuracy(
-        pairwise=pairwise_accuracy(scores, costs),
-        # with at most k valid programs every ranking has recall 1: no information
-        recall=recall_at_k(scores, costs, RECALL_K) if n_test > RECALL_K else math.nan,
-        n_train=len(train),
-        n_test=n_test,
-    )
+    records = [r for r in JsonlRecordStore(records_path).load() if r.task == task.key]
+    return _evaluate({task.key: task}, records, seed).get(task.key, _EMPTY)
 
 
 def held_out_by_task(records_path: Path, *, seed: int) -> dict[str, HeldOutAccuracy]:
-    """Per task of a multi-task records file (a model's run): one model trained on the
-    first TRAIN_FRACTION of the file's records, all tasks together, as the tuning's shared
-    model is; each task's held-out records scored by it."""
+    """Per task of a multi-task records file (a model's run): k-fold over all its records,
+    one model per fold trained on every task's training records, as the tuning's shared
+    model is."""
+    return _evaluate(*_tasks_and_records(records_path), seed)
+
+
+def held_out_across_tasks(
+    records_path: Path, *, seed: int, labels_per_group: bool = True
+) -> dict[str, HeldOutAccuracy]:
+    """Per task of a multi-task records file: scored by a model trained on the other
+    tasks' records only (`task_splits`)."""
+    return _evaluate(*_tasks_and_records(records_path), seed, by_task=True, labels_per_group=labels_per_group)
+
+
+def _tasks_and_records(records_path: Path) -> tuple[dict[str, SearchTask], list[MeasureRecord]]:
     import tvm
 
     from tunefarm.workloads import workload_from_prim_func
 
     store = JsonlRecordStore(records_path)
     records = store.load()
-    split = int(len(records) * TRAIN_FRACTION)
-    train, test = records[:split], records[split:]
-    tasks = {}
+    tasks: dict[str, SearchTask] = {}
     for key in {r.task for r in records}:
         stored = store.get_workload(key)
         if stored is None:
@@ -88,28 +183,40 @@ def held_out_by_task(records_path: Path, *, seed: int) -> dict[str, HeldOutAccur
         name, mod_json = stored
         wl = workload_from_prim_func(name, tvm.ir.load_json(mod_json)["main"])
         tasks[key] = make_task(wl, records[0].target)
-    model = XGBCostModel(XGBConfig(seed=seed, num_warmup_samples=1))
-    usable = [r for r in train if r.task in tasks]
-    feats = []
-    for r in usable:
-        feats += tasks[r.task].space.features_of([r.candidate])
+    return tasks, records
+
+
+_EMPTY = HeldOutAccuracy(math.nan, math.nan, math.nan, 0, 0, 0, 0)
+
+
+def _evaluate(
+    tasks: dict[str, SearchTask],
+    records: Sequence[MeasureRecord],
+    seed: int,
+    *,
+    by_task: bool = False,
+    labels_per_group: bool = True,
+) -> dict[str, HeldOutAccuracy]:
+    usable = [r for r in records if r.task in tasks]
+    feats: list[np.ndarray] = []
+    for key, task in tasks.items():
+        mine = [r for r in usable if r.task == key]
+        feats += task.space.features_of([r.candidate for r in mine])
+    usable = [r for key in tasks for r in usable if r.task == key]  # the order of `feats`
     if not usable:
         return {}
-    model.update(feats, [r.cost for r in usable], [r.task for r in usable])
-    out = {}
-    for key, task in tasks.items():
-        mine = [r for r in test if r.task == key]
-        n_test = sum(1 for r in mine if r.is_valid)
-        n_train = sum(1 for r in usable if r.task == key)
-        if n_test < MIN_HELD_OUT:
-            out[key] = HeldOutAccuracy(math.nan, math.nan, n_train, n_test)
-            continue
-        scores = model.predict(task.space.features_of([r.candidate for r in mine]))
-        costs = [r.cost for r in mine]
-        out[key] = HeldOutAccuracy(
-            pairwise=pairwise_accuracy(scores, costs),
-            recall=recall_at_k(scores, costs, RECALL_K) if n_test > RECALL_K else math.nan,
-            n_train=n_train,
-            n_test=n_test,
-        )
-    return out
+    groups = [r.task for r in usable]
+    return cross_validate(
+        feats,
+        [r.cost for r in usable],
+        relative_spread([r.costs for r in usable]),
+        groups,
+        task_splits(groups) if by_task else kfold_splits(len(usable), FOLDS, seed),
+        seed=seed,
+        labels_per_group=labels_per_group,
+    )
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan

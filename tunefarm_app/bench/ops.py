@@ -17,8 +17,9 @@ How the numbers are made:
 - Tuning cost: wall seconds per trial of each tuner (tunefarm's whole `tune_workload`,
   MetaSchedule's whole `tune_tir`) and the share of tunefarm's wall time spent searching
   (sampling, evolution, cost-model training).
-- Cost model: pairwise ranking accuracy of a fresh model trained on the first 80% of our
-  records, on the last 20% (`heldout`).
+- Cost model: held-out ranking accuracy of fresh models on our records, 5-fold in a
+  seeded random order: pairwise accuracy over the pairs beyond the measurement noise,
+  Spearman, recall@8 (`heldout`).
 
 Everything runs one thing at a time: no two tunings, and no tuning next to a timing. A peer
 that fails, times out or computes a wrong result gives "n/a" and a note, never a crash.
@@ -40,7 +41,7 @@ from typing import Any
 from tunefarm.errors import UsageError
 from tunefarm.workloads import Workload
 from tunefarm_app.bench import peers
-from tunefarm_app.bench.heldout import HeldOutAccuracy, held_out_accuracy
+from tunefarm_app.bench.heldout import FOLDS, HeldOutAccuracy, held_out_accuracy
 from tunefarm_app.bench.results import MetaScheduleRun, OpRow, OursRun, Summary, summarize
 from tunefarm_app.bench.suite import BenchOp, select_ops
 from tunefarm_app.bench.table import render
@@ -306,7 +307,9 @@ def _held_out(
 ) -> tuple[HeldOutAccuracy, tuple[str, ...]]:
     acc = held_out_accuracy(plan.work_dir / "ours" / f"{op.id}.jsonl", workload, plan.target, seed=plan.seed)
     log(
-        f"held-out cost model: pairwise {acc.pairwise:.3f} on {acc.n_test} measurements (trained on {acc.n_train})"
+        f"held-out cost model ({FOLDS}-fold): pairwise {acc.pairwise:.3f} over {acc.pairs} pairs "
+        f"({acc.dropped} within the noise dropped), Spearman {acc.spearman:.3f}, on {acc.n_test} measurements "
+        f"(trained on {acc.n_train} per fold)"
     )
     note = "" if math.isfinite(acc.pairwise) else f"held-out: too few valid measurements ({acc.n_test})"
     return acc, (note,) if note else ()

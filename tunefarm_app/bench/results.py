@@ -169,6 +169,9 @@ class Summary:
     ms_setup_secs: float | None  # MetaSchedule's one-off start-ups, summed (not in its per-trial time)
     mean_heldout_pairwise: float | None
     mean_heldout_recall: float | None
+    mean_heldout_spearman: float | None = None
+    heldout_pairs: int = 0  # pairs compared, all ops
+    heldout_pairs_dropped: int = 0  # pairs within the measurement noise, all ops
     geomean_vs_vendor: float | None = None
     min_vs_vendor: float | None = None
     min_vs_vendor_op: str | None = None
@@ -206,6 +209,9 @@ def summarize(rows: list[OpRow]) -> Summary:
         ms_setup_secs=sum(r.ms.setup_secs for r in rows if r.ms) if any(r.ms for r in rows) else None,
         mean_heldout_pairwise=_mean([r.heldout.pairwise for r in rows if r.heldout]),
         mean_heldout_recall=_mean([r.heldout.recall for r in rows if r.heldout]),
+        mean_heldout_spearman=_mean([r.heldout.spearman for r in rows if r.heldout]),
+        heldout_pairs=sum(r.heldout.pairs for r in rows if r.heldout),
+        heldout_pairs_dropped=sum(r.heldout.dropped for r in rows if r.heldout),
         geomean_vs_vendor=_geomean(list(vs_vendor.values())),
         min_vs_vendor=vs_vendor[min_vendor_op] if min_vendor_op else None,
         min_vs_vendor_op=min_vendor_op,

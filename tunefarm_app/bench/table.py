@@ -40,6 +40,7 @@ COLUMNS: tuple[tuple[str, Callable[[OpRow], str]], ...] = (
     ("MS s/trial", lambda r: _num(r.ms.secs_per_trial if r.ms else None, ".2f")),
     ("search", lambda r: _pct(r.ours.search_share if r.ours else None)),
     ("pairwise", lambda r: _num(r.heldout.pairwise if r.heldout else None, ".2f")),
+    ("rho", lambda r: _num(r.heldout.spearman if r.heldout else None, ".2f")),
 )
 """Header and cell of each column, left to right."""
 
@@ -79,7 +80,9 @@ def render_summary(summary: Summary, trials: int) -> list[str]:
         f"  min ours/best vendor     {_ratio(s.min_vs_vendor)}{f' ({s.min_vs_vendor_op})' if s.min_vs_vendor_op else ''}",
         f"  conv ours/oneDNN (min)   {_ratio(s.conv_vs_onednn)}",
         f"  GEMM 1024 share of peak  {_pct(s.gemm_peak_share)} (FMA peak measured: {_num(s.peak_gflops, '.0f')} GFLOPS)",
-        f"  held-out pairwise acc.   {_num(s.mean_heldout_pairwise, '.3f')} (mean over ops;"
+        f"  held-out pairwise acc.   {_num(s.mean_heldout_pairwise, '.3f')} (mean over ops, 5-fold in random"
+        f" order, pairs within the measurement noise dropped: {s.heldout_pairs_dropped} of"
+        f" {s.heldout_pairs_dropped + s.heldout_pairs}; Spearman {_num(s.mean_heldout_spearman, '.2f')};"
         f" recall@8 {_num(s.mean_heldout_recall, '.2f')})",
         f"targets (set for {TARGET_TRIALS} trials; this run: {trials}):",
     ]

@@ -88,6 +88,11 @@ class XGBConfig:
     num_warmup_samples: int = 64  # below this many programs, predict gives random scores
     adaptive_training: bool = True  # retrain only when the new data is >= 20% of the last training
     min_weight: float = 0.05  # floor of the loss weight w = max(y, min_weight); see module doc
+    # Labels relative to each group's (task's) best, as Ansor: what carries across tasks is
+    # how close a program comes to the best of its own task, not its seconds, which
+    # differ by orders of magnitude between tasks. False: relative to the best program
+    # of all groups (only to measure what the per-task labels bring).
+    labels_per_group: bool = True
 
     def xgb_params(self) -> dict[str, Any]:
         """The parameter dict for ``xgboost.train``."""
@@ -122,10 +127,15 @@ class TrainingStats:
 # --- objective and metric (pure numpy) -------------------------------------------------------
 
 
-def normalized_throughputs(costs: np.ndarray, group_ids: np.ndarray, num_groups: int) -> np.ndarray:
-    """Label of each program: min_cost(its group) / its cost, in (0, 1]; 0 for an inf cost."""
+def normalized_throughputs(
+    costs: np.ndarray, group_ids: np.ndarray, num_groups: int, *, per_group: bool = True
+) -> np.ndarray:
+    """Label of each program: min_cost(its group) / its cost, in (0, 1]; 0 for an inf cost.
+    Without `per_group`, the minimum is over all programs."""
     best = np.full(num_groups, np.inf)
     np.minimum.at(best, group_ids, costs)
+    if not per_group:
+        best[:] = best.min(initial=np.inf)
     finite = np.isfinite(costs)
     y = np.zeros(len(costs))
     y[finite] = best[group_ids[finite]] / costs[finite]
@@ -242,10 +252,10 @@ class _History:
             raise ValueError(f"feature width {rows.shape[1]} differs from the model's {self.num_features}")
         return rows
 
-    def training_data(self, min_weight: float) -> _TrainingData:
+    def training_data(self, min_weight: float, per_group: bool = True) -> _TrainingData:
         """Rows and freshly computed labels and weights of every program that has rows."""
         costs = self._costs.view()
-        y = normalized_throughputs(costs, self._group_ids.view(), len(self.group_names))
+        y = normalized_throughputs(costs, self._group_ids.view(), len(self.group_names), per_group=per_group)
         w = np.maximum(y, min_weight)
         has_rows = self._row_counts.view() > 0
         # Renumber programs so that programs without rows (no loss term) drop out.
@@ -263,6 +273,18 @@ class _History:
             "group_ids": self._group_ids.view(),
             "group_names": np.array(self.group_names, dtype=str),
         }
+
+    def keep_last(self, n: int) -> _History:
+        """The history of the latest `n` programs only (group names all kept)."""
+        if self.num_programs <= n:
+            return self
+        arrays = self.arrays()
+        start = self.num_programs - n
+        first_row = int(arrays["row_counts"][:start].sum())
+        kept = {key: arrays[key][start:] for key in ("row_counts", "costs", "group_ids")}
+        kept["rows"] = arrays["rows"][first_row:] if arrays["rows"].size else arrays["rows"]
+        kept["group_names"] = arrays["group_names"]
+        return _History.from_arrays(kept, self.num_features)
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], num_features: int | None) -> _History:
@@ -301,6 +323,9 @@ class XGBCostModel(CostModel):
         self._booster: xgb.Booster | None = None
         self._trained_on = 0
         self._last_training: TrainingStats | None = None
+        # What the owner wants kept with the model (JSON-serialisable), e.g. the feature
+        # version and target the programs were described and measured with.
+        self.metadata: dict[str, Any] = {}
 
     @property
     def config(self) -> XGBConfig:
@@ -319,6 +344,17 @@ class XGBCostModel(CostModel):
     def last_training(self) -> TrainingStats | None:
         """Statistics of the latest retraining in this process (None if none happened)."""
         return self._last_training
+
+    @property
+    def num_features(self) -> int | None:
+        """Width of the feature rows it was given (None before the first program with rows)."""
+        return self._history.num_features
+
+    def trim_history(self, max_programs: int) -> None:
+        """Forget all but the latest `max_programs` programs, so that retraining on the
+        history stays bounded; the current trees are kept until the next retraining."""
+        self._history = self._history.keep_last(max_programs)
+        self._trained_on = min(self._trained_on, self._history.num_programs)
 
     def update(self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str]) -> None:
         """Record the batch, then retrain from scratch on the whole history if due."""
@@ -355,6 +391,7 @@ class XGBCostModel(CostModel):
             "num_features": self._history.num_features,
             "trained_on": self._trained_on,
             "rng_state": self._random.rng_state(),
+            "metadata": self.metadata,
         }
         booster = np.empty(0, np.uint8)
         if self._booster is not None:
@@ -380,6 +417,7 @@ class XGBCostModel(CostModel):
         model._history = _History.from_arrays(arrays, state["num_features"])
         model._random.set_rng_state(state["rng_state"])
         model._trained_on = int(state["trained_on"])
+        model.metadata = dict(state.get("metadata") or {})
         booster_bytes = arrays["booster"]
         if booster_bytes.size:
             model._booster = xgb.Booster(model_file=bytearray(booster_bytes.tobytes()))
@@ -396,7 +434,7 @@ class XGBCostModel(CostModel):
 
     def _train(self) -> None:
         start = time.perf_counter()
-        data = self._history.training_data(self._config.min_weight)
+        data = self._history.training_data(self._config.min_weight, self._config.labels_per_group)
         if not data.rows.shape[0]:
             return  # only invalid programs so far: nothing to learn from
 

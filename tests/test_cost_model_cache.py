@@ -1,0 +1,124 @@
+"""The embedded cost model kept between runs: per-target file, versioned, and a bad
+file is a warning and a fresh model, never a crash (no compiler: synthetic features)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.scheduler.cost_model import XGBConfig, XGBCostModel
+from services.scheduler.features import NUM_FEATURES
+from tunefarm_app import cost_model_cache as cache
+
+TARGET = {"kind": "llvm", "mcpu": "skylake", "num-cores": 2}
+
+
+def _trained(n: int = 80, seed: int = 0) -> tuple[XGBCostModel, list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    feats = [rng.uniform(size=(2, NUM_FEATURES)).astype(np.float32) for _ in range(n)]
+    costs = [1e-3 / (0.1 + f[:, 0].sum()) for f in feats]
+    model = XGBCostModel(XGBConfig(seed=1, num_warmup_samples=16, num_boost_round=20))
+    model.update(feats, costs, ["t"] * n)
+    return model, feats
+
+
+def test_cache_path_is_per_target_under_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = cache.cache_path(TARGET)
+    assert path.parent == tmp_path / "tunefarm" / "cost_models"
+    assert path != cache.cache_path({**TARGET, "num-cores": 4})
+    assert cache.model_path(None, TARGET, use_cache=False) is None
+    assert cache.model_path(tmp_path / "m.npz", TARGET, use_cache=False) == tmp_path / "m.npz"
+
+
+def test_saved_model_loads_for_the_same_target_and_predicts_the_same(tmp_path):
+    model, feats = _trained()
+    path = tmp_path / "sub" / "m.npz"
+    cache.save_model(model, path, TARGET, log=print)
+    logs: list[str] = []
+    loaded = cache.load_model(path, TARGET, seed=5, batch_size=8, log=logs.append)
+    assert loaded.trained_on == model.trained_on > 0
+    np.testing.assert_array_equal(loaded.predict(feats), model.predict(feats))
+    assert logs and "80 programs of earlier runs" in logs[0]
+
+
+def test_a_file_of_another_target_or_feature_version_or_a_corrupt_one_is_ignored(tmp_path):
+    model, _ = _trained()
+    path = tmp_path / "m.npz"
+    cache.save_model(model, path, TARGET, log=print)
+    other_target: list[str] = []
+    fresh = cache.load_model(
+        path, {**TARGET, "mcpu": "znver4"}, seed=5, batch_size=8, log=other_target.append
+    )
+    assert fresh.num_samples == 0 and "trained for target" in other_target[0]
+
+    model.metadata = {**model.metadata, "feature_version": -1}
+    model.save(path)
+    other_features: list[str] = []
+    assert cache.load_model(path, TARGET, seed=5, batch_size=8, log=other_features.append).num_samples == 0
+    assert "features version -1" in other_features[0]
+
+    path.write_bytes(b"PK\x03\x04 not really a zip")
+    corrupt: list[str] = []
+    fresh = cache.load_model(path, TARGET, seed=5, batch_size=8, log=corrupt.append)
+    assert fresh.num_samples == 0 and "unreadable" in corrupt[0]
+    assert fresh.config.num_warmup_samples == 8  # a fresh model learns after the first batch
+
+
+def test_saving_keeps_the_latest_programs_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "MAX_PROGRAMS", 50)
+    model, feats = _trained(n=80)
+    costs = model._history.arrays()["costs"].copy()
+    rows = model._history.arrays()["rows"].copy()
+    path = tmp_path / "m.npz"
+    cache.save_model(model, path, TARGET, log=print)
+    loaded = XGBCostModel.load(path)
+    assert loaded.num_samples == 50 and loaded.trained_on == 50
+    kept = loaded._history.arrays()
+    np.testing.assert_array_equal(kept["costs"], costs[-50:])
+    np.testing.assert_array_equal(kept["rows"], rows[-100:])  # two rows per program
+    loaded.update(feats[-2:], [1e-3, 2e-3], ["t", "t"])  # and it keeps learning
+    assert loaded.num_samples == 52
+
+
+def _record(task: str, tile: int, cost: float):
+    from tunefarm.records import ErrorKind, MeasureRecord
+
+    return MeasureRecord(
+        task=task, workload="w", target=TARGET, sketch=0, sketch_sig="s", decisions=(("x.tile", (tile, 1)),),
+        trace=[], costs=(cost,), error_kind=ErrorKind.NONE, error_msg="", build_secs=0.0, run_secs=0.0,
+        verified=True, timestamp=0.0,
+    )  # fmt: skip
+
+
+class _Tuner:
+    key = "t"
+
+    def features(self, records):
+        return [np.full((1, NUM_FEATURES), r.cost, dtype=np.float32) for r in records]
+
+
+class _Session:
+    def __init__(self, resumed):
+        self.tuners = [_Tuner()]
+        self.resumed_usable = [resumed]
+
+
+def test_resumed_records_the_kept_model_learnt_are_not_learnt_twice(tmp_path):
+    from services.scheduler.session import RetrainCostModel, program_id
+
+    a, b = _record("t", 1, 1e-3), _record("t", 2, 2e-3)
+    model = XGBCostModel(XGBConfig(seed=1, num_warmup_samples=1, num_boost_round=5))
+    learnt: list[str] = []
+    RetrainCostModel(model, learnt).on_start(_Session([a]))  # the first run learns a
+    assert model.num_samples == 1 and learnt == [program_id(a)]
+    path = tmp_path / "m.npz"
+    cache.save_model(model, path, TARGET, learnt=learnt, log=print)
+
+    again = cache.load_model(path, TARGET, seed=1, batch_size=8, log=print)
+    learnt_again = cache.learnt_programs(again)
+    assert learnt_again == [program_id(a)]
+    RetrainCostModel(again, learnt_again).on_start(_Session([a, b]))  # resumed: a again, and b
+    assert again.num_samples == 2 and learnt_again == [program_id(a), program_id(b)]
+
+    cache.save_model(again, path, TARGET, learnt=learnt_again[:1], log=print)  # out of step: not kept
+    assert cache.learnt_programs(XGBCostModel.load(path)) == []
