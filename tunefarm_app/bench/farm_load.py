@@ -98,7 +98,10 @@ def _seed_jobs(farm: BenchFarm, class_id: int, n_jobs: int, budget: int) -> tupl
         return token, [j.id for j in jobs]
 
 
-def _wait_registered(farm: BenchFarm, class_id: int, n: int, procs: list, timeout: float = 300.0) -> None:
+def _wait_ready(farm: BenchFarm, class_id: int, n_agents: int, queue: str, n_workers: int, procs: list,
+                timeout: float = 300.0) -> None:
+    """Until the simulated agents have registered and the build workers listen."""
+    from rq import Queue, Worker
     from sqlalchemy import func, select
 
     from services.db.models import Agent
@@ -108,13 +111,15 @@ def _wait_registered(farm: BenchFarm, class_id: int, n: int, procs: list, timeou
     while True:
         with transaction(farm.sessions) as s:
             got = s.scalar(select(func.count()).select_from(Agent).where(Agent.device_class_id == class_id))
-        if got >= n:
+        listening = Worker.count(connection=farm.redis, queue=Queue(queue, connection=farm.redis))
+        if got >= n_agents and listening >= n_workers:
             return
         for proc in procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"{' '.join(map(str, proc.args))[:80]} exited:\n{farm.log_tail(proc)}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{got} of {n} simulated agents registered after {timeout:.0f} s")
+            raise TimeoutError(f"after {timeout:.0f} s: {got} of {n_agents} simulated agents registered, "
+                               f"{listening} of {n_workers} build workers listening")  # fmt: skip
         time.sleep(0.2)
 
 
@@ -187,6 +192,7 @@ class _Driver:
 def _run(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
     from services.scheduler.service import fair_share
     from services.scheduler.settings import SchedulerSettings
+    from services.worker.queues import build_queue_name
 
     class_name = f"load-{farm.uid}"
     class_id = farm.device_class(class_name)
@@ -207,7 +213,8 @@ def _run(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
             "--device-class", class_name, "--agents", str(args.agents), "--name-prefix", f"load-{farm.uid}",
             *(["--no-fetch"] if args.no_fetch else []),
         ])  # fmt: skip
-        _wait_registered(farm, class_id, args.agents, [agents, *workers])
+        queue = build_queue_name(class_name, farm.prefix)
+        _wait_ready(farm, class_id, args.agents, queue, args.workers, [agents, *workers])
         in_flight = fair_share(SchedulerSettings().batches_per_agent, args.agents, args.jobs)
         _say(f"{args.agents} simulated agents registered; {args.jobs} jobs x {args.batches_per_job} batches of "
              f"{args.batch_size}, {in_flight} batches in flight per job (the scheduler's fair share)")  # fmt: skip
