@@ -57,7 +57,7 @@ from services.measurer.generated import measurer_pb2 as pb  # noqa: E402
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
 from services.measurer.lease_service import LeaseServiceSettings, make_server  # noqa: E402
 from services.scheduler.farm_measurer import FarmMeasurer  # noqa: E402
-from services.worker import jobs  # noqa: E402
+from services.worker import build_lock, jobs  # noqa: E402
 from services.worker.builder import LocalBuilder  # noqa: E402
 from services.worker.queues import build_queue_name  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
@@ -870,3 +870,39 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
         assert lb.batch_id == batch_id and len(lb.candidates) == 2
     assert _stored(farm) == {}
     measurer.close()
+# -- the build lock (services.worker.build_lock) ----------------------------------------------
+
+
+def build_locks_held(sessions, ids):
+    with transaction(sessions) as s:
+        return build_lock.held(s, ids)
+
+
+def test_one_worker_holds_a_batch_and_the_scheduler_sees_it(db_sessions):
+    engine = db_sessions.kw["bind"]
+    big = 2**32 + 7  # ids beyond 32 bits share the low bits' lock, and are reported as asked
+    assert build_locks_held(db_sessions, [7, 8, big]) == set()
+    with build_lock.holding(engine, 7) as mine:
+        assert mine
+        with build_lock.holding(engine, 7) as theirs:  # another worker: another connection
+            assert not theirs
+        assert build_locks_held(db_sessions, [7, 8]) == {7}
+        assert build_locks_held(db_sessions, [big]) == {big}
+    assert build_locks_held(db_sessions, [7, 8]) == set()
+
+
+def test_a_lost_connection_releases_the_lock(db_sessions):
+    from sqlalchemy import text
+
+    engine = db_sessions.kw["bind"]
+    with build_lock.holding(engine, 11) as mine:
+        assert mine and build_locks_held(db_sessions, [11]) == {11}
+        with engine.connect() as admin:  # the worker's session ends, as when it is killed
+            admin.execute(text(
+                "SELECT pg_terminate_backend(pid, 10000) FROM pg_locks WHERE locktype = 'advisory' AND objid = 11 "
+                "AND classid = CAST(:ns AS oid) AND database = (SELECT oid FROM pg_database "
+                "WHERE datname = current_database())"
+            ), {"ns": build_lock.BUILD_LOCK_NAMESPACE})  # fmt: skip
+            admin.commit()
+        assert build_locks_held(db_sessions, [11]) == set()
+    assert build_locks_held(db_sessions, [11]) == set()  # leaving the block after the loss is quiet

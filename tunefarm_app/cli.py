@@ -25,6 +25,7 @@ from pathlib import Path
 from tunefarm.errors import TunefarmError, UsageError
 from tunefarm_app import farm_commands, model_commands
 from tunefarm_app.bench import farm as bench_farm
+from tunefarm_app.bench import farm_load as bench_farm_load
 from tunefarm_app.bench import fastmath as bench_math
 from tunefarm_app.bench import models as bench_models
 
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
     bench_models.add_command(bsub)
     bench_farm.add_command(bsub)
+    bench_farm_load.add_command(bsub)
     bench_math.add_command(bsub)
     return p
 
@@ -153,6 +155,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return bench_models.run_models_bench(args)
     if args.command == "bench" and args.suite == "farm":
         return bench_farm.run_farm_bench(args)
+    if args.command == "bench" and args.suite == "farm-load":
+        return bench_farm_load.run_farm_load_bench(args)
     if args.command == "bench" and args.suite == "math":
         return bench_math.run(args)
     if args.command == "bench":

@@ -12,7 +12,7 @@ A team, against a farm's API (`--server`/`--token`, or TUNEFARM_SERVER/TUNEFARM_
 
 An operator, on the farm's machines:
 
-  tunefarm farm up --state-dir D [--workers 2] [--database-url URL] [--redis-url URL]
+  tunefarm farm up --state-dir D [--workers 2] [--agents 1] [--database-url URL] [--redis-url URL]
                    [--tls-cert F --tls-key F [--tls-ca F] [--tls-client-ca F --agent-tls-cert F --agent-tls-key F]]
   tunefarm farm down --state-dir D
   tunefarm farm team NAME                 a team and a new team token
@@ -106,6 +106,7 @@ def add_commands(sub) -> None:
     fu = fsub.add_parser("up", help="start api, lease service, scheduler, workers and a CPU agent here")
     fu.add_argument("--state-dir", type=Path, required=True, help="farm.json, logs and artifacts go here")
     fu.add_argument("--workers", type=int, default=2, help="build workers (default 2)")
+    fu.add_argument("--agents", type=int, default=1, help="CPU agents on this machine (default 1)")
     fu.add_argument("--api-bind", default="127.0.0.1:0", help="HOST:PORT of the API (port 0: a free one)")
     fu.add_argument("--lease-bind", default="127.0.0.1:0", help="HOST:PORT of the lease service")
     fu.add_argument("--database-url", help=DATABASE_URL_HELP)
@@ -387,8 +388,8 @@ def _farm_up(args: argparse.Namespace) -> int:
     from services.db.exceptions import DatabaseError
     from tunefarm_app.farm_local import FarmConfig, FarmTls, up
 
-    if args.workers < 1:
-        raise UsageError("--workers must be at least 1")
+    if args.workers < 1 or args.agents < 1:
+        raise UsageError("--workers and --agents must be at least 1")
     tls = None
     tls_flags = (args.tls_ca, args.tls_client_ca, args.agent_tls_cert, args.agent_tls_key, args.tls_server_name)
     if args.tls_cert or args.tls_key:
@@ -407,6 +408,7 @@ def _farm_up(args: argparse.Namespace) -> int:
         api_bind=args.api_bind,
         lease_bind=args.lease_bind,
         workers=args.workers,
+        agents=args.agents,
         team=args.team,
         device_class=args.device_class,
         tls=tls,

@@ -8,7 +8,7 @@ background, each in its own process group with its log in `D/logs/<name>.log`:
     lease-service  tunefarm lease-service   gRPC service the agents dial into
     scheduler      tunefarm scheduler       the searches of every job
     worker-1, -2   tunefarm worker          RQ build workers for the class
-    agent          tunefarm agent           measures on this CPU
+    agent          tunefarm agent           measures on this CPU (agent-2, ... with `agents`)
 
 They share the artifact root `D/artifacts`, the database and Redis (with the queue
 prefix given). The class may be another machine's (`FarmConfig.target`, e.g. an aarch64
@@ -108,6 +108,7 @@ class FarmConfig:
     api_bind: str = "127.0.0.1:0"  # port 0: a free one
     lease_bind: str = "127.0.0.1:0"
     workers: int = 2
+    agents: int = 1  # CPU agents on this machine: agent, agent-2, agent-3, ...
     team: str = DEFAULT_TEAM
     device_class: str | None = None  # default: detected for this CPU
     extra_env: dict[str, str] = field(default_factory=dict)  # more settings for every process
@@ -139,6 +140,7 @@ class LocalFarm:
         self._popen: dict[str, subprocess.Popen] = {}
         self.env: dict[str, str] = {}
         self.info: dict[str, Any] = {}
+        self._starts: dict[str, int] = {}  # times each process was started
 
     # -- setting up ---------------------------------------------------------------------------
 
@@ -212,21 +214,40 @@ class LocalFarm:
             "scheduler": [*cli, "scheduler"],
         }
         for i in range(1, self.config.workers + 1):
-            out[f"worker-{i}"] = [*cli, "worker", "--device-class", klass, "--name", f"{self._stem()}-worker-{i}"]
-        out["agent"] = list(self.config.agent_command or [*cli, "agent"])
+            name = f"worker-{i}"
+            out[name] = [*cli, "worker", "--device-class", klass, "--name", self.worker_name(name)]
+        for name in self.agent_names():
+            out[name] = list(self.config.agent_command or [*cli, "agent"])
         return out
 
-    def _stem(self) -> str:
-        """Unique to this farm (RQ refuses a worker name still registered in Redis, and
-        one process may start several farms on one Redis, each with its own prefix)."""
-        return f"{socket.gethostname()}-{self.config.queue_prefix}-{os.getpid()}"
+    def agent_names(self) -> list[str]:
+        return ["agent", *(f"agent-{i}" for i in range(2, self.config.agents + 1))]
+
+    def worker_name(self, process: str) -> str:
+        """The RQ name of a worker process as last started: unique to this farm (one
+        process may start several farms on one Redis, each with its own prefix) and to
+        this start of it (RQ refuses a name still registered in Redis, as a killed
+        worker's stays)."""
+        again = self._starts.get(process, 1) - 1
+        return f"{socket.gethostname()}-{self.config.queue_prefix}-{os.getpid()}-{process}" + (f".{again}" if again else "")
+
+    def _agent_env(self, name: str) -> dict[str, str]:
+        """An agent's own name and work directory (the first keeps the farm's)."""
+        if name == "agent":
+            return dict(self.config.agent_env)
+        return {
+            "TUNEFARM_AGENT_NAME": f"{self.env['TUNEFARM_AGENT_NAME']}-{name.rsplit('-', 1)[1]}",
+            "TUNEFARM_AGENT_WORK_DIR": f"{self.env['TUNEFARM_AGENT_WORK_DIR']}-{name.rsplit('-', 1)[1]}",
+            **self.config.agent_env,
+        }
 
     # -- processes ----------------------------------------------------------------------------
 
     def start(self, name: str) -> Process:
+        self._starts[name] = self._starts.get(name, 0) + 1
         command = self.commands()[name]
         log_path = self.config.state_dir / LOGS_DIR / f"{name}.log"
-        env = {**os.environ, **self.env, **(self.config.agent_env if name == "agent" else {})}
+        env = {**os.environ, **self.env, **(self._agent_env(name) if name in self.agent_names() else {})}
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 command,
@@ -281,7 +302,7 @@ class LocalFarm:
         """Until the API answers, the lease service listens and the agent registered;
         `UsageError` with the dead process's log tail if one exits first."""
         deadline = time.monotonic() + timeout
-        pending = {"api", "lease-service", "agent"}
+        pending = {"api", "lease-service", *self.agent_names()}
         while pending:
             for name in self.processes:
                 if not self.alive(name):
@@ -290,15 +311,14 @@ class LocalFarm:
                 pending.discard("api")
             if "lease-service" in pending and _port_open(self.info["grpc_address"]):
                 pending.discard("lease-service")
-            if "agent" in pending and self._agent_registered():
-                pending.discard("agent")
+            pending -= {name for name in self.agent_names() if name in pending and self._agent_registered(name)}
             if not pending:
                 return
             if time.monotonic() > deadline:
                 raise UsageError(f"the farm did not come up within {timeout:.0f} s (waiting for {', '.join(sorted(pending))})")
             time.sleep(0.5)
 
-    def _agent_registered(self) -> bool:
+    def _agent_registered(self, name: str) -> bool:
         from sqlalchemy import create_engine, text
         from sqlalchemy.pool import NullPool
 
@@ -307,7 +327,7 @@ class LocalFarm:
             with engine.connect() as conn:
                 n = conn.execute(
                     text("SELECT count(*) FROM agents WHERE name = :n AND state IN ('idle', 'busy')"),
-                    {"n": self.env["TUNEFARM_AGENT_NAME"]},
+                    {"n": {**self.env, **self._agent_env(name)}["TUNEFARM_AGENT_NAME"]},
                 ).scalar()
                 return bool(n)
         except Exception:

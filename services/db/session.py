@@ -10,8 +10,10 @@ Driver errors never leave `transaction`: they become the typed errors of `except
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from sqlalchemy import Engine, create_engine, exc
 from sqlalchemy.orm import Session, sessionmaker
@@ -24,6 +26,8 @@ from services.db.exceptions import (
     Unavailable,
 )
 from services.db.settings import DatabaseSettings
+
+T = TypeVar("T")
 
 # SQLSTATE codes (PostgreSQL appendix A) that get their own error class.
 UNIQUE_VIOLATION = "23505"
@@ -74,6 +78,31 @@ def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def retrying(
+    factory: sessionmaker[Session],
+    work: Callable[[Session], T],
+    *,
+    patience_secs: float,
+    pause_secs: float = 0.5,
+    on_retry: Callable[[DatabaseError], None] = lambda error: None,
+) -> T:
+    """`work(session)` in one `transaction`, run again while the database is unreachable
+    (a restart: `Unavailable`) or the transaction lost a deadlock (`Contention`), until
+    `patience_secs` have passed; then the last error is raised. For work that must not
+    fail because the database went away for a moment (a build worker storing its builds).
+    `work` must be safe to run again: a failed attempt was rolled back."""
+    deadline = time.monotonic() + patience_secs
+    while True:
+        try:
+            with transaction(factory) as session:
+                return work(session)
+        except (Unavailable, Contention) as error:
+            if time.monotonic() >= deadline:
+                raise
+            on_retry(error)
+            time.sleep(pause_secs)
 
 
 def translate(error: exc.SQLAlchemyError) -> DatabaseError:

@@ -13,9 +13,13 @@
 Every submitted input comes back exactly once: measured by an agent, a build error
 recorded by the build worker, an error the lease service recorded for a batch no agent
 could finish, or, for a batch whose build job failed for good, an error recorded here
-(`queries.abandon_batch`). Build jobs are watched (`_check_batches`, every
-`stuck_check_secs`): a job that failed or vanished from Redis is enqueued again, up to
-`max_requeues` times.
+(`queries.abandon_batch`). Builds are watched (`_check_batches`, every
+`stuck_check_secs`): Postgres is the source of truth, Redis only carries the jobs. A batch
+proposed or building that no worker holds the build lock of (`services.worker.build_lock`)
+and whose RQ job is not waiting in its queue (its worker was killed, Redis lost its data,
+the job failed; a job started by a worker that has not taken the lock at two checks in a
+row) is enqueued again: up to `max_requeues` times after failed jobs,
+`max_lost_builds` after lost ones.
 
 After a restart of the scheduler, `in_flight_batches()` gives the batches submitted
 before and not finished, with their unmeasured inputs, for `TuningSession.adopt`.
@@ -49,6 +53,7 @@ from services.db.models import (
 from services.db.session import transaction
 from services.measurer import artifacts
 from services.measurer.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
+from services.worker import build_lock
 from services.worker.queues import BUILD_JOB, build_job_id, build_queue_name
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.records import (
@@ -79,6 +84,9 @@ TASK_DATA_REF = "farm:task_data:"
 
 _BUILD_KINDS = (ErrorKind.BUILD_ERROR, ErrorKind.BUILD_TIMEOUT)
 
+_WAITING = ("queued", "scheduled", "deferred")
+"""RQ job statuses of a build that still waits for a worker."""
+
 
 @dataclass
 class _Task:
@@ -93,7 +101,8 @@ class _InFlight:
 
     batch_id: int
     waiting: set[str]  # candidate keys without a result yet
-    requeues: int = 0
+    requeues: int = 0  # builds enqueued again after their job failed
+    lost: int = 0  # builds enqueued again after nobody was doing them (a dead worker, Redis's data lost)
     inputs: dict[str, MeasureInput] = field(default_factory=dict)
 
 
@@ -111,6 +120,7 @@ class FarmMeasurer(Measurer):
         poll_interval: float = POLL_INTERVAL_SECS,
         stuck_check_secs: float = STUCK_CHECK_SECS,
         max_requeues: int = 2,
+        max_lost_builds: int = 10,
         build_job_timeout: int = 1800,
         after_measurement_id: int | None = None,
         log: Callable[[str], None] = lambda msg: None,
@@ -128,6 +138,8 @@ class FarmMeasurer(Measurer):
         self.poll_interval = poll_interval
         self.stuck_check_secs = stuck_check_secs
         self.max_requeues = max_requeues
+        self.max_lost_builds = max_lost_builds
+        self._suspects: set[int] = set()  # batches whose started build job had no lock at the last check
         self.build_job_timeout = build_job_timeout
         self.log = log
         self._tasks: dict[str, _Task] = {}
@@ -443,53 +455,85 @@ class FarmMeasurer(Measurer):
         return result_from_record(record, artifact=artifact)
 
     def _check_batches(self) -> list[MeasureResult]:
-        """Finished batches whose results were missed, and stuck build jobs."""
-        from rq.exceptions import NoSuchJobError
-        from rq.job import Job, JobStatus
+        """Finished batches whose results were missed, and builds nobody is doing: a
+        batch proposed or building whose build lock no worker holds (`build_lock`) and
+        whose RQ job is not waiting in its queue (gone with Redis's data, left started
+        by a killed worker, failed) is enqueued again."""
+        from redis.exceptions import RedisError
 
         self._last_check = time.monotonic()
         ids = sorted(self._flight)
         if not ids:
             return []
+        unbuilt = (BatchState.PROPOSED, BatchState.BUILDING)
         with transaction(self.sessions) as s:
             states = dict(s.execute(select(Batch.id, Batch.state).where(Batch.id.in_(ids))).all())
+            building = build_lock.held(s, [i for i, st in states.items() if st in unbuilt])
         out: list[MeasureResult] = []
+        suspects: set[int] = set()
         for batch_id in ids:
             state = states.get(batch_id)
             if state in (BatchState.DONE, BatchState.FAILED):
                 out += self._leftovers(batch_id)
-            elif state in (BatchState.PROPOSED, BatchState.BUILDING):
+            elif state in unbuilt and batch_id not in building:
                 try:
-                    job = Job.fetch(build_job_id(batch_id, self.queue_prefix), connection=self.redis)
-                    status = job.get_status()
-                    latest = job.latest_result() if status == JobStatus.FAILED else None
-                    why = (latest.exc_string or "") if latest is not None else ""
-                except NoSuchJobError:
-                    status, why = None, "its build job is gone from Redis"
-                except Exception as exc:  # Redis down: look again next time
+                    status, why = self._build_job(batch_id)
+                except RedisError as exc:  # Redis away: look again next time
                     self.log(f"cannot check the build of batch {batch_id}: {exc}")
                     continue
-                if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED, None):
-                    self._requeue_or_give_up(batch_id, state, why.strip().splitlines()[-1:] or [str(status)])
+                if status in _WAITING:
+                    continue
+                if status == "started" and batch_id not in self._suspects:
+                    # A worker took the job and may not hold the lock yet: lost only if
+                    # it still does not at the next check.
+                    suspects.add(batch_id)
+                    continue
+                self._build_again(batch_id, why, failed=status == "failed")
+        self._suspects = suspects
         return out
 
-    def _requeue_or_give_up(self, batch_id: int, state: BatchState, why: list[str]) -> None:
+    def _build_job(self, batch_id: int) -> tuple[str | None, str]:
+        """The batch's RQ job status (None: Redis does not have it) and why it failed."""
+        from rq.exceptions import NoSuchJobError
+        from rq.job import Job, JobStatus
+
+        try:
+            job = Job.fetch(build_job_id(batch_id, self.queue_prefix), connection=self.redis)
+        except NoSuchJobError:
+            return None, "its build job is gone from Redis"
+        status = job.get_status(refresh=False)
+        if status == JobStatus.FAILED:
+            latest = job.latest_result()
+            lines = ((latest.exc_string or "") if latest is not None else "").strip().splitlines()
+            return str(status.value), lines[-1] if lines else "failed"
+        value = status.value if status is not None else None
+        return value, f"its build job is {value} and no worker is building it"
+
+    def _build_again(self, batch_id: int, why: str, *, failed: bool) -> None:
+        """Enqueue a batch's build again, or give the batch up after `max_requeues` failed
+        builds (or `max_lost_builds` lost ones). The state is read again under the batch's
+        row lock, with its build lock: a worker that took it meanwhile keeps it."""
         flight = self._flight[batch_id]
-        reason = f"the build of batch {batch_id} failed: {why[0] if why else 'unknown'}"
+        count, limit = (flight.requeues, self.max_requeues) if failed else (flight.lost, self.max_lost_builds)
+        reason = f"the build of batch {batch_id} {'failed' if failed else 'was lost'}: {why}"
         with transaction(self.sessions) as s:
-            if flight.requeues < self.max_requeues:
-                if state is BatchState.BUILDING:
-                    queries.transition_batch(s, batch_id=batch_id, to=BatchState.PROPOSED)
-                requeue = True
-            else:
+            state = s.scalar(select(Batch.state).where(Batch.id == batch_id).with_for_update())
+            if state not in (BatchState.PROPOSED, BatchState.BUILDING) or build_lock.held(s, [batch_id]):
+                return  # built, or being built, after all
+            again = count < limit
+            if not again:
                 queries.abandon_batch(s, batch_id=batch_id, reason=reason, error_kind=ErrorKind.BUILD_ERROR)
-                requeue = False
-        if requeue:
-            flight.requeues += 1
-            self.log(f"{reason}; building it again ({flight.requeues}/{self.max_requeues})")
-            self._enqueue(batch_id)
-        else:
+            elif state is BatchState.BUILDING:
+                queries.transition_batch(s, batch_id=batch_id, to=BatchState.PROPOSED)
+        if not again:
             self.log(f"{reason}; giving it up")
+            return
+        if failed:
+            flight.requeues += 1
+        else:
+            flight.lost += 1
+        self.log(f"{reason}; building it again ({count + 1}/{limit})")
+        self._enqueue(batch_id)
 
     def _leftovers(self, batch_id: int) -> list[MeasureResult]:
         """Results of a finished batch that `_poll` did not see (measured before

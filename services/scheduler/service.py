@@ -82,6 +82,7 @@ def farm_measurer_factory(
             job_id=setup.job_id,
             device_class=setup.device_class,
             queue_prefix=settings.queue_prefix,
+            stuck_check_secs=settings.build_check_secs,
             after_measurement_id=seen,
             log=lambda msg: logger(f"job {setup.job_id}: {msg}"),
         )
@@ -268,6 +269,9 @@ class SchedulerService:
         self.runners.pop(job_id, None)
         try:
             runner.begin_finishing()
+        except (Unavailable, Contention):
+            self._unlock(job_id)  # still running in the database: picked up again, it finishes then
+            raise
         except Exception as exc:
             self.log(f"job {job_id}: cannot finish:\n{traceback.format_exc()}")
             message = f"cannot finish: {type(exc).__name__}: {exc}"

@@ -17,6 +17,7 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_COST_MODEL_CATCH_UP_SECS | 10 | how often a class's model reads measurements made elsewhere |
 | TUNEFARM_CHECK_TUNED_MODEL | true | run the tuned model against onnxruntime before keeping it |
 | TUNEFARM_MODEL_RUN_WAIT_SECS | 1800 | how long an agent may take to run a tuned model this host cannot run |
+| TUNEFARM_BUILD_CHECK_SECS | 5 | how often batches in flight are checked for builds nobody is doing (a killed worker, Redis's data lost) |
 | TUNEFARM_SCHEDULER_HEARTBEAT_FILE | unset | touched after every pass (a container's health check reads its age) |
 """
 
@@ -64,6 +65,10 @@ class SchedulerSettings(DatabaseSettings):
     # unchecked and the report says so).
     check_tuned_model: bool = True
     model_run_wait_secs: float = 1800.0
+    # How often each job's batches in flight are checked: a batch no worker is building
+    # and whose build job is not waiting in Redis (its worker was killed, Redis lost its
+    # data) is enqueued again.
+    build_check_secs: float = 5.0
     # A file touched after every pass of the loop: its age tells a health check that the
     # loop is alive (None: no file).
     scheduler_heartbeat_file: Path | None = None

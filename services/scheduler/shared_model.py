@@ -52,6 +52,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from services.db import queries
 from services.db.codec import record_from_json
+from services.db.exceptions import DatabaseError
 from services.db.models import DeviceClass, Measurement, Workload
 from services.db.session import transaction
 from services.scheduler.cost_model import CostModel, XGBConfig, XGBCostModel
@@ -237,6 +238,8 @@ class ClassModels:
             if task.key != key:
                 self.log(f"cost model: {key} rebuilds as {task.key}; its measurements are not learnt")
                 task = None
+        except DatabaseError:
+            raise  # the database is away: try again later, do not remember the task as unusable
         except Exception as exc:  # a workload this version cannot analyse: skip its measurements
             self.log(f"cost model: cannot rebuild task {key} ({type(exc).__name__}: {exc})")
         shared.tasks[key] = task

@@ -4,6 +4,8 @@ A job carries a batch id and nothing else; everything it needs is in PostgreSQL 
 it makes goes to the artifact root:
 
     build_batch(batch_id):
+        take the batch's build lock (`build_lock`: held while this worker builds it, lost
+        with the worker; a batch another worker holds is left to it)
         claim the batch (proposed -> building) and read its workload, its device class's
         target and its candidates                                     (one transaction)
         build every candidate in the worker's isolated build processes (LocalBuilder:
@@ -12,6 +14,9 @@ it makes goes to the artifact root:
         a .so through <mtriple>-g++ when installed, else a .tar the board links at load)
         store each kernel's path and build, record failed builds as measurements, and
         mark the batch ready (or done when nothing built)              (one transaction)
+
+Both transactions are run again while the database is away (a restart), for up to
+`database_retry_secs`: a build is not lost to a moment without PostgreSQL.
 
 `tunefarm worker` runs an RQ `SimpleWorker` on the build queues of the device classes.
 SimpleWorker executes jobs in the worker process instead of forking a work horse per job:
@@ -29,17 +34,21 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.db import codec, queries
+from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import Batch, BatchState, DeviceClass, Workload
-from services.db.session import make_session_factory, transaction
+from services.db.session import make_session_factory, retrying, transaction
 from services.measurer import artifacts
+from services.worker import build_lock
 from services.worker.builder import Builder, LocalBuilder
 from services.worker.exceptions import BatchNotFound
 from services.worker.queues import build_queue_name
@@ -61,6 +70,10 @@ class WorkerContext:
     @property
     def artifact_root(self) -> Path:
         return Path(self.settings.artifact_root)
+
+    @property
+    def engine(self) -> Engine:
+        return self.sessions.kw["bind"]
 
 
 _context: WorkerContext | None = None
@@ -126,15 +139,24 @@ def build_batch(batch_id: int) -> str:
     is no longer proposed or building (a duplicate or retried job) is left as it is."""
     ctx = current()
     t0 = time.perf_counter()
-    plan = _claim(ctx, batch_id)
-    if isinstance(plan, BatchState):
-        log.info("batch %d is %s: nothing to build", batch_id, plan)
-        return str(plan)
-    wl_path = _workload_file(ctx, plan)
-    results = ctx.builder.build(
-        [BuildInput(inp.key, str(wl_path), inp.trace, plan.target, plan.build_timeout) for _, inp in plan.candidates]
-    )
-    state = _store(ctx, plan, results)
+    patience = ctx.settings.database_retry_secs
+
+    def waiting(error: DatabaseError) -> None:
+        log.warning("batch %d: the database is away (%s); trying again", batch_id, error)
+
+    with ExitStack() as held:
+        if not _lock(ctx, batch_id, held, patience, waiting):
+            log.info("batch %d is being built by another worker", batch_id)
+            return str(BatchState.BUILDING)
+        plan = retrying(ctx.sessions, lambda s: _claim(ctx, s, batch_id), patience_secs=patience, on_retry=waiting)
+        if isinstance(plan, BatchState):
+            log.info("batch %d is %s: nothing to build", batch_id, plan)
+            return str(plan)
+        wl_path = _workload_file(ctx, plan)
+        results = ctx.builder.build(
+            [BuildInput(inp.key, str(wl_path), inp.trace, plan.target, plan.build_timeout) for _, inp in plan.candidates]
+        )
+        state = retrying(ctx.sessions, lambda s: _store(ctx, s, plan, results), patience_secs=patience, on_retry=waiting)
     failed = sum(r.error_kind.is_error for r in results)
     log.info(
         "batch %d: %d built, %d failed in %.2f s -> %s",
@@ -147,32 +169,47 @@ def build_batch(batch_id: int) -> str:
     return str(state)
 
 
-def _claim(ctx: WorkerContext, batch_id: int) -> _Plan | BatchState:
-    with transaction(ctx.sessions) as s:
-        batch = s.scalars(select(Batch).where(Batch.id == batch_id).with_for_update()).one_or_none()
-        if batch is None:
-            raise BatchNotFound(f"batch {batch_id} does not exist")
-        if batch.state not in (BatchState.PROPOSED, BatchState.BUILDING):
-            return batch.state
-        if batch.state is BatchState.PROPOSED:
-            queries.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
-        name = s.scalar(select(Workload.name).where(Workload.id == batch.workload_id))
-        module_json = (
-            None
-            if _workload_path(ctx, batch.workload_id).is_file()
-            else s.scalar(select(Workload.module_json).where(Workload.id == batch.workload_id))
-        )
-        target = s.scalar(select(DeviceClass.target).where(DeviceClass.id == batch.device_class_id))
-        cands = queries.unmeasured_candidates(s, batch_id=batch_id)
-        return _Plan(
-            batch_id=batch_id,
-            workload_id=batch.workload_id,
-            workload_name=str(name),
-            module_json=module_json,
-            target=dict(target or {}),
-            build_timeout=batch.build_timeout_secs,
-            candidates=[(c.id, codec.input_from_json(c.input)) for c in cands],
-        )
+def _lock(
+    ctx: WorkerContext, batch_id: int, stack: ExitStack, patience: float, waiting: Callable[[DatabaseError], None]
+) -> bool:
+    """Take the batch's build lock for the rest of `stack` (waiting up to `patience`
+    seconds for a database that is away); False when another worker holds it."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return stack.enter_context(build_lock.holding(ctx.engine, batch_id))
+        except Unavailable as error:
+            if time.monotonic() >= deadline:
+                raise
+            waiting(error)
+            time.sleep(0.5)
+
+
+def _claim(ctx: WorkerContext, s: Session, batch_id: int) -> _Plan | BatchState:
+    batch = s.scalars(select(Batch).where(Batch.id == batch_id).with_for_update()).one_or_none()
+    if batch is None:
+        raise BatchNotFound(f"batch {batch_id} does not exist")
+    if batch.state not in (BatchState.PROPOSED, BatchState.BUILDING):
+        return batch.state
+    if batch.state is BatchState.PROPOSED:
+        queries.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
+    name = s.scalar(select(Workload.name).where(Workload.id == batch.workload_id))
+    module_json = (
+        None
+        if _workload_path(ctx, batch.workload_id).is_file()
+        else s.scalar(select(Workload.module_json).where(Workload.id == batch.workload_id))
+    )
+    target = s.scalar(select(DeviceClass.target).where(DeviceClass.id == batch.device_class_id))
+    cands = queries.unmeasured_candidates(s, batch_id=batch_id)
+    return _Plan(
+        batch_id=batch_id,
+        workload_id=batch.workload_id,
+        workload_name=str(name),
+        module_json=module_json,
+        target=dict(target or {}),
+        build_timeout=batch.build_timeout_secs,
+        candidates=[(c.id, codec.input_from_json(c.input)) for c in cands],
+    )
 
 
 def _workload_path(ctx: WorkerContext, workload_id: int) -> Path:
@@ -198,29 +235,28 @@ _SET_BUILDS = text(
 """Each candidate's kernel path and build result, for a whole batch in one statement."""
 
 
-def _store(ctx: WorkerContext, plan: _Plan, results: list[BuildResult]) -> BatchState:
+def _store(ctx: WorkerContext, s: Session, plan: _Plan, results: list[BuildResult]) -> BatchState:
     root = ctx.artifact_root
     stamp = time.time()
     fingerprint = {"builder": socket.gethostname()}
-    with transaction(ctx.sessions) as s:
-        state = s.scalar(select(Batch.state).where(Batch.id == plan.batch_id).with_for_update())
-        if state is not BatchState.BUILDING:  # failed or cancelled meanwhile
-            return state if state is not None else BatchState.FAILED
-        ids, paths, builds = [], [], []
-        for (bc_id, _), res in zip(plan.candidates, results, strict=True):
-            rel = artifacts.relative_to_root(root, res.artifact) if res.artifact else None
-            ids.append(bc_id)
-            paths.append(rel)
-            builds.append(json.dumps(codec.build_to_json(replace(res, artifact=rel))))
-        if ids:  # one statement for the whole batch
-            s.execute(_SET_BUILDS, {"ids": ids, "paths": paths, "builds": builds})
-        for (bc_id, inp), res in zip(plan.candidates, results, strict=True):
-            if res.error_kind.is_error:
-                record = MeasureRecord.of(
-                    MeasureResult(inp, res, None), workload=plan.workload_name, target=plan.target, timestamp=stamp
-                )
-                queries.record_build_error(s, batch_candidate_id=bc_id, record=record, fingerprint=fingerprint)
-        return queries.mark_batch_ready(s, batch_id=plan.batch_id)
+    state = s.scalar(select(Batch.state).where(Batch.id == plan.batch_id).with_for_update())
+    if state is not BatchState.BUILDING:  # failed or cancelled meanwhile
+        return state if state is not None else BatchState.FAILED
+    ids, paths, builds = [], [], []
+    for (bc_id, _), res in zip(plan.candidates, results, strict=True):
+        rel = artifacts.relative_to_root(root, res.artifact) if res.artifact else None
+        ids.append(bc_id)
+        paths.append(rel)
+        builds.append(json.dumps(codec.build_to_json(replace(res, artifact=rel))))
+    if ids:  # one statement for the whole batch
+        s.execute(_SET_BUILDS, {"ids": ids, "paths": paths, "builds": builds})
+    for (bc_id, inp), res in zip(plan.candidates, results, strict=True):
+        if res.error_kind.is_error:
+            record = MeasureRecord.of(
+                MeasureResult(inp, res, None), workload=plan.workload_name, target=plan.target, timestamp=stamp
+            )
+            queries.record_build_error(s, batch_candidate_id=bc_id, record=record, fingerprint=fingerprint)
+    return queries.mark_batch_ready(s, batch_id=plan.batch_id)
 
 
 # -- `tunefarm worker` ----------------------------------------------------------------------

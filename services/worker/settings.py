@@ -8,6 +8,7 @@
 | TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` |
 | TUNEFARM_BUILD_PROCESSES | 0 | isolated build processes per worker (0: one per physical core) |
 | TUNEFARM_BUILD_JOB_TIMEOUT_SECS | 1800 | RQ's limit on one build_batch job |
+| TUNEFARM_DATABASE_RETRY_SECS | 120 | how long a build job waits for a database that is away (a restart) |
 """
 
 from __future__ import annotations
@@ -35,3 +36,6 @@ class WorkerSettings(DatabaseSettings):
     build_processes: int = 0
     # RQ's limit on one build_batch job (a batch of 64 builds in well under a minute).
     build_job_timeout_secs: int = 1800
+    # How long a build job waits for a database that went away (a restart) before it
+    # fails: its claim and its results are written again until then.
+    database_retry_secs: float = 120.0

@@ -67,7 +67,7 @@ def run_farm_bench(args: argparse.Namespace) -> int:
     if not counts or min(counts) < 1 or args.per_agent < 1 or args.batch_size < 1:
         raise UsageError("--agents, --per-agent and --batch-size must be positive")
     out: dict[str, Any] = {}
-    with _Farm() as farm:
+    with BenchFarm() as farm:
         if not args.skip_throughput:
             out["throughput"] = _throughput(farm, counts, args)
         if not args.skip_dispatch:
@@ -89,11 +89,23 @@ def _say(msg: str) -> None:
 # -- the farm under test --------------------------------------------------------------------
 
 
-class _Farm:
-    """A throw-away database, artifact root and queue prefix; the lease service and the
-    processes the runs start; a job to measure for."""
+LEASE_SERVICE_ENV = {
+    "TUNEFARM_LEASE_WAIT_SECS": "2",
+    "TUNEFARM_LEASE_RECHECK_SECS": "0.05",
+    "TUNEFARM_HEARTBEAT_INTERVAL_SECS": "1",
+}
+"""The lease service's settings in the throughput and dispatch runs (a few agents: short
+long polls, quick rechecks)."""
 
-    def __enter__(self) -> _Farm:
+
+class BenchFarm:
+    """A throw-away database, artifact root and queue prefix; the lease service (with
+    `lease_env` for its settings) and the processes the runs start; a job to measure for."""
+
+    def __init__(self, lease_env: dict[str, str] | None = None):
+        self.lease_env = LEASE_SERVICE_ENV if lease_env is None else lease_env
+
+    def __enter__(self) -> BenchFarm:
         from redis import Redis
         from sqlalchemy import make_url
 
@@ -123,17 +135,15 @@ class _Farm:
             "TUNEFARM_QUEUE_PREFIX": self.prefix,
             "PYTHONUNBUFFERED": "1",
         }
-        self.port = _free_port()
+        self.port = free_port()
         self.job_id, self.token = self._job()
         self.env["TUNEFARM_AGENT_TOKEN"] = self.token
         self.lease_service = self.start(
             "lease-service",
             [sys.executable, "-m", "services.measurer.lease_service", "--bind", f"127.0.0.1:{self.port}"],
-            TUNEFARM_LEASE_WAIT_SECS="2",
-            TUNEFARM_LEASE_RECHECK_SECS="0.05",
-            TUNEFARM_HEARTBEAT_INTERVAL_SECS="1",
+            **self.lease_env,
         )
-        _wait_port(self.port, self.lease_service)
+        wait_port(self.port, self.lease_service)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -248,13 +258,13 @@ class _Farm:
         raise TimeoutError(f"agents {list(names)} did not become healthy")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -267,7 +277,7 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) 
     raise TimeoutError("the lease service did not start listening")
 
 
-def _tiny_workload(n: int = 4096):
+def tiny_workload(n: int = 4096):
     from tvm import te
 
     from tunefarm.workloads import workload_from_te
@@ -278,7 +288,7 @@ def _tiny_workload(n: int = 4096):
     return workload_from_te(f"add{n}", [a, b, c], reference=lambda x, y: [x + y])
 
 
-def _inputs(task_key: str, start: int, n: int):
+def distinct_inputs(task_key: str, start: int, n: int):
     from tunefarm.records import Candidate, MeasureInput
 
     # Distinct candidates of one tiny program (the unscheduled one: every build succeeds).
@@ -298,7 +308,7 @@ def _collect(measurer, n: int, timeout: float) -> list:
 # -- 1. throughput --------------------------------------------------------------------------
 
 
-def _throughput(farm: _Farm, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+def _throughput(farm: BenchFarm, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     from sqlalchemy import update
 
     from services.db.models import Batch, BatchState
@@ -311,7 +321,7 @@ def _throughput(farm: _Farm, counts: list[int], args: argparse.Namespace) -> lis
     farm.device_class(hold)
     worker = farm.start("worker", [sys.executable, "-m", "services.worker.jobs", "--device-class", hold],
                         TUNEFARM_BUILD_PROCESSES="2")  # fmt: skip
-    wl = _tiny_workload()
+    wl = tiny_workload()
     timing = TimingConfig(repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
     rows = []
     next_key = 0
@@ -325,7 +335,7 @@ def _throughput(farm: _Farm, counts: list[int], args: argparse.Namespace) -> lis
             batch_ids_before = _batch_ids(farm)
             for start in range(0, total, args.batch_size):
                 size = min(args.batch_size, total - start)
-                inputs = _inputs(task.key, next_key, size)
+                inputs = distinct_inputs(task.key, next_key, size)
                 next_key += size
                 measurer.submit(MeasureBatch(id=f"t{n_agents}:{start}", task=task, inputs=tuple(inputs), timing=timing))
             mine = sorted(_batch_ids(farm) - batch_ids_before)
@@ -354,7 +364,7 @@ def _throughput(farm: _Farm, counts: list[int], args: argparse.Namespace) -> lis
     return rows
 
 
-def _batch_ids(farm: _Farm) -> set[int]:
+def _batch_ids(farm: BenchFarm) -> set[int]:
     from sqlalchemy import select
 
     from services.db.models import Batch
@@ -364,7 +374,7 @@ def _batch_ids(farm: _Farm) -> set[int]:
         return set(s.scalars(select(Batch.id).where(Batch.job_id == farm.job_id)))
 
 
-def _wait_states(farm: _Farm, ids: list[int], states: set, timeout: float) -> None:
+def _wait_states(farm: BenchFarm, ids: list[int], states: set, timeout: float) -> None:
     from sqlalchemy import select
 
     from services.db.models import Batch
@@ -384,7 +394,7 @@ def _wait_states(farm: _Farm, ids: list[int], states: set, timeout: float) -> No
 # -- 2. dispatch overhead -------------------------------------------------------------------
 
 
-def _dispatch(farm: _Farm, args: argparse.Namespace) -> dict[str, Any]:
+def _dispatch(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
     from tunefarm.measure import MeasureBatch
     from tunefarm.records import TimingConfig
     from tunefarm.target import host_target_dict
@@ -395,12 +405,12 @@ def _dispatch(farm: _Farm, args: argparse.Namespace) -> dict[str, Any]:
     kernel.parent.mkdir(parents=True, exist_ok=True)
     kernel.write_bytes(os.urandom(16 * 1024))  # the size of a small built kernel
     code = "import sys; from tunefarm_app.bench.farm import {0}; {0}(sys.argv[1:])"
-    worker = farm.start("stub-worker", [sys.executable, "-c", code.format("_stub_worker"), cls, str(kernel)])
+    worker = farm.start("stub-worker", [sys.executable, "-c", code.format("stand_in_worker"), cls, str(kernel)])
     name = f"stub-agent-{farm.uid}"
-    agent = farm.start("stub-agent", [sys.executable, "-c", code.format("_stub_agent"), *farm.agent_argv(name, cls)[3:]])
+    agent = farm.start("stub-agent", [sys.executable, "-c", code.format("stand_in_agent"), *farm.agent_argv(name, cls)[3:]])
     try:
         farm.wait_healthy([name])
-        wl = _tiny_workload()
+        wl = tiny_workload()
         measurer = farm.measurer(cls, poll_interval=0.02)
         task = measurer.prepare(wl, f"{wl.key}@dispatch", host_target_dict())
         timing = TimingConfig()
@@ -410,7 +420,7 @@ def _dispatch(farm: _Farm, args: argparse.Namespace) -> dict[str, Any]:
             nonlocal key
             t0 = time.perf_counter()
             for b in range(n_batches):
-                inputs = _inputs(task.key, key, DISPATCH_BATCH)
+                inputs = distinct_inputs(task.key, key, DISPATCH_BATCH)
                 key += DISPATCH_BATCH
                 measurer.submit(MeasureBatch(id=f"d{key}:{b}", task=task, inputs=tuple(inputs), timing=timing))
             _collect(measurer, n_batches * DISPATCH_BATCH, timeout=300)
@@ -474,7 +484,7 @@ def _server_pids() -> list[int]:
     return pids
 
 
-def _phases(farm: _Farm, batch_ids: list[int]) -> dict[str, float]:
+def _phases(farm: BenchFarm, batch_ids: list[int]) -> dict[str, float]:
     """Where one batch's time went, from the database's clocks (medians, ms)."""
     from sqlalchemy import func, select
 
@@ -507,7 +517,7 @@ def _phases(farm: _Farm, batch_ids: list[int]) -> dict[str, float]:
     return {n: statistics.median(m[i] for m in ms) for i, n in enumerate(names)} if ms else {}
 
 
-def _stub_worker(argv: list[str]) -> None:
+def stand_in_worker(argv: list[str]) -> None:
     """An RQ SimpleWorker whose builds take no time: every candidate "builds" into the
     same 16 KB file (the agent still fetches one per candidate)."""
     from redis import Redis
@@ -534,7 +544,7 @@ def _stub_worker(argv: list[str]) -> None:
     SimpleWorker([Queue(build_queue_name(device_class, settings.queue_prefix), connection=redis)], connection=redis).work()
 
 
-def _stub_agent(argv: list[str]) -> None:
+def stand_in_agent(argv: list[str]) -> None:
     """An agent whose runner answers at once (no TVM: nothing is loaded or run)."""
     import threading
 

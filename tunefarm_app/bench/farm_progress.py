@@ -181,9 +181,12 @@ HEADER = (f"{'measurements':>12} {'pollers':>7} {'interval':>8} {'requests':>8} 
           f"{'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'max ms':>7} {'errors':>6}")
 
 
-def poll(url: str, token: str, *, pollers: int, interval: float, duration: float, warmup: float = 2.0) -> tuple[list[float], int]:
+def poll(url: str | Sequence[str], token: str, *, pollers: int, interval: float, duration: float,
+         warmup: float = 2.0, until: threading.Event | None = None) -> tuple[list[float], int]:
     """Latencies of GET `url` from `pollers` threads (keep-alive connections), each
-    polling every `interval` seconds, measured for `duration` seconds after `warmup`."""
+    polling every `interval` seconds, measured for `duration` seconds after `warmup`, or
+    until `until` is set. Several URLs: poller i polls the i-th (round robin)."""
+    urls = [url] if isinstance(url, str) else list(url)
     import httpx
 
     latencies: list[float] = []
@@ -202,13 +205,13 @@ def poll(url: str, token: str, *, pollers: int, interval: float, duration: float
             next_at = time.monotonic() + (interval * index / pollers if interval else 0.0)  # spread the phases
             while True:
                 now = time.monotonic()
-                if now >= t_end:
+                if now >= t_end or (until is not None and until.is_set()):
                     break
                 if next_at > now:
                     time.sleep(next_at - now)
                 t0 = time.perf_counter()
                 try:
-                    ok = client.get(url).status_code == 200
+                    ok = client.get(urls[index % len(urls)]).status_code == 200
                 except httpx.HTTPError:
                     ok = False
                 dt = time.perf_counter() - t0
@@ -300,10 +303,11 @@ def run_progress_bench(
 
 
 def start_api(
-    database_url: str, *, workers: int = 1, artifact_root: Path | None = None, port: int | None = None
+    database_url: str, *, workers: int = 1, artifact_root: Path | None = None, port: int | None = None,
+    timeout: float = 60.0,
 ) -> tuple[subprocess.Popen, str]:
     """`tunefarm api` in a child process on loopback (`port`, default a free one); returns
-    it and its URL once it answers."""
+    it and its URL once it answers (within `timeout` seconds)."""
     import tempfile
     import urllib.request
 
@@ -317,7 +321,7 @@ def start_api(
     proc = subprocess.Popen([sys.executable, "-m", "tunefarm_app.cli", "api"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(base + "/healthz", timeout=1) as r:
@@ -328,7 +332,7 @@ def start_api(
         if proc.poll() is not None:
             raise RuntimeError("the API exited during start-up")
     proc.kill()
-    raise RuntimeError("the API did not come up within 60 s")
+    raise RuntimeError(f"the API did not come up within {timeout:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
