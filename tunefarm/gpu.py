@@ -91,3 +91,20 @@ class GpuLimits:
             "max_vthread": self.max_vthreads,
             "max_vector_bytes": self.max_vector_bytes,
         }
+
+
+def gpu_compatible(target: dict[str, Any], capability: str) -> str:
+    """Why an agent whose GPU has compute capability `capability` ("8.6"; "" for none)
+    cannot run a CUDA class's kernels ("" when it can): the kernels carry the class
+    arch's SASS, which GPUs of the same major version and a minor at least as high run,
+    and its PTX, which the driver compiles for a newer major version."""
+    if not capability:
+        return "this agent has no CUDA GPU"
+    try:
+        major, minor = (int(x) for x in capability.split(".")[:2])
+    except ValueError:
+        return f"this agent reports compute capability {capability!r}"
+    want = compute_capability(target)
+    if (major, minor) < want:
+        return f"this agent's GPU is compute capability {capability}, older than the class's"
+    return ""

@@ -131,6 +131,7 @@ class Nest:
     cross_thread: bool = False  # GPU: its reduction loop is bound to threadIdx (never decomposed)
     threads: int = 0  # GPU: threads per block of the kernel this root block launches
     footprint: int = 0  # elements of its output buffer after compaction, when the loops do not say
+    lowering_shared_bytes: int = 0  # GPU: shared memory TVM's lowering adds (a cross-thread reduction's)
     parallel: int = 0  # number of leading own loops fused into one parallel loop
     unroll: int = 0  # pragma_auto_unroll_max_step on the outermost own loop
     init_at: int | None = None  # own-loop index of decompose_reduction
@@ -203,9 +204,13 @@ class Program:
         computed under root block `root` allocate, after compaction."""
         total = 0
         for name in self.order:
+            if self.root_of(name) != root:
+                continue
             buf = self.dag.buffer(self.nests[name].spec.write.buffer)
-            if buf.scope == scope and self.root_of(name) == root:
+            if buf.scope == scope:
                 total += _region_elems(self, name) * buf.elem_bytes
+            if scope == "shared":
+                total += self.nests[name].lowering_shared_bytes
         return total
 
     def stores(self) -> list[Store]:

@@ -279,6 +279,10 @@ def _bind_cross_thread(prog: Program, name: str, decider: Decider, gpu: GpuLimit
         lp.kind = "blockIdx.x"
     nest.loops = [*spatial, outer, inner]
     nest.threads = threads
+    # TVM's LowerCrossThreadReduction: warp shuffles, then one value per warp and the
+    # result in shared memory when the block has more than one warp.
+    elem = prog.dag.buffer(nest.spec.write.buffer).elem_bytes
+    nest.lowering_shared_bytes = elem * (threads // gpu.warp_size + 1) if threads > gpu.warp_size else 0
     _unroll(prog, name, decider)
 
 
