@@ -171,3 +171,36 @@ def test_a_cuda_class_takes_agents_whose_gpu_runs_its_kernels():
     assert "older" in gpu_compatible(SM80, "7.5")
     assert gpu_compatible(SM80, "8.0") == gpu_compatible(SM80, "8.6") == gpu_compatible(SM80, "9.0") == ""
     assert json.loads(json.dumps(GpuLimits.of(SM80).verifier_constraints()))["max_shared_memory_per_block"] == 49152
+
+
+def test_cli_shows_gpu_sketches_and_refuses_to_tune_without_a_gpu(capsys, tmp_path, monkeypatch):
+    from tunefarm_app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["sketches", "conv2d", "--target", json.dumps(SM80)]) == 0
+    out = capsys.readouterr().out
+    assert "tile conv2d SSSRRSRS" in out and "cache-read weight into shared memory" in out and "cuda arch=sm_80" in out
+    assert main(["tune-op", "matmul", "--target", '{"kind": "cuda"}']) == 2
+    assert "arch" in capsys.readouterr().err
+    try:
+        cuda.cuda_device()
+    except cuda.NoGpuError:
+        assert main(["tune-op", "matmul", "--target", '{"kind": "cuda", "arch": "sm_90"}', "--trials", "4"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "no CUDA GPU on this machine" in err and len(err.splitlines()) == 1
+        assert not list(tmp_path.glob("*.jsonl"))  # nothing written
+
+
+def test_a_gpu_agent_takes_its_gpus_target():
+    from services.measurer import capabilities
+    from services.measurer.exceptions import BadRequest
+
+    with pytest.raises(BadRequest, match="no CUDA GPU"):
+        capabilities.with_gpu_target({"target_json": "{}"})
+    caps = capabilities.with_gpu_target(
+        {"gpu_name": "NVIDIA A100-SXM4-40GB", "gpu_compute_capability": "8.0", "gpu_max_threads_per_block": 1024}
+    )
+    target = json.loads(caps["target_json"])
+    assert target == {"kind": "cuda", "arch": "sm_80", "max_threads_per_block": 1024}
+    assert GpuLimits.of(target).max_threads_per_block == 1024
+    assert capabilities.default_device_class(caps) == "cuda-sm_80-nvidia-a100-sxm4-40gb"

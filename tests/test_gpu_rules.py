@@ -8,6 +8,15 @@ import random
 import pytest
 
 from services.scheduler.dag import analyse
+from services.scheduler.features import (
+    GPU_FEATURE_NAMES,
+    GPU_FEATURE_VERSION,
+    NUM_FEATURES,
+    batch_features,
+    feature_width,
+    program_features,
+    slog,
+)
 from services.scheduler.loopnest import InvalidProgram, expected_tvm_loops
 from services.scheduler.realize import loop_structure, realize
 from services.scheduler.rule_set import CpuRules, GpuRules, rule_set_for
@@ -176,3 +185,55 @@ def test_cooperative_fetch_vectors_only_where_aligned():
     for _ in range(5):
         decider, cprog = sample_valid(conv, csk, rng)
         assert decider.domains["pad_shared.vector"].n == 1
+
+
+def test_gpu_feature_rows_are_the_cpu_layout_plus_the_gpu_group():
+    """Version 2 rows: version 1's columns, then blockIdx / vthread / threadIdx lengths
+    and the kernel's shared and local memory. CPU rows keep version 1's width."""
+    _, dag = _dag("matmul_relu")
+    (sketch,) = RULES.sketches(dag)
+    prog = RULES.build(dag, sketch, Decider(_gemm_decisions()))
+    rows = program_features(prog, GPU_FEATURE_VERSION)
+    assert rows.shape == (len(prog.stores()), feature_width(GPU_FEATURE_VERSION))
+    assert feature_width(GPU_FEATURE_VERSION) == NUM_FEATURES + 8
+    col = {n: i for i, n in enumerate(GPU_FEATURE_NAMES)}
+    at = next(i for i, st in enumerate(prog.stores()) if st.block == "C" and not st.is_init)
+    c = rows[at]
+    assert c[col["is_gpu"]] == 1
+    assert c[col["blockIdx_len"]] == pytest.approx(slog(4))  # (2 * 2) blocks
+    assert c[col["vthread_len"]] == pytest.approx(slog(2))
+    assert c[col["threadIdx_len"]] == pytest.approx(slog(64))  # 8 x 8 threads
+    assert c[col["shared_bytes"]] == pytest.approx(slog((32 * 8 + 8 * 32) * 4))  # A and B tiles
+    assert c[col["local_bytes"]] == pytest.approx(slog(2 * 2 * 4 * 4))  # 16 accumulators
+    stage = next(i for i, st in enumerate(prog.stores()) if st.block == "A_shared")
+    assert rows[stage][col["writes_shared"]] == 1 and c[col["writes_local"]] == 1
+    cpu_wl = registry.make("matmul", {"M": 64, "N": 64, "K": 64})
+    cpu_dag = analyse(cpu_wl.mod["main"])
+    cpu = CpuRules(2)
+    cpu_prog = cpu.build(cpu_dag, cpu.sketches(cpu_dag)[0], Decider(None, random.Random(1)))
+    assert program_features(cpu_prog).shape[1] == NUM_FEATURES
+    rng = random.Random(4)
+    progs = [sample_valid(dag, sketch, rng)[1] for _ in range(4)]
+    for p, m in zip(progs, batch_features(progs, GPU_FEATURE_VERSION)):
+        assert (m == program_features(p, GPU_FEATURE_VERSION)).all()
+
+
+def test_gpu_mutation_changes_gpu_slots():
+    """The evolution's mutation on a GPU space: tile sizes, unroll and threads."""
+    from services.scheduler.config import SearchConfig
+    from services.scheduler.program_space import ProgramSpace, slot_kind
+
+    _, dag = _dag("layer_norm")
+    space = ProgramSpace(dag, RULES.sketches(dag), RULES)
+    weights = RULES.mutation_weights(SearchConfig())
+    assert weights == SearchConfig().gpu_mutation_weights
+    rng = random.Random(2)
+    parents = space.sample_many(8, rng)
+    changed = set()
+    for p in parents:
+        for _ in range(6):
+            child = space.mutate(p, rng, weights)
+            if child is not None:
+                a, b = p.candidate.as_dict(), child.candidate.as_dict()
+                changed |= {slot_kind(s) for s in a if a[s] != b.get(s)}
+    assert {"threads", "unroll"} <= changed
