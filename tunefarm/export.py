@@ -12,6 +12,9 @@ then renamed: a reader never loads half a library, and two processes building th
 program do not collide). Without a cross compiler a kernel may still be exported as a
 `.tar` of object files, which `tvm.runtime.load_module` links on the board
 (`artifact_suffix`); a `.so` for a cross target without one is a `TargetError`.
+
+A kernel for a CUDA target (`tunefarm.gpu.is_gpu`) is a `tunefarm.cuda` artifact: TVM's
+library plus nvcc's binary of its kernels for the target's compute capability.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tunefarm.cuda import CUDA_KERNEL_SUFFIX, export_kernel
 from tunefarm.errors import TargetError
+from tunefarm.gpu import is_gpu
 
 ARCH_ALIASES = {"arm64": "aarch64", "amd64": "x86_64", "x64": "x86_64"}
 """Other names of an architecture, as operating systems and triples spell them."""
@@ -60,7 +65,10 @@ def cross_compiler(target: dict[str, Any]) -> str | None:
 def artifact_suffix(target: dict[str, Any]) -> str:
     """How a built kernel is exported: a shared library (.so), or, for a cross target
     with no cross compiler here, a .tar of object files that the board links at load
-    time (`tvm.runtime.load_module` on a .tar)."""
+    time (`tvm.runtime.load_module` on a .tar); for a CUDA target a `tunefarm.cuda`
+    kernel artifact."""
+    if is_gpu(target):
+        return CUDA_KERNEL_SUFFIX
     if is_cross_target(target) and cross_compiler(target) is None:
         return ".tar"
     return ".so"
@@ -71,6 +79,9 @@ def export_library(executable: Any, out_path: str | os.PathLike[str], target: di
     linked by the cross compiler for a cross target, by the host's otherwise. Raises
     `TargetError` for a cross `.so` without a cross compiler; TVM's errors otherwise."""
     out_path = str(out_path)
+    if out_path.endswith(CUDA_KERNEL_SUFFIX):
+        export_kernel(executable, out_path, target)
+        return
     suffix = Path(out_path).suffix or ".so"
     fcompile = None
     if suffix == ".so" and is_cross_target(target):

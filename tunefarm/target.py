@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tunefarm.errors import TargetError
+from tunefarm.gpu import GpuLimits, is_gpu
 
 
 def physical_cores() -> int:
@@ -48,6 +49,8 @@ def parse_target(text: str | None) -> dict[str, Any]:
         raise TargetError(f"--target is not valid JSON: {exc.msg} at position {exc.pos}") from None
     if not isinstance(data, dict) or "kind" not in data:
         raise TargetError('--target must be a JSON object with a "kind", e.g. {"kind": "llvm", "mcpu": "skylake"}')
+    if is_gpu(data):
+        GpuLimits.of(data)  # a CUDA target names its compute capability
     to_tvm_target(data)  # validate now, not in a worker
     return data
 

@@ -29,6 +29,10 @@ from tunefarm_app.bench import farm_load as bench_farm_load
 from tunefarm_app.bench import fastmath as bench_math
 from tunefarm_app.bench import models as bench_models
 
+TARGET_HELP = (
+    'TVM target as a JSON dict (default: this host); an NVIDIA GPU: {"kind": "cuda", "arch": "sm_80"} '
+    "(tune-op then measures on this machine's GPU)"
+)
 CONST_HELP = (
     "an input that is a constant (a weight): the kernel may take it in a layout of its own, "
     "transformed once outside the timed call; repeat or comma-separate"
@@ -52,14 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     model_commands.add_commands(sub)
     farm_commands.add_commands(sub)
 
-    t = sub.add_parser("tune-op", help="tune one operator on this CPU")
+    t = sub.add_parser("tune-op", help="tune one operator on this machine (its CPU, or with a CUDA target its GPU)")
     t.add_argument("workload", help="registry name (matmul, conv2d, ...), file.py:function or a TVMScript file.py")
     t.add_argument("--shape", help="shape parameters, e.g. M=1024,N=1024,K=1024")
     t.add_argument("--const", action="append", metavar="NAME", help=CONST_HELP)
     t.add_argument("--trials", type=int, default=256, help="measurements in total (default 256)")
     t.add_argument("--records", type=Path, help="JSON-lines records file (resumed if it exists)")
     t.add_argument("--json", type=Path, help="write the report here")
-    t.add_argument("--target", help="TVM target as a JSON dict (default: this host)")
+    t.add_argument("--target", help=TARGET_HELP)
     t.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
     t.add_argument("--batch-size", type=int, default=32, help="measurements per round (default 32)")
     t.add_argument("--early-stopping", type=int, help="stop after this many trials without improvement")
@@ -76,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("workload", help="registry name (matmul, conv2d, ...), file.py:function or a TVMScript file.py")
     s.add_argument("--shape", help="shape parameters, e.g. M=1024,N=1024,K=1024")
     s.add_argument("--const", action="append", metavar="NAME", help=CONST_HELP)
-    s.add_argument("--target", help="TVM target as a JSON dict (default: this host)")
+    s.add_argument("--target", help=TARGET_HELP)
 
     e = sub.add_parser("export-ms", help="write the records as a TVM MetaSchedule JSON database")
     e.add_argument("records", type=Path, help="a records file (JSON lines)")
@@ -220,12 +224,13 @@ def _apply_best(args: argparse.Namespace) -> int:
 def _sketches(args: argparse.Namespace) -> int:
     from services.scheduler.dag import fusible_consumer, is_strictly_inlineable, needs_multi_level_tiling
     from services.scheduler.task import make_task
-    from tunefarm.target import parse_target
+    from tunefarm.target import describe, parse_target
     from tunefarm.workloads import load_workload
 
     workload = _with_constants(load_workload(args.workload, args.shape), args.const)
-    task = make_task(workload, parse_target(args.target))
-    print(f"{workload.name}: {len(task.dag.blocks)} blocks, {len(task.sketches)} sketches")
+    target = parse_target(args.target)
+    task = make_task(workload, target)
+    print(f"{workload.name}: {len(task.dag.blocks)} blocks, {len(task.sketches)} sketches ({describe(target)} rules)")
     for b in task.dag.blocks:
         iters = " ".join(f"{it.name}:{it.extent}{it.kind}" for it in b.iters)
         fc = fusible_consumer(task.dag, b)

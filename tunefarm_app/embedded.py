@@ -37,7 +37,9 @@ from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import SearchPace, TaskState, TaskTuner
 from services.worker.builder import LocalBuilder
 from tunefarm import target as targets
+from tunefarm.cuda import require_local_gpu
 from tunefarm.errors import UsageError
+from tunefarm.gpu import is_gpu
 from tunefarm.records import MeasureRecord
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import Workload
@@ -149,6 +151,8 @@ def tune_tasks(
     if config.batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
     tasks = [make_task(s.workload, target) for s in specs]
+    if is_gpu(target):
+        require_local_gpu(target)
     store = JsonlRecordStore(records)
     for task in tasks:
         store.put_workload(task.key, task.workload.name, task.workload.to_json())

@@ -128,6 +128,7 @@ class AgentSettings:
     rpc_timeout_secs: float = 30.0  # TUNEFARM_AGENT_RPC_TIMEOUT_SECS: deadline of a unary call
     lease_wait_secs: float = 10.0  # TUNEFARM_AGENT_LEASE_WAIT_SECS: deadline of a long-polling LeaseBatch
     emulated: bool | None = None  # TUNEFARM_AGENT_EMULATED: runs under an emulator; default: detected
+    gpu: bool = False  # TUNEFARM_AGENT_GPU: measure CUDA kernels on this machine's GPU (a CUDA class)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> AgentSettings:
@@ -149,6 +150,7 @@ class AgentSettings:
             "rpc_timeout_secs": float,
             "lease_wait_secs": float,
             "emulated": _flag,
+            "gpu": _flag,
         }
         values: dict[str, Any] = {}
         for key, parse in kinds.items():
@@ -295,6 +297,13 @@ class Agent:
                     self._caps.get("emulation"),
                 )
         t.join()
+        if self.settings.gpu:
+            try:
+                self._caps = caps_mod.with_gpu_target(self._caps)
+            except BadRequest:  # no GPU: nothing this agent can measure
+                self.runner.close()
+                self.channel.close()
+                raise
         self._runner_error = str(errors[0]) if errors else ""
         if self._runner_error:
             log.error("the kernel runner does not start: %s", self._runner_error)
@@ -876,6 +885,12 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="this agent runs under an emulator: its timings are not the device's (default: detected)",
+    )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        default=None,
+        help="measure CUDA kernels on this machine's NVIDIA GPU (its class: a CUDA target; default class: named after the GPU)",
     )
     return p
 

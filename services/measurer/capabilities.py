@@ -3,7 +3,9 @@
 `detect()` reads the OS (CPU model and ISA features from /proc/cpuinfo, cores, memory)
 in the agent's own process, and asks TVM for the rest (`probe_tvm`: TVM's version,
 LLVM's name for the CPU, the host target dict, a CUDA GPU's name and compute capability)
-in an isolated child process, so that the agent itself never imports TVM.
+in an isolated child process, so that the agent itself never imports TVM. An agent
+started with `--gpu` measures on its GPU: its target is the GPU's CUDA target
+(`with_gpu_target`), and its default class is named after the GPU.
 
 ARM (aarch64): the ISA features are the kernel's HWCAP bits (`getauxval(AT_HWCAP)` and
 `AT_HWCAP2`, the same bits /proc/cpuinfo's "Features" line prints), named as the kernel
@@ -35,6 +37,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from services.measurer.exceptions import BadRequest
 from tunefarm.isolation import IsolatedWorker
 from tunefarm.target import physical_cores
 
@@ -234,14 +237,38 @@ def probe_tvm() -> dict[str, Any]:
         if dev.exist:
             out["gpu_name"] = str(dev.device_name)
             out["gpu_compute_capability"] = str(dev.compute_version)
+            out["gpu_max_threads_per_block"] = int(dev.max_threads_per_block)
+            out["gpu_warp_size"] = int(dev.warp_size)
     except Exception:  # no CUDA runtime in this build or on this machine
         pass
     return out
 
 
+def with_gpu_target(caps: dict[str, Any]) -> dict[str, Any]:
+    """The capabilities of an agent that measures on its GPU (`--gpu`): its target is
+    the GPU's CUDA target (the compute capability as `arch`, the probed thread limits;
+    shared memory per block is the static 48 KB TVM's kernels use). Raises BadRequest
+    when the probe found no GPU."""
+    capability = str(caps.get("gpu_compute_capability") or "")
+    if not capability:
+        raise BadRequest("--gpu: no CUDA GPU on this machine (TVM's CUDA runtime finds no device, or no driver)")
+    major, minor = capability.split(".")[:2]
+    target: dict[str, Any] = {"kind": "cuda", "arch": f"sm_{major}{minor}"}
+    if caps.get("gpu_max_threads_per_block"):
+        target["max_threads_per_block"] = int(caps["gpu_max_threads_per_block"])
+    if caps.get("gpu_warp_size"):
+        target["thread_warp_size"] = int(caps["gpu_warp_size"])
+    return {**caps, "target_json": json.dumps(target, sort_keys=True)}
+
+
 def default_device_class(caps: dict[str, Any]) -> str:
     """A class name for an agent given none: architecture, LLVM CPU and cores
-    (e.g. "x86_64-znver5-2c"), so identical machines share a class."""
+    (e.g. "x86_64-znver5-2c"), so identical machines share a class; for an agent that
+    measures on its GPU, the GPU's arch and name (e.g. "cuda-sm_80-nvidia-a100-sxm4-40gb")."""
+    target = json.loads(caps.get("target_json") or "{}")
+    if target.get("kind") == "cuda":
+        gpu = "".join(ch if ch.isalnum() else "-" for ch in str(caps.get("gpu_name", "gpu")).lower()).strip("-")
+        return f"cuda-{target.get('arch')}-{gpu}"
     cpu = caps.get("llvm_cpu") or "generic"
     return f"{caps.get('arch', 'unknown')}-{cpu}-{caps.get('physical_cores', 1)}c"
 

@@ -103,6 +103,7 @@ from services.measurer.generated import measurer_pb2 as pb
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc
 from services.measurer.settings import LeaseServiceSettings
 from tunefarm.export import arch_name, target_arch
+from tunefarm.gpu import gpu_compatible, is_gpu
 from tunefarm.records import BuildResult, MeasureInput, MeasureRecord, MeasureResult, RunResult
 
 log = logging.getLogger("tunefarm.lease_service")
@@ -814,7 +815,13 @@ def _check_compatible(class_name: str, target: dict[str, Any], caps: dict[str, A
     architecture: an aarch64 class needs an aarch64 agent, and a class without an
     `mtriple`, built for the build workers' own architecture, taken to be this host's,
     needs an agent of that one). A different mcpu is only logged: a newer CPU runs an
-    older one's code."""
+    older one's code. A CUDA class needs an agent with a GPU of its compute capability's
+    family (`gpu_compatible`)."""
+    if is_gpu(target):
+        problem = gpu_compatible(target, str(caps.get("gpu_compute_capability", "")))
+        if problem:
+            raise BadRequest(f"device class {class_name!r} builds for {target.get('arch')}; {problem}")
+        return
     if target.get("kind") != "llvm":
         return
     arch = arch_name(str(caps.get("arch", "")))

@@ -25,8 +25,10 @@ from typing import Any
 from services.measurer.runner import Runner
 from services.measurer.task_data import add_expected_from, write_task_data
 from services.worker.builder import Builder
+from tunefarm.gpu import is_gpu
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.records import BuildInput, MeasureResult, RunInput, TimingConfig
+from tunefarm.target import host_target_dict
 from tunefarm.workloads import Workload
 
 REFERENCE_TIMEOUT_SECS = 60.0
@@ -91,7 +93,10 @@ class LocalMeasurer(Measurer):
 
     def _reference_from_unscheduled(self, wl: Workload, wl_path: str, data_path: str, target, safe: str) -> bool:
         t0 = time.perf_counter()
-        build = self.builder.build([BuildInput("reference", wl_path, None, target, self.reference_timeout)])[0]
+        # A GPU task's reference runs on this host's CPU (an unscheduled program has no
+        # thread binding; it is a reference, not a candidate).
+        ref_target = host_target_dict() if is_gpu(target) else target
+        build = self.builder.build([BuildInput("reference", wl_path, None, ref_target, self.reference_timeout)])[0]
         if build.error_kind.is_error:
             self.log(f"{wl.name}: no reference: the unscheduled program does not build ({build.error_msg})")
             return False

@@ -15,9 +15,15 @@ What one run does (`run_kernel`), following `TimingConfig`:
 2. one untimed warm-up call, whose output is saved (`save_outputs`) and checked
    against the expected one (`verify`); a wrong output ends the run: WRONG_RESULT;
 3. time with TVM's time_evaluator: `repeat` repeats of at least `min_repeat_ms` each,
-   caches flushed before each (all arguments but the first); a kernel whose warm-up
+   caches flushed before each (all arguments but the first; CPU kernels only); a kernel whose warm-up
    took longer than `slow_cutoff_secs` is timed once; `repeat` 0 times nothing (the
    warm-up call's time is the only cost: runs that only produce outputs).
+
+A CUDA kernel (`tunefarm.cuda` artifact) runs on the machine's GPU (`tvm.cuda(0)`): the
+inputs are copied to it, the library is loaded with the binary the build worker compiled
+for the class's arch, the warm-up is synchronised, time_evaluator times it on the GPU
+(device-synchronised, no CPU cache flush), and the outputs are copied back and checked
+like a CPU kernel's. Without a GPU the run is a RUN_ERROR saying so (`NoGpuError`).
 
 A runner also runs whole tuned models for the farm (`run_model`, `ModelRunInput`): a
 model built for a device class the scheduler cannot run is sent to an agent of the
@@ -39,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from services.measurer.task_data import TaskData, read_task_data, save_outputs
-from tunefarm import layout
+from tunefarm import cuda, layout
 from tunefarm.digest import digest
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
 from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, failure_kind
@@ -215,16 +221,24 @@ def run_kernel(inp: RunInput) -> RunResult:
             f"task data {inp.task_data} has {len(data.inputs)} inputs and {len(data.output_specs)} outputs, "
             f"the kernel takes {inp.n_inputs} and {inp.n_outputs}"
         )
-    dev = tvm.cpu(0)
-    lib = tvm.runtime.load_module(inp.artifact)
-    # A kernel that takes a constant input in a rewritten layout gets it transformed once,
-    # here, by the library's own transform (tunefarm.layout); only the kernel is timed.
-    args = layout.pretransform(lib, [tvm.runtime.tensor(a, dev) for a in data.inputs])
+    on_gpu = inp.artifact.endswith(cuda.CUDA_KERNEL_SUFFIX)
+    if on_gpu:  # NoGpuError on a machine without one: a RUN_ERROR naming why
+        dev = cuda.cuda_device()
+        lib = cuda.load_kernel(inp.artifact, Path(inp.artifact).with_suffix(".unpacked"))
+        args = [tvm.runtime.tensor(a, dev) for a in data.inputs]
+    else:
+        dev = tvm.cpu(0)
+        lib = tvm.runtime.load_module(inp.artifact)
+        # A kernel that takes a constant input in a rewritten layout gets it transformed
+        # once, here, by the library's own transform (tunefarm.layout); only the kernel
+        # is timed.
+        args = layout.pretransform(lib, [tvm.runtime.tensor(a, dev) for a in data.inputs])
     args += [tvm.runtime.empty(shape, dtype, dev) for shape, dtype in data.output_specs]
     func = lib["main"]
 
     warm0 = time.perf_counter()
     func(*args)
+    dev.sync()  # a GPU launch returns before the kernel ends
     warmup_secs = time.perf_counter() - warm0
 
     verified = False
@@ -252,7 +266,8 @@ def run_kernel(inp: RunInput) -> RunResult:
         number=1,
         repeat=1 if slow else timing.repeat,
         min_repeat_ms=0 if slow else int(round(timing.min_repeat_ms)),  # TVM takes whole ms
-        f_preproc="cache_flush_cpu_non_first_arg" if timing.flush_cache else "",
+        # CPU caches only: a GPU's L2 is not flushed (time_evaluator syncs the device)
+        f_preproc="cache_flush_cpu_non_first_arg" if timing.flush_cache and not on_gpu else "",
     )
     costs = tuple(float(c) for c in evaluator(*args).results)
     return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint)

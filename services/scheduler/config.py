@@ -48,6 +48,12 @@ class SearchConfig:
     mutation_weights: dict[str, float] = field(
         default_factory=lambda: {"tile": 0.90, "unroll": 0.04, "location": 0.05, "parallel": 0.01}
     )
+    # The same on a GPU (Ansor GPU: tile 0.90, unroll 0.10; MetaSchedule CUDA: tile 0.9,
+    # unroll 0.08, thread binding 0.02): "threads" re-draws an untiled kernel's or a
+    # cross-thread reduction's threads per block.
+    gpu_mutation_weights: dict[str, float] = field(
+        default_factory=lambda: {"tile": 0.90, "unroll": 0.08, "threads": 0.02}
+    )
     # Give up sampling when this many consecutive draws are invalid.
     max_invalid_draws: int = 200
 

@@ -127,6 +127,7 @@ class BufferSpec:
     shape: tuple[int, ...]
     dtype: str
     role: str  # "input", "constant" (an input that is the same in every call), "output" or "intermediate"
+    scope: str = "global"  # memory: "global", or on a GPU "shared" (per block) / "local" (registers)
 
     @property
     def elem_bytes(self) -> int:

@@ -138,7 +138,7 @@ class EvolutionarySearch:
             p = parent()
             r = self.rng.random()
             if r < cfg.mutation_prob:
-                child = self.space.mutate(p, self.rng, cfg.mutation_weights)
+                child = self.space.mutate(p, self.rng, self.space.rules.mutation_weights(cfg))
             elif r < cfg.mutation_prob + cfg.crossover_prob:
                 child = self.space.crossover(p, parent(), self.rng)
             else:

@@ -6,8 +6,14 @@ Everything is computed from the loop-nest model, never from TVM, so scoring a
 candidate costs well under a millisecond.
 
 Counts and sizes enter as log2(1 + x) (Ansor's `slog`), so trees split on orders of
-magnitude. FEATURE_VERSION changes whenever the layout below changes: saved cost
-models and cached feature matrices are keyed by it.
+magnitude. A feature version names a layout: saved cost models (one per device class)
+and cached feature matrices are keyed by it, and it changes whenever its layout does.
+
+- version 1 (`CPU_FEATURE_VERSION`): the groups below up to "other"; CPU programs.
+- version 2 (`GPU_FEATURE_VERSION`): version 1's columns unchanged, then the GPU group
+  (Ansor's is_gpu, blockIdx / vthread / threadIdx lengths, plus the kernel's shared and
+  local memory); GPU programs. CPU rows stay version 1, so the CPU models already
+  trained keep working.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import numpy as np
 
 from services.scheduler.loopnest import Access, Program, Store
 
-FEATURE_VERSION = 1
+CPU_FEATURE_VERSION = 1
+GPU_FEATURE_VERSION = 2
 
 CACHE_LINE_BYTES = 64
 MAX_BUFFERS = 5
@@ -85,6 +92,17 @@ _OTHER = [
     ("is_reduction_update", "the store accumulates (reads and writes its output)"),
 ]
 
+_GPU = [
+    ("is_gpu", "the program runs on a GPU (always 1 in version 2 rows)"),
+    ("blockIdx_len", "thread blocks the store's kernel launches (product of its blockIdx.x loops)"),
+    ("vthread_len", "virtual threads around the store (product of its vthread.x loops)"),
+    ("threadIdx_len", "threads per block around the store (product of its threadIdx.x loops)"),
+    ("shared_bytes", "shared memory one block of the store's kernel allocates"),
+    ("local_bytes", "local memory (registers) one thread of the store's kernel allocates"),
+    ("writes_shared", "the store fills a shared-memory stage (a cooperative fetch)"),
+    ("writes_local", "the store writes registers (an accumulator)"),
+]
+
 FEATURE_NAMES: list[str] = (
     [n for n, _ in _COMPUTE]
     + [n for n, _ in _ANNOTATION]
@@ -93,7 +111,23 @@ FEATURE_NAMES: list[str] = (
     + [n for n, _ in _ALLOC]
     + [n for n, _ in _OTHER]
 )
+"""Version 1 (CPU rows)."""
 NUM_FEATURES = len(FEATURE_NAMES)
+GPU_FEATURE_NAMES: list[str] = FEATURE_NAMES + [n for n, _ in _GPU]
+"""Version 2 (GPU rows)."""
+
+
+def feature_names(version: int) -> list[str]:
+    """The columns of a feature version."""
+    if version == CPU_FEATURE_VERSION:
+        return FEATURE_NAMES
+    if version == GPU_FEATURE_VERSION:
+        return GPU_FEATURE_NAMES
+    raise ValueError(f"unknown feature version {version}")
+
+
+def feature_width(version: int) -> int:
+    return len(feature_names(version))
 
 
 def slog(x):
@@ -102,14 +136,15 @@ def slog(x):
     return np.log2(1.0 + np.maximum(x, 0.0))
 
 
-def program_features(prog: Program) -> np.ndarray:
-    """(n_stores, NUM_FEATURES) float32 matrix of one program."""
-    return batch_features([prog])[0]
+def program_features(prog: Program, version: int = CPU_FEATURE_VERSION) -> np.ndarray:
+    """(n_stores, feature_width(version)) float32 matrix of one program."""
+    return batch_features([prog], version)[0]
 
 
-def batch_features(progs: list[Program]) -> list[np.ndarray]:
+def batch_features(progs: list[Program], version: int = CPU_FEATURE_VERSION) -> list[np.ndarray]:
     """Feature matrices of many programs at once: all stores of all programs are
     padded into arrays and every feature is computed with a few numpy operations."""
+    width = feature_width(version)
     stores: list[Store] = []
     owner: list[int] = []
     for i, prog in enumerate(progs):
@@ -117,8 +152,10 @@ def batch_features(progs: list[Program]) -> list[np.ndarray]:
             stores.append(st)
             owner.append(i)
     if not stores:
-        return [np.zeros((0, NUM_FEATURES), dtype=np.float32) for _ in progs]
+        return [np.zeros((0, width), dtype=np.float32) for _ in progs]
     rows = _store_rows(stores)
+    if version == GPU_FEATURE_VERSION:
+        rows = np.concatenate([rows, _gpu_rows(stores)], axis=1)
     counts = np.bincount(np.asarray(owner), minlength=len(progs))
     splits = np.split(rows, np.cumsum(counts)[:-1])
     return [np.ascontiguousarray(m, dtype=np.float32) for m in splits]
@@ -215,6 +252,36 @@ def _store_rows(stores: list[Store]) -> np.ndarray:
     cols.append(np.stack([slog(trip), b.nloops.astype(float), b.is_init, is_update], axis=1))
     out = np.concatenate(cols, axis=1)
     assert out.shape[1] == NUM_FEATURES
+    return out
+
+
+def _gpu_rows(stores: list[Store]) -> np.ndarray:
+    """The GPU group (Ansor's is_gpu and thread-axis lengths, and the kernel's memory)."""
+
+    def bound(st: Store, axis: str) -> float:
+        n = 1.0
+        for lp in st.loops:
+            if lp.kind == axis:
+                n *= lp.extent
+        return n
+
+    rows = []
+    for st in stores:
+        scope = st.alloc.scope if st.alloc is not None else "global"
+        rows.append(
+            [
+                1.0,
+                bound(st, "blockIdx.x"),
+                bound(st, "vthread.x"),
+                bound(st, "threadIdx.x"),
+                st.shared_bytes,
+                st.local_bytes,
+                float(scope == "shared"),
+                float(scope == "local"),
+            ]
+        )
+    out = np.array(rows, dtype=np.float64)
+    out[:, 1:6] = slog(out[:, 1:6])
     return out
 
 

@@ -39,19 +39,24 @@ from services.scheduler.dag import (
 from services.scheduler.sketch import (
     FUSE_LEVELS,
     AnnotateStep,
+    CacheReadStep,
     CacheWriteStep,
     ComputeLocationStep,
+    CrossThreadReductionStep,
     FuseConsumerStep,
     InlineStep,
     LayoutRewriteStep,
     RfactorStep,
     Sketch,
+    ThreadBindStep,
     TileStep,
     apply_cache_write,
     cache_write_names,
+    describe_step,
     rfactor_names,
 )
 from services.scheduler.slots import ChoiceDomain, Decider, IntRange, TileDomain
+from tunefarm.gpu import GpuLimits
 
 UNROLL_STEPS = (0, 16, 64, 512)
 """Candidate values of `pragma_auto_unroll_max_step` (Ansor CPU)."""
@@ -67,6 +72,11 @@ body of 512 unrolled statements compiles in 0.8 s with 16 float lanes, 10 s with
 build would cost more than a whole batch of ordinary ones."""
 
 MAX_INNERMOST_TILE = 64
+
+
+BOUND_KINDS = ("blockIdx.x", "vthread.x", "threadIdx.x")
+"""Loop kinds of GPU loops bound to a thread axis. Consecutive loops bound to the same
+axis are one loop in TVM (they are fused before binding)."""
 
 
 class InvalidProgram(Exception):
@@ -102,7 +112,7 @@ class Loop:
     key: str  # unique name in the program, used as the variable in Affine forms
     extent: int
     reduce: bool  # drives a reduction iterator of its block
-    kind: str = "serial"  # "serial", "parallel" or "vectorized"
+    kind: str = "serial"  # "serial", "parallel", "vectorized", or a GPU thread axis (BOUND_KINDS)
 
 
 @dataclass
@@ -118,6 +128,10 @@ class Nest:
     tile_structure: str = ""  # e.g. "SSRSRS": the level kind of each tile group
     inner_axis: str | None = None  # spatial iterator moved innermost (None: iterator order)
     rf_inner: bool = False
+    cross_thread: bool = False  # GPU: its reduction loop is bound to threadIdx (never decomposed)
+    threads: int = 0  # GPU: threads per block of the kernel this root block launches
+    footprint: int = 0  # elements of its output buffer after compaction, when the loops do not say
+    lowering_shared_bytes: int = 0  # GPU: shared memory TVM's lowering adds (a cross-thread reduction's)
     parallel: int = 0  # number of leading own loops fused into one parallel loop
     unroll: int = 0  # pragma_auto_unroll_max_step on the outermost own loop
     init_at: int | None = None  # own-loop index of decompose_reduction
@@ -143,6 +157,8 @@ class Store:
     is_init: bool = False
     alloc: BufferSpec | None = None  # intermediate buffer this store fills, if any
     alloc_elems: int = 0  # its size after compaction (elements under its attach point)
+    shared_bytes: int = 0  # GPU: shared memory of the kernel (thread block) the store is in
+    local_bytes: int = 0  # GPU: registers/local memory of one thread of that kernel
 
 
 @dataclass
@@ -153,6 +169,7 @@ class Program:
     counter: int = 0
     instructions: list[Instr] = field(default_factory=list)
     fused_producers: frozenset[str] = frozenset()  # tiled blocks whose consumer joins their tile
+    gpu: bool = False  # built for a GPU (loops bound to thread axes, shared/local stages)
 
     def emit(self, op: str, block: str, *args) -> None:
         self.instructions.append(Instr(op, block, tuple(args)))
@@ -177,8 +194,28 @@ class Program:
         buf = self.nests[name].spec.write.buffer
         return [n for n in self.order if n != name and any(a.buffer == buf for a in self.nests[n].spec.reads)]
 
+    def root_of(self, name: str) -> str:
+        """The root block whose loop nest `name` is computed in (one GPU kernel each)."""
+        nest = self.nests[name]
+        return name if nest.attach is None else self.root_of(nest.attach[0])
+
+    def kernel_bytes(self, root: str, scope: str) -> int:
+        """Bytes of `scope` buffers ("shared": per block, "local": per thread) the stages
+        computed under root block `root` allocate, after compaction."""
+        total = 0
+        for name in self.order:
+            if self.root_of(name) != root:
+                continue
+            buf = self.dag.buffer(self.nests[name].spec.write.buffer)
+            if buf.scope == scope:
+                total += _region_elems(self, name) * buf.elem_bytes
+            if scope == "shared":
+                total += self.nests[name].lowering_shared_bytes
+        return total
+
     def stores(self) -> list[Store]:
         out = []
+        memory: dict[str, tuple[int, int]] = {}
         for name in self.order:
             nest = self.nests[name]
             chain = self.chain(name)
@@ -191,13 +228,23 @@ class Program:
             alloc_elems = _region_elems(self, name) if alloc is not None else 0
             if spec.is_reduction:  # C = C + ...: the output is read and written
                 write = replace(write, is_read=True)
-            out.append(Store(name, tuple(chain), (write, *reads), spec.ops, unroll, False, alloc, alloc_elems))
+            shared = local = 0
+            if self.gpu:
+                root = self.root_of(name)
+                if root not in memory:
+                    memory[root] = (self.kernel_bytes(root, "shared"), self.kernel_bytes(root, "local"))
+                shared, local = memory[root]
+            out.append(
+                Store(name, tuple(chain), (write, *reads), spec.ops, unroll, False, alloc, alloc_elems, shared, local)
+            )
             if spec.has_init and nest.init_at is not None:
                 n_outer = len(chain) - len(nest.loops)
                 own_after = [lp for lp in nest.loops[nest.init_at :] if not lp.reduce]
                 init_loops = chain[: n_outer + nest.init_at] + own_after
                 init_write = self._access(spec.write, nest, is_write=True)
-                out.append(Store(name, tuple(init_loops), (init_write,), OpCounts(), unroll, True, alloc, alloc_elems))
+                out.append(
+                    Store(name, tuple(init_loops), (init_write,), OpCounts(), unroll, True, alloc, alloc_elems, shared, local)
+                )
         return out
 
     def _access(self, acc: AccessSpec, nest: Nest, is_write: bool) -> Access:
@@ -216,34 +263,45 @@ class Program:
 # ------------------------------------------------------------------------------ build
 
 
-def build(dag: ComputeDag, sketch: Sketch, decider: Decider, num_cores: int) -> Program:
-    """Apply a sketch's steps in order; slots are filled by `decider`."""
+def build(dag: ComputeDag, sketch: Sketch, decider: Decider, num_cores: int, gpu: GpuLimits | None = None) -> Program:
+    """Apply a sketch's steps in order; slots are filled by `decider`. `gpu`: the
+    limits of the GPU a GPU sketch is built for (its steps are `loopnest_gpu`'s)."""
     fused = frozenset(s.producer for s in sketch.steps if isinstance(s, FuseConsumerStep))
-    prog = Program(dag, {}, [], fused_producers=fused)
+    prog = Program(dag, {}, [], fused_producers=fused, gpu=gpu is not None)
     for b in dag.blocks:
         _add_root_nest(prog, b)
     for step in sketch.steps:
         match step:
             case InlineStep(block=b):
                 _inline(prog, b)
-            case CacheWriteStep(block=b):
-                _cache_write(prog, b)
+            case CacheWriteStep(block=b, scope=scope):
+                _cache_write(prog, b, scope)
             case RfactorStep(block=b, inner=inner):
                 _rfactor(prog, b, inner, decider)
             case TileStep(block=b, structure=s):
-                _tile(prog, b, s, decider)
+                _tile(prog, b, s, decider, choose_inner_axis=gpu is None)
             case LayoutRewriteStep(block=b, buffer=buf):
                 _layout_rewrite(prog, b, buf)
-            case FuseConsumerStep(consumer=c, producer=p):
-                _fuse_consumer(prog, c, p, decider)
+            case FuseConsumerStep(consumer=c, producer=p, level=level):
+                _fuse_consumer(prog, c, p, decider, level)
             case ComputeLocationStep(block=b):
                 if b in prog.nests:
                     _compute_location(prog, b, decider)
             case AnnotateStep(block=b):
                 if b in prog.nests:  # gone when a location decision inlined it
                     _annotate(prog, b, decider, num_cores)
+            case CacheReadStep() | CrossThreadReductionStep() | ThreadBindStep():
+                if gpu is None:
+                    raise InvalidProgram(f"{describe_step(step)}: a GPU step, and no GPU to build for")
+                from services.scheduler import loopnest_gpu
+
+                loopnest_gpu.apply(prog, step, decider, gpu)
             case _:
                 raise TypeError(step)
+    if gpu is not None:
+        from services.scheduler import loopnest_gpu
+
+        loopnest_gpu.check_program(prog, gpu)
     _decompose_reductions(prog)
     return prog
 
@@ -253,7 +311,7 @@ def _decompose_reductions(prog: Program) -> None:
     parallel annotations: TVM will not parallelize a loop over a decomposed reduction."""
     for name in prog.order:
         nest = prog.nests[name]
-        if nest.spec.has_init:
+        if nest.spec.has_init and not nest.cross_thread:
             nest.init_at = next((i for i, lp in enumerate(nest.loops) if lp.reduce), None)
             if nest.init_at is not None:
                 prog.emit("decompose", name, -(len(nest.loops) - nest.init_at))
@@ -289,10 +347,10 @@ def _inline(prog: Program, name: str) -> None:
     _refresh_specs(prog)
 
 
-def _cache_write(prog: Program, name: str) -> None:
-    copy_name, _ = cache_write_names(prog.dag, name)
-    prog.emit("cache_write", name, copy_name)
-    prog.dag = apply_cache_write(prog.dag, name)
+def _cache_write(prog: Program, name: str, scope: str) -> None:
+    copy_name, _ = cache_write_names(prog.dag, name, scope)
+    prog.emit("cache_write", name, copy_name, scope)
+    prog.dag = apply_cache_write(prog.dag, name, scope)
     _refresh_specs(prog)
     _add_root_nest(prog, prog.dag.block(copy_name), after=name)
 
@@ -401,7 +459,7 @@ def _fuse_reduce_dims(dag: ComputeDag, acc: AccessSpec, red: list[str], k: Affin
     return AccessSpec(view_name, (*acc.indices[:lo], k, *acc.indices[hi:]))
 
 
-def _tile(prog: Program, name: str, structure: str, decider: Decider) -> None:
+def _tile(prog: Program, name: str, structure: str, decider: Decider, choose_inner_axis: bool = True) -> None:
     nest = prog.nests[name]
     if nest.attach is not None or nest.tiled:
         raise InvalidProgram(f"{name} cannot be tiled here")
@@ -411,7 +469,7 @@ def _tile(prog: Program, name: str, structure: str, decider: Decider) -> None:
     for it in spec.iters:
         parts = n_s if it.kind == "S" else n_r
         factors[it.name] = decider.decide(f"{name}.tile.{it.name}", TileDomain(it.extent, parts, MAX_INNERMOST_TILE))
-    inner = _inner_axis(prog, name, decider)
+    inner = _inner_axis(prog, name, decider) if choose_inner_axis else None
     inner_pos = next((i for i, it in enumerate(spec.iters) if it.name == inner), -1)
     prog.emit("tile", name, structure, tuple(factors[it.name] for it in spec.iters), inner_pos)
     last_order = [it for it in spec.iters if it.name != inner] + [it for it in spec.iters if it.name == inner]
@@ -504,10 +562,13 @@ def _layout_rewrite(prog: Program, name: str, buffer: str) -> None:
     nest.spec = new_spec
 
 
-def _region(prog: Program, indices: list[Affine], chain: list[Loop], pos: int, shape) -> list[tuple[Affine, int]]:
+def _region(
+    prog: Program, indices: list[Affine], chain: list[Loop], pos: int, shape, relaxed: frozenset[str] = frozenset()
+) -> list[tuple[Affine, int]]:
     """Per dimension: (start over the loops up to `pos`, extent) of what `indices`
-    touch while the loops after `pos` run; clipped to the buffer."""
-    inner = {lp.key: lp.extent for lp in chain[pos + 1 :]}
+    touch while the loops after `pos` run (and the loops `relaxed`: e.g. the thread
+    loops a shared buffer is shared by); clipped to the buffer."""
+    inner = {lp.key: lp.extent for i, lp in enumerate(chain) if i > pos or lp.key in relaxed}
     out = []
     for d, ix in enumerate(indices):
         ext = 1
@@ -522,6 +583,16 @@ def _region(prog: Program, indices: list[Affine], chain: list[Loop], pos: int, s
                 outer_terms[v] = c
         ext = max(1, min(ext, int(shape[d])))
         out.append((Affine.of(outer_terms, ix.const + low, ix.exact), ext))
+    return out
+
+
+def tvm_position(chain: list[Loop], pos: int) -> int:
+    """The index in TVM's `get_loops` of the model's loop `chain[pos]`: consecutive loops
+    bound to one GPU thread axis are one fused loop in TVM."""
+    out = -1
+    for i in range(pos + 1):
+        if not (i > 0 and chain[i].kind in BOUND_KINDS and chain[i].kind == chain[i - 1].kind):
+            out += 1
     return out
 
 
@@ -562,20 +633,21 @@ def _owner_of(prog: Program, loop_key: str) -> str:
     raise KeyError(loop_key)
 
 
-def _fuse_consumer(prog: Program, consumer: str, producer: str, decider: Decider) -> None:
+def _fuse_consumer(prog: Program, consumer: str, producer: str, decider: Decider, level: int | None) -> None:
     p = prog.nests[producer]
     c = prog.nests[consumer]
     if not p.tiled or c.attach is not None:
         raise InvalidProgram(f"cannot fuse {consumer} into {producer}")
     s_groups = [g for g, ch in zip(p.tile_groups, p.tile_structure) if ch == "S"]
-    level = FUSE_LEVELS[decider.decide(f"{consumer}.fuse_level", ChoiceDomain(len(FUSE_LEVELS)))]
+    if level is None:
+        level = FUSE_LEVELS[decider.decide(f"{consumer}.fuse_level", ChoiceDomain(len(FUSE_LEVELS)))]
     attach_key = s_groups[level - 1][-1]
     chain = prog.chain(producer)
     pos = next(i for i, lp in enumerate(chain) if lp.key == attach_key)
     write = [ix.substitute(p.binding) for ix in p.spec.write.indices]
     shape = prog.dag.buffer(p.spec.write.buffer).shape
     region = _region(prog, write, chain, pos, shape)
-    prog.emit("reverse_compute_at", consumer, producer, pos)
+    prog.emit("reverse_compute_at", consumer, producer, tvm_position(chain, pos))
     # The consumer reads the producer's buffer at its own write index (elementwise),
     # so dimension d of the producer's output is dimension d of the consumer's.
     _attach_region_nest(prog, consumer, producer, attach_key, region)
@@ -663,7 +735,7 @@ def _compute_location(prog: Program, name: str, decider: Decider) -> None:
             r = _region(prog, idx, chain, pos, shape)
             region = r if region is None else _union(region, r, shape)
     assert region is not None
-    prog.emit("compute_at", name, consumers[0], pos)
+    prog.emit("compute_at", name, consumers[0], tvm_position(common, pos))
     _attach_region_nest(prog, name, _owner_of(prog, choice), choice, region)
 
 
@@ -683,6 +755,8 @@ def _region_elems(prog: Program, name: str) -> int:
     """Elements of a block's output after buffer compaction: its write footprint under
     the loop it is computed at (the whole buffer at the root)."""
     nest = prog.nests[name]
+    if nest.footprint:
+        return nest.footprint
     n = 1
     for ix in nest.spec.write.indices:
         ext = 1
@@ -827,12 +901,12 @@ def expected_tvm_loops(prog: Program) -> dict[str, list[tuple[int, str]]]:
         # Parallel prefixes belong to root blocks; in a chain they are the leading loops.
         while i < len(loops):
             lp = loops[i]
-            if lp.kind == "parallel":
+            if lp.kind == "parallel" or lp.kind in BOUND_KINDS:
                 ext = 1
-                while i < len(loops) and loops[i].kind == "parallel":
+                while i < len(loops) and loops[i].kind == lp.kind:
                     ext *= loops[i].extent
                     i += 1
-                out.append((ext, "parallel"))
+                out.append((ext, lp.kind))
                 continue
             out.append((lp.extent, lp.kind))
             i += 1

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.scheduler.dag import ComputeDag
-from services.scheduler.features import NUM_FEATURES, batch_features
-from services.scheduler.loopnest import InvalidProgram, Program, build
+from services.scheduler.features import batch_features, feature_width
+from services.scheduler.loopnest import InvalidProgram, Program
+from services.scheduler.rule_set import RuleSet
 from services.scheduler.sketch import Sketch
 from services.scheduler.slots import ChoiceDomain, Decider, Domain, IntRange, InvalidDecision, TileDomain
 from tunefarm.records import Candidate, DecisionValue
-
-EMPTY_FEATURES = np.zeros((0, NUM_FEATURES), dtype=np.float32)
 
 
 def slot_kind(slot: str) -> str:
@@ -35,6 +34,8 @@ def slot_kind(slot: str) -> str:
         return "location"
     if tail == "parallel":
         return "parallel"
+    if tail == "threads":
+        return "threads"
     return "other"
 
 
@@ -54,12 +55,13 @@ class Built:
 
 
 class ProgramSpace:
-    def __init__(self, dag: ComputeDag, sketches: list[Sketch], num_cores: int):
+    def __init__(self, dag: ComputeDag, sketches: list[Sketch], rules: RuleSet):
         if not sketches:
             raise ValueError("a program space needs at least one sketch")
         self.dag = dag
         self.sketches = sketches
-        self.num_cores = num_cores
+        self.rules = rules
+        self.empty_features = np.zeros((0, feature_width(rules.feature_version)), dtype=np.float32)
         self._features: dict[str, np.ndarray] = {}
         self._domains: dict[str, dict[str, Domain]] = {}
         self.invalid_draws = 0
@@ -73,7 +75,7 @@ class ProgramSpace:
         value where it has one). Raises InvalidProgram."""
         decider = Decider(decisions, rng, refit=refit)
         try:
-            prog = build(self.dag, self.sketches[sketch], decider, self.num_cores)
+            prog = self.rules.build(self.dag, self.sketches[sketch], decider)
         except InvalidDecision as exc:
             raise InvalidProgram(str(exc)) from None
         cand = Candidate.make(sketch, decider.decisions)
@@ -186,7 +188,7 @@ class ProgramSpace:
         missing = [b for b in built if b.candidate.key not in self._features]
         if missing:
             uniq: dict[str, Built] = {b.candidate.key: b for b in missing}
-            mats = batch_features([b.program for b in uniq.values()])
+            mats = batch_features([b.program for b in uniq.values()], self.rules.feature_version)
             for key, m in zip(uniq, mats):
                 self._features[key] = m
         return [self._features[b.candidate.key] for b in built]
@@ -195,7 +197,7 @@ class ProgramSpace:
         """Features of candidates given by decisions (e.g. from records); invalid ones
         (say, records of another sketch set) get an empty matrix."""
         built, idx = [], []
-        out = [EMPTY_FEATURES] * len(cands)
+        out = [self.empty_features] * len(cands)
         for i, c in enumerate(cands):
             if c.key in self._features:
                 out[i] = self._features[c.key]

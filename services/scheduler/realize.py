@@ -47,8 +47,25 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
         case "inline":
             sch.compute_inline(rv(b))
         case "cache_write":
-            (copy_name,) = ins.args
-            blocks[copy_name] = sch.cache_write(rv(b), 0, "global")
+            copy_name, scope = ins.args
+            blocks[copy_name] = sch.cache_write(rv(b), 0, scope)
+        case "cache_read":
+            buffer, stage, pos = ins.args
+            block = rv(b)
+            reads = [str(r.source.name) for r in sch.get(block).reads]
+            blocks[stage] = sch.cache_read(block, reads.index(buffer), "shared")
+            sch.compute_at(blocks[stage], sch.get_loops(block)[pos], preserve_unit_loops=False)
+        case "coop_fetch":
+            n_own, threads, vec = ins.args
+            _cooperative_fetch(sch, rv(b), n_own, threads, vec)
+        case "bind_tile":
+            _bind_tile(sch, rv(b), ins.args)
+        case "cross_thread":
+            n_spatial, n_reduce, threads = ins.args
+            _bind_cross_thread(sch, rv(b), n_spatial, n_reduce, threads)
+        case "bind_fallback":
+            n_spatial, threads = ins.args
+            _bind_fallback(sch, rv(b), n_spatial, threads)
         case "rfactor":
             (f0, f1), inner, rf_name, n_reduce, factor_axis = ins.args
             loops = sch.get_loops(rv(b))
@@ -114,6 +131,50 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
             raise ValueError(f"unknown instruction {ins.op}")
 
 
+def _fuse(sch, loops):
+    return sch.fuse(*loops) if len(loops) > 1 else loops[0]
+
+
+def _cooperative_fetch(sch, block, n_own: int, threads: int, vec: int) -> None:
+    """A shared stage's own loops fused, split into (rest, threads[, vec]); the threads
+    bound to threadIdx.x (its block's axis), the vector lanes vectorized."""
+    fused = _fuse(sch, sch.get_loops(block)[-n_own:])
+    if vec > 1:
+        fused, lane = sch.split(fused, [None, vec])
+        sch.vectorize(lane)
+    _, thread = sch.split(fused, [None, threads])
+    sch.bind(thread, "threadIdx.x")
+
+
+def _bind_tile(sch, block, level_sizes) -> None:
+    """The first three spatial tile levels (the block's outermost loops) fused, each
+    bound to its axis: blockIdx.x, vthread.x, threadIdx.x."""
+    for i, (n, axis) in enumerate(zip(level_sizes, ("blockIdx.x", "vthread.x", "threadIdx.x"))):
+        loops = sch.get_loops(block)
+        sch.bind(_fuse(sch, loops[i : i + n]), axis)
+
+
+def _bind_cross_thread(sch, block, n_spatial: int, n_reduce: int, threads: int) -> None:
+    loops = sch.get_loops(block)
+    if n_spatial == 0:
+        sch.add_unit_loop(loops[0])
+        loops = sch.get_loops(block)
+        n_spatial = 1
+    _, inner = sch.split(_fuse(sch, loops[n_spatial : n_spatial + n_reduce]), [None, threads])
+    sch.bind(inner, "threadIdx.x")
+    sch.bind(_fuse(sch, sch.get_loops(block)[:n_spatial]), "blockIdx.x")
+
+
+def _bind_fallback(sch, block, n_spatial: int, threads: int) -> None:
+    loops = sch.get_loops(block)
+    if n_spatial == 0:
+        sch.bind(sch.add_unit_loop(loops[0] if loops else block), "blockIdx.x")
+        return
+    blocks, thread = sch.split(_fuse(sch, loops[:n_spatial]), [None, threads])
+    sch.bind(blocks, "blockIdx.x")
+    sch.bind(thread, "threadIdx.x")
+
+
 def _tile_order_map(dims):
     """Index map of a layout rewrite: new dimension i = (old index d // stride) % extent."""
 
@@ -142,6 +203,11 @@ def loop_structure(sch) -> dict[str, list[tuple[int, str]]]:
     import tvm
 
     kinds = {0: "serial", 1: "parallel", 2: "vectorized", 3: "unrolled"}
+
+    def kind(loop) -> str:
+        if loop.thread_binding is not None:
+            return str(loop.thread_binding.thread_tag)
+        return kinds.get(int(loop.kind), "other")
     out: dict[str, list[tuple[int, str]]] = {}
 
     def walk(stmt, loops):
@@ -151,7 +217,7 @@ def loop_structure(sch) -> dict[str, list[tuple[int, str]]]:
             for s in stmt.seq:
                 walk(s, loops)
         elif isinstance(stmt, tvm.tirx.For):
-            walk(stmt.body, [*loops, (int(stmt.extent), kinds.get(int(stmt.kind), "other"))])
+            walk(stmt.body, [*loops, (int(stmt.extent), kind(stmt))])
         elif isinstance(stmt, SBlockRealize):
             blk = stmt.block
             if PREPROC_ATTR in blk.annotations:  # a layout transform: not part of the kernel

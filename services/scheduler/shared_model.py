@@ -56,7 +56,7 @@ from services.db.exceptions import DatabaseError
 from services.db.models import DeviceClass, Measurement, Workload
 from services.db.session import transaction
 from services.scheduler.cost_model import CostModel, XGBConfig, XGBCostModel
-from services.scheduler.features import FEATURE_VERSION
+from services.scheduler.rule_set import rule_set_for
 from services.scheduler.task import SearchTask, make_task
 from tunefarm.records import MeasureRecord
 
@@ -151,7 +151,7 @@ class ClassModels:
         with transaction(self.sessions) as s:
             target = s.scalar(select(DeviceClass.target).where(DeviceClass.id == device_class_id))
             latest = queries.latest_cost_model_version(
-                s, device_class_id=device_class_id, feature_version=FEATURE_VERSION
+                s, device_class_id=device_class_id, feature_version=rule_set_for(dict(target or {})).feature_version
             )
         if latest is not None:
             try:
@@ -271,7 +271,7 @@ class ClassModels:
             row = queries.add_cost_model_version(
                 s,
                 device_class_id=shared.device_class_id,
-                feature_version=FEATURE_VERSION,
+                feature_version=rule_set_for(shared.target).feature_version,
                 path=final.relative_to(self.root).as_posix(),
                 sha256=digest,
                 size=final.stat().st_size,

@@ -33,6 +33,7 @@ A finished state gets a ComputeLocation step for every remaining flexible block
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -52,6 +53,7 @@ from services.scheduler.dag import (
     reduce_size,
     spatial_size,
 )
+from tunefarm.gpu import GpuLimits
 
 CPU_TILE_STRUCTURE = "SSRSRS"
 """Ansor's CPU multi-level tiling: i0 j0 | i1 j1 | k0 | i2 j2 | k1 | i3 j3."""
@@ -70,9 +72,11 @@ class InlineStep:
 
 @dataclass(frozen=True)
 class CacheWriteStep:
-    """The block writes into a new buffer `<out>_global`; block `<out>_global` copies it out."""
+    """The block writes into a new buffer `<out>_<scope>`; block `<out>_<scope>` copies
+    it out. CPU: "global" (a tile of the output kept compact); GPU: "local" (registers)."""
 
     block: str
+    scope: str = "global"
 
 
 @dataclass(frozen=True)
@@ -107,10 +111,12 @@ class LayoutRewriteStep:
 
 @dataclass(frozen=True)
 class FuseConsumerStep:
-    """Compute `consumer` inside `producer`'s tile (slot `<consumer>.fuse_level`)."""
+    """Compute `consumer` inside `producer`'s tile: after spatial tile level `level`, or
+    (None) at a level chosen from FUSE_LEVELS (slot `<consumer>.fuse_level`)."""
 
     consumer: str
     producer: str
+    level: int | None = None
 
 
 @dataclass(frozen=True)
@@ -127,9 +133,40 @@ class AnnotateStep:
     block: str
 
 
+@dataclass(frozen=True)
+class CacheReadStep:
+    """GPU: `buffer`, as `block` reads it, staged in shared memory under the block's
+    outermost reduction tile, and fetched cooperatively by the block's threads (fused,
+    split by the thread count, optionally vectorized: slot `<buffer>_shared.vector`)."""
+
+    block: str
+    buffer: str
+
+
+@dataclass(frozen=True)
+class CrossThreadReductionStep:
+    """GPU: the block's reduction is split over the threads of a block (slot
+    `<block>.threads`) and combined across them; its spatial loops become blocks."""
+
+    block: str
+
+
+@dataclass(frozen=True)
+class ThreadBindStep:
+    """GPU annotation: a tiled block's spatial tile levels bound to blockIdx / vthread /
+    threadIdx; a cross-thread reduction bound as such; any other block at the root
+    fused and split over blocks of `<block>.threads` threads. Plus the auto-unroll pragma
+    (slot `<block>.unroll`) on blocks with a reduction."""
+
+    block: str
+
+
 Step = (
     InlineStep
     | CacheWriteStep
+    | CacheReadStep
+    | CrossThreadReductionStep
+    | ThreadBindStep
     | RfactorStep
     | TileStep
     | LayoutRewriteStep
@@ -144,7 +181,7 @@ class Sketch:
     steps: tuple[Step, ...]
 
     def describe(self) -> list[str]:
-        return [_describe(s) for s in self.steps]
+        return [describe_step(s) for s in self.steps]
 
     @property
     def signature(self) -> str:
@@ -152,20 +189,27 @@ class Sketch:
         return hashlib.sha1("\n".join(self.describe()).encode()).hexdigest()[:12]
 
 
-def _describe(step: Step) -> str:
+def describe_step(step: Step) -> str:
     match step:
         case InlineStep(block=b):
             return f"inline {b}"
-        case CacheWriteStep(block=b):
-            return f"cache-write {b}"
+        case CacheWriteStep(block=b, scope=scope):
+            return f"cache-write {b}" if scope == "global" else f"cache-write {b} ({scope})"
+        case CacheReadStep(block=b, buffer=buf):
+            return f"cache-read {buf} into shared memory for {b} (cooperative fetch)"
+        case CrossThreadReductionStep(block=b):
+            return f"cross-thread reduction {b}"
+        case ThreadBindStep(block=b):
+            return f"bind threads {b}"
         case RfactorStep(block=b, inner=inner):
             return f"rfactor {b} ({'inner' if inner else 'outer'} part)"
         case TileStep(block=b, structure=s):
             return f"tile {b} {s}"
         case LayoutRewriteStep(block=b, buffer=buf):
             return f"layout-rewrite {buf} for {b}"
-        case FuseConsumerStep(consumer=c, producer=p):
-            return f"fuse {c} into the tile of {p}"
+        case FuseConsumerStep(consumer=c, producer=p, level=level):
+            at = "" if level is None else f" (level {level})"
+            return f"fuse {c} into the tile of {p}{at}"
         case ComputeLocationStep(block=b):
             return f"compute-location {b}"
         case AnnotateStep(block=b):
@@ -176,18 +220,18 @@ def _describe(step: Step) -> str:
 # ----------------------------------------------------------- DAG views of derived blocks
 
 
-def cache_write_names(dag: ComputeDag, block: str) -> tuple[str, str]:
-    """(copy block name, cache buffer name): TVM names both `<out buffer>_global`."""
-    name = f"{dag.block(block).write.buffer}_global"
+def cache_write_names(dag: ComputeDag, block: str, scope: str = "global") -> tuple[str, str]:
+    """(copy block name, cache buffer name): TVM names both `<out buffer>_<scope>`."""
+    name = f"{dag.block(block).write.buffer}_{scope}"
     return name, name
 
 
-def apply_cache_write(dag: ComputeDag, block: str) -> ComputeDag:
+def apply_cache_write(dag: ComputeDag, block: str, scope: str = "global") -> ComputeDag:
     """The DAG after `cache_write(block)`: the block writes a cache buffer and a new
     elementwise block copies it to the original buffer."""
     b = dag.block(block)
     out = dag.buffer(b.write.buffer)
-    copy_name, cache_name = cache_write_names(dag, block)
+    copy_name, cache_name = cache_write_names(dag, block, scope)
     iters = tuple(IterSpec(f"v{d}", extent, "S") for d, extent in enumerate(out.shape))
     index = tuple(Affine.of({it.name: 1}) for it in iters)
     copy = BlockSpec(
@@ -204,7 +248,7 @@ def apply_cache_write(dag: ComputeDag, block: str) -> ComputeDag:
             blocks.extend([compute, copy])
         else:
             blocks.append(x)
-    buffers = (*dag.buffers, BufferSpec(cache_name, out.shape, out.dtype, "intermediate"))
+    buffers = (*dag.buffers, BufferSpec(cache_name, out.shape, out.dtype, "intermediate", scope))
     return dag.replace_blocks(blocks, buffers)
 
 
@@ -238,7 +282,17 @@ class RuleResult(Enum):
 
 
 @dataclass(frozen=True)
-class _State:
+class Hardware:
+    """What the derivation rules know of the target: its cores, and a GPU's limits."""
+
+    num_cores: int
+    gpu: GpuLimits | None = None
+
+
+@dataclass(frozen=True)
+class DerivationState:
+    """A partial sketch while the rules run (Ansor's (state, stage id) pair)."""
+
     dag: ComputeDag
     steps: tuple[Step, ...]
     pending: tuple[str, ...]  # blocks still to visit, next first
@@ -246,8 +300,9 @@ class _State:
     tiled: frozenset[str] = frozenset()
     fused: frozenset[str] = frozenset()  # consumers computed inside a producer's tile
     rfactored: frozenset[str] = frozenset()
+    cross_thread: frozenset[str] = frozenset()  # GPU: reductions split over a block's threads
 
-    def advance(self, **changes) -> _State:
+    def advance(self, **changes) -> DerivationState:
         return replace(self, pending=self.pending[1:], **changes)
 
 
@@ -261,15 +316,15 @@ def needs_rfactor(block: BlockSpec, num_cores: int) -> bool:
     return red > num_cores
 
 
-def _rule_always_inline(st: _State, b: BlockSpec, num_cores: int):
+def _rule_always_inline(st: DerivationState, b: BlockSpec, hw: Hardware):
     if b.name in st.cache_written or not is_strictly_inlineable(st.dag, b):
         return RuleResult.SKIP, []
     new = st.advance(dag=inline_into_consumers(st.dag, b.name), steps=(*st.steps, InlineStep(b.name)))
     return RuleResult.APPLY_AND_SKIP_REST, [new]
 
 
-def _rule_add_rfactor(st: _State, b: BlockSpec, num_cores: int):
-    if b.name in st.cache_written or not needs_rfactor(b, num_cores):
+def _rule_add_rfactor(st: DerivationState, b: BlockSpec, hw: Hardware):
+    if b.name in st.cache_written or not needs_rfactor(b, hw.num_cores):
         return RuleResult.SKIP, []
     out = []
     for inner in (True, False):
@@ -282,7 +337,7 @@ def _rule_add_rfactor(st: _State, b: BlockSpec, num_cores: int):
     return RuleResult.APPLY, out
 
 
-def _rule_add_cache_write(st: _State, b: BlockSpec, num_cores: int):
+def _rule_add_cache_write(st: DerivationState, b: BlockSpec, hw: Hardware):
     if b.name in st.cache_written or not needs_multi_level_tiling(b) or fusible_consumer(st.dag, b):
         return RuleResult.SKIP, []
     new = replace(
@@ -299,7 +354,7 @@ def _tile_steps(dag: ComputeDag, b: BlockSpec) -> tuple[Step, ...]:
     return (TileStep(b.name), *(LayoutRewriteStep(b.name, buf) for buf in layout_rewritable(dag, b)))
 
 
-def _rule_tiling_with_fusion(st: _State, b: BlockSpec, num_cores: int):
+def _rule_tiling_with_fusion(st: DerivationState, b: BlockSpec, hw: Hardware):
     if not needs_multi_level_tiling(b):
         return RuleResult.SKIP, []
     consumer = fusible_consumer(st.dag, b)
@@ -314,14 +369,14 @@ def _rule_tiling_with_fusion(st: _State, b: BlockSpec, num_cores: int):
     return result, [new]
 
 
-def _rule_tiling(st: _State, b: BlockSpec, num_cores: int):
+def _rule_tiling(st: DerivationState, b: BlockSpec, hw: Hardware):
     if not needs_multi_level_tiling(b):
         return RuleResult.SKIP, []
     new = st.advance(steps=(*st.steps, *_tile_steps(st.dag, b)), tiled=st.tiled | {b.name})
     return RuleResult.APPLY_AND_SKIP_REST, [new]
 
 
-def _rule_skip(st: _State, b: BlockSpec, num_cores: int):
+def _rule_skip(st: DerivationState, b: BlockSpec, hw: Hardware):
     return RuleResult.APPLY, [st.advance()]
 
 
@@ -335,20 +390,31 @@ CPU_RULES = (
 )
 
 
+Rule = Callable[[DerivationState, BlockSpec, Hardware], tuple[RuleResult, list[DerivationState]]]
+Finish = Callable[[DerivationState], "Sketch"]
+
+
 def generate_sketches(dag: ComputeDag, num_cores: int) -> list[Sketch]:
-    """All sketches of a DAG, in a deterministic order."""
+    """All CPU sketches of a DAG, in a deterministic order."""
+    return derive(dag, CPU_RULES, Hardware(num_cores), finish_cpu)
+
+
+def derive(dag: ComputeDag, rules: Sequence[Rule], hw: Hardware, finish: Finish) -> list[Sketch]:
+    """Run the derivation rules over the blocks from the outputs towards the inputs
+    (the enumeration every rule set shares); `finish` turns each final state into a
+    sketch. Deterministic order, duplicates dropped."""
     pending = tuple(b.name for b in reversed(dag.blocks))
-    stack = [_State(dag, (), pending)]
-    finished: list[_State] = []
+    stack = [DerivationState(dag, (), pending)]
+    finished: list[DerivationState] = []
     while stack:
         st = stack.pop()
         if not st.pending:
             finished.append(st)
             continue
         block = st.dag.block(st.pending[0])
-        produced: list[_State] = []
-        for rule in CPU_RULES:
-            result, new_states = rule(st, block, num_cores)
+        produced: list[DerivationState] = []
+        for rule in rules:
+            result, new_states = rule(st, block, hw)
             if result is RuleResult.SKIP:
                 continue
             produced.extend(new_states)
@@ -358,7 +424,7 @@ def generate_sketches(dag: ComputeDag, num_cores: int) -> list[Sketch]:
     sketches = []
     seen = set()
     for st in finished:
-        sk = _finish(st)
+        sk = finish(st)
         if sk.steps not in seen:
             seen.add(sk.steps)
             sketches.append(sk)
@@ -373,11 +439,11 @@ def derived_dag(dag: ComputeDag, sketch: Sketch) -> ComputeDag:
         if isinstance(step, InlineStep):
             dag = inline_into_consumers(dag, step.block)
         elif isinstance(step, CacheWriteStep):
-            dag = apply_cache_write(dag, step.block)
+            dag = apply_cache_write(dag, step.block, step.scope)
     return dag
 
 
-def _finish(st: _State) -> Sketch:
+def finish_cpu(st: DerivationState) -> Sketch:
     """Add compute-location steps (consumers first) and annotation steps."""
     steps = list(st.steps)
     names = [b.name for b in st.dag.blocks]

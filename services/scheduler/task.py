@@ -10,8 +10,8 @@ from typing import Any
 
 from services.scheduler.dag import ComputeDag, analyse
 from services.scheduler.program_space import ProgramSpace
-from services.scheduler.sketch import Sketch, generate_sketches
-from tunefarm import target as targets
+from services.scheduler.rule_set import RuleSet, rule_set_for
+from services.scheduler.sketch import Sketch
 from tunefarm.errors import WorkloadError
 from tunefarm.workloads import Workload
 
@@ -26,19 +26,16 @@ class SearchTask:
     target: dict[str, Any]
     dag: ComputeDag
     sketches: list[Sketch]
+    rules: RuleSet
 
     @property
     def key(self) -> str:
         """Records match a task by this key: the workload's identity plus the target's."""
         return f"{self.workload.key}@{target_key(self.target)}"
 
-    @property
-    def num_cores(self) -> int:
-        return targets.num_cores(self.target)
-
     @cached_property
     def space(self) -> ProgramSpace:
-        return ProgramSpace(self.dag, self.sketches, self.num_cores)
+        return ProgramSpace(self.dag, self.sketches, self.rules)
 
     def sketch_signature(self, index: int) -> str:
         return self.sketches[index].signature
@@ -51,10 +48,11 @@ def make_task(workload: Workload, target: dict[str, Any]) -> SearchTask:
         dag = analyse(workload.mod["main"], workload.constants)
     except UnsupportedProgram as exc:
         raise WorkloadError(f"{workload.name}: {exc}") from None
-    sketches = generate_sketches(dag, targets.num_cores(target))
+    rules = rule_set_for(target)
+    sketches = rules.sketches(dag)
     if not sketches:
         raise WorkloadError(f"{workload.name}: no sketch could be derived")
-    return SearchTask(workload, target, dag, sketches)
+    return SearchTask(workload, target, dag, sketches, rules)
 
 
 def structure_kind(dag: ComputeDag) -> str:

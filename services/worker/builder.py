@@ -20,7 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tunefarm import cuda
 from tunefarm.export import artifact_suffix, export_library
+from tunefarm.gpu import GpuLimits, is_gpu
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
 from tunefarm.records import BuildInput, BuildResult, Stage, TraceJSON, failure_kind
 
@@ -134,7 +136,8 @@ def build_module(workload: str, trace: TraceJSON | None, target: dict[str, Any],
     """Build one candidate: load the workload (the path of its IRModule JSON), replay the
     schedule trace on it (none: the unscheduled program), split off any layout transform
     of a constant input (`tunefarm.layout`), compile for `target` and export the shared
-    library to `out_path`.
+    library to `out_path`. For a CUDA target the kernels first pass TVM's GPU code
+    verifier, and the artifact holds nvcc's binary for the target's arch (`tunefarm.cuda`).
 
     Returns the wall time of the build in seconds. Raises `BuildError` naming the step that
     failed. Plain arguments, so any worker (an isolated process, an RQ job) can call it.
@@ -156,7 +159,19 @@ def build_module(workload: str, trace: TraceJSON | None, target: dict[str, Any],
         # A constant input stored in a rewritten layout: the kernel takes it transformed,
         # and the library also holds the transform (see tunefarm.layout).
         mod = _step("splitting off the layout transform", layout.kernel_library_module, mod)
-    tvm_target = _step("making the target", tvm.target.Target, target)
+    if is_gpu(target):
+        # Checked before the compile: a kernel over the GPU's limits never costs nvcc.
+        bad = _step("verifying the GPU code", cuda.verify, mod, target)
+        if bad:
+            limits = GpuLimits.of(target)
+            raise BuildError(
+                f"TVM's GPU code verifier rejects kernel {', '.join(bad)} for {limits.arch} "
+                f"(at most {limits.max_threads_per_block} threads, {limits.max_shared_memory_per_block} bytes of "
+                f"shared memory per block, {limits.max_vthreads} vthreads, {limits.max_vector_bytes}-byte vectors)"
+            )
+        tvm_target = _step("making the target", cuda.tvm_target, target)
+    else:
+        tvm_target = _step("making the target", tvm.target.Target, target)
     ex = _step("compiling", tvm.compile, mod, target=tvm_target)
     _step("exporting the library", export_library, ex, out_path, target)
     return time.perf_counter() - t0

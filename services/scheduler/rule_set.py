@@ -1,0 +1,93 @@
+"""The search's rule set for a kind of device: the sketch rules, the annotation (how
+the loop-nest model fills a sketch's slots), the mutation weights and the feature
+layout. Chosen once per task from the target's kind (`rule_set_for`); nothing else in
+the search asks what the target is.
+
+- `CpuRules`: Ansor's CPU rules (`sketch.py`) and annotation (parallel, vectorize,
+  unroll: `loopnest.py`).
+- `GpuRules`: Ansor's GPU rules (`sketch_gpu.py`) and annotation (thread binding,
+  cooperative fetching, unroll: `loopnest_gpu.py`), within the GPU's limits.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from services.scheduler.config import SearchConfig
+from services.scheduler.dag import ComputeDag
+from services.scheduler.features import CPU_FEATURE_VERSION, GPU_FEATURE_VERSION
+from services.scheduler.loopnest import Program, build
+from services.scheduler.sketch import Sketch, generate_sketches
+from services.scheduler.sketch_gpu import generate_gpu_sketches
+from services.scheduler.slots import Decider
+from tunefarm import target as targets
+from tunefarm.gpu import GpuLimits, is_gpu
+
+
+class RuleSet(ABC):
+    """What the search does differently for one kind of device."""
+
+    @property
+    @abstractmethod
+    def feature_version(self) -> int:
+        """The layout of the feature rows its programs get (`features.py`); cost models
+        are kept apart by it."""
+
+    @abstractmethod
+    def sketches(self, dag: ComputeDag) -> list[Sketch]:
+        """Called once per task: the sketches of its DAG."""
+
+    @abstractmethod
+    def build(self, dag: ComputeDag, sketch: Sketch, decider: Decider) -> Program:
+        """Called for every program the search samples, mutates or rebuilds: the sketch
+        applied with `decider`'s slot values. Raises InvalidProgram."""
+
+    @abstractmethod
+    def mutation_weights(self, config: SearchConfig) -> dict[str, float]:
+        """Called by the evolution: weight of each mutation kind (`slot_kind`)."""
+
+
+@dataclass(frozen=True)
+class CpuRules(RuleSet):
+    num_cores: int
+
+    @property
+    def feature_version(self) -> int:
+        return CPU_FEATURE_VERSION
+
+    def sketches(self, dag: ComputeDag) -> list[Sketch]:
+        return generate_sketches(dag, self.num_cores)
+
+    def build(self, dag: ComputeDag, sketch: Sketch, decider: Decider) -> Program:
+        return build(dag, sketch, decider, self.num_cores)
+
+    def mutation_weights(self, config: SearchConfig) -> dict[str, float]:
+        return config.mutation_weights
+
+
+@dataclass(frozen=True)
+class GpuRules(RuleSet):
+    gpu: GpuLimits
+
+    @property
+    def feature_version(self) -> int:
+        return GPU_FEATURE_VERSION
+
+    def sketches(self, dag: ComputeDag) -> list[Sketch]:
+        return generate_gpu_sketches(dag, self.gpu)
+
+    def build(self, dag: ComputeDag, sketch: Sketch, decider: Decider) -> Program:
+        return build(dag, sketch, decider, 1, self.gpu)
+
+    def mutation_weights(self, config: SearchConfig) -> dict[str, float]:
+        return config.gpu_mutation_weights
+
+
+def rule_set_for(target: dict[str, Any]) -> RuleSet:
+    """The rule set of a target: GPU rules for a CUDA target, CPU rules otherwise.
+    Raises TargetError for a CUDA target without a usable `arch`."""
+    if is_gpu(target):
+        return GpuRules(GpuLimits.of(target))
+    return CpuRules(targets.num_cores(target))

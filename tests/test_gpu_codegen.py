@@ -1,0 +1,206 @@
+"""CUDA code generation without a GPU: random GPU programs pass TVM's GPU code verifier
+and use the shared and local memory the model says; a conv2d and a GEMM compile to
+fatbins for sm_80 and sm_90; the running side refuses cleanly where there is no GPU.
+
+Nothing here runs a kernel: that needs an NVIDIA GPU (see services/measurer/runner.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tarfile
+
+import pytest
+import tvm
+import tvm_ffi
+
+from services.measurer.runner import run_kernel
+from services.measurer.task_data import write_task_data
+from services.scheduler.dag import analyse
+from services.scheduler.loopnest import InvalidProgram
+from services.scheduler.realize import realize, trace_json
+from services.scheduler.rule_set import GpuRules
+from services.scheduler.slots import Decider
+from services.worker.builder import BuildError, build_module
+from tunefarm import cuda
+from tunefarm.gpu import GpuLimits, gpu_compatible
+from tunefarm.records import RunInput, TimingConfig
+from tunefarm.workloads import registry
+
+SM80 = {"kind": "cuda", "arch": "sm_80"}
+RULES = GpuRules(GpuLimits.of(SM80))
+FATBIN_MAGIC = bytes.fromhex("50ed55ba")  # 0xBA55ED50, little-endian
+
+needs_nvcc = pytest.mark.skipif(
+    cuda.nvcc_path() is None and not os.environ.get("CI"), reason="nvcc (the CUDA toolkit) is not installed"
+)
+
+
+def _program(op: str, shape: dict, seed: int, unroll: int | None = None):
+    wl = registry.make(op, shape)
+    dag = analyse(wl.mod["main"])
+    sketches = RULES.sketches(dag)
+    rng = random.Random(seed)
+    while True:
+        decider = Decider(None, rng)
+        try:
+            prog = RULES.build(dag, sketches[rng.randrange(len(sketches))], decider)
+        except InvalidProgram:
+            continue
+        if unroll is not None:
+            decisions = {k: (0 if k.endswith(".unroll") else v) for k, v in decider.decisions.items()}
+            prog = RULES.build(dag, sketches[0], Decider(decisions))
+        return wl, prog
+
+
+def _lowered_kernels(mod):
+    pipeline = tvm.tirx.get_tir_pipeline("default")[0]
+    lowered = pipeline(tvm.tirx.transform.BindTarget(cuda.tvm_target(SM80))(mod))
+    return [f for f in lowered.functions.values() if f.attrs is not None and f.attrs["target"].kind.name == "cuda"]
+
+
+def _allocated_bytes(func, scope: str) -> int:
+    found = []
+    tvm_ffi.structural_walk(func.body, (tvm.tirx.AllocBuffer, found.append))
+    total = 0
+    for node in found:
+        buf = node.buffer
+        if buf.scope() == scope:
+            n = 1
+            for s in buf.shape:
+                n *= int(s)
+            total += n * tvm.DataType(str(buf.dtype)).bits // 8
+    return total
+
+
+CASES = [
+    ("matmul_relu", {"M": 256, "N": 128, "K": 64}),
+    ("batch_matmul", {"B": 2, "M": 64, "N": 64, "K": 32}),
+    ("conv2d", {"N": 1, "C": 16, "H": 14, "W": 14, "F": 32}),
+    ("depthwise_conv2d", {"N": 1, "C": 32, "H": 16, "W": 16}),
+    ("softmax", {"B": 2, "M": 16, "N": 256}),
+    ("layer_norm", {"M": 16, "N": 512}),
+]
+
+
+@pytest.mark.parametrize("op, shape", CASES, ids=[c[0] for c in CASES])
+def test_random_gpu_programs_verify_and_use_the_memory_the_model_says(op, shape):
+    """Property: every valid sample of the GPU space lowers, passes TVM's GPU code
+    verifier within sm_80's limits, and allocates exactly the shared memory (per block)
+    and the registers (per thread) the model's validity checks counted."""
+    limits = RULES.gpu.verifier_constraints()
+    for seed in range(4):
+        _, prog = _program(op, shape, seed=100 + seed)
+        sch = realize(registry.make(op, shape).mod, prog.instructions)
+        kernels = _lowered_kernels(sch.mod)
+        assert kernels
+        for k in kernels:
+            assert tvm.s_tir.analysis.verify_gpu_code(k, limits), (op, seed)
+        roots = [n for n in prog.order if prog.nests[n].attach is None]
+        assert len(kernels) == len(roots)
+        for k, root in zip(kernels, roots):
+            assert _allocated_bytes(k, "shared") == prog.kernel_bytes(root, "shared"), (op, seed, root)
+            if prog.nests[root].tiled:
+                assert _allocated_bytes(k, "local") == prog.kernel_bytes(root, "local"), (op, seed, root)
+
+
+def test_the_verifier_rejects_a_kernel_over_the_limits(tmp_path):
+    wl, prog = _program("matmul_relu", {"M": 256, "N": 128, "K": 64}, seed=3, unroll=0)
+    threads = prog.nests["C"].threads
+    small = {**SM80, "max_threads_per_block": threads // 2}
+    sch = realize(wl.mod, prog.instructions)
+    assert cuda.verify(sch.mod, SM80) == []
+    assert cuda.verify(sch.mod, small) == ["main_kernel"]
+    wl_path = tmp_path / "wl.json"
+    wl_path.write_text(wl.to_json())
+    with pytest.raises(BuildError, match="GPU code verifier rejects kernel main_kernel"):
+        build_module(str(wl_path), trace_json(sch), small, str(tmp_path / "k.cuda.tar"))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_conv2d_and_gemm_compile_to_fatbins(arch, tmp_path):
+    """The build worker's path: replay, verify, compile, nvcc for the arch, one artifact."""
+    target = {"kind": "cuda", "arch": arch}
+    for op, shape in [("matmul", {"M": 128, "N": 128, "K": 64}), ("conv2d", {"N": 1, "C": 16, "H": 14, "W": 14, "F": 32})]:
+        wl, prog = _program(op, shape, seed=7, unroll=0)
+        sch = realize(wl.mod, prog.instructions)
+        wl_path = tmp_path / f"{op}.json"
+        wl_path.write_text(wl.to_json())
+        out = tmp_path / f"{op}-{arch}{cuda.CUDA_KERNEL_SUFFIX}"
+        build_module(str(wl_path), trace_json(sch), target, str(out))
+        with tarfile.open(out) as tar:
+            assert sorted(tar.getnames()) == ["kernel.cu", "kernel.fatbin", "kernel.so", "manifest.json"]
+            fatbin = tar.extractfile("kernel.fatbin").read()
+            source = tar.extractfile("kernel.cu").read().decode()
+        manifest = cuda.read_manifest(out)
+        assert manifest["arch"] == arch
+        assert fatbin[:4] == FATBIN_MAGIC and arch.encode() in fatbin
+        assert "__global__" in source and "__shared__" in source
+        assert manifest["source_sha256"] == cuda._sha256(source.encode())
+
+
+def test_prebuilt_binaries_answer_only_for_their_source():
+    binaries = cuda._PrebuiltBinaries()
+    binaries.binaries[cuda._sha256(b"__global__ void k() {}")] = b"FATBIN"
+    assert binaries.compile("__global__ void k() {}") == b"FATBIN"
+    with pytest.raises(RuntimeError, match="no prebuilt binary"):
+        binaries.compile("__global__ void other() {}")
+
+
+def test_a_cuda_kernel_without_a_gpu_is_a_clear_error(tmp_path):
+    """What an agent's runner does with a CUDA kernel on a machine with no GPU: it
+    raises NoGpuError (a RUN_ERROR with that message), before touching the artifact."""
+    wl = registry.make("matmul", {"M": 16, "N": 16, "K": 16})
+    data = tmp_path / "data.npz"
+    write_task_data(data, wl, seed=0, with_expected=True)
+    inp = RunInput("k", str(tmp_path / f"k{cuda.CUDA_KERNEL_SUFFIX}"), str(data), 2, 1, True, TimingConfig(repeat=1))
+    try:
+        cuda.cuda_device()
+    except cuda.NoGpuError:
+        with pytest.raises(cuda.NoGpuError, match="no CUDA GPU on this machine"):
+            run_kernel(inp)
+    else:
+        pytest.skip("this machine has a GPU")
+
+
+def test_a_cuda_class_takes_agents_whose_gpu_runs_its_kernels():
+    assert gpu_compatible(SM80, "") == "this agent has no CUDA GPU"
+    assert "older" in gpu_compatible(SM80, "7.5")
+    assert gpu_compatible(SM80, "8.0") == gpu_compatible(SM80, "8.6") == gpu_compatible(SM80, "9.0") == ""
+    assert json.loads(json.dumps(GpuLimits.of(SM80).verifier_constraints()))["max_shared_memory_per_block"] == 49152
+
+
+def test_cli_shows_gpu_sketches_and_refuses_to_tune_without_a_gpu(capsys, tmp_path, monkeypatch):
+    from tunefarm_app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["sketches", "conv2d", "--target", json.dumps(SM80)]) == 0
+    out = capsys.readouterr().out
+    assert "tile conv2d SSSRRSRS" in out and "cache-read weight into shared memory" in out and "cuda arch=sm_80" in out
+    assert main(["tune-op", "matmul", "--target", '{"kind": "cuda"}']) == 2
+    assert "arch" in capsys.readouterr().err
+    try:
+        cuda.cuda_device()
+    except cuda.NoGpuError:
+        assert main(["tune-op", "matmul", "--target", '{"kind": "cuda", "arch": "sm_90"}', "--trials", "4"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "no CUDA GPU on this machine" in err and len(err.splitlines()) == 1
+        assert not list(tmp_path.glob("*.jsonl"))  # nothing written
+
+
+def test_a_gpu_agent_takes_its_gpus_target():
+    from services.measurer import capabilities
+    from services.measurer.exceptions import BadRequest
+
+    with pytest.raises(BadRequest, match="no CUDA GPU"):
+        capabilities.with_gpu_target({"target_json": "{}"})
+    caps = capabilities.with_gpu_target(
+        {"gpu_name": "NVIDIA A100-SXM4-40GB", "gpu_compute_capability": "8.0", "gpu_max_threads_per_block": 1024}
+    )
+    target = json.loads(caps["target_json"])
+    assert target == {"kind": "cuda", "arch": "sm_80", "max_threads_per_block": 1024}
+    assert GpuLimits.of(target).max_threads_per_block == 1024
+    assert capabilities.default_device_class(caps) == "cuda-sm_80-nvidia-a100-sxm4-40gb"

@@ -1,0 +1,239 @@
+"""The NVIDIA rule set: GPU sketches, the loop-nest model against TVM's schedules, and
+the validity checks (no GPU needed: nothing here runs a kernel)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.scheduler.dag import analyse
+from services.scheduler.features import (
+    GPU_FEATURE_NAMES,
+    GPU_FEATURE_VERSION,
+    NUM_FEATURES,
+    batch_features,
+    feature_width,
+    program_features,
+    slog,
+)
+from services.scheduler.loopnest import InvalidProgram, expected_tvm_loops
+from services.scheduler.realize import loop_structure, realize
+from services.scheduler.rule_set import CpuRules, GpuRules, rule_set_for
+from services.scheduler.sketch import (
+    CacheReadStep,
+    CacheWriteStep,
+    CrossThreadReductionStep,
+    FuseConsumerStep,
+    InlineStep,
+    ThreadBindStep,
+    TileStep,
+)
+from services.scheduler.slots import Decider
+from tunefarm.errors import TargetError
+from tunefarm.gpu import GpuLimits
+from tunefarm.workloads import registry
+
+SM80 = {"kind": "cuda", "arch": "sm_80"}
+RULES = GpuRules(GpuLimits.of(SM80))
+
+SMALL = {
+    "matmul_relu": {"M": 64, "N": 64, "K": 32},
+    "batch_matmul": {"B": 2, "M": 32, "N": 64, "K": 16},
+    "conv2d": {"N": 1, "C": 8, "H": 14, "W": 14, "F": 32},
+    "depthwise_conv2d": {"N": 1, "C": 16, "H": 16, "W": 16},
+    "softmax": {"B": 2, "M": 8, "N": 128},
+    "layer_norm": {"M": 8, "N": 256},
+    "norm2": {"M": 32, "N": 64},
+}
+
+
+def _dag(op: str):
+    wl = registry.make(op, SMALL[op])
+    return wl, analyse(wl.mod["main"])
+
+
+def sample_valid(dag, sketch, rng, tries: int = 400):
+    """A random valid program of `sketch` (invalid draws skipped, as the sampler does)."""
+    for _ in range(tries):
+        decider = Decider(None, rng)
+        try:
+            return decider, RULES.build(dag, sketch, decider)
+        except InvalidProgram:
+            continue
+    raise AssertionError("no valid program")
+
+
+def test_rule_set_follows_the_target_kind():
+    assert isinstance(rule_set_for(SM80), GpuRules)
+    assert isinstance(rule_set_for({"kind": "llvm", "num-cores": 2}), CpuRules)
+    with pytest.raises(TargetError, match="arch"):
+        rule_set_for({"kind": "cuda"})
+
+
+def test_gemm_with_epilogue_gets_the_gpu_structure():
+    """Register cache whose write-back is inlined into the epilogue, SSSRRSRS tiling
+    bound right away, both operands staged in shared memory, the epilogue fused at the
+    threadIdx level."""
+    _, dag = _dag("matmul_relu")
+    (sketch,) = RULES.sketches(dag)
+    assert sketch.steps == (
+        CacheWriteStep("C", "local"),
+        InlineStep("C_local"),
+        TileStep("C", "SSSRRSRS"),
+        ThreadBindStep("C"),
+        CacheReadStep("C", "A"),
+        CacheReadStep("C", "B"),
+        FuseConsumerStep("relu", "C", 3),
+        ThreadBindStep("relu"),
+    )
+
+
+def test_conv2d_stages_both_operands_and_inlines_padding_into_the_stage():
+    """The padded input is staged, then the padding block is inlined into the stage: the
+    shared tile holds the halo with its zeros and the inner loop has no branch."""
+    _, dag = _dag("conv2d")
+    (sketch,) = RULES.sketches(dag)
+    steps = list(sketch.steps)
+    assert {s.buffer for s in steps if isinstance(s, CacheReadStep)} == {"pad", "weight"}
+    assert steps.index(InlineStep("pad")) > steps.index(CacheReadStep("conv2d", "pad"))
+
+
+def test_reductions_with_little_parallelism_get_a_cross_thread_sketch():
+    _, dag = _dag("layer_norm")
+    sketches = RULES.sketches(dag)
+    crossed = [{s.block for s in sk.steps if isinstance(s, CrossThreadReductionStep)} for sk in sketches]
+    assert set() in crossed and any(crossed)  # with and without, per Ansor's kApply
+
+
+@pytest.mark.parametrize("op", sorted(SMALL))
+def test_model_loops_match_tvm_on_gpu_schedules(op):
+    """The model's loops (extents and thread axes) are TVM's, block by block."""
+    wl, dag = _dag(op)
+    sketches = RULES.sketches(dag)
+    rng = random.Random(11)
+    for i in range(2 * len(sketches) + 2):
+        decider, prog = sample_valid(dag, sketches[i % len(sketches)], rng)
+        sch = realize(wl.mod, prog.instructions)
+        assert loop_structure(sch) == expected_tvm_loops(prog), (op, decider.decisions)
+
+
+def _gemm_decisions(**over):
+    base = {
+        "C.tile.v_i": (2, 2, 8, 2, 1),
+        "C.tile.v_j": (2, 1, 8, 1, 4),
+        "C.tile.v_k": (4, 2, 4),
+        "A_shared.vector": 0,
+        "B_shared.vector": 0,
+        "C.unroll": 0,
+    }
+    base.update(over)
+    return base
+
+
+def test_validity_checks_reject_what_cannot_launch():
+    _, dag = _dag("matmul_relu")
+    (sketch,) = RULES.sketches(dag)
+    prog = RULES.build(dag, sketch, Decider(_gemm_decisions()))
+    assert prog.nests["C"].threads == 64
+    too_many_threads = _gemm_decisions(**{"C.tile.v_i": (1, 1, 64, 1, 1), "C.tile.v_j": (1, 1, 32, 1, 2)})
+    with pytest.raises(InvalidProgram, match="threads per block"):
+        RULES.build(dag, sketch, Decider(too_many_threads))
+    too_few = _gemm_decisions(**{"C.tile.v_i": (8, 2, 2, 2, 1), "C.tile.v_j": (8, 1, 2, 1, 4)})
+    with pytest.raises(InvalidProgram, match="less than a warp"):
+        RULES.build(dag, sketch, Decider(too_few))
+    vthreads = _gemm_decisions(**{"C.tile.v_i": (1, 4, 8, 2, 1), "C.tile.v_j": (1, 4, 4, 1, 4)})
+    with pytest.raises(InvalidProgram, match="virtual threads"):
+        RULES.build(dag, sketch, Decider(vthreads))
+
+
+def test_shared_memory_and_registers_are_checked():
+    wl = registry.make("matmul", {"M": 1024, "N": 1024, "K": 1024})
+    dag = analyse(wl.mod["main"])
+    (sketch,) = RULES.sketches(dag)
+    d = {
+        "C.tile.v_i": (8, 1, 16, 8, 1),
+        "C.tile.v_j": (8, 1, 16, 1, 8),
+        "C.tile.v_k": (4, 64, 4),  # A and B tiles of 128 x 256 floats: 256 KB of shared memory
+        "A_shared.vector": 0,
+        "B_shared.vector": 0,
+        "C.unroll": 0,
+    }
+    with pytest.raises(InvalidProgram, match="shared memory"):
+        RULES.build(dag, sketch, Decider(d))
+    d.update({"C.tile.v_k": (256, 1, 4), "C.tile.v_i": (8, 1, 8, 16, 1), "C.tile.v_j": (8, 1, 4, 1, 32)})
+    with pytest.raises(InvalidProgram, match="accumulator registers"):
+        RULES.build(dag, sketch, Decider(d))
+    d.update({"C.tile.v_i": (8, 1, 16, 8, 1), "C.tile.v_j": (8, 1, 16, 1, 8)})
+    prog = RULES.build(dag, sketch, Decider(d))
+    assert prog.kernel_bytes("C", "shared") == (128 * 4 + 4 * 128) * 4
+    assert prog.kernel_bytes("C", "local") == 64 * 4
+
+
+def test_cooperative_fetch_vectors_only_where_aligned():
+    """A float4 fetch needs the tile's innermost extent and start to be multiples of 4;
+    a padded convolution's input tile starts at -1, so it is fetched by scalars."""
+    _, dag = _dag("matmul_relu")
+    (sketch,) = RULES.sketches(dag)
+    d = Decider(_gemm_decisions(**{"B_shared.vector": 2}))
+    prog = RULES.build(dag, sketch, d)
+    fetch = [i for i in prog.instructions if i.op == "coop_fetch" and i.block == "B_shared"]
+    assert fetch and fetch[0].args[-1] == 4
+    _, conv = _dag("conv2d")
+    (csk,) = RULES.sketches(conv)
+    rng = random.Random(5)
+    for _ in range(5):
+        decider, cprog = sample_valid(conv, csk, rng)
+        assert decider.domains["pad_shared.vector"].n == 1
+
+
+def test_gpu_feature_rows_are_the_cpu_layout_plus_the_gpu_group():
+    """Version 2 rows: version 1's columns, then blockIdx / vthread / threadIdx lengths
+    and the kernel's shared and local memory. CPU rows keep version 1's width."""
+    _, dag = _dag("matmul_relu")
+    (sketch,) = RULES.sketches(dag)
+    prog = RULES.build(dag, sketch, Decider(_gemm_decisions()))
+    rows = program_features(prog, GPU_FEATURE_VERSION)
+    assert rows.shape == (len(prog.stores()), feature_width(GPU_FEATURE_VERSION))
+    assert feature_width(GPU_FEATURE_VERSION) == NUM_FEATURES + 8
+    col = {n: i for i, n in enumerate(GPU_FEATURE_NAMES)}
+    at = next(i for i, st in enumerate(prog.stores()) if st.block == "C" and not st.is_init)
+    c = rows[at]
+    assert c[col["is_gpu"]] == 1
+    assert c[col["blockIdx_len"]] == pytest.approx(slog(4))  # (2 * 2) blocks
+    assert c[col["vthread_len"]] == pytest.approx(slog(2))
+    assert c[col["threadIdx_len"]] == pytest.approx(slog(64))  # 8 x 8 threads
+    assert c[col["shared_bytes"]] == pytest.approx(slog((32 * 8 + 8 * 32) * 4))  # A and B tiles
+    assert c[col["local_bytes"]] == pytest.approx(slog(2 * 2 * 4 * 4))  # 16 accumulators
+    stage = next(i for i, st in enumerate(prog.stores()) if st.block == "A_shared")
+    assert rows[stage][col["writes_shared"]] == 1 and c[col["writes_local"]] == 1
+    cpu_wl = registry.make("matmul", {"M": 64, "N": 64, "K": 64})
+    cpu_dag = analyse(cpu_wl.mod["main"])
+    cpu = CpuRules(2)
+    cpu_prog = cpu.build(cpu_dag, cpu.sketches(cpu_dag)[0], Decider(None, random.Random(1)))
+    assert program_features(cpu_prog).shape[1] == NUM_FEATURES
+    rng = random.Random(4)
+    progs = [sample_valid(dag, sketch, rng)[1] for _ in range(4)]
+    for p, m in zip(progs, batch_features(progs, GPU_FEATURE_VERSION)):
+        assert (m == program_features(p, GPU_FEATURE_VERSION)).all()
+
+
+def test_gpu_mutation_changes_gpu_slots():
+    """The evolution's mutation on a GPU space: tile sizes, unroll and threads."""
+    from services.scheduler.config import SearchConfig
+    from services.scheduler.program_space import ProgramSpace, slot_kind
+
+    _, dag = _dag("layer_norm")
+    space = ProgramSpace(dag, RULES.sketches(dag), RULES)
+    weights = RULES.mutation_weights(SearchConfig())
+    assert weights == SearchConfig().gpu_mutation_weights
+    rng = random.Random(2)
+    parents = space.sample_many(8, rng)
+    changed = set()
+    for p in parents:
+        for _ in range(6):
+            child = space.mutate(p, rng, weights)
+            if child is not None:
+                a, b = p.candidate.as_dict(), child.candidate.as_dict()
+                changed |= {slot_kind(s) for s in a if a[s] != b.get(s)}
+    assert {"threads", "unroll"} <= changed

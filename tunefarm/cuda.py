@@ -1,0 +1,246 @@
+"""CUDA kernels: built where there is no GPU, run where there is one.
+
+Build (a build worker, no GPU needed): `tvm.compile` for a CUDA target emits the host
+code and the kernels' CUDA C source (without a CUDA driver TVM keeps the source in its
+module); `verify` runs TVM's GPU code verifier on the lowered kernels against the
+target's limits; `compile_fatbin` compiles the source with nvcc for the target's
+compute capability (SASS for it, and its PTX so that newer GPUs can JIT it); and
+`export_kernel` writes one artifact, a tar (`CUDA_KERNEL_SUFFIX`) of:
+
+  kernel.so      TVM's library: host code, the launch table and the CUDA source
+  kernel.fatbin  nvcc's binary of that source for the class's arch
+  kernel.cu      the source (to read)
+  manifest.json  {"arch", "source_sha256", "fatbin_sha256"}
+
+Run (an agent with a GPU): `load_kernel` unpacks it and loads kernel.so. TVM's CUDA
+runtime turns a module holding source into a binary by calling the global function
+`tvm_callback_cuda_compile`; the agent registers one (`_PrebuiltBinaries`) that hands
+back the fatbin built for exactly that source (matched by its sha256) and refuses any
+other, so a board never compiles and runs exactly what the worker verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from tunefarm.errors import TargetError
+from tunefarm.gpu import GpuLimits, compute_capability, gpu_compatible
+
+CUDA_KERNEL_SUFFIX = ".cuda.tar"
+"""How a kernel built for a CUDA target is stored (see the module docstring)."""
+
+NVCC_TIMEOUT_SECS = 120.0
+
+
+class CudaBuildError(Exception):
+    """The kernel fails the GPU verifier, or nvcc rejects its source."""
+
+
+class NoGpuError(Exception):
+    """A CUDA kernel was to run on a machine without a usable CUDA GPU."""
+
+
+def tvm_target(target: dict[str, Any]):
+    """The TVM Target of a CUDA target dict, with this machine's LLVM as host."""
+    import tvm
+
+    host = target.get("host") or {"kind": "llvm"}
+    return tvm.target.Target({k: v for k, v in target.items() if k != "host"}, host=host)
+
+
+def verify(mod: Any, target: dict[str, Any]) -> list[str]:
+    """TVM's GPU code verifier (`tvm.s_tir.analysis.verify_gpu_code`) on every kernel of
+    the scheduled module, lowered for `target`: the names of the kernels that exceed the
+    GPU's limits (threads, shared and local memory, vthreads, vector width)."""
+    import tvm
+
+    limits = GpuLimits.of(target)
+    t = tvm_target(target)
+    pipeline = tvm.tirx.get_tir_pipeline("default")[0]
+    lowered = pipeline(tvm.tirx.transform.BindTarget(t)(mod))
+    constraints = limits.verifier_constraints()
+    bad = []
+    for gv, func in lowered.functions.items():
+        ftarget = func.attrs.get("target") if func.attrs is not None else None
+        if ftarget is not None and ftarget.kind.name == "cuda":
+            if not tvm.s_tir.analysis.verify_gpu_code(func, constraints):
+                bad.append(gv.name_hint)
+    return bad
+
+
+def source_of(executable: Any) -> str:
+    """The CUDA C source of a compiled module's kernels."""
+    for m in executable.mod.imports:
+        if m.kind == "cuda":
+            return str(m.inspect_source("cuda"))
+    raise CudaBuildError("the compiled module has no CUDA kernels (is every loop nest bound to GPU threads?)")
+
+
+def nvcc_path() -> str | None:
+    """nvcc on PATH, or in CUDA_HOME / /usr/local/cuda."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and Path(home, "bin", "nvcc").is_file():
+            return str(Path(home, "bin", "nvcc"))
+    return None
+
+
+def compile_fatbin(source: str, target: dict[str, Any]) -> bytes:
+    """nvcc's fatbin of the source for the target's compute capability: its SASS and its
+    PTX (which the driver JIT-compiles on a newer GPU). Raises CudaBuildError."""
+    import subprocess
+
+    major, minor = compute_capability(target)
+    cc = f"{major}{minor}"
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise CudaBuildError("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): a CUDA build worker needs the CUDA toolkit")
+    with tempfile.TemporaryDirectory(prefix="tunefarm-nvcc-") as tmp:
+        src, out = Path(tmp, "kernel.cu"), Path(tmp, "kernel.fatbin")
+        src.write_text(source)
+        cmd = [
+            nvcc, "--fatbin", "-O3", "--use_fast_math", "--expt-relaxed-constexpr",
+            "-gencode", f"arch=compute_{cc},code=sm_{cc}", "-gencode", f"arch=compute_{cc},code=compute_{cc}",
+            "-o", str(out), str(src),
+        ]  # fmt: skip
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_SECS)
+        except subprocess.TimeoutExpired:
+            raise CudaBuildError(f"nvcc took longer than {NVCC_TIMEOUT_SECS:.0f} s") from None
+        if proc.returncode != 0:
+            lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+            raise CudaBuildError(f"nvcc failed for sm_{cc}: {lines[0] if lines else proc.returncode}")
+        return out.read_bytes()
+
+
+def export_kernel(executable: Any, out_path: str | os.PathLike[str], target: dict[str, Any]) -> None:
+    """Write a compiled CUDA module as a kernel artifact (see the module docstring),
+    under a temporary name, then renamed. Raises CudaBuildError."""
+    source = source_of(executable)
+    fatbin = compile_fatbin(source, target)
+    out_path = Path(out_path)
+    with tempfile.TemporaryDirectory(prefix="tunefarm-cuda-") as tmp:
+        lib = Path(tmp, "kernel.so")
+        executable.export_library(str(lib))
+        Path(tmp, "kernel.fatbin").write_bytes(fatbin)
+        Path(tmp, "kernel.cu").write_text(source)
+        manifest = {
+            "arch": str(target.get("arch")),
+            "source_sha256": _sha256(source.encode()),
+            "fatbin_sha256": _sha256(fatbin),
+        }
+        Path(tmp, "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
+        partial = out_path.with_name(f"{out_path.name}.{os.getpid()}.tmp")
+        try:
+            with tarfile.open(partial, "w") as tar:
+                for name in ("manifest.json", "kernel.so", "kernel.fatbin", "kernel.cu"):
+                    tar.add(Path(tmp, name), arcname=name)
+            os.replace(partial, out_path)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    with tarfile.open(path) as tar:
+        member = tar.extractfile("manifest.json")
+        if member is None:
+            raise TargetError(f"{path} is not a CUDA kernel artifact (no manifest.json)")
+        return json.loads(member.read())
+
+
+# -- the running side ------------------------------------------------------------------------
+
+
+class _PrebuiltBinaries:
+    """`tvm_callback_cuda_compile` for a machine that runs kernels built elsewhere:
+    returns the binary built for exactly the source TVM's runtime asks about."""
+
+    def __init__(self) -> None:
+        self.binaries: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.registered = False
+
+    def add(self, source_sha256: str, binary: bytes) -> None:
+        with self.lock:
+            self.binaries[source_sha256] = binary
+            if not self.registered:
+                import tvm_ffi
+
+                tvm_ffi.register_global_func("tvm_callback_cuda_compile", self.compile, override=True)
+                self.registered = True
+
+    def compile(self, source: str, *_: Any) -> bytes:
+        key = _sha256(str(source).encode())
+        with self.lock:
+            binary = self.binaries.get(key)
+        if binary is None:
+            raise RuntimeError(
+                "a CUDA kernel with no prebuilt binary was loaded (source sha256 "
+                f"{key[:12]}): the build worker compiles kernels, the agent does not"
+            )
+        return binary
+
+
+PREBUILT = _PrebuiltBinaries()
+
+
+def cuda_device(index: int = 0) -> Any:
+    """TVM's device of the GPU, or NoGpuError saying why there is none."""
+    import tvm
+
+    try:
+        dev = tvm.cuda(index)
+        present = bool(dev.exist)
+    except Exception as exc:  # no CUDA runtime in TVM, or no driver
+        raise NoGpuError(f"no CUDA GPU on this machine ({type(exc).__name__}: {exc})") from None
+    if not present:
+        raise NoGpuError("no CUDA GPU on this machine (TVM's CUDA runtime finds no device: no GPU, or no NVIDIA driver)")
+    return dev
+
+
+def require_local_gpu(target: dict[str, Any]) -> None:
+    """TargetError unless this machine has a GPU that runs `target`'s kernels (tuning
+    in embedded mode measures on this machine)."""
+    try:
+        dev = cuda_device()
+    except NoGpuError as exc:
+        raise TargetError(
+            f"{target.get('arch')} kernels are measured on an NVIDIA GPU: {exc}; "
+            "tune on a farm with a GPU agent of that class"
+        ) from None
+    problem = gpu_compatible(target, str(dev.compute_version))
+    if problem:
+        raise TargetError(f"the target builds for {target.get('arch')}; {problem}")
+
+
+def load_kernel(path: str | os.PathLike[str], work_dir: str | os.PathLike[str]) -> Any:
+    """Load a CUDA kernel artifact (on a machine with a GPU): unpack it into `work_dir`,
+    give TVM's runtime its prebuilt binary, load kernel.so. Raises NoGpuError first when
+    there is no GPU."""
+    import tvm
+
+    cuda_device()
+    directory = Path(work_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path) as tar:
+        tar.extractall(directory, filter="data")
+    manifest = json.loads(Path(directory, "manifest.json").read_text())
+    fatbin = Path(directory, "kernel.fatbin").read_bytes()
+    if _sha256(fatbin) != manifest["fatbin_sha256"]:
+        raise CudaBuildError(f"{path}: kernel.fatbin does not match its manifest")
+    PREBUILT.add(manifest["source_sha256"], fatbin)
+    return tvm.runtime.load_module(str(Path(directory, "kernel.so")))
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

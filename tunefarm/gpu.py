@@ -1,0 +1,110 @@
+"""NVIDIA targets: what a CUDA target dict says about the GPU it builds for.
+
+A CUDA target is TVM's JSON dict with the compute capability as `arch`:
+`{"kind": "cuda", "arch": "sm_80"}`. The search needs the GPU's limits (threads per
+block, shared memory per block, warp size...) to reject programs that cannot launch
+before they cost a build, and the build worker needs the same limits for TVM's GPU
+code verifier. Without a GPU nothing can be asked of the driver, so the limits come
+from the compute capability (`GpuLimits.of`), and a target may override any of them
+with TVM's own attribute names (`max_threads_per_block`, `max_shared_memory_per_block`,
+`thread_warp_size`, `registers_per_block`), e.g. the values a GPU agent detected.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tunefarm.errors import TargetError
+
+GPU_KINDS = frozenset({"cuda"})
+"""TVM target kinds whose kernels run on an NVIDIA GPU."""
+
+STATIC_SHARED_MEMORY_BYTES = 48 * 1024
+"""Shared memory one block may declare statically (`__shared__` arrays, which is how TVM
+allocates it) on every compute capability; more needs the dynamic opt-in, which TVM's
+generated kernels do not use."""
+
+MAX_VTHREADS = 8
+"""Largest virtual-thread extent (Ansor's `max_vthread_extent`)."""
+
+MAX_VECTOR_BYTES = 16
+"""Widest load or store one thread issues (float4)."""
+
+_ARCH = re.compile(r"^sm_(\d)(\d+)[af]?$")
+
+
+def is_gpu(target: dict[str, Any]) -> bool:
+    """The target builds kernels for an NVIDIA GPU."""
+    return str(target.get("kind")) in GPU_KINDS
+
+
+def compute_capability(target: dict[str, Any]) -> tuple[int, int]:
+    """(major, minor) of a CUDA target's `arch` ("sm_80" -> (8, 0)). Raises TargetError."""
+    arch = str(target.get("arch", ""))
+    m = _ARCH.match(arch)
+    if m is None:
+        raise TargetError(
+            f'a CUDA target needs the compute capability as "arch", e.g. {{"kind": "cuda", "arch": "sm_80"}}; got {arch!r}'
+        )
+    return int(m.group(1)), int(m.group(2))
+
+
+@dataclass(frozen=True)
+class GpuLimits:
+    """What one block of a kernel may use on the target GPU."""
+
+    arch: str  # "sm_80"
+    max_threads_per_block: int = 1024
+    warp_size: int = 32
+    max_shared_memory_per_block: int = STATIC_SHARED_MEMORY_BYTES
+    registers_per_block: int = 65536  # 32-bit registers of one block (every CC >= 5.0)
+    max_registers_per_thread: int = 255
+    max_vthreads: int = MAX_VTHREADS
+    max_vector_bytes: int = MAX_VECTOR_BYTES
+
+    @staticmethod
+    def of(target: dict[str, Any]) -> GpuLimits:
+        """The limits of a CUDA target: its compute capability's, overridden by the
+        target's own attributes. Raises TargetError for a target without an arch."""
+        major, _ = compute_capability(target)
+        if major < 5:
+            raise TargetError(f"compute capability {target.get('arch')} is older than Maxwell (sm_50): not supported")
+        return GpuLimits(
+            arch=str(target["arch"]),
+            max_threads_per_block=int(target.get("max_threads_per_block", target.get("max_num_threads", 1024))),
+            warp_size=int(target.get("thread_warp_size", 32)),
+            max_shared_memory_per_block=int(target.get("max_shared_memory_per_block", STATIC_SHARED_MEMORY_BYTES)),
+            registers_per_block=int(target.get("registers_per_block", 65536)),
+        )
+
+    def verifier_constraints(self) -> dict[str, int]:
+        """The constraints of TVM's `verify_gpu_code`, with TVM's names."""
+        return {
+            "max_threads_per_block": self.max_threads_per_block,
+            "max_shared_memory_per_block": self.max_shared_memory_per_block,
+            "max_local_memory_per_block": self.registers_per_block * 4,
+            "max_thread_x": self.max_threads_per_block,
+            "max_thread_y": self.max_threads_per_block,
+            "max_thread_z": 64,
+            "max_vthread": self.max_vthreads,
+            "max_vector_bytes": self.max_vector_bytes,
+        }
+
+
+def gpu_compatible(target: dict[str, Any], capability: str) -> str:
+    """Why an agent whose GPU has compute capability `capability` ("8.6"; "" for none)
+    cannot run a CUDA class's kernels ("" when it can): the kernels carry the class
+    arch's SASS, which GPUs of the same major version and a minor at least as high run,
+    and its PTX, which the driver compiles for a newer major version."""
+    if not capability:
+        return "this agent has no CUDA GPU"
+    try:
+        major, minor = (int(x) for x in capability.split(".")[:2])
+    except ValueError:
+        return f"this agent reports compute capability {capability!r}"
+    want = compute_capability(target)
+    if (major, minor) < want:
+        return f"this agent's GPU is compute capability {capability}, older than the class's"
+    return ""
