@@ -124,11 +124,13 @@ def _report() -> dict:
         "search_share": 0.15,
         "models": [{
             "name": "cnn", "directory": "tuned", "inputs": [], "outputs": [],
-            "latency": {"median": 4e-5, "p90": 5e-5}, "untuned_latency": {"median": 1.2e-4, "p90": 1.3e-4},
-            "onnxruntime_latency": {"median": 6e-5, "p90": 7e-5}, "estimated_seconds": 3e-5,
-            "estimated_seconds_at_start": 6e-5,
-            "check": {"ok": True, "max_abs_error": 1e-7, "max_rel_error": 1e-6, "rtol": 1e-3, "atol": 1e-5,
-                      "reference": "onnxruntime"},
+            "latency": {"mean": 4.2e-5, "median": 4e-5, "p90": 5e-5, "p99": 8e-5, "threads": 2, "runs": 500},
+            "untuned_latency": {"mean": 1.2e-4, "median": 1.2e-4, "p90": 1.3e-4, "p99": 1.3e-4, "threads": 2,
+                                "runs": 5},
+            "onnxruntime_latency": {"mean": 6.1e-5, "median": 6e-5, "p90": 7e-5, "p99": 9e-5, "threads": 2,
+                                    "runs": 400},
+            "estimated_seconds": 3e-5, "estimated_seconds_at_start": 6e-5,
+            "check": _check(),
             "error": None, "warnings": [], "tasks": tasks, "elided": [],
         }],
         "task_scheduler": {"strategy": "gradient", "rounds": rounds},
@@ -136,13 +138,25 @@ def _report() -> dict:
     }
 
 
+def _check(ok: bool = True) -> dict:
+    from tunefarm.models.check import ModelCheck, OutputError
+
+    errors = [OutputError(kind, "y", 1e-7, 1e-6, 0.1, 0, 10) for kind in ("normal", "uniform", "pixels")]
+    if not ok:
+        errors[1] = OutputError("uniform", "y", 0.04, 0.4, 0.1, 3, 10, ((0, 7), 0.31, 0.35))
+    return ModelCheck("onnxruntime", tuple(errors)).as_report()
+
+
 def test_report_in_the_terminal_and_as_html(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # room for whole task names
     (tmp_path / "report.json").write_text(json.dumps(_report()))
     assert main(["report", str(tmp_path), "--html"]) == 0
     out = capsys.readouterr().out
-    assert "40.0 us median" in out and "3.00x the speed of TVM" in out and "1.50x the speed of onnxruntime" in out
-    assert "matches onnxruntime" in out and "60.0 us at the start" in out
+    assert "42.0 us mean, 40.0 us p50, 50.0 us p90, 80.0 us p99 (500 runs, 2 threads)" in out
+    assert "61.0 us mean, 60.0 us p50" in out  # onnxruntime, same threads
+    assert "3.00x the speed of TVM" in out and "1.50x the speed of onnxruntime" in out
+    assert "matches onnxruntime on 3 input kinds" in out and "60.0 us at the start" in out
+    assert "0.0001 x max|ref| + 0.001 x |ref| per element" in out and "uniform [0, 255)" in out
     assert "4 (gradient task scheduler): warm-up 2, gradient 2" in out
     for name in ("fused_conv2d_add_relu", "max_pool2d", "softmax"):
         assert name in out
@@ -152,6 +166,18 @@ def test_report_in_the_terminal_and_as_html(tmp_path, capsys, monkeypatch):
     assert html.count('<tr class="task">') == 3
     assert "50.0" in html  # GFLOPS of the conv: 1e6 / 2e-5 / 1e9
     assert "exhausted" in html and "build_error 8" in html
+
+
+def test_report_of_a_failed_check_names_the_output_and_input(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    report = _report()
+    report["models"][0].update(check=_check(ok=False), latency=None, error="cnn: the tuned model's output differs")
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    assert main(["report", str(tmp_path), "--html"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT match onnxruntime" in out
+    assert "uniform  y: max abs error 0.04" in out and "3 of 10 elements differ, worst at [0, 7]" in out
+    assert "does not match" in (tmp_path / "report.html").read_text().lower()
 
 
 def test_report_html_to_a_chosen_file(tmp_path, capsys):

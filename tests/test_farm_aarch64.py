@@ -43,7 +43,8 @@ from sqlalchemy import select  # noqa: E402
 
 from services.db.models import CostModelVersion, DeviceClass, Measurement  # noqa: E402
 from services.db.session import make_session_factory, transaction  # noqa: E402
-from tunefarm.models.finish import compare, extract_archive  # noqa: E402
+from tunefarm.models.check import compare_outputs  # noqa: E402
+from tunefarm.models.finish import extract_archive  # noqa: E402
 from tunefarm.models.importer import random_inputs, run_onnxruntime  # noqa: E402
 from tunefarm.records import MeasureRecord  # noqa: E402
 from tunefarm_app.farm_local import LocalFarm  # noqa: E402
@@ -128,7 +129,7 @@ def test_a_model_is_tuned_for_the_aarch64_class_through_the_emulated_agent(
     assert ran.returncode == 0, ran.stderr[-2000:]
     with np.load(tmp_path / "outputs.npz") as got:
         outputs = [got[f"arr_{i}"] for i in range(len(got.files))]
-    assert compare(outputs, run_onnxruntime(onnx_path.read_bytes(), feeds))["ok"]
+    assert all(e.ok for e in compare_outputs(outputs, run_onnxruntime(onnx_path.read_bytes(), feeds), input_kind="normal"))
 
     # the kernels were aarch64 libraries, run and verified by the emulated agent
     kernels = list((Path(farm.info["artifact_root"]) / "kernels").glob("*.so"))

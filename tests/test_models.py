@@ -23,7 +23,7 @@ from tunefarm.models import examples  # noqa: E402
 from tunefarm.models.build import (  # noqa: E402
     apply_schedules,
     build_model_library,
-    compare_outputs,
+    check_library,
     run_model,
 )
 from tunefarm.models.importer import import_model, random_inputs, run_onnxruntime  # noqa: E402
@@ -310,11 +310,14 @@ def test_build_tuned_model_matches_onnxruntime(conv_bn_relu_onnx, tmp_path):
     manifest = json.loads(built.manifest.read_text())
     assert manifest["inputs"] == [{"name": "x", "shape": [1, 3, 16, 16], "dtype": "float32"}]
     assert manifest["outputs"][0]["shape"] == [1, 8, 16, 16] and len(manifest["usage"]) == 3
-    check = compare_outputs(built.directory, model.onnx_bytes)
-    assert check.within_tolerance and check.max_abs_error < 1e-4, check
+    check = check_library(built.directory, model.onnx_bytes)
+    assert check.ok and check.max_abs_error < 1e-4, check.problem()
+    assert {e.input_kind for e in check.errors} == {"normal", "uniform", "pixels"}
     run = run_model(built.directory, random_inputs({"x": (1, 3, 16, 16)}, {"x": "float32"}), repeat=5)
     assert run.outputs[0].shape == (1, 8, 16, 16)
-    assert run.latency is not None and 0 < run.latency.median <= run.latency.p90
+    lat = run.latency
+    assert lat is not None and lat.runs == 5 and lat.threads == 2
+    assert 0 < lat.median <= lat.p90 <= lat.p99 and lat.mean > 0
 
 
 @pytest.mark.slow

@@ -226,6 +226,27 @@ def test_step_api_takes_results_in_any_order_once(tmp_path, host_target):
     assert not {m.key for m in again.inputs} & {first.key, second.key, third.key}
 
 
+def test_without_a_reference_only_kernels_others_agree_with_can_be_the_best(host_target):
+    """A fast kernel measured before a consensus, whose output no other kernel confirms,
+    is never the task's best (it would go into the model unchecked); a kernel measured
+    before the consensus that agrees with it is confirmed once the consensus forms."""
+    from tunefarm.records import BuildResult, MeasureResult, RunResult
+
+    tuner = TaskTuner(make_task(gemm(), host_target), FAST, XGBCostModel(XGBConfig(seed=1)), verify=False)
+    wrong_fast, early, late, *_ = tuner.propose(4).inputs
+    right, other = (1.0, 2.0, 0.5), (1.0, 2.0, 0.75)  # digests: sums and samples
+
+    def result(m, cost, digest):
+        return MeasureResult(m, BuildResult(m.key, "x.so", 0.1), RunResult(m.key, (cost,), 0.2, digest=digest))
+
+    tuner.ingest([result(wrong_fast, 1e-3, other), result(early, 2e-3, right)])
+    assert tuner.state.best is None  # nothing agrees yet: nothing is checked
+    tuner.ingest([result(late, 3e-3, right)])
+    by_key = {r.candidate.key: r for r in tuner.state.records}
+    assert by_key[early.key].verified and by_key[late.key].verified and not by_key[wrong_fast.key].verified
+    assert tuner.state.best.candidate.key == early.key  # not the faster, unconfirmed one
+
+
 class ShufflingMeasurer:
     """A stand-in measurer: holds several batches and returns their results a few at a
     time in a shuffled order across batches, with made-up costs (no compiling)."""
@@ -246,7 +267,8 @@ class ShufflingMeasurer:
         self.submitted.append(batch)
         for m in batch.inputs:
             cost = 1e-3 * (1 + self.rng.random())
-            self.waiting.append(MeasureResult(m, BuildResult(m.key, "x.so", 0.0), RunResult(m.key, (cost,), 0.0)))
+            run = RunResult(m.key, (cost,), 0.0, verified=True)
+            self.waiting.append(MeasureResult(m, BuildResult(m.key, "x.so", 0.0), run))
 
     def collect(self, timeout=None):
         self.rng.shuffle(self.waiting)

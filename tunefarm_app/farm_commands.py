@@ -305,6 +305,7 @@ def _print_end(job: dict) -> int:
 
 def _print_job(job: dict) -> None:
     from tunefarm_app.progress import format_cost
+    from tunefarm_app.tuned_report import latency_text
 
     def cost(v):
         return format_cost(v) if v else "-"
@@ -330,7 +331,7 @@ def _print_job(job: dict) -> None:
         where = f" on {on['agent']}" if on.get("agent") else ""
         if lat:
             emulated = " (EMULATED: the emulator's time, not the device's)" if lat.get("emulated") else ""
-            print(f"tuned      {cost(lat['median'])} median, {cost(lat['p90'])} p90{where}{emulated}")
+            print(f"tuned      {latency_text(lat)}{where}{emulated}")
         check = job["result"].get("check") or {}
         if check.get("ok"):
             print(f"check      matches {check['reference']}{where} (max abs error {check['max_abs_error']:.2g})")

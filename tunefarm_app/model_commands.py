@@ -2,7 +2,7 @@
 
   tunefarm tasks MODEL.onnx [--input-shape x=1,3,224,224]...
   tunefarm tune MODEL.onnx [MODEL2.onnx ...] [--input-shape ...] --trials N --out DIR
-  tunefarm run DIR [--input x=x.npy]... [--output out.npz]
+  tunefarm run DIR [--input x=x.npy]... [--output out.npz] [--threads N] [--repeat N]
 """
 
 from __future__ import annotations
@@ -45,7 +45,13 @@ def add_commands(sub) -> None:
     r.add_argument("directory", type=Path, help="a directory written by `tunefarm tune`")
     r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input (default: random)")
     r.add_argument("--output", type=Path, help="write the outputs to this .npz")
-    r.add_argument("--repeat", type=int, default=50, help="timed inferences (default 50)")
+    r.add_argument(
+        "--repeat", type=int, help="timed inferences (default: as many as fit in about a second, at least 20)"
+    )
+    r.add_argument("--threads", type=int, help="threads of TVM and of onnxruntime (default: the target's cores)")
+    r.add_argument(
+        "--no-onnxruntime", action="store_true", help="do not time onnxruntime on the model's reference.onnx"
+    )
 
 
 def add_cost_model_args(p) -> None:
@@ -149,7 +155,8 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from tunefarm.target import parse_target
     from tunefarm_app.model_tuning import model_name, tune_models
-    from tunefarm_app.progress import ProgressView, format_cost
+    from tunefarm_app.progress import ProgressView
+    from tunefarm_app.tuned_report import check_lines, latency_lines
 
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
@@ -182,21 +189,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         if m["error"]:
             failed = True
             print(f"error      {m['error']}")
+            if m["check"].get("outputs"):
+                print("\n".join(check_lines(m["check"])))
             continue
-        lat = m["latency"]
-        line = f"latency    {format_cost(lat['median'])} median, {format_cost(lat['p90'])} p90"
-        print(line)
-        if m["untuned_latency"]:
-            u = m["untuned_latency"]["median"]
-            print(f"vs untuned {u / lat['median']:.2f}x the speed of TVM's untuned build ({format_cost(u)})")
-        if m["onnxruntime_latency"]:
-            o = m["onnxruntime_latency"]["median"]
-            print(f"vs ORT     {o / lat['median']:.2f}x the speed of onnxruntime, 2 threads ({format_cost(o)})")
-        check = m["check"]
-        print(
-            f"check      matches {check['reference']} (max abs error {check['max_abs_error']:.2g}, "
-            f"tolerance {check['atol']:g} + {check['rtol']:g} x max|ref|)"
-        )
+        for line in latency_lines(m) + check_lines(m["check"]):
+            print(line)
         print(f"written    {m['directory']}/model.so and manifest.json")
     share = report["search_share"] or 0.0
     print(
@@ -208,12 +205,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tunefarm.models.build import load_manifest, run_model
-    from tunefarm.models.importer import random_inputs
-    from tunefarm_app.progress import format_cost
+    from tunefarm.models.build import load_manifest, model_threads, run_model, time_onnxruntime
+    from tunefarm.models.check import random_inputs
+    from tunefarm.models.finish import REFERENCE_NAME
+    from tunefarm_app.tuned_report import latency_lines
 
-    if args.repeat < 1:
+    if args.repeat is not None and args.repeat < 1:
         raise UsageError("--repeat must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError("--threads must be at least 1")
     manifest = load_manifest(args.directory)
     specs = manifest["inputs"]
     given: dict[str, np.ndarray] = {}
@@ -234,11 +234,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     missing = [s for s in specs if s["name"] not in given]
     if missing:
         given.update(
-            random_inputs({s["name"]: s["shape"] for s in missing}, {s["name"]: s["dtype"] for s in missing}, seed=0)
+            random_inputs({s["name"]: s["shape"] for s in missing}, {s["name"]: s["dtype"] for s in missing})
         )
-    run = run_model(args.directory, given, repeat=args.repeat)
-    lat = run.latency
-    print(f"latency    {format_cost(lat.median)} median, {format_cost(lat.p90)} p90 ({len(lat.samples)} runs)")
+    threads = args.threads or model_threads(args.directory)
+    run = run_model(args.directory, given, repeat=args.repeat, threads=threads)
+    timed: dict = {"latency": run.latency.as_report() if run.latency else None}
+    reference = args.directory / REFERENCE_NAME
+    if reference.is_file() and not args.no_onnxruntime:
+        timed["onnxruntime_latency"] = time_onnxruntime(reference, given, threads=threads, repeat=args.repeat).as_report()
+    for line in latency_lines(timed):
+        print(line)
     for s, out in zip(manifest["outputs"], run.outputs):
         print(f"output     {s['name']}: {out.dtype}{list(out.shape)}")
     if args.output:
@@ -246,7 +251,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         np.savez(args.output, **{s["name"]: o for s, o in zip(manifest["outputs"], run.outputs)})
         print(f"written    {args.output}")
     if missing:
-        print("inputs     " + ", ".join(s["name"] for s in missing) + " random (seed 0)")
+        print("inputs     " + ", ".join(s["name"] for s in missing) + " random (standard normal, seed 0)")
     return 0
 
 

@@ -11,8 +11,9 @@ One run:
      so the same command resumes an interrupted run;
   4. build each model with its tasks' best schedules (a task without a valid measurement
      keeps TVM's default build, and the report says so), check its output against the
-     reference (onnxruntime for ONNX models, the module itself for torch) — a mismatch is
-     an error and the library is not kept —, time it, and write `model.so`,
+     reference (onnxruntime on the ONNX file as given, the module itself for torch) on
+     several input kinds (`tunefarm.models.check`) — a mismatch is an error and the
+     library is not kept —, time it and onnxruntime on the same threads, and write `model.so`,
      `manifest.json` and `report.json`. Step 4 and the report are
      `tunefarm.models.finish`, shared with the farm's scheduler service.
 
@@ -35,10 +36,7 @@ from services.scheduler.config import SearchConfig, TuneConfig
 from services.scheduler.session import SessionCallback
 from tunefarm.errors import UsageError
 from tunefarm.models.finish import (  # noqa: F401  (re-exported: the app layer's names for them)
-    CHECK_ATOL,
-    CHECK_RTOL,
     DEFAULT_BUILD_REPEAT,
-    LATENCY_REPEAT,
     RECORDS_NAME,
     REPORT_NAME,
     REPORT_VERSION,
@@ -47,7 +45,6 @@ from tunefarm.models.finish import (  # noqa: F401  (re-exported: the app layer'
     TaskOutcome,
     TuningSummary,
     batch_size_for,
-    compare,
     finish_model,
     load_model,
     model_inputs,

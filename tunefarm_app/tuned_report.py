@@ -110,6 +110,66 @@ def rounds_summary(report: Mapping[str, Any]) -> tuple[int, list[tuple[str, int]
     return len(rounds), per_task, per_reason
 
 
+def latency_text(lat: Mapping[str, Any]) -> str:
+    """'40.1 us mean, 39.8 us p50, 41.0 us p90, 55.2 us p99 (1000 runs, 2 threads)'; a
+    report of an older version has only the median and p90."""
+    parts = [f"{format_cost(lat[k])} {label}" for k, label in
+             (("mean", "mean"), ("median", "p50"), ("p90", "p90"), ("p99", "p99")) if lat.get(k) is not None]
+    extra = [f"{lat['runs']} runs" if lat.get("runs") else "", f"{lat['threads']} threads" if lat.get("threads") else ""]
+    extra = [e for e in extra if e]
+    return ", ".join(parts) + (f" ({', '.join(extra)})" if extra else "")
+
+
+def latency_lines(model: Mapping[str, Any]) -> list[str]:
+    """The tuned model's latency, onnxruntime's and TVM's untuned build's, and the ratios."""
+    lat = model.get("latency")
+    if not lat:
+        return []
+    lines = [f"latency    {latency_text(lat)}"]
+    ort = model.get("onnxruntime_latency")
+    if ort:
+        lines.append(f"ORT        {latency_text(ort)}")
+        x = speedup(ort, lat)
+        if x is not None:
+            lines.append(f"vs ORT     {x:.2f}x the speed of onnxruntime (p50, same input and threads)")
+    x = speedup(model.get("untuned_latency"), lat)
+    if x is not None:
+        lines.append(f"vs untuned {x:.2f}x the speed of TVM's untuned build ({format_cost(model['untuned_latency']['median'])} p50)")
+    return lines
+
+
+def check_lines(check: Mapping[str, Any]) -> list[str]:
+    """The output check: verdict and tolerance, then per input kind and output its
+    errors (a report of an older version: one line)."""
+    if check.get("ok") is None:
+        return [f"check      not done: {check.get('problem', 'unknown')}"]
+    verdict = "matches" if check["ok"] else "DOES NOT match"
+    rows = check.get("outputs")
+    tol = check.get("tolerance")
+    if not rows or not tol:
+        return [f"check      {verdict} {check.get('reference', 'the reference')} (max abs error {check['max_abs_error']:.2g})"]
+    kinds = tol.get("inputs", {})
+    lines = [
+        f"check      {verdict} {check.get('reference', 'the reference')} on {len(kinds)} input kinds; "
+        f"tolerance |out - ref| <= {tol['atol_of_scale']:g} x max|ref| + {tol['rtol']:g} x |ref| per element"
+    ]
+    for r in rows:
+        if r.get("problem"):
+            lines.append(f"  {r['input']:<8} {r['output']}: {r['problem']}")
+            continue
+        text = (f"  {r['input']:<8} {r['output']}: max abs error {r['max_abs_error']:.2g}, "
+                f"max rel error {r['max_rel_error']:.2g} (of max|ref| {r['scale']:.3g})")
+        if r["mismatched"]:
+            text += f"; {r['mismatched']} of {r['elements']} elements differ"
+            if r.get("worst"):
+                w = r["worst"]
+                text += f", worst at {w['index']}: {w['got']:.6g} vs {w['reference']:.6g}"
+        lines.append(text)
+    for name, desc in kinds.items():
+        lines.append(f"  {name:<8} = {desc}")
+    return lines
+
+
 # -- the terminal -----------------------------------------------------------------------------
 
 
@@ -132,20 +192,13 @@ def print_report(report: Mapping[str, Any], file: Path, console=None) -> None:
         p()
         p(f"[bold]model      {m['name']}[/bold]")
         if m.get("error"):
-            p(f"[red]error      {m['error']}[/red]")
-        lat = m.get("latency")
-        if lat:
-            p(f"latency    {format_cost(lat['median'])} median, {format_cost(lat['p90'])} p90")
-        for label, key in (("vs untuned", "untuned_latency"), ("vs ORT", "onnxruntime_latency")):
-            x = speedup(m.get(key), lat)
-            if x is not None:
-                p(f"{label:<10} {x:.2f}x the speed of {'TVM' if key == 'untuned_latency' else 'onnxruntime'} "
-                  f"({format_cost(m[key]['median'])})")
+            p(f"error      {m['error']}", style="red", markup=False)
+        for line in latency_lines(m):
+            p(line, markup=False)
         check = m.get("check")
         if check:
-            verdict = "matches" if check["ok"] else "[red]DOES NOT match[/red]"
-            p(f"check      {verdict} {check.get('reference', 'the reference')} "
-              f"(max abs error {check['max_abs_error']:.2g})")
+            for line in check_lines(check):
+                p(line, style="red" if check.get("ok") is False else None, markup=False)
         p(f"estimate   {format_cost(m['estimated_seconds'])} now, {format_cost(m['estimated_seconds_at_start'])} "
           "at the start (sum of weighted task bests)")
         lines = task_lines(m)
@@ -193,6 +246,9 @@ def html_report(report: Mapping[str, Any], file: Path) -> str:
             "plot": latency_curve_svg(curve_points(report, m["name"]), title=f"{m['name']}: estimated latency"),
             "vs_untuned": speedup(m.get("untuned_latency"), m.get("latency")),
             "vs_ort": speedup(m.get("onnxruntime_latency"), m.get("latency")),
+            "latency": latency_text(m["latency"]) if m.get("latency") else "",
+            "ort_latency": latency_text(m["onnxruntime_latency"]) if m.get("onnxruntime_latency") else "",
+            "check": [line.strip() for line in check_lines(m["check"])] if m.get("check") else [],
         }
         for m in report["models"]
     ]

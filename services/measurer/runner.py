@@ -28,7 +28,8 @@ like a CPU kernel's. Without a GPU the run is a RUN_ERROR saying so (`NoGpuError
 A runner also runs whole tuned models for the farm (`run_model`, `ModelRunInput`): a
 model built for a device class the scheduler cannot run is sent to an agent of the
 class, which runs it once for its outputs and times `repeat` inferences
-(`tunefarm.models.build.run_job`, the same as `tunefarm run`), in the same process and
+(`tunefarm.models.build.run_job`, timed by `tunefarm.models.timing` as `tunefarm run`
+is), in the same process and
 one at a time with the kernels.
 """
 
@@ -278,7 +279,7 @@ def run_model(inp: ModelRunInput) -> list[float]:
     Exceptions (a library that does not load, wrong inputs) propagate."""
     from tunefarm.models.build import run_job
 
-    outputs, samples = run_job(inp.library, inp.inputs, inp.repeat, inp.warmup)
+    outputs, samples, _threads = run_job(inp.library, inp.inputs, inp.repeat, inp.warmup)
     np.savez(inp.outputs, *outputs)
     return [float(x) for x in samples]
 

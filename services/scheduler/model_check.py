@@ -6,16 +6,17 @@ model is run here: its output is compared with onnxruntime's and it is timed
 (`tunefarm.models.finish.finish_model`). A model built for an aarch64 board cannot run
 on an x86 scheduler, so `check_on_device` asks an agent of the class instead:
 
-1. the library (cross-compiled for the class) and the model's seeded inputs are stored
-   under the artifact root (`model_runs/<job id>/<uuid>/`) and a `ModelRun` row queues
-   them for the class;
-2. an agent of the class leases it before any batch, runs the model once for its
-   outputs and `repeat` timed inferences, and sends outputs and latencies back (the
-   lease service stores them, with the agent's name and whether it is emulated);
+1. the library (cross-compiled for the class) and the model's seeded inputs, one set per
+   input kind of `tunefarm.models.check`, are stored under the artifact root
+   (`model_runs/<job id>/<uuid>/`), and one `ModelRun` row per set queues them for the
+   class (the first set's run also times `repeat` inferences, the others only run once);
+2. an agent of the class leases them before any batch, runs the model for its outputs
+   (and the timed inferences), and sends outputs and latencies back (the lease service
+   stores them, with the agent's name and whether it is emulated);
 3. here, the outputs are compared with the reference's on the same inputs (onnxruntime,
-   run on this host: the reference does not depend on the device), exactly as a local
-   check compares them. A mismatch, or a run the agent could not do, fails the job and
-   the library is not kept.
+   run on this host: the reference does not depend on the device) by the same check a
+   local run uses (`tunefarm.models.check`: every input kind, every element). A
+   mismatch, or a run the agent could not do, fails the job and the library is not kept.
 
 The latency is the device's, and `ModelOutcome.measured_on` says where it came from:
 the agent, its class, and `emulated` when that agent runs under an emulator (then the
@@ -42,13 +43,18 @@ from services.db.models import ModelRun, ModelRunState
 from services.db.session import transaction
 from services.measurer import artifacts
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
-from tunefarm.models.build import LIBRARY_NAME, RUN_TIMEOUT, LatencyStats
-from tunefarm.models.finish import LATENCY_REPEAT, LoadedModel, ModelOutcome, compare, model_inputs
+from tunefarm.models import check
+from tunefarm.models.build import LIBRARY_NAME, RUN_TIMEOUT
+from tunefarm.models.finish import LoadedModel, ModelOutcome, check_inputs
+from tunefarm.models.timing import Latency
 
 INPUTS_NAME = "inputs.npz"
 
 POLL_SECS = 0.5
 """How often the model run's row is read while waiting for an agent."""
+
+DEVICE_RUNS = 100
+"""Timed inferences of a model run on a device (a fixed count: an emulated agent is slow)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ class DeviceRun:
     device_class: str
     wait_secs: float  # how long an agent of the class may take to pick it up and run it
     stop: threading.Event  # set when the scheduler stops: the job is finished by the next one
-    repeat: int = LATENCY_REPEAT
+    repeat: int = DEVICE_RUNS
     warmup: int = 3
     timeout_secs: float = RUN_TIMEOUT  # the agent's limit for one whole run
     poll_secs: float = POLL_SECS
@@ -75,43 +81,52 @@ def check_on_device(
     docstring), compare its outputs with the reference and keep its latency. Raises
     `JobFailed` when the run failed or the outputs differ (the library is removed), and
     `FinishInterrupted` when the scheduler stops while waiting."""
-    feeds = model_inputs(m)
-    inputs = [feeds[t.name] for t in m.imported.inputs]
-    run_id = _submit(where, directory / LIBRARY_NAME, inputs)
-    log(f"{m.name}: the tuned model is queued for an agent of {where.device_class} (model run {run_id})")
-    row = _wait(where, run_id)
-    if row is None:
+    sets = check_inputs(m)
+    runs = {
+        kind: _submit(where, directory / LIBRARY_NAME, [feeds[t.name] for t in m.imported.inputs], timed=i == 0)
+        for i, (kind, feeds) in enumerate(sets.items())
+    }
+    listed = ", ".join(f"{k} {r}" for k, r in runs.items())
+    log(f"{m.name}: the tuned model is queued for an agent of {where.device_class} (model runs {listed})")
+    rows = {kind: _wait(where, run_id) for kind, run_id in runs.items()}
+    timed_kind = next(iter(runs))
+    if any(row is None for row in rows.values()):
         why = f"not run: no agent of {where.device_class} ran it within {where.wait_secs:.0f} s"
         log(f"{m.name}: {why}; the tuned model is kept unchecked")
-        check = {"ok": None, "reference": m.reference_name, "problem": why}
-        return ModelOutcome(m.name, directory, None, check, None, None, measured_on=_measured_on(where, run_id, None))
-    measured_on = _measured_on(where, run_id, row)
-    if row.state is ModelRunState.FAILED:
+        checked = {"ok": None, "reference": m.reference_name, "problem": why}
+        return ModelOutcome(m.name, directory, None, checked, None, None,
+                            measured_on=_measured_on(where, runs[timed_kind], rows[timed_kind]))
+    measured_on = _measured_on(where, runs[timed_kind], rows[timed_kind])
+    failed = next((row for row in rows.values() if row.state is ModelRunState.FAILED), None)
+    if failed is not None:
         (directory / LIBRARY_NAME).unlink(missing_ok=True)
-        raise JobFailed(f"{m.name}: the tuned model did not run on {measured_on.get('agent') or where.device_class}: {row.error}")
-    outputs = _outputs(where.artifact_root, row)
-    check = compare(outputs, m.reference(feeds))
-    check["reference"] = m.reference_name
-    if not check["ok"]:
+        raise JobFailed(f"{m.name}: the tuned model did not run on {measured_on.get('agent') or where.device_class}: {failed.error}")
+    names = [t.name for t in m.imported.outputs]
+    errors = []
+    for kind, row in rows.items():
+        errors += check.compare_outputs(_outputs(where.artifact_root, row), m.reference(sets[kind]),
+                                        input_kind=kind, names=names)
+    result = check.ModelCheck(m.reference_name, tuple(errors))
+    if not result.ok:
         (directory / LIBRARY_NAME).unlink(missing_ok=True)
         raise JobFailed(
-            f"{m.name}: the tuned model's output on {measured_on['agent']} differs from {m.reference_name}'s "
-            f"(max abs error {check['max_abs_error']:.3g}, max rel error {check['max_rel_error']:.3g}); "
-            "the library was not kept"
+            f"{m.name}: the tuned model's output on {measured_on['agent']} differs from {m.reference_name}'s: "
+            f"{result.problem()}; the library was not kept"
         )
-    samples = [float(x) for x in (row.result or {}).get("latency_samples", [])]
+    samples = [float(x) for x in (rows[timed_kind].result or {}).get("latency_samples", [])]
     latency = None
     if samples:
-        stats = LatencyStats.of(samples)
-        latency = {"median": stats.median, "p90": stats.p90, "emulated": measured_on["emulated"]}
+        # The agent's runner sets its TVM threads (`--threads`); its model run does not
+        # report them, so the latency carries none (0).
+        latency = {**Latency.of(samples, 0).as_report(), "emulated": measured_on["emulated"]}
     log(
         f"{m.name}: checked on {measured_on['agent']}{' (emulated)' if measured_on['emulated'] else ''}: "
-        f"max abs error {check['max_abs_error']:.3g}"
+        f"max abs error {result.max_abs_error:.3g}"
     )
-    return ModelOutcome(m.name, directory, latency, check, None, None, measured_on=measured_on)
+    return ModelOutcome(m.name, directory, latency, result.as_report(), None, None, measured_on=measured_on)
 
 
-def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray]) -> int:
+def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray], *, timed: bool) -> int:
     rel = f"{artifacts.MODEL_RUNS_DIR}/{where.job_id}/{uuid.uuid4().hex}"
     buffer = io.BytesIO()
     np.savez(buffer, *inputs)
@@ -124,7 +139,7 @@ def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray]) -> int:
             device_class_id=where.device_class_id,
             library=queries.StoredFile(f"{rel}/{LIBRARY_NAME}", lib_sha, lib_size),
             inputs=queries.StoredFile(f"{rel}/{INPUTS_NAME}", in_sha, in_size),
-            repeat=where.repeat,
+            repeat=where.repeat if timed else 0,
             warmup=where.warmup,
             timeout_secs=where.timeout_secs,
         )

@@ -97,7 +97,10 @@ class TaskState:
 
     @property
     def best(self) -> MeasureRecord | None:
-        valid = [r for r in self.records if r.is_valid]
+        """The fastest kernel whose output was checked: against the reference, or, without
+        one, against the output the other kernels agree on. A kernel measured before
+        kernels agreed (or that no other kernel confirmed) never goes into a model."""
+        valid = [r for r in self.records if r.is_valid and r.verified]
         return min(valid, key=lambda r: r.cost) if valid else None
 
     @property
@@ -345,5 +348,16 @@ class TaskTuner:
             if digest.agree(d, other):
                 self._consensus = other
                 self._unconfirmed.clear()
+                self._confirm_earlier()
                 return
         self._unconfirmed.append(d)
+
+    def _confirm_earlier(self) -> None:
+        """Once kernels agree, the kernels measured before that agree with them are
+        checked too (those that disagree stay unverified: never a task's best)."""
+        consensus = self._consensus
+        assert consensus is not None
+        records = self.state.records
+        for i, r in enumerate(records):
+            if r.is_valid and not r.verified and r.digest and digest.agree(r.digest, consensus):
+                records[i] = replace(r, verified=True)

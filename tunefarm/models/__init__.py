@@ -6,7 +6,10 @@
 - `tasks`: `extract_tasks` fuses the model and lists its distinct fused PrimFuncs as
   ordinary `Workload`s with weights (`ModelTasks`); `merge_tasks` shares them across models.
 - `build`: `apply_schedules` puts tuned schedules back, `build_model_library` compiles
-  the model in an isolated process, `run_model` and `compare_outputs` run and check it.
+  the model in an isolated process, `run_model` runs it, `check_library` checks it.
+- `check`: the output check against the reference on several input kinds (`ModelCheck`).
+- `timing`: how a model's latency is measured (`time_calls`, `Latency`), TVM and
+  onnxruntime alike.
 
 Nothing here imports `services` or `tunefarm_app`; every task is a plain PrimFunc workload.
 """

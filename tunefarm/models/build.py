@@ -8,10 +8,12 @@
   (a codegen crash or hang becomes a `ModelError`, not the caller's death).
   `build_default_library` is the same with no schedule: TVM's default build of the
   fused module, every PrimFunc unscheduled (the "TVM default" baseline).
-- `run_model(model_dir, inputs)`: outputs and latency (median, p90), in a child process
-  whose TVM thread pool has one thread per core.
-- `compare_outputs(model_dir, onnx_model)`: the built model against onnxruntime on a
-  seeded random input.
+- `run_model(model_dir, inputs)`: outputs and latency (`tunefarm.models.timing`), in a
+  child process whose TVM thread pool has one thread per core (or `threads`);
+  `time_onnxruntime` times onnxruntime the same way, in a child process too, on the
+  same thread count.
+- `check_library(model_dir, onnx_model)`: the built model against onnxruntime on every
+  input kind of `tunefarm.models.check`.
 
 How the fused module reaches the build child: `tvm.ir.save_json` written to a temporary
 file, weights embedded as constants (base64). For resnet18 that is 63.5 MB, about 1.0 s
@@ -39,7 +41,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,9 @@ import numpy as np
 from tunefarm.errors import ModelError
 from tunefarm.export import export_library
 from tunefarm.isolation import IsolatedWorker, summarize_error
+from tunefarm.models import check
+from tunefarm.models.check import ModelCheck
+from tunefarm.models.timing import WARMUP_CALLS, Latency, time_calls
 from tunefarm.records import TensorSpec, TraceJSON
 
 LIBRARY_NAME = "model.so"
@@ -60,13 +65,6 @@ heavily unrolled schedules can make LLVM much slower)."""
 
 RUN_TIMEOUT = 300.0
 """Seconds `run_model` may take in its child, warm-up and timed runs included."""
-
-OUTPUT_RTOL = 1e-3
-"""`compare_outputs` accepts max|tvm - ort| <= OUTPUT_ATOL + OUTPUT_RTOL * max|ort| per
-output. Both compute in float32 with different summation orders (tiled reductions,
-BN folded differently); on the example models the untuned build is within 1e-6 relative."""
-
-OUTPUT_ATOL = 1e-5
 
 _JOBS = "tunefarm.models.build"
 
@@ -276,23 +274,9 @@ def _fold_layouts(mod):
 
 
 @dataclass(frozen=True)
-class LatencyStats:
-    median: float  # seconds per inference
-    p90: float
-    samples: tuple[float, ...] = field(default=(), repr=False)  # one inference each
-
-    @staticmethod
-    def of(samples: Sequence[float]) -> LatencyStats:
-        arr = np.asarray(samples, dtype=np.float64)
-        return LatencyStats(
-            float(np.median(arr)), float(np.percentile(arr, 90)), tuple(float(s) for s in arr)
-        )
-
-
-@dataclass(frozen=True)
 class ModelRun:
     outputs: tuple[np.ndarray, ...]
-    latency: LatencyStats | None  # None when `repeat` was 0
+    latency: Latency | None  # None when `repeat` was 0
 
 
 def load_manifest(model_dir: str | Path) -> dict[str, Any]:
@@ -305,25 +289,36 @@ def load_manifest(model_dir: str | Path) -> dict[str, Any]:
         raise ModelError(f"{path}: malformed JSON ({exc.msg})") from None
 
 
+def model_threads(model_dir: str | Path) -> int:
+    """The thread count a built model runs with by default: its target's cores, else this
+    machine's physical cores."""
+    return int(load_manifest(model_dir).get("target", {}).get("num-cores") or _cores())
+
+
+def model_worker(threads: int) -> IsolatedWorker:
+    """A child process for `run_model` calls with a TVM thread pool of `threads` threads
+    (several calls share it: one `import tvm`)."""
+    return IsolatedWorker(env={"TVM_NUM_THREADS": str(threads)}, preload=["tvm"], name="model-run")
+
+
 def run_model(
     model_dir: str | Path,
     inputs: Mapping[str, np.ndarray] | Sequence[np.ndarray],
     *,
-    repeat: int = 30,
-    warmup: int = 3,
+    repeat: int | None = None,
     threads: int | None = None,
     timeout: float = RUN_TIMEOUT,
     worker: IsolatedWorker | None = None,
 ) -> ModelRun:
-    """Run a built model: its outputs, and the latency of `repeat` single inferences
-    after `warmup` untimed ones. Runs in a child process with TVM_NUM_THREADS=`threads`
-    (default: the target's core count from the manifest, else this machine's). A passed
-    `worker` keeps its own environment."""
+    """Run a built model: its outputs, and its latency (`timing.time_calls`: `repeat`
+    single inferences, or as many as the timing budget holds when None; 0 times
+    nothing). Runs in a child process with TVM_NUM_THREADS=`threads` (default
+    `model_threads`); a passed `worker` (`model_worker`) keeps its own."""
     manifest = load_manifest(model_dir)
     specs = manifest["inputs"]
     arrays = _ordered_inputs(specs, inputs)
     if threads is None:
-        threads = int(manifest.get("target", {}).get("num-cores") or _cores())
+        threads = model_threads(model_dir)
     tmp = tempfile.mkdtemp(prefix="tunefarm-run-")
     try:
         npz = os.path.join(tmp, "inputs.npz")
@@ -335,7 +330,6 @@ def run_model(
             str(Path(model_dir) / manifest["library"]),
             npz,
             repeat,
-            warmup,
             timeout=timeout,
             env={"TVM_NUM_THREADS": str(threads)},
         )
@@ -343,12 +337,16 @@ def run_model(
         shutil.rmtree(tmp, ignore_errors=True)
     if not outcome.ok:
         raise ModelError(f"running {model_dir} failed ({outcome.status}): {_strip_kind(outcome.message)}")
-    outs, samples = outcome.value
-    return ModelRun(tuple(outs), LatencyStats.of(samples) if samples else None)
+    outs, samples, used = outcome.value
+    return ModelRun(tuple(outs), Latency.of(samples, used) if samples else None)
 
 
-def run_job(lib_path: str, inputs_npz: str, repeat: int, warmup: int) -> tuple[list[np.ndarray], list[float]]:
-    """Child side of `run_model`."""
+def run_job(
+    lib_path: str, inputs_npz: str, repeat: int | None, warmup: int = WARMUP_CALLS
+) -> tuple[list[np.ndarray], list[float], int]:
+    """Child side of `run_model` (and of the farm's model runs): the outputs of one call,
+    the latency samples of `timing.time_calls` (none when `repeat` is 0), and the
+    threads of TVM's pool."""
     import tvm
     from tvm import relax
 
@@ -356,15 +354,12 @@ def run_job(lib_path: str, inputs_npz: str, repeat: int, warmup: int) -> tuple[l
     vm = relax.VirtualMachine(tvm.runtime.load_module(lib_path), dev)
     with np.load(inputs_npz) as data:
         args = [tvm.runtime.tensor(data[f"arr_{i}"], dev) for i in range(len(data.files))]
-    result = vm["main"](*args)
-    outputs = [t.numpy() for t in _flatten(result)]
+    main = vm["main"]
+    outputs = [t.numpy() for t in _flatten(main(*args))]
     samples: list[float] = []
-    if repeat > 0:
-        for _ in range(max(0, warmup - 1)):
-            vm["main"](*args)
-        timer = vm.time_evaluator("main", dev, number=1, repeat=repeat)
-        samples = list(timer(*args).results)
-    return outputs, samples
+    if repeat != 0:
+        samples = time_calls(lambda: main(*args), runs=repeat, warmup_calls=warmup)
+    return outputs, samples, int(tvm.runtime.num_threads())
 
 
 def _flatten(value) -> list:
@@ -375,88 +370,83 @@ def _flatten(value) -> list:
     return [t for item in value for t in _flatten(item)]
 
 
-# -- checking against onnxruntime -------------------------------------------------------------
+# -- checking and timing against onnxruntime --------------------------------------------------
 
 
-@dataclass(frozen=True)
-class OutputComparison:
-    max_abs_error: float  # over all outputs
-    max_rel_error: float  # max_abs_error of an output / max |reference| of that output, worst output
-    within_tolerance: bool
-    rtol: float = OUTPUT_RTOL
-    atol: float = OUTPUT_ATOL
-
-
-def compare_outputs(
-    model_dir: str | Path,
-    onnx_model: Any,
-    *,
-    seed: int = 0,
-    rtol: float = OUTPUT_RTOL,
-    atol: float = OUTPUT_ATOL,
-    worker: IsolatedWorker | None = None,
-) -> OutputComparison:
-    """Run the built model and onnxruntime (2 intra-op threads) on one seeded random
-    input and compare: an output passes when max|tvm - ort| <= atol + rtol * max|ort|.
-
-    `onnx_model` is the ONNX graph (bytes, path or ModelProto), e.g. `ImportedModel.onnx_bytes`.
-    """
-    from tunefarm.models.importer import random_inputs, run_onnxruntime
+def check_library(model_dir: str | Path, onnx_model: Any, *, worker: IsolatedWorker | None = None) -> ModelCheck:
+    """Run the built model and onnxruntime on every input kind of `tunefarm.models.check`
+    and compare them (`check.check_model`). `onnx_model` is the ONNX graph (bytes, path
+    or ModelProto) the model was imported from."""
+    from tunefarm.models.importer import run_onnxruntime
 
     manifest = load_manifest(model_dir)
     specs = manifest["inputs"]
-    feeds = random_inputs(
-        {s["name"]: s["shape"] for s in specs}, {s["name"]: s["dtype"] for s in specs}, seed=seed
-    )
     if isinstance(onnx_model, (str, os.PathLike)):
         onnx_model = Path(onnx_model).read_bytes()
+
+    def reference(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        try:
+            return run_onnxruntime(onnx_model, feeds)
+        except Exception as exc:
+            raise ModelError(f"onnxruntime cannot run the reference model: {summarize_error(str(exc))}") from None
+
+    inputs = check.check_inputs({s["name"]: s["shape"] for s in specs}, {s["name"]: s["dtype"] for s in specs})
+    own = worker or model_worker(model_threads(model_dir))
     try:
-        want = run_onnxruntime(onnx_model, feeds)
-    except Exception as exc:
-        raise ModelError(f"onnxruntime cannot run the reference model: {summarize_error(str(exc))}") from None
-    got = run_model(model_dir, feeds, repeat=0, worker=worker).outputs
-    if len(got) != len(want):
-        raise ModelError(f"the built model has {len(got)} outputs, onnxruntime gives {len(want)}")
-    worst_abs, worst_rel, ok = 0.0, 0.0, True
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g.shape != w.shape:
-            raise ModelError(f"output {i}: shape {g.shape} from the built model, {w.shape} from onnxruntime")
-        g64, w64 = g.astype(np.float64), w.astype(np.float64)
-        err = float(np.max(np.abs(g64 - w64))) if w.size else 0.0
-        scale = float(np.max(np.abs(w64))) if w.size else 0.0
-        if not np.isfinite(err):
-            err = float("inf")
-        worst_abs = max(worst_abs, err)
-        worst_rel = max(worst_rel, err / scale if scale else (0.0 if err == 0 else float("inf")))
-        ok = ok and err <= atol + rtol * scale
-    return OutputComparison(worst_abs, worst_rel, ok, rtol, atol)
+        return check.check_model(
+            lambda feeds: run_model(model_dir, feeds, repeat=0, worker=own).outputs,
+            reference,
+            inputs,
+            reference_name="onnxruntime",
+            output_names=[s["name"] for s in manifest["outputs"]],
+        )
+    finally:
+        if worker is None:
+            own.close()
 
 
 def time_onnxruntime(
-    onnx_model: Any, inputs: Mapping[str, np.ndarray], *, repeat: int = 30, warmup: int = 3, threads: int = 2
-) -> LatencyStats:
-    """onnxruntime's latency on the same inputs (CPU provider, `threads` intra-op threads),
-    measured in this process: the benchmark's reference column."""
-    import onnxruntime as ort
-
+    onnx_model: Any,
+    inputs: Mapping[str, np.ndarray],
+    *,
+    threads: int,
+    repeat: int | None = None,
+    timeout: float = RUN_TIMEOUT,
+) -> Latency:
+    """onnxruntime's latency on the same inputs (CPU provider, `threads` intra-op
+    threads, one inter-op thread), timed by `timing.time_calls` in a child process as
+    `run_model` times a built model."""
     if isinstance(onnx_model, (str, os.PathLike)):
         onnx_model = Path(onnx_model).read_bytes()
     elif not isinstance(onnx_model, bytes):
         onnx_model = onnx_model.SerializeToString()
+    tmp = tempfile.mkdtemp(prefix="tunefarm-ort-")
+    try:
+        model_path = os.path.join(tmp, "model.onnx")
+        Path(model_path).write_bytes(onnx_model)
+        npz = os.path.join(tmp, "inputs.npz")
+        np.savez(npz, **dict(inputs))
+        with IsolatedWorker(name="ort-timing") as worker:
+            outcome = worker.call(f"{_JOBS}:ort_timing_job", model_path, npz, threads, repeat, timeout=timeout)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not outcome.ok:
+        raise ModelError(f"timing onnxruntime failed ({outcome.status}): {_strip_kind(outcome.message)}")
+    return Latency.of(outcome.value, threads)
+
+
+def ort_timing_job(model_path: str, inputs_npz: str, threads: int, repeat: int | None) -> list[float]:
+    """Child side of `time_onnxruntime`."""
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
-    session = ort.InferenceSession(onnx_model, options, providers=["CPUExecutionProvider"])
-    feeds = dict(inputs)
-    for _ in range(warmup):
-        session.run(None, feeds)
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        session.run(None, feeds)
-        samples.append(time.perf_counter() - t0)
-    return LatencyStats.of(samples)
+    session = ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
+    with np.load(inputs_npz) as data:
+        feeds = {name: data[name] for name in data.files}
+    return time_calls(lambda: session.run(None, feeds), runs=repeat)
 
 
 # -- helpers --------------------------------------------------------------------------------

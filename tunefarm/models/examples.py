@@ -15,6 +15,10 @@ statistics included, so no layer is an identity), put in eval mode and exported 
   head on 1x3x32x32; small enough to tune every task in a few minutes (the demo).
 - ``conv_bn_relu``: a stem conv+bn+relu and two identical conv+bn+relu blocks, so one
   fused task is used twice (weight 2). For task-extraction tests.
+- ``dbnet``: a DBNet text detector at 256x256 (backbone, FPN with nearest and bilinear
+  Resize and concat, ConvTranspose heads with sigmoid: probability and threshold maps);
+  ``dbnet_tiny`` is the same structure with two backbone stages of one block, 8 and 16
+  channels, at 32x32: it tunes in seconds (for tests).
 - ``reshape_pattern``: a small CNN with a dynamic batch dimension whose flatten computes
   the Reshape target from Shape/Gather/ReduceProd/Div/Concat, as older converters emit it.
   TVM's Relax ONNX frontend rejects that graph ("Node /ReduceProd cannot handle ShapeExpr
@@ -64,6 +68,7 @@ class ExampleModel:
     build: Callable[[], Any]  # -> torch.nn.Module in eval mode
     dynamic_batch: bool = False  # export the first input dimension as "batch"
     legacy_exporter: bool = False  # use the TorchScript exporter (see the module docstring)
+    output_names: tuple[str, ...] = ("y",)
 
 
 def _torch():
@@ -274,6 +279,76 @@ def _reshape_pattern():
     return ReshapePattern()
 
 
+def _dbnet(widths: tuple[int, ...], inner: int, blocks: int = 2):
+    """A DBNet text detector (Liao et al., AAAI 2020) as deployed for inference: a
+    ResNet-style backbone (`blocks` basic blocks per stage, one stage per width, strides
+    4, 8, ...), an FPN whose top-down path
+    upsamples with nearest Resize and whose four levels are brought to 1/4 resolution
+    with bilinear Resize and concatenated, and the DB head: conv3x3+BN+ReLU, two
+    ConvTranspose 2x2/2 (the first with BN+ReLU) and a sigmoid, giving the text
+    probability map at the input's resolution; a second, identical head gives the
+    threshold map (both are outputs)."""
+    torch = _torch()
+    nn = torch.nn
+    F = nn.functional
+
+    def conv_bn_relu(cin: int, cout: int, k: int, stride: int = 1):
+        return nn.Sequential(_conv_bn(torch, cin, cout, k, stride), nn.ReLU())
+
+    class BasicBlock(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int):
+            super().__init__()
+            self.body = nn.Sequential(conv_bn_relu(cin, cout, 3, stride), _conv_bn(torch, cout, cout, 3))
+            self.down = _conv_bn(torch, cin, cout, 1, stride) if stride != 1 or cin != cout else None
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + (x if self.down is None else self.down(x)))
+
+    class Head(nn.Module):
+        def __init__(self, cin: int):
+            super().__init__()
+            mid = cin // 4
+            self.conv = conv_bn_relu(cin, mid, 3)
+            self.up1 = nn.Sequential(nn.ConvTranspose2d(mid, mid, 2, stride=2), nn.BatchNorm2d(mid), nn.ReLU())
+            self.up2 = nn.ConvTranspose2d(mid, 1, 2, stride=2)
+
+        def forward(self, x):
+            return torch.sigmoid(self.up2(self.up1(self.conv(x))))
+
+    class DBNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(conv_bn_relu(3, widths[0], 3, 2), nn.MaxPool2d(3, 2, 1))  # 1/4
+            stages, cin = [], widths[0]
+            for i, w in enumerate(widths):
+                stages.append(nn.Sequential(BasicBlock(cin, w, 1 if i == 0 else 2),
+                                            *(BasicBlock(w, w, 1) for _ in range(blocks - 1))))
+                cin = w
+            self.stages = nn.ModuleList(stages)  # 1/4, 1/8, 1/16, 1/32
+            self.lateral = nn.ModuleList(nn.Conv2d(w, inner, 1, bias=False) for w in widths)
+            self.smooth = nn.ModuleList(nn.Conv2d(inner, inner // 4, 3, padding=1, bias=False) for _ in widths)
+            self.prob = Head(len(widths) * (inner // 4))  # the concatenated levels
+            self.thresh = Head(len(widths) * (inner // 4))
+
+        def forward(self, x):
+            feats, x = [], self.stem(x)
+            for stage in self.stages:
+                x = stage(x)
+                feats.append(x)
+            laterals = [lat(f) for lat, f in zip(self.lateral, feats)]
+            for i in range(len(laterals) - 1, 0, -1):  # top-down: nearest upsampling, add
+                laterals[i - 1] = laterals[i - 1] + F.interpolate(laterals[i], scale_factor=2.0, mode="nearest")
+            size = laterals[0].shape[-2:]
+            levels = [
+                F.interpolate(s(p), size=size, mode="bilinear", align_corners=False) if i else s(p)
+                for i, (s, p) in enumerate(zip(self.smooth, laterals))
+            ]
+            fused = torch.cat(levels, dim=1)
+            return self.prob(fused), self.thresh(fused)
+
+    return DBNet()
+
+
 EXAMPLES: dict[str, ExampleModel] = {
     m.name: m
     for m in (
@@ -304,6 +379,23 @@ EXAMPLES: dict[str, ExampleModel] = {
             _reshape_pattern,
             dynamic_batch=True,
             legacy_exporter=True,
+        ),
+        ExampleModel(
+            "dbnet",
+            "DBNet text detector: ResNet-style backbone, FPN (nearest + bilinear Resize, concat), "
+            "ConvTranspose+sigmoid heads, 1x3x256x256",
+            "x",
+            (1, 3, 256, 256),
+            lambda: _dbnet((16, 32, 64, 128), 64),
+            output_names=("prob", "thresh"),
+        ),
+        ExampleModel(
+            "dbnet_tiny",
+            "dbnet's structure with two stages of one block, 8-16 channels, 1x3x32x32 (for tests)",
+            "x",
+            (1, 3, 32, 32),
+            lambda: _dbnet((8, 16), 16, blocks=1),
+            output_names=("prob", "thresh"),
         ),
     )
 }
@@ -336,7 +428,7 @@ def export_example(name: str, path: str | Path) -> Path:
     net, x = build_example(name)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    kwargs: dict[str, Any] = {"input_names": [spec.input_name], "output_names": ["y"], "opset_version": OPSET}
+    kwargs: dict[str, Any] = {"input_names": [spec.input_name], "output_names": list(spec.output_names), "opset_version": OPSET}
     if spec.legacy_exporter:
         kwargs["dynamo"] = False
         if spec.dynamic_batch:

@@ -4,15 +4,20 @@ The service-agnostic half of `tunefarm tune` (embedded mode) and of the farm's s
 service, which both end a run the same way and write the same directory:
 
     model.so, manifest.json     the tuned model (`build_model_library`)
+    reference.onnx              the ONNX graph it was imported from (for `tunefarm run`'s
+                                onnxruntime column; ONNX models only)
     records.jsonl               every measurement, one `MeasureRecord` JSON line each
     report.json                 `model_report`: per task best and trials, check, latency
 
 Map:
 - `load_model` / `LoadedModel`: an imported model, its tasks and its reference
-  (onnxruntime for ONNX, the module itself for torch); `model_inputs` seeds its inputs;
+  (onnxruntime on the ONNX graph as given, the module itself for torch); `model_inputs`
+  seeds its inputs (the timing input, the first of the check's input kinds);
 - `batch_size_for`: measurements per round for a model's budget and task count;
-- `finish_model`: build with the tasks' best schedules, run, `compare` against the
-  reference (a mismatch is an error and the library is not kept), time, `ModelOutcome`;
+- `finish_model`: build with the tasks' best schedules, check it against the reference
+  on every input kind (`tunefarm.models.check`; a mismatch is an error and the library
+  is not kept), time it and onnxruntime on the same threads (`tunefarm.models.timing`),
+  `ModelOutcome`;
 - `TaskOutcome` + `TuningSummary` -> `model_report`: the report as plain data, from
   whatever ran the search (embedded mode's `TuneResult`, the farm's sessions);
 - `write_records`, `archive_directory`: the records file and the one-file archive of a
@@ -37,23 +42,24 @@ from typing import Any
 import numpy as np
 
 from tunefarm.errors import ModelError
-from tunefarm.models.build import build_default_library, build_model_library, run_model, time_onnxruntime
-from tunefarm.models.importer import ImportedModel, import_model, random_inputs
+from tunefarm.models import check
+from tunefarm.models.build import (
+    build_default_library,
+    build_model_library,
+    model_threads,
+    model_worker,
+    run_model,
+    time_onnxruntime,
+)
+from tunefarm.models.importer import ImportedModel, import_model
 from tunefarm.models.tasks import ModelTasks, extract_tasks
 from tunefarm.records import MeasureRecord
 
 RECORDS_NAME = "records.jsonl"
 REPORT_NAME = "report.json"
+REFERENCE_NAME = "reference.onnx"
 
 REPORT_VERSION = 1
-
-CHECK_RTOL = 1e-3
-"""An output matches the reference when max|out - ref| <= CHECK_ATOL + CHECK_RTOL * max|ref|."""
-
-CHECK_ATOL = 1e-5
-
-LATENCY_REPEAT = 30
-"""Timed inferences of the tuned model (median and p90 are reported)."""
 
 DEFAULT_BUILD_REPEAT = 5
 """Timed inferences of TVM's untuned default build (it is slow; a few are enough)."""
@@ -70,6 +76,9 @@ class LoadedModel:
     tasks: ModelTasks
     reference: Callable[[dict[str, np.ndarray]], list[np.ndarray]]
     reference_name: str  # "onnxruntime" or "torch"
+    # The ONNX graph as given (before simplification): the check's reference and the
+    # graph onnxruntime is timed on. None for a torch module.
+    reference_onnx: bytes | None = None
 
     @property
     def name(self) -> str:
@@ -104,7 +113,10 @@ def load_model(
     imported = import_model(source, input_shapes, name=name, example_inputs=example_inputs)
     tasks = extract_tasks(imported, name=name)
     if imported.onnx_bytes is not None:
-        return LoadedModel(imported, tasks, onnx_reference(imported.onnx_bytes), "onnxruntime")
+        # The reference is the graph the user has, not the simplified one TVM converted:
+        # a simplification that moved the results must not move the reference with them.
+        original = _onnx_bytes(source) or imported.onnx_bytes
+        return LoadedModel(imported, tasks, onnx_reference(original), "onnxruntime", original)
 
     module = source
 
@@ -119,6 +131,16 @@ def load_model(
     return LoadedModel(imported, tasks, torch_reference, "torch")
 
 
+def _onnx_bytes(source: Any) -> bytes | None:
+    """The serialized ONNX graph of an ONNX source (a path, bytes or a ModelProto)."""
+    if isinstance(source, (str, Path)):
+        return Path(source).read_bytes()
+    if isinstance(source, bytes):
+        return source
+    serialize = getattr(source, "SerializeToString", None)
+    return serialize() if callable(serialize) else None
+
+
 def onnx_reference(onnx_bytes: bytes) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     """Reference outputs of an ONNX graph from onnxruntime."""
 
@@ -130,9 +152,15 @@ def onnx_reference(onnx_bytes: bytes) -> Callable[[dict[str, np.ndarray]], list[
     return reference
 
 
-def model_inputs(model: LoadedModel, seed: int = 0) -> dict[str, np.ndarray]:
+def check_inputs(model: LoadedModel) -> dict[str, dict[str, np.ndarray]]:
+    """The inputs of the output check, one set per input kind (`tunefarm.models.check`)."""
     specs = model.imported.inputs
-    return random_inputs({t.name: t.shape for t in specs}, {t.name: t.dtype for t in specs}, seed=seed)
+    return check.check_inputs({t.name: t.shape for t in specs}, {t.name: t.dtype for t in specs})
+
+
+def model_inputs(model: LoadedModel) -> dict[str, np.ndarray]:
+    """The timing input: the first input kind's set."""
+    return check_inputs(model)[check.INPUT_KINDS[0].name]
 
 
 def batch_size_for(trials: int, n_tasks: int, largest: int = 32) -> int:
@@ -153,10 +181,10 @@ class ModelOutcome:
 
     name: str
     directory: Path | None  # None when the build or the check failed
-    latency: dict | None  # {"median": s, "p90": s}
-    check: dict  # {"reference": ..., "max_abs_error", "max_rel_error", "rtol", "atol", "ok"}
+    latency: dict | None  # `Latency.as_report()`: mean, median (p50), p90, p99, threads, runs
+    check: dict  # `ModelCheck.as_report()` (ok, reference, per input kind and output, tolerance)
     default_latency: dict | None
-    onnxruntime_latency: dict | None = None  # 2 intra-op threads, same input
+    onnxruntime_latency: dict | None = None  # the same timing, input and thread count
     error: str = ""
     # Where the check and the latency were taken when not on this host: a device class's
     # agent {"device_class", "agent", "emulated", ...}; `emulated` means the latency is
@@ -191,21 +219,17 @@ def finish_model(
         schedules=mine,
         name=m.name,
     )
-    feeds = model_inputs(m)
-    run = run_model(directory, feeds, repeat=LATENCY_REPEAT)
-    want = m.reference(feeds)
-    check = compare(run.outputs, want)
-    check["reference"] = m.reference_name
-    if not check["ok"]:
+    result = check_built(m, directory)
+    checked = result.as_report()
+    if not result.ok:
         built.library.unlink(missing_ok=True)
-        msg = (
-            f"{m.name}: the tuned model's output differs from {m.reference_name}'s "
-            f"(max abs error {check['max_abs_error']:.3g}, max rel error {check['max_rel_error']:.3g}); "
-            "the library was not kept"
-        )
+        msg = f"{m.name}: the tuned model's output differs from {m.reference_name}'s: {result.problem()}; the library was not kept"
         log(msg)
-        return ModelOutcome(m.name, None, None, check, None, None, msg)
-    latency = {"median": run.latency.median, "p90": run.latency.p90} if run.latency else None
+        return ModelOutcome(m.name, None, None, checked, None, None, msg)
+    feeds = model_inputs(m)
+    threads = model_threads(directory)
+    run = run_model(directory, feeds, threads=threads)
+    latency = run.latency.as_report() if run.latency else None
     default_latency = None
     if compare_default:
         log(f"{m.name}: building and timing TVM's default (untuned) build for comparison")
@@ -214,36 +238,25 @@ def finish_model(
             m.tasks.fused_mod, default_dir, target=target, inputs=m.imported.inputs, outputs=m.imported.outputs,
             name=f"{m.name} (untuned)",
         )
-        d = run_model(default_dir, feeds, repeat=DEFAULT_BUILD_REPEAT, warmup=1)
-        default_latency = {"median": d.latency.median, "p90": d.latency.p90} if d.latency else None
+        d = run_model(default_dir, feeds, repeat=DEFAULT_BUILD_REPEAT, threads=threads)
+        default_latency = d.latency.as_report() if d.latency else None
     ort_latency = None
-    if m.imported.onnx_bytes is not None:
-        ort = time_onnxruntime(m.imported.onnx_bytes, feeds, repeat=LATENCY_REPEAT)
-        ort_latency = {"median": ort.median, "p90": ort.p90}
-    return ModelOutcome(m.name, directory, latency, check, default_latency, ort_latency)
+    if m.reference_onnx is not None:
+        (directory / REFERENCE_NAME).write_bytes(m.reference_onnx)
+        ort_latency = time_onnxruntime(m.reference_onnx, feeds, threads=threads).as_report()
+    return ModelOutcome(m.name, directory, latency, checked, default_latency, ort_latency)
 
 
-def compare(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> dict:
-    """Max abs / rel error of the outputs against the reference, and whether every output
-    is within CHECK_ATOL + CHECK_RTOL * max|reference|."""
-    if len(got) != len(want):
-        return {"ok": False, "max_abs_error": math.inf, "max_rel_error": math.inf, "rtol": CHECK_RTOL,
-                "atol": CHECK_ATOL, "problem": f"{len(got)} outputs, the reference has {len(want)}"}
-    worst_abs = worst_rel = 0.0
-    ok = True
-    for g, w in zip(got, want):
-        g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        if g64.shape != w64.shape:
-            return {"ok": False, "max_abs_error": math.inf, "max_rel_error": math.inf, "rtol": CHECK_RTOL,
-                    "atol": CHECK_ATOL, "problem": f"shape {g64.shape}, reference {w64.shape}"}
-        err = float(np.max(np.abs(g64 - w64))) if w64.size else 0.0
-        if not math.isfinite(err):
-            err = math.inf
-        scale = float(np.max(np.abs(w64))) if w64.size else 0.0
-        worst_abs = max(worst_abs, err)
-        worst_rel = max(worst_rel, err / scale if scale else (0.0 if err == 0 else math.inf))
-        ok = ok and err <= CHECK_ATOL + CHECK_RTOL * scale
-    return {"ok": ok, "max_abs_error": worst_abs, "max_rel_error": worst_rel, "rtol": CHECK_RTOL, "atol": CHECK_ATOL}
+def check_built(m: LoadedModel, directory: Path) -> check.ModelCheck:
+    """The model built in `directory` against its reference on every input kind."""
+    with model_worker(model_threads(directory)) as worker:
+        return check.check_model(
+            lambda feeds: run_model(directory, feeds, repeat=0, worker=worker).outputs,
+            m.reference,
+            check_inputs(m),
+            reference_name=m.reference_name,
+            output_names=[t.name for t in m.imported.outputs],
+        )
 
 
 # -- the report -------------------------------------------------------------------------------

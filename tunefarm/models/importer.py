@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from tunefarm.errors import ModelError, UsageError
+from tunefarm.models.check import random_inputs  # noqa: F401  (the import check's input; re-exported)
 from tunefarm.models.external_data import inline_external_data, refuse_external_data
 from tunefarm.records import TensorSpec
 
@@ -65,7 +66,7 @@ max(1, largest |original output|). Folding constants reorders float arithmetic
 (BN folding, for instance), which moves results by ~1e-7 relative, never by 1e-4."""
 
 CHECK_SEED = 0
-"""Seed of the random input used to check the simplified graph against the original."""
+"""Seed of the random input (standard normal) used to check the simplified graph against the original."""
 
 ORT_THREADS = 2
 """Intra-op threads of the onnxruntime sessions used for checking."""
@@ -349,24 +350,6 @@ def _compare_with_ort(original, simplified, shapes, dtypes) -> tuple[str, str] |
         if not err <= SIMPLIFY_TOLERANCE * scale:
             return "differs", f"changes output {i} by {err:.3g} (allowed {SIMPLIFY_TOLERANCE * scale:.3g})"
     return None
-
-
-def random_inputs(
-    shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, str], *, seed: int = CHECK_SEED
-) -> dict[str, np.ndarray]:
-    """Seeded inputs: standard normal floats, integers in [0, 2) (valid token ids and
-    indices for any vocabulary), booleans."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for n, shape in shapes.items():
-        dtype = np.dtype(dtypes.get(n, "float32"))
-        if dtype.kind == "f":
-            feeds[n] = rng.standard_normal(tuple(shape)).astype(dtype)
-        elif dtype.kind == "b":
-            feeds[n] = rng.integers(0, 2, tuple(shape)).astype(bool)
-        else:
-            feeds[n] = rng.integers(0, 2, tuple(shape)).astype(dtype)
-    return feeds
 
 
 def run_onnxruntime(

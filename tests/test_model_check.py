@@ -1,0 +1,184 @@
+"""The output check of a tuned model (`tunefarm.models.check`) and how a model is timed
+(`tunefarm.models.timing`): element-wise tolerances on several input kinds, a detector
+(sigmoid heads, upsampling, concat) tuned end to end that matches onnxruntime on every
+kind, a deliberately wrong kernel that the check catches (the library is not kept, the
+command fails with one line), and `tunefarm run` timing the model and onnxruntime alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tunefarm.models import check
+from tunefarm.models.check import ModelCheck, check_inputs, compare_output
+from tunefarm.models.timing import Latency, time_calls
+
+TARGET = {"kind": "llvm", "num-cores": 2}
+
+
+def _sigmoid_map() -> np.ndarray:
+    x = np.linspace(-9.0, 9.0, 4096).reshape(1, 1, 64, 64)
+    return (1 / (1 + np.exp(-x))).astype(np.float32)
+
+
+def test_small_elements_are_held_to_their_own_scale():
+    """A probability map wrong by 5e-4 wherever it is below 0.01: within 1e-3 of its
+    largest value (the old criterion), but 5% off those elements."""
+    want = _sigmoid_map()
+    got = np.where(want < 0.01, want + 5e-4, want).astype(np.float32)
+    assert np.max(np.abs(got - want)) <= 1e-5 + 1e-3 * np.max(np.abs(want))  # what used to pass
+    err = compare_output(got, want, input_kind="uniform", output="prob")
+    assert not err.ok and err.mismatched == int((want < 0.01).sum())
+    index, value, reference = err.worst
+    assert reference < 0.01 and value == pytest.approx(reference + 5e-4, abs=1e-6)
+    assert "output prob on uniform input" in err.describe()
+    assert compare_output(want * (1 + 1e-6), want, input_kind="uniform", output="prob").ok  # float32 noise passes
+
+
+def test_non_finite_values_shapes_and_counts():
+    want = np.array([1.0, np.inf, -np.inf, np.nan, 0.0], np.float32)
+    assert compare_output(want.copy(), want, input_kind="normal", output="y").ok
+    wrong = want.copy()
+    wrong[1] = 3.0
+    assert compare_output(wrong, want, input_kind="normal", output="y").mismatched == 1
+    assert compare_output(np.array([np.nan], np.float32), np.array([1.0], np.float32), input_kind="n", output="y").mismatched == 1
+    assert compare_output(np.zeros(3, np.float32), np.zeros(3, np.float32), input_kind="n", output="y").ok
+    assert not compare_output(np.zeros(2), np.zeros(3), input_kind="n", output="y").ok
+    (count,) = check.compare_outputs([], [want], input_kind="n")
+    assert not count.ok and "0 outputs" in count.problem
+
+
+def test_input_kinds_cover_the_ranges_a_first_layer_may_expect():
+    sets = check_inputs({"img": (1, 3, 16, 16), "ids": (1, 8)}, {"img": "float32", "ids": "int64"})
+    assert list(sets) == ["normal", "uniform", "pixels"]
+    assert sets["normal"]["img"].min() < 0 < sets["normal"]["img"].max()
+    assert 0 <= sets["uniform"]["img"].min() and sets["uniform"]["img"].max() < 1
+    assert 0 <= sets["pixels"]["img"].min() and 100 < sets["pixels"]["img"].max() < 255
+    assert all(s["img"].dtype == np.float32 and set(np.unique(s["ids"])) <= {0, 1} for s in sets.values())
+    again = check_inputs({"img": (1, 3, 16, 16)}, {"img": "float32"})
+    assert np.array_equal(again["pixels"]["img"], sets["pixels"]["img"])  # seeded
+
+
+def test_the_check_compares_every_kind_and_reports_the_tolerance():
+    def reference(feeds):
+        return [feeds["x"] * 2.0]
+
+    def run(feeds):  # wrong only for inputs above 10: only the real-range kind has them
+        x = feeds["x"]
+        return [np.where(x > 10.0, x * 2.01, x * 2.0)]
+
+    shapes, dtypes = {"x": (4, 4)}, {"x": "float32"}
+    result = check.check_model(run, reference, check_inputs(shapes, dtypes), reference_name="onnxruntime",
+                               output_names=["y"])
+    assert not result.ok and [e.ok for e in result.errors] == [True, True, False]
+    report = result.as_report()
+    assert report["tolerance"]["rtol"] == check.RTOL and report["tolerance"]["atol_of_scale"] == check.ATOL_OF_SCALE
+    assert [(r["input"], r["output"], r["ok"]) for r in report["outputs"]] == [
+        ("normal", "y", True), ("uniform", "y", True), ("pixels", "y", False)]
+    assert "output y on pixels input" in report["problem"]
+    assert ModelCheck("torch", ()).ok is False  # nothing compared is no match
+
+
+def test_timing_warms_up_and_reports_percentiles_and_threads():
+    calls = []
+    samples = time_calls(lambda: calls.append(1), runs=50, warmup_secs=0.01)
+    assert len(samples) == 50 and len(calls) > 50  # the warm-up calls are not samples
+    lat = Latency.of(samples, threads=3)
+    assert lat.median <= lat.p90 <= lat.p99 and lat.mean > 0 and lat.runs == 50
+    assert lat.as_report()["threads"] == 3 and "samples" not in lat.as_report()
+
+
+# -- end to end ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tuned_detector(tmp_path_factory) -> tuple[Path, Path, int]:
+    """dbnet_tiny (sigmoid heads, nearest and bilinear Resize, concat, ConvTranspose)
+    tuned with one trial per task and a few more, through the command line."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    from tunefarm.models import examples
+    from tunefarm_app.cli import main
+
+    work = tmp_path_factory.mktemp("detector")
+    onnx_path = examples.export_example("dbnet_tiny", work / "dbnet_tiny.onnx")
+    out = work / "tuned"
+    code = main(["tune", str(onnx_path), "--trials", "20", "--out", str(out), "--target", json.dumps(TARGET),
+                 "--no-progress"])
+    return onnx_path, out, code
+
+
+@pytest.mark.slow
+def test_tuned_detector_matches_onnxruntime_on_every_input_kind(tuned_detector, capsys):
+    from tunefarm_app.cli import main
+
+    _, out, code = tuned_detector
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    (model,) = report["models"]
+    assert sum(t["schedule"] == "tuned" for t in model["tasks"]) >= 12  # most tasks run tuned kernels
+    checked = model["check"]
+    assert checked["ok"] and checked["reference"] == "onnxruntime"
+    assert {(r["input"], r["output"]) for r in checked["outputs"]} == {
+        (k, o) for k in ("normal", "uniform", "pixels") for o in ("prob", "thresh")}
+    assert all(r["mismatched"] == 0 and r["max_rel_error"] < 1e-4 for r in checked["outputs"])
+    assert checked["tolerance"]["rule"].startswith("|out - ref|")
+    for key in ("latency", "onnxruntime_latency"):
+        lat = model[key]
+        assert lat["threads"] == 2 and lat["runs"] >= 20 and 0 < lat["median"] <= lat["p90"] <= lat["p99"]
+    assert (out / "reference.onnx").is_file()
+
+    capsys.readouterr()
+    assert main(["run", str(out), "--threads", "1", "--repeat", "25"]) == 0
+    text = capsys.readouterr().out
+    assert "p50" in text and "p99" in text and "(25 runs, 1 threads)" in text
+    assert text.count("(25 runs, 1 threads)") == 2  # the tuned model and onnxruntime, alike
+    assert "x the speed of onnxruntime" in text
+
+
+@pytest.mark.slow
+def test_a_wrong_kernel_fails_the_check_and_the_library_is_not_kept(tuned_detector, tmp_path, capsys):
+    """The best record of the sigmoid head's task is given a schedule that stores the
+    transposed convolution's sums as integers: every kernel of a real run is checked,
+    but records can come from anywhere; the model check must stop this one."""
+    from tvm.s_tir import Schedule
+
+    from services.scheduler.realize import trace_json
+    from tunefarm.models.finish import load_model
+    from tunefarm.records import MeasureRecord
+    from tunefarm_app.cli import main
+
+    onnx_path, out, _ = tuned_detector
+    loaded = load_model(onnx_path, name="dbnet_tiny")
+    head = next(t for t in loaded.tasks.tasks if "sigmoid" in t.name)
+    sch = Schedule(head.workload.mod)
+    sch.unsafe_set_dtype(sch.get_sblock("compute"), 0, "int32")
+    wrong = trace_json(sch)
+
+    lines = (out / "records.jsonl").read_text().splitlines()
+    records = [MeasureRecord.from_json(line) for line in lines]
+    mine = [i for i, r in enumerate(records) if r.workload == head.workload.name and r.is_valid]
+    assert mine
+    records[mine[0]] = MeasureRecord.from_json(
+        json.dumps({**json.loads(lines[mine[0]]), "trace": wrong, "costs": [1e-9]}))
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "records.jsonl").write_text("".join(r.to_json() + "\n" for r in records))
+    sidecar = out / "records.jsonl.workloads"
+    if sidecar.exists():
+        (again / "records.jsonl.workloads").write_bytes(sidecar.read_bytes())
+
+    capsys.readouterr()
+    code = main(["tune", str(onnx_path), "--trials", str(len(records)), "--out", str(again),
+                 "--target", json.dumps(TARGET), "--no-progress"])  # resumes every record: nothing is measured
+    text = capsys.readouterr().out
+    assert code == 1
+    error = next(line for line in text.splitlines() if line.startswith("error"))
+    assert "differs from onnxruntime's: output" in error and "the library was not kept" in error
+    assert not (again / "model.so").exists()
+    report = json.loads((again / "report.json").read_text())
+    checked = report["models"][0]["check"]
+    assert checked["ok"] is False and any(r["mismatched"] for r in checked["outputs"])
