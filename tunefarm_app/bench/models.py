@@ -323,8 +323,8 @@ def _note_model(row: ModelRow, result, who: str) -> None:
         row.notes.append(f"{who}: {len(untuned)} task(s) kept the default build: {', '.join(untuned[:4])}")
 
 
-def _ms(secs: float | None) -> str:
-    return f"{secs * 1e3:.2f}" if secs is not None and math.isfinite(secs) else "n/a"
+def _ms(secs: float | None, digits: int = 2) -> str:
+    return f"{secs * 1e3:.{digits}f}" if secs is not None and math.isfinite(secs) else "n/a"
 
 
 def _x(r: float | None) -> str:
@@ -391,8 +391,8 @@ def reach_table(rows: list[ModelRow]) -> list[str]:
             if "on->off" in r.reach:
                 est = r.final_estimates
                 lines.append(
-                    f"  {r.model}: final estimate on {_ms(est.get('ours'))} ms, off {_ms(est.get('ablation_off'))} ms;"
-                    f" timed on {_ms(r.ours)} ms, off {_ms(r.ablation_off)} ms"
+                    f"  {r.model}: final estimate on {_ms(est.get('ours'), 4)} ms, off {_ms(est.get('ablation_off'), 4)} ms;"
+                    f" timed on {_ms(r.ours, 4)} ms, off {_ms(r.ablation_off, 4)} ms"
                 )
     return lines
 
