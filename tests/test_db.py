@@ -446,6 +446,22 @@ def test_heartbeat_keeps_a_lease_and_expire_leases_requeues(db_sessions):
     assert again is not None and again.batch_id == held.batch_id
 
 
+def test_classes_with_work_are_those_an_agent_could_lease_from(db_sessions):
+    farm = make_farm(db_sessions, batches=1)
+    idle = make_farm(db_sessions, batches=1, ready=False)
+
+    def with_work(now=None):
+        with transaction(db_sessions) as s:
+            return queries.classes_with_work(s, now=now) & {farm.device_class_id, idle.device_class_id}
+
+    assert with_work() == {farm.device_class_id}  # a ready batch; the other class's is only building
+    held = lease(db_sessions, farm.agent_ids[0])
+    assert with_work() == set()  # leased, under a live lease
+    t0 = db_now(db_sessions)
+    assert with_work(now=t0 + timedelta(seconds=LEASE_SECS + 1)) == {farm.device_class_id}  # its lease expired
+    assert lease(db_sessions, farm.agent_ids[1], now=t0 + timedelta(seconds=LEASE_SECS + 1)).batch_id == held.batch_id
+
+
 def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessions):
     farm = make_farm(db_sessions, batches=1)
     a, b = farm.agent_ids

@@ -335,6 +335,22 @@ def _token_revoked(session: Session, token_id: int) -> bool:
     return session.scalar(select(Token.revoked_at.is_not(None)).where(Token.id == token_id)) is not False
 
 
+def classes_with_work(session: Session, *, now: datetime | None = None) -> set[int]:
+    """The device classes with something to lease: a batch ready, or leased under an
+    expired lease, or a model run likewise (what `lease_next_batch` and `lease_model_run`
+    would find). One query for every class: a lease service with many waiting agents
+    asks this instead of each agent trying to lease."""
+    at = _now(now)
+    expired = exists().where(Lease.batch_id == Batch.id, Lease.state == LeaseState.ACTIVE, Lease.expires_at < at)
+    batches = select(Batch.device_class_id).where(
+        Batch.state.in_([BatchState.READY, BatchState.LEASED]), or_(Batch.state == BatchState.READY, expired)
+    )
+    runs = select(ModelRun.device_class_id).where(
+        or_(ModelRun.state == ModelRunState.READY, and_(ModelRun.state == ModelRunState.LEASED, ModelRun.expires_at < at))
+    )
+    return {int(c) for c in session.scalars(batches.distinct().union(runs.distinct()))}
+
+
 def _mark_busy(session: Session, agent_id: int) -> None:
     """The agent holds something now (unless an operator disabled it)."""
     session.execute(

@@ -7,6 +7,12 @@ Map:
   `services.db.queries`, and maps exceptions to status codes (`_status`). All state is in
   PostgreSQL, so the service can restart (or run as several replicas) at any time: an
   agent's calls fail with UNAVAILABLE meanwhile and it retries.
+- `LeaseBatch` is a long poll (`lease_wait_secs`); while it waits it tries to lease
+  only when its class has something to lease (`_WorkBoard`: one query per
+  `lease_recheck_secs` for every waiting agent together), so hundreds of idle agents
+  do not keep the database's connections from heartbeats and results; and at most
+  `grpc_max_workers - RPC_THREADS_KEPT_FREE` wait at once (more answer empty at once),
+  so they do not keep the RPC threads from them either.
 - `ReportResults` stores a stream's results in groups (`results_flush_secs`,
   `results_flush_max`): one transaction for the results that arrived together, and the
   lease's finish in the same transaction as the last group. Every stored result is
@@ -50,6 +56,7 @@ import argparse
 import functools
 import json
 import logging
+import math
 import platform
 import queue
 import signal
@@ -125,6 +132,11 @@ with `services.measurer.exceptions.from_rpc_error`."""
 
 CONTENTION_RETRIES = 3
 """Times a transaction that hit a deadlock or serialization failure is run again."""
+
+RPC_THREADS_KEPT_FREE = 16
+"""RPC threads a long poll (LeaseBatch waiting for a batch) never takes: with as many
+agents waiting as there are threads, heartbeats would queue behind them until their
+leases expired. A LeaseBatch that finds no free place answers at once, empty."""
 
 MAX_SKIPPED_PER_LEASE = 8
 """Batches one LeaseBatch may give up or close (nothing left) before it answers."""
@@ -269,6 +281,28 @@ def _streaming(method: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]
     return wrapper
 
 
+class _WorkBoard:
+    """Which device classes have something to lease (`queries.classes_with_work`), read
+    at most once per `interval` for every waiting LeaseBatch together: a long poll asks
+    the database to lease only when its class may have work, so many idle agents cost
+    one query per interval, not one each (which starved heartbeats of connections)."""
+
+    def __init__(self, sessions: sessionmaker[Session], interval: float):
+        self.sessions = sessions
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._classes: set[int] = set()
+        self._read_at = -math.inf
+
+    def has_work(self, device_class_id: int) -> bool:
+        with self._lock:  # one reader; the other waiting calls take its answer
+            if time.monotonic() - self._read_at >= self.interval:
+                with transaction(self.sessions) as s:
+                    self._classes = queries.classes_with_work(s)
+                self._read_at = time.monotonic()
+            return device_class_id in self._classes
+
+
 class AgentServicer(pb_grpc.AgentServiceServicer):
     def __init__(
         self,
@@ -280,6 +314,9 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         self.sessions = sessions
         self.auth = _Auth(sessions, settings.token_cache_secs, revocations)
         self.artifact_root = Path(settings.artifact_root)
+        self.work = _WorkBoard(sessions, settings.lease_recheck_secs)
+        # Long polls waiting at once: the other RPC threads stay free for heartbeats and results.
+        self._waiting = threading.BoundedSemaphore(max(1, settings.grpc_max_workers - RPC_THREADS_KEPT_FREE))
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -388,18 +425,33 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         if remaining is not None:
             wait = min(wait, max(0.0, remaining - 1.0))
         deadline = time.monotonic() + wait
-        while True:
-            if request.model_runs:
-                run = self._tx(lambda s: self._lease_model_run(s, agent))
-                if run is not None:
-                    return pb.LeaseBatchResponse(model_run=run)
-            batch = self._tx(lambda s: self._lease_one(s, agent))
-            if batch is not None:
-                return pb.LeaseBatchResponse(batch=batch)
-            left = deadline - time.monotonic()
-            if left <= 0 or not context.is_active():
-                return pb.LeaseBatchResponse()
-            time.sleep(min(self.settings.lease_recheck_secs, left))
+        leased = self._try_lease(request, agent)
+        if leased is not None or wait <= 0:
+            return leased or pb.LeaseBatchResponse()
+        if not self._waiting.acquire(blocking=False):
+            return pb.LeaseBatchResponse()  # every waiting place is taken: the agent asks again shortly
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not context.is_active():
+                    return pb.LeaseBatchResponse()
+                time.sleep(min(self.settings.lease_recheck_secs, left))
+                leased = self._try_lease(request, agent)
+                if leased is not None:
+                    return leased
+        finally:
+            self._waiting.release()
+
+    def _try_lease(self, request: pb.LeaseBatchRequest, agent: _AgentInfo) -> pb.LeaseBatchResponse | None:
+        """A model run (when the agent takes them) or a batch, if its class has any."""
+        if not self.work.has_work(agent.device_class_id):
+            return None
+        if request.model_runs:
+            run = self._tx(lambda s: self._lease_model_run(s, agent))
+            if run is not None:
+                return pb.LeaseBatchResponse(model_run=run)
+        batch = self._tx(lambda s: self._lease_one(s, agent))
+        return pb.LeaseBatchResponse(batch=batch) if batch is not None else None
 
     def _lease_one(self, s: Session, agent: _AgentInfo) -> pb.LeasedBatch | None:
         st = self.settings

@@ -17,7 +17,7 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_RESULTS_FLUSH_MAX | 256 | ... and at most this many per transaction |
 | TUNEFARM_FETCH_CHUNK_BYTES | 262144 | bytes of file data per Fetch message |
 | TUNEFARM_MAX_MESSAGE_BYTES | 67108864 | largest message an agent may send (a model run's outputs) |
-| TUNEFARM_GRPC_MAX_WORKERS | 64 | server threads (each streaming agent holds one or two) |
+| TUNEFARM_GRPC_MAX_WORKERS | 256 | server threads (each agent holds one while it waits for a batch, one while it streams results); more than the agents |
 | TUNEFARM_TOKEN_CACHE_SECS | 30 | how long a verified token is trusted without asking the database (a revoked one is dropped at once) |
 | TUNEFARM_AUTO_CREATE_DEVICE_CLASSES | true | an agent may name a new device class (its detected target) |
 | TUNEFARM_TLS_CERT_FILE, TUNEFARM_TLS_KEY_FILE | unset | serve TLS with this certificate chain and key (PEM); unset: plaintext |
@@ -66,8 +66,10 @@ class LeaseServiceSettings(DatabaseSettings):
     fetch_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     # The largest message the service accepts: a model run's outputs come in one.
     max_message_bytes: int = 64 * 1024 * 1024
-    # Server threads; every agent holds one while streaming results and one per call.
-    grpc_max_workers: int = 64
+    # Server threads; every agent holds one while it waits for a batch (a long poll) or
+    # streams results, and one per other call: keep it above the number of agents (16
+    # are never taken by long polls, so heartbeats get through whatever the agents do).
+    grpc_max_workers: int = 256
     # A verified token is trusted this long before the database is asked again; a
     # revoked token is dropped at once (services/db/revocations.py).
     token_cache_secs: float = 30.0
