@@ -24,6 +24,7 @@ from services.measurer.local import LocalMeasurer
 from services.measurer.runner import LocalRunner
 from services.scheduler.config import TuneConfig
 from services.scheduler.cost_model import CostModel, XGBConfig, XGBCostModel
+from services.scheduler.features import feature_width
 from services.scheduler.session import SessionCallback, SessionStats, StoreRecords, TuningSession
 from services.scheduler.task import SearchTask, make_task, structure_kind
 from services.scheduler.task_scheduler import TaskInfo, similarity_tag
@@ -171,6 +172,12 @@ def tune_tasks(
     )
     log("config " + json.dumps(config.as_dict(), separators=(",", ":"), default=str))
     model = load_or_new_model(cost_model_path, config.seed, config.batch_size)
+    width = feature_width(tasks[0].rules.feature_version)
+    if getattr(model, "feature_width", None) not in (None, width):
+        raise UsageError(
+            f"--cost-model {cost_model_path}: learned from rows of {model.feature_width} features; "
+            f"programs for {targets.describe(target)} have {width} (a model of another kind of device)"
+        )
     cores = targets.num_cores(target)
     infos = [
         TaskInfo(
