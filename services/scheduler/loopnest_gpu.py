@@ -31,6 +31,8 @@ block limit, and an estimate of the registers a thread's accumulators take.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from services.scheduler.dag import AccessSpec, Affine, BlockSpec, BufferSpec, IterSpec, OpCounts
 from services.scheduler.loopnest import (
     MAX_INNERMOST_TILE,
@@ -144,8 +146,6 @@ def _cache_read_shared(prog: Program, block: str, buffer: str, decider: Decider,
 
 
 def _reading(spec: BlockSpec, buffer: str, stage: str) -> BlockSpec:
-    from dataclasses import replace
-
     return replace(spec, reads=tuple(AccessSpec(stage, a.indices) if a.buffer == buffer else a for a in spec.reads))
 
 
