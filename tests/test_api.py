@@ -35,6 +35,7 @@ from tunefarm_app.bench.farm_progress import seed_job  # noqa: E402
 
 MAX_UPLOAD = 64 * 1024
 CLASS = "test-cpu"
+GPU_CLASS = "test-sm80"
 
 
 def onnx_model(path: Path, *, op: str = "Relu", dynamic: bool = True) -> Path:
@@ -52,6 +53,7 @@ def farm(database_url, db_sessions, tmp_path_factory):
             "agent": admin.issue_agent_token(s),
         }
         admin.ensure_device_class(s, name=CLASS, target={"kind": "llvm", "num-cores": 2})
+        admin.ensure_device_class(s, name=GPU_CLASS, target={"kind": "cuda", "arch": "sm_80"})
     settings = ApiSettings(database_url=database_url, artifact_root=root, max_upload_bytes=MAX_UPLOAD, token_cache_secs=0)
     with TestClient(create_app(settings)) as client:
         yield {"client": client, "tokens": tokens, "root": root, "sessions": db_sessions}
@@ -274,6 +276,7 @@ def test_create_a_job(farm, uploaded):
         ({"device_class": CLASS, "trial_budget": 10, "seed": 0}, 422, "invalid_request", ["seed"]),
         ({"device_class": CLASS, "trial_budget": 10, "surprise": 1}, 422, "invalid_request", ["surprise"]),
         ({"device_class": CLASS}, 422, "invalid_request", ["trial_budget"]),
+        ({"device_class": GPU_CLASS, "trial_budget": 10}, 422, "invalid_request", [GPU_CLASS, "NVIDIA", "tune-op"]),
     ],
 )
 def test_bad_jobs_get_clear_errors_and_store_nothing(farm, uploaded, body, status, code, words):

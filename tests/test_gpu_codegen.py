@@ -204,3 +204,49 @@ def test_a_gpu_agent_takes_its_gpus_target():
     assert target == {"kind": "cuda", "arch": "sm_80", "max_threads_per_block": 1024}
     assert GpuLimits.of(target).max_threads_per_block == 1024
     assert capabilities.default_device_class(caps) == "cuda-sm_80-nvidia-a100-sxm4-40gb"
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_a_gpu_task_goes_from_proposal_to_a_runner_that_has_no_gpu(tmp_path):
+    """Embedded mode's whole path for a CUDA target, up to where a GPU is needed: the
+    tuner proposes programs (realized in TVM), build workers verify and compile them
+    with nvcc into CUDA artifacts, and the runner (no GPU here) reports each as a
+    run_error naming the missing GPU; the records keep that. On a GPU machine the same
+    path times the kernels (not run here)."""
+    from services.measurer.local import LocalMeasurer
+    from services.measurer.runner import LocalRunner
+    from services.scheduler.config import TuneConfig
+    from services.scheduler.cost_model.random import RandomCostModel
+    from services.scheduler.task import make_task
+    from services.scheduler.tuner import TaskTuner
+    from services.worker.builder import LocalBuilder
+    from tunefarm.measure import MeasureBatch
+    from tunefarm.records import ErrorKind
+
+    try:
+        cuda.cuda_device()
+        pytest.skip("this machine has a GPU: the path runs for real elsewhere")
+    except cuda.NoGpuError:
+        pass
+    wl = registry.make("matmul", {"M": 64, "N": 64, "K": 64})
+    task = make_task(wl, SM80)
+    tuner = TaskTuner(task, TuneConfig(trials=2, batch_size=2), RandomCostModel(seed=1))
+    proposal = tuner.propose(2)
+    assert len(proposal.inputs) == 2
+    measurer = LocalMeasurer(LocalBuilder(tmp_path / "build", n_workers=1), LocalRunner(1), tmp_path)
+    try:
+        mtask = measurer.prepare(wl, task.key, SM80)
+        assert mtask.verify  # numpy reference outputs
+        measurer.submit(MeasureBatch("b0", mtask, proposal.inputs, build_timeout=300, run_timeout=120))
+        results = []
+        while len(results) < 2:
+            results += measurer.collect(timeout=600)
+    finally:
+        measurer.close()
+    for res in results:
+        assert not res.build.error_kind.is_error, res.build.error_msg
+        assert res.build.artifact.endswith(cuda.CUDA_KERNEL_SUFFIX)
+        assert res.error_kind is ErrorKind.RUN_ERROR and "no CUDA GPU on this machine" in res.error_msg
+    records = tuner.ingest(results)
+    assert [r.error_kind for r in records] == [ErrorKind.RUN_ERROR] * 2

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from services.scheduler.cost_model import XGBConfig, XGBCostModel
-from services.scheduler.features import FEATURE_VERSION, NUM_FEATURES
+from services.scheduler.features import feature_width
+from services.scheduler.rule_set import rule_set_for
 from services.scheduler.task import target_key
 
 CACHE_FORMAT = 1
@@ -92,10 +93,12 @@ def incompatibility(model: XGBCostModel, target: dict[str, Any]) -> str | None:
     meta = model.metadata
     if meta.get("cache_format") != CACHE_FORMAT:
         return f"written in cache format {meta.get('cache_format')!r}, not {CACHE_FORMAT}"
-    if meta.get("feature_version") != FEATURE_VERSION or model.num_features not in (None, NUM_FEATURES):
+    version = rule_set_for(target).feature_version
+    width = feature_width(version)
+    if meta.get("feature_version") != version or model.num_features not in (None, width):
         return (
             f"trained on features version {meta.get('feature_version')!r} ({model.num_features} wide), "
-            f"not {FEATURE_VERSION} ({NUM_FEATURES} wide)"
+            f"not {version} ({width} wide)"
         )
     if meta.get("target_key") != target_key(target):
         return f"trained for target {meta.get('target')!r}"
@@ -124,7 +127,7 @@ def save_model(
     model.trim_history(MAX_PROGRAMS)
     model.metadata = {
         "cache_format": CACHE_FORMAT,
-        "feature_version": FEATURE_VERSION,
+        "feature_version": rule_set_for(target).feature_version,
         "target_key": target_key(target),
         "target": target,
         "programs": learnt[-MAX_PROGRAMS:] if aligned and learnt else [],

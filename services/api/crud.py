@@ -57,6 +57,7 @@ from services.db.models import (
 )
 from services.db.session import transaction
 from services.scheduler.task import target_key
+from tunefarm.gpu import is_gpu
 from tunefarm.models.finish import batch_size_for
 from tunefarm.records import ErrorKind
 
@@ -185,6 +186,12 @@ def create_job(session: Session, *, team_id: int, body: JobCreate, max_trial_bud
         )
     model = get_model(session, team_id=team_id, model_id=body.model_id)
     device_class = device_class_by_name(session, name=body.device_class)
+    if is_gpu(device_class.target):
+        raise InvalidRequest(
+            f"device class {body.device_class!r} is an NVIDIA GPU class: building a tuned whole model for a GPU "
+            "is not supported yet (single operators: tunefarm tune-op --target with the class's CUDA target, on a "
+            "machine with the GPU)"
+        )
     tasks = session.execute(
         select(ModelTask.workload_id, ModelTask.position, ModelTask.weight, Workload.key)
         .join(Workload, Workload.id == ModelTask.workload_id)

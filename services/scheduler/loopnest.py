@@ -279,6 +279,10 @@ def build(dag: ComputeDag, sketch: Sketch, decider: Decider, num_cores: int, gpu
             case RfactorStep(block=b, inner=inner):
                 _rfactor(prog, b, inner, decider)
             case TileStep(block=b, structure=s):
+                if gpu is not None:
+                    from services.scheduler import loopnest_gpu
+
+                    loopnest_gpu.draw_feasible_tiles(prog, b, s, decider, gpu)
                 _tile(prog, b, s, decider, choose_inner_axis=gpu is None)
             case LayoutRewriteStep(block=b, buffer=buf):
                 _layout_rewrite(prog, b, buf)

@@ -3,6 +3,8 @@ thread binding, and the checks that reject a program that cannot launch.
 
 Map of this module:
   apply(prog, step, decider, gpu)        dispatch one GPU sketch step
+  draw_feasible_tiles                    a tiled block's tile sizes drawn jointly until
+                                         they fit the GPU (sampling only)
   _cache_read_shared                     CacheReadStep: the stage, its region, the fetch
   _bind_tiled / _bind_cross_thread /     ThreadBindStep for a tiled block, a cross-thread
   _bind_fallback                         reduction, any other root block
@@ -29,8 +31,11 @@ block limit, and an estimate of the registers a thread's accumulators take.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from services.scheduler.dag import AccessSpec, Affine, BlockSpec, BufferSpec, IterSpec, OpCounts
 from services.scheduler.loopnest import (
+    MAX_INNERMOST_TILE,
     MAX_UNROLLED_LANES,
     InvalidProgram,
     Loop,
@@ -43,7 +48,7 @@ from services.scheduler.loopnest import (
     unrolled_lanes,
 )
 from services.scheduler.sketch import CacheReadStep, CrossThreadReductionStep, Step, ThreadBindStep
-from services.scheduler.slots import ChoiceDomain, Decider
+from services.scheduler.slots import ChoiceDomain, Decider, TileDomain
 from tunefarm.gpu import GpuLimits
 
 GPU_UNROLL_STEPS = (0, 16, 64, 512, 1024)
@@ -141,8 +146,6 @@ def _cache_read_shared(prog: Program, block: str, buffer: str, decider: Decider,
 
 
 def _reading(spec: BlockSpec, buffer: str, stage: str) -> BlockSpec:
-    from dataclasses import replace
-
     return replace(spec, reads=tuple(AccessSpec(stage, a.indices) if a.buffer == buffer else a for a in spec.reads))
 
 
@@ -198,6 +201,73 @@ def _cooperative_fetch(prog: Program, name: str, threads: int, vec: int) -> None
         terms = dict(inner) if it.name == last_dim_var else {outer.key: 1}
         nest.binding[it.name] = Affine.of({**outside, **terms}, aff.const, exact=False)
     nest.loops = loops
+
+
+# ------------------------------------------------------------------------ tile sampling
+
+MAX_TILE_DRAWS = 64
+"""Joint draws of a block's tile sizes before the sampler gives up on the block."""
+
+
+def draw_feasible_tiles(prog: Program, name: str, structure: str, decider: Decider, gpu: GpuLimits) -> None:
+    """Draw a tiled block's tile sizes together until they can launch (Ansor draws each
+    split alone and rejects the program afterwards: on a 1024^3 GEMM fewer than 2% of such
+    draws pass the GPU checks, which makes sampling a population cost seconds). The
+    checks are those of `check_tiled_block`, computed from the factors alone: threads,
+    vthreads, accumulator registers, and the shared stages' footprints. Slots already
+    given (mutation, crossover, records) are kept; nothing is drawn without an rng. The
+    chosen values become given slots, so `_tile` takes them as it would any."""
+    spec = prog.nests[name].spec
+    rng = decider.rng
+    slots = {it.name: f"{name}.tile.{it.name}" for it in spec.iters}
+    missing = [it for it in spec.iters if slots[it.name] not in decider.given]
+    if rng is None or not missing:
+        return
+    n_s, n_r = structure.count("S"), structure.count("R")
+    domains = {it.name: TileDomain(it.extent, n_s if it.kind == "S" else n_r, MAX_INNERMOST_TILE) for it in spec.iters}
+    fixed = {it.name: decider.given[slots[it.name]] for it in spec.iters if it not in missing}
+    draw: dict[str, tuple[int, ...]] = {}
+    for _ in range(MAX_TILE_DRAWS):
+        draw = {**fixed, **{it.name: domains[it.name].sample(rng) for it in missing}}
+        if all(domains[k].contains(v) for k, v in draw.items()) and _tiles_fit(prog, spec, draw, gpu):
+            break
+    decider.given = {**decider.given, **{slots[it.name]: draw[it.name] for it in missing}}
+
+
+def _tiles_fit(prog: Program, spec: BlockSpec, factors: dict[str, tuple[int, ...]], gpu: GpuLimits) -> bool:
+    def prod(xs) -> int:
+        n = 1
+        for x in xs:
+            n *= x
+        return n
+
+    spatial = [it for it in spec.iters if it.kind == "S"]
+    threads = prod(factors[it.name][2] for it in spatial)
+    vthreads = prod(factors[it.name][1] for it in spatial)
+    space = prod(it.extent for it in spatial)
+    if threads > gpu.max_threads_per_block or vthreads > gpu.max_vthreads:
+        return False
+    if threads < gpu.warp_size and space > 2 * gpu.warp_size:
+        return False
+    out = prog.dag.buffer(spec.write.buffer)
+    accumulators = prod(factors[it.name][1] * prod(factors[it.name][3:]) for it in spatial)
+    budget = min(gpu.max_registers_per_thread, gpu.registers_per_block // max(threads, 1))
+    if -(-accumulators * out.elem_bytes // 4) > ACCUMULATOR_REGISTER_SHARE * budget:
+        return False
+    # A block's tile of every buffer it reads, for one step of the outer reduction tile.
+    span = {it.name: prod(factors[it.name][1:]) for it in spec.iters}
+    shared = 0
+    for buffer in dict.fromkeys(a.buffer for a in spec.reads):
+        buf = prog.dag.buffer(buffer)
+        if buf.scope != "global":
+            continue
+        elems = 1
+        acc = next(a for a in spec.reads if a.buffer == buffer)
+        for ix, dim in zip(acc.indices, buf.shape):
+            ext = 1 + sum(abs(c) * (span.get(v, 1) - 1) for v, c in ix.terms)
+            elems *= min(ext, int(dim))
+        shared += elems * buf.elem_bytes
+    return shared <= gpu.max_shared_memory_per_block
 
 
 # ------------------------------------------------------------------------------ binding

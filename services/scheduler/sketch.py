@@ -6,9 +6,11 @@ leaves open (tile sizes, fusion level, compute locations, parallel granularity,
 vector length, unroll depth) are *slots*, filled by random annotation
 (`loopnest.build`) and changed by evolution.
 
-Derivation visits the DAG's blocks from the outputs towards the inputs. At each block
-the rules are tried in order; each returns SKIP, APPLY (new states, and the current
-state also goes on to the next rule) or APPLY_AND_SKIP_REST (new states only):
+Derivation (`derive`, shared by every rule set) visits the DAG's blocks from the
+outputs towards the inputs. At each block the rules are tried in order; each returns
+SKIP, APPLY (new states, and the current state also goes on to the next rule) or
+APPLY_AND_SKIP_REST (new states only). The steps of both rule sets are defined here;
+the CPU rules follow, the GPU rules are in `sketch_gpu.py`:
 
   1. AlwaysInline                  strictly inlineable            -> APPLY_AND_SKIP_REST
   2. AddRfactor                    reduction with little spatial  -> APPLY (inner, outer)

@@ -336,6 +336,11 @@ class XGBCostModel(CostModel):
         return self._history.num_programs
 
     @property
+    def feature_width(self) -> int | None:
+        """Columns of the feature rows it learned from (None before any)."""
+        return self._history.num_features
+
+    @property
     def trained_on(self) -> int:
         """Programs the current trees were trained on; 0 while predictions are random."""
         return self._trained_on
