@@ -23,6 +23,8 @@ Semantics mirrored from TVM's schedule primitives:
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 
 from services.scheduler.dag import (
@@ -727,6 +729,8 @@ def _annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> Non
                 break
         if prefix:
             lo, hi = parallel_range([lp.extent for lp in nest.loops[:prefix]], num_cores)
+            if math.prod(lp.extent for lp in nest.loops) <= SERIAL_WORK_LIMIT:
+                lo = 0  # small enough that one thread may beat waking the pool: the search decides
             n = decider.decide(f"{name}.parallel", IntRange(lo, hi))
             nest.parallel = n
             for lp in nest.loops[:n]:
@@ -780,6 +784,14 @@ def unrolled_lanes(loops: list[Loop], max_step: int) -> int:
         steps *= lp.extent
     return steps * lanes
 
+
+SERIAL_WORK_LIMIT = 1 << 18
+"""A root block whose loop nest runs at most this many iterations may also run on one
+thread (parallel decision 0). Waking TVM's thread pool and joining it costs a few
+microseconds per kernel (more on a busy machine); below ~2^18 iterations (a few tens of
+microseconds of serial work) that can outweigh what a second core gains, above it it
+cannot, so bigger blocks are always parallel. Which side wins is measured, not assumed:
+0 is one more value of the parallel slot."""
 
 PARALLEL_JOBS_PER_CORE = 16
 """Fusing outer loops past this many parallel jobs per core gains nothing (Ansor and
