@@ -86,6 +86,31 @@ def task_lines(model: Mapping[str, Any]) -> list[TaskLine]:
     return out
 
 
+def breakdown_lines(model: Mapping[str, Any], top: int = 12) -> list[str]:
+    """Where the tuned model's time goes (the report's `breakdown` and each task's
+    `in_model` row): the latency against its kernel calls, then the tasks that take most
+    of it with what holds each back. Empty when the report has no breakdown."""
+    b = model.get("breakdown")
+    if not b:
+        return []
+    outside = max(0.0, b["latency"] - b["kernel_seconds"])
+    lines = [
+        f"in the model ({b['threads']} threads): {format_cost(b['latency'])} = {format_cost(b['kernel_seconds'])} in "
+        f"{b['kernel_calls']} kernel calls + {format_cost(outside)} outside them "
+        f"({format_cost(b['overhead_per_call'])} per call; {b['builtin_calls']} VM builtin calls); "
+        f"copy bandwidth {b['copy_bandwidth'] / 1e9:.1f} GB/s from memory, "
+        f"{b.get('cached_copy_bandwidth', 0.0) / 1e9:.1f} GB/s from cache"
+    ]
+    rows = [(t["name"], t["in_model"]) for t in model["tasks"] if t.get("in_model")]
+    rows.sort(key=lambda r: -r[1]["seconds"])
+    for name, r in rows[:top]:
+        share = f"{r['share']:.1%}" if r.get("share") is not None else "--"
+        lines.append(f"  {share:>6}  {format_cost(r['seconds']):>9}  x{r['calls']}  {name}: {'; '.join(r['holds_back'])}")
+    if len(rows) > top:
+        lines.append(f"  ({len(rows) - top} more tasks)")
+    return lines
+
+
 def curve_points(report: Mapping[str, Any], model_name: str) -> list[tuple[float, float]]:
     """(trials, estimated seconds) of `model_name` after each round whose estimate covers
     every task (the same rule as the report's `estimated_seconds_at_start`)."""
@@ -220,6 +245,8 @@ def print_report(report: Mapping[str, Any], file: Path, console=None) -> None:
             cells += [str(t.errors) if t.errors else ""] * has_errors + [t.note] * has_notes
             table.add_row(*cells)
         p(table)
+        for line in breakdown_lines(m):
+            p(line, markup=False)
     total, per_task, per_reason = rounds_summary(report)
     p()
     p(f"[bold]rounds[/bold]     {total} ({report.get('task_scheduler', {}).get('strategy', '?')} task scheduler): "

@@ -244,19 +244,53 @@ def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: st
         # Weights the schedules store in a rewritten layout: the transforms are split off
         # and folded into the constants now, never run per inference.
         mod = _fold_layouts(mod)
-    target = json.loads(target_json)
+    target = tvm.target.Target(json.loads(target_json))
     try:
-        ex = tvm.compile(mod, target=tvm.target.Target(target))
+        ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
     except Exception as exc:
         raise ModelError(f"compiling failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
     try:
         # A board's target is linked by its cross compiler (tunefarm.export).
-        export_library(ex, lib_path, target)
+        export_library(ex, lib_path, json.loads(target_json))
     except Exception as exc:
         raise ModelError(
             f"exporting the library failed: {summarize_error(f'{type(exc).__name__}: {exc}')}"
         ) from None
     return {"secs": time.perf_counter() - t0, "scheduled": keys}
+
+
+def relax_pipeline(target) -> Any:
+    """The Relax passes of the build: TVM's default CPU pipeline (`tvm.compile`'s
+    "default", as of TVM 0.27) with `place_slices` after CallTIRRewrite, so that the
+    concats and splits marked at fusion become views of one buffer. GPU targets keep
+    TVM's own (DLight) pipeline."""
+    import tvm
+    from tvm import relax
+
+    from tunefarm.models.slices import place_slices
+
+    if "gpu" in target.keys:
+        return "default"
+    t, backend = relax.transform, relax.backend
+    passes = [
+        backend.DispatchSampling(),
+        backend.DispatchSortScan(),
+        t.LegalizeOps(),
+        t.RewriteDataflowReshape(),
+        t.ToNonDataflow(),
+        t.RemovePurityChecking(),
+        t.CallTIRRewrite(),
+        place_slices(),
+        t.StaticPlanBlockMemory(),
+        t.RewriteCUDAGraph(),
+        t.LowerAllocTensor(),
+        t.KillAfterLastUse(),
+        t.LowerRuntimeBuiltin(),
+        t.ComputePrimValue(),
+        t.VMShapeLower(),
+        t.AttachGlobalSymbol(),
+    ]
+    return tvm.transform.Sequential(passes, name="tunefarm_relax_build")
 
 
 def _fold_layouts(mod):

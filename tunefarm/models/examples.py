@@ -19,6 +19,12 @@ statistics included, so no layer is an identity), put in eval mode and exported 
   Resize and concat, ConvTranspose heads with sigmoid: probability and threshold maps);
   ``dbnet_tiny`` is the same structure with two backbone stages of one block, 8 and 16
   channels, at 32x32: it tunes in seconds (for tests).
+- ``yolov8n_like``: a YOLOv8n-style detector on 1x3x320x320, the n model's widths
+  (16..256 channels): C2f blocks (1x1 conv, split, bottlenecks, concat), SiLU as
+  x*sigmoid(x), SPPF (three chained 5x5 max-pools, concat), an FPN/PAN neck (nearest
+  2x upsampling and concat), decoupled box/class heads per level, the box distributions
+  decoded by a softmax over 16 bins (DFL) into boxes, one 1x84x2100 output. Many small
+  tasks: what limits it is overhead between kernels more than arithmetic.
 - ``reshape_pattern``: a small CNN with a dynamic batch dimension whose flatten computes
   the Reshape target from Shape/Gather/ReduceProd/Div/Concat, as older converters emit it.
   TVM's Relax ONNX frontend rejects that graph ("Node /ReduceProd cannot handle ShapeExpr
@@ -349,6 +355,123 @@ def _dbnet(widths: tuple[int, ...], inner: int, blocks: int = 2):
     return DBNet()
 
 
+def yolov8n_like(size: int = 320):
+    """The ``yolov8n_like`` example's network for a `size` x `size` input (a multiple of 32)."""
+    torch = _torch()
+    if size % 32:
+        raise UsageError(f"yolov8n_like needs an input size that is a multiple of 32, not {size}")
+    nn = torch.nn
+
+    class ConvBnSiLU(nn.Module):
+        def __init__(self, cin: int, cout: int, k: int = 1, stride: int = 1):
+            super().__init__()
+            self.conv = _conv_bn(torch, cin, cout, k, stride)
+
+        def forward(self, x):
+            x = self.conv(x)
+            return x * torch.sigmoid(x)  # SiLU, written out as exporters often emit it
+
+    class Bottleneck(nn.Module):
+        def __init__(self, c: int, shortcut: bool):
+            super().__init__()
+            self.cv1, self.cv2 = ConvBnSiLU(c, c, 3), ConvBnSiLU(c, c, 3)
+            self.shortcut = shortcut
+
+        def forward(self, x):
+            y = self.cv2(self.cv1(x))
+            return x + y if self.shortcut else y
+
+    class C2f(nn.Module):
+        """1x1 conv, split in two halves, n bottlenecks on the second, concat of all, 1x1 conv."""
+
+        def __init__(self, cin: int, cout: int, n: int, shortcut: bool):
+            super().__init__()
+            self.c = cout // 2
+            self.cv1 = ConvBnSiLU(cin, 2 * self.c)
+            self.cv2 = ConvBnSiLU((2 + n) * self.c, cout)
+            self.m = nn.ModuleList(Bottleneck(self.c, shortcut) for _ in range(n))
+
+        def forward(self, x):
+            ys = list(self.cv1(x).split((self.c, self.c), 1))
+            for m in self.m:
+                ys.append(m(ys[-1]))
+            return self.cv2(torch.cat(ys, 1))
+
+    class SPPF(nn.Module):
+        def __init__(self, cin: int, cout: int):
+            super().__init__()
+            self.cv1, self.cv2 = ConvBnSiLU(cin, cin // 2), ConvBnSiLU(cin * 2, cout)
+            self.pool = nn.MaxPool2d(5, 1, 2)
+
+        def forward(self, x):
+            ys = [self.cv1(x)]
+            for _ in range(3):
+                ys.append(self.pool(ys[-1]))
+            return self.cv2(torch.cat(ys, 1))
+
+    class Detect(nn.Module):
+        """Decoupled box (4 x 16-bin distributions) and class heads per level; the box
+        distributions are decoded with a softmax over the bins (DFL) into boxes."""
+
+        def __init__(self, chans: tuple[int, ...], strides: tuple[int, ...], size: int, nc: int = 80, bins: int = 16):
+            super().__init__()
+            self.nc, self.bins = nc, bins
+            c2, c3 = max(16, chans[0] // 4, 4 * bins), max(chans[0], min(nc, 100))
+            self.box = nn.ModuleList(
+                nn.Sequential(ConvBnSiLU(c, c2, 3), ConvBnSiLU(c2, c2, 3), nn.Conv2d(c2, 4 * bins, 1)) for c in chans
+            )
+            self.cls = nn.ModuleList(
+                nn.Sequential(ConvBnSiLU(c, c3, 3), ConvBnSiLU(c3, c3, 3), nn.Conv2d(c3, nc, 1)) for c in chans
+            )
+            self.register_buffer("proj", torch.arange(bins, dtype=torch.float32).reshape(1, bins, 1, 1))
+            anchors, scale = [], []
+            for s in strides:  # anchor points at the cell centres, in grid units
+                n = size // s
+                ys, xs = torch.meshgrid(torch.arange(n) + 0.5, torch.arange(n) + 0.5, indexing="ij")
+                anchors.append(torch.stack((xs, ys)).reshape(2, -1))
+                scale.append(torch.full((1, n * n), float(s)))
+            self.register_buffer("anchors", torch.cat(anchors, 1).unsqueeze(0))
+            self.register_buffer("strides", torch.cat(scale, 1).unsqueeze(0))
+
+        def forward(self, feats):
+            outs = [torch.cat((b(f), c(f)), 1).flatten(2) for f, b, c in zip(feats, self.box, self.cls)]
+            x = torch.cat(outs, 2)  # 1 x (4*bins + nc) x anchors
+            dist, cls = x.split((4 * self.bins, self.nc), 1)
+            a = dist.shape[-1]
+            prob = dist.reshape(1, 4, self.bins, a).transpose(1, 2).softmax(1)  # 1 x bins x 4 x a
+            dist = (prob * self.proj).sum(1)  # expected bin: 1 x 4 x a
+            lt, rb = dist.chunk(2, 1)
+            x1y1, x2y2 = self.anchors - lt, self.anchors + rb
+            box = torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1), 1) * self.strides
+            return torch.cat((box, torch.sigmoid(cls)), 1)
+
+    class YoloV8nLike(nn.Module):
+        # the n model: width 0.25 (channels 16..256), depth 0.33 (1-2 bottlenecks per C2f)
+        def __init__(self, size: int = 320):
+            super().__init__()
+            self.stem = nn.Sequential(ConvBnSiLU(3, 16, 3, 2), ConvBnSiLU(16, 32, 3, 2), C2f(32, 32, 1, True))
+            self.p3 = nn.Sequential(ConvBnSiLU(32, 64, 3, 2), C2f(64, 64, 2, True))
+            self.p4 = nn.Sequential(ConvBnSiLU(64, 128, 3, 2), C2f(128, 128, 2, True))
+            self.p5 = nn.Sequential(ConvBnSiLU(128, 256, 3, 2), C2f(256, 256, 1, True), SPPF(256, 256))
+            self.up = nn.Upsample(scale_factor=2, mode="nearest")
+            self.top_down4, self.top_down3 = C2f(384, 128, 1, False), C2f(192, 64, 1, False)
+            self.down3, self.bottom_up4 = ConvBnSiLU(64, 64, 3, 2), C2f(192, 128, 1, False)
+            self.down4, self.bottom_up5 = ConvBnSiLU(128, 128, 3, 2), C2f(384, 256, 1, False)
+            self.detect = Detect((64, 128, 256), (8, 16, 32), size)
+
+        def forward(self, x):
+            p3 = self.p3(self.stem(x))
+            p4 = self.p4(p3)
+            p5 = self.p5(p4)
+            t4 = self.top_down4(torch.cat((self.up(p5), p4), 1))
+            n3 = self.top_down3(torch.cat((self.up(t4), p3), 1))
+            n4 = self.bottom_up4(torch.cat((self.down3(n3), t4), 1))
+            n5 = self.bottom_up5(torch.cat((self.down4(n4), p5), 1))
+            return self.detect((n3, n4, n5))
+
+    return YoloV8nLike(size)
+
+
 EXAMPLES: dict[str, ExampleModel] = {
     m.name: m
     for m in (
@@ -396,6 +519,13 @@ EXAMPLES: dict[str, ExampleModel] = {
             (1, 3, 32, 32),
             lambda: _dbnet((8, 16), 16, blocks=1),
             output_names=("prob", "thresh"),
+        ),
+        ExampleModel(
+            "yolov8n_like",
+            "YOLOv8n-style detector (C2f, SiLU, SPPF, FPN/PAN, DFL heads), 1x3x320x320",
+            "x",
+            (1, 3, 320, 320),
+            yolov8n_like,
         ),
     )
 }

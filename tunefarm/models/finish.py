@@ -190,6 +190,9 @@ class ModelOutcome:
     # agent {"device_class", "agent", "emulated", ...}; `emulated` means the latency is
     # an emulator's, not the device's.
     measured_on: dict | None = None
+    # Where the tuned model's time goes (`profile_breakdown`): the end-to-end latency
+    # against its kernel calls, and per task key its row with what holds it back.
+    breakdown: dict | None = None
 
 
 def finish_model(
@@ -244,7 +247,40 @@ def finish_model(
     if m.reference_onnx is not None:
         (directory / REFERENCE_NAME).write_bytes(m.reference_onnx)
         ort_latency = time_onnxruntime(m.reference_onnx, feeds, threads=threads).as_report()
-    return ModelOutcome(m.name, directory, latency, checked, default_latency, ort_latency)
+    breakdown = profile_breakdown(m, directory, feeds, target, log)
+    return ModelOutcome(m.name, directory, latency, checked, default_latency, ort_latency, breakdown=breakdown)
+
+
+
+def profile_breakdown(
+    m: LoadedModel, directory: Path, feeds: Mapping[str, np.ndarray], target: dict[str, Any],
+    log: Callable[[str], None],
+) -> dict | None:
+    """`tunefarm.models.profile` on the built model: the latency against the kernel calls,
+    and per task what holds it back. None (and a log line) when profiling fails: it is
+    an explanation, never a reason to lose a tuned model."""
+    from tunefarm.models.profile import in_model_breakdown, kernel_symbols, profile_model
+    from tunefarm.target import num_cores
+
+    kernels = kernel_symbols(m.tasks)
+    try:
+        prof = profile_model(
+            directory, [feeds[t.name] for t in m.imported.inputs], kernels, threads=num_cores(target)
+        )
+    except ModelError as exc:
+        log(f"{m.name}: no per-task breakdown: {exc}")
+        return None
+    return {
+        "latency": prof.latency,
+        "threads": prof.threads,
+        "kernel_calls": len(prof.calls),
+        "kernel_seconds": prof.kernel_seconds,
+        "builtin_calls": prof.builtin_calls,
+        "overhead_per_call": prof.overhead_per_call,
+        "copy_bandwidth": prof.copy_bandwidth,
+        "cached_copy_bandwidth": prof.cached_copy_bandwidth,
+        "tasks": in_model_breakdown(m.tasks, prof),
+    }
 
 
 def check_built(m: LoadedModel, directory: Path) -> check.ModelCheck:
@@ -326,6 +362,7 @@ def model_report(
                     "schedule": "tuned" if best else "default build (no valid measurement)",
                     "dead_reason": tr.dead_reason,
                     "errors": dict(tr.errors),
+                    "in_model": (o.breakdown or {}).get("tasks", {}).get(t.key),
                 }
             )
         estimate = sum(r["weighted_seconds"] for r in rows if r["weighted_seconds"] is not None)
@@ -344,6 +381,7 @@ def model_report(
                 "estimated_seconds_at_start": at_start,
                 "check": o.check,
                 "measured_on": o.measured_on,
+                "breakdown": {k: v for k, v in o.breakdown.items() if k != "tasks"} if o.breakdown else None,
                 "error": o.error or None,
                 "warnings": list(m.imported.warnings),
                 "tasks": rows,

@@ -6,15 +6,22 @@ many times the model calls it). `merge_tasks` shares identical tasks between mod
 
 The pipeline (`FUSION_PASSES`), in order:
 
+- fold_constant_reshapes: a reshape of a constant (ONNX convolutions' biases become
+  1xCx1x1 reshapes) becomes the reshaped constant; FoldConstant would compile one LLVM
+  function per reshape (63 in the YOLO-like example: 25 of its 41 s of fusion);
 - FoldBatchnormToConv2D: folds an inference batch-norm into the preceding conv2d's
   weights (PyTorch-imported graphs still carry batch-norm; ONNX exports usually fold it);
 - DecomposeOpsForInference: rewrites the batch-norms and layer-norms left into
   elementwise arithmetic that fuses with its neighbours;
 - CanonicalizeBindings: removes the variable-to-variable bindings the decomposition
   leaves; without it FuseOps does not fuse the ReLU after a decomposed batch-norm;
+- mark_slice_ops (`tunefarm.models.slices`): a concat or split whose slices lie back to
+  back in memory becomes a call of its own opaque function, which fusion leaves alone
+  and the build replaces by views of one buffer (no copy kernel);
 - LegalizeOps: every Relax operator becomes a call_tir of a TIR PrimFunc (TOPI);
 - AnnotateTIROpPattern: tags each PrimFunc (elementwise, broadcast, injective,
   reduction, out-fusable such as conv2d) so that FuseOps knows what may fuse;
+- keep_marks_opaque: the marked concat/split functions stay opaque;
 - FoldConstant: computes everything that depends only on weights (reshaped biases,
   transposed dense weights) at compile time, so it is not a task;
 - FuseOps + FuseTIR: groups e.g. conv2d+add+relu and merges each group into one
@@ -27,8 +34,9 @@ per-module numbering removed ("fused_conv2d10_add7_relu4" -> "fused_conv2d_add_r
 followed by the shapes of the inputs, e.g.
 "fused_conv2d_add_relu(1x64x56x56,64x64x3x3,1x64x1x1)"; `Workload.key` adds the
 structural hash. Functions that only reshape (TVM's `has_reshape_pattern`) are not tasks:
-the build turns their calls into views (RewriteDataflowReshape), so no kernel runs.
-They are listed in `ModelTasks.elided`.
+the build turns their calls into views (RewriteDataflowReshape), so no kernel runs; nor
+are the concat/split calls the build turns into slices of one buffer
+(`tunefarm.models.slices`). They are listed in `ModelTasks.elided`.
 """
 
 from __future__ import annotations
@@ -46,18 +54,49 @@ def fusion_passes() -> list:
     """The passes `fuse` runs, in order (see the module docstring for why each)."""
     from tvm import relax
 
+    from tunefarm.models import slices
+
     t = relax.transform
     return [
+        fold_constant_reshapes(),
         t.FoldBatchnormToConv2D(),
         t.DecomposeOpsForInference(),
         t.CanonicalizeBindings(),
+        slices.mark_slice_ops(),
         t.LegalizeOps(),
         t.AnnotateTIROpPattern(),
+        slices.keep_marks_opaque(),
         t.FoldConstant(),
         t.FuseOps(),
         t.FuseTIR(),
         t.DeadCodeElimination(),
     ]
+
+
+def fold_constant_reshapes():
+    """A module pass: `R.reshape(constant, shape)` -> the constant with that shape."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    @mutator
+    class _Fold(PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            op, args = call.op, call.args
+            if isinstance(op, tvm.ir.Op) and op.name == "relax.reshape" and isinstance(args[0], tvm.ir.GenericConst):
+                data = args[0].value.numpy()
+                return relax.const(data.reshape([int(d) for d in call.ty.shape.values]), str(data.dtype))
+            return call
+
+    @tvm.transform.module_pass(opt_level=0, name="FoldConstantReshapes")
+    def fold(mod, _ctx):
+        functions = {
+            gv: _Fold().visit_expr(f) if isinstance(f, relax.Function) else f for gv, f in mod.functions.items()
+        }
+        return tvm.IRModule(functions, attrs=mod.attrs, global_infos=mod.global_infos)
+
+    return fold
 
 
 def fuse(mod):
@@ -120,7 +159,7 @@ class ModelTasks:
     name: str
     fused_mod: object  # tvm.IRModule: Relax "main" plus the fused PrimFuncs
     tasks: tuple[ModelTask, ...]
-    elided: tuple[str, ...] = ()  # PrimFuncs the build turns into views (pure reshapes)
+    elided: tuple[str, ...] = ()  # PrimFuncs whose calls the build turns into views (reshapes, slices)
 
     @property
     def total_flops(self) -> float:
@@ -227,15 +266,19 @@ def _tasks_of(fused_mod, model_name: str) -> tuple[tuple[ModelTask, ...], tuple[
     import tvm_ffi
     from tvm import relax
 
+    from tunefarm.models.slices import removed_copy_calls
+
     groups: dict[int, list[_Group]] = {}  # structural hash -> groups (equal within a list)
     order: list[_Group] = []
     elided: list[str] = []
+    removed = removed_copy_calls(fused_mod)
     for call in _call_tir_calls(fused_mod["main"]):
         gv = call.args[0]
         func = fused_mod[gv]
         if not isinstance(func, tvm.tirx.PrimFunc):
             continue
-        if bool(relax.analysis.has_reshape_pattern(func)):
+        if removed[gv.name_hint] > 0 or bool(relax.analysis.has_reshape_pattern(func)):
+            removed[gv.name_hint] -= 1
             if gv.name_hint not in elided:
                 elided.append(gv.name_hint)
             continue

@@ -1,0 +1,285 @@
+"""Where a built model's time goes: per kernel call, against the end-to-end latency.
+
+`profile_model(model_dir, inputs)` runs the model once in a child process (TVM's thread
+pool at the target's core count) with a VM instrument that records every call the VM
+makes: kernels (the model's PrimFuncs) with their argument tensors, and the VM's own
+builtins (allocations, views, null-outs). Then it measures:
+
+- each kernel call on its own, on the very tensors the model passed it (so warm, as
+  in the model when the previous kernel just wrote its input), with the library's
+  `time_evaluator` (C++ timer, no Python per call);
+- the whole model, `main`, the same way;
+- the copy bandwidth of this machine (numpy, one thread): from memory (64 MiB, larger
+  than the caches) and from cache (`CACHED_BYTES`, what the kernels of a small model
+  mostly see).
+
+Timings keep the fastest of `REPEATS` repeats (on a shared machine noise only slows).
+
+`in_model_breakdown(tasks, profile)` turns that into per-task rows: calls, seconds in
+the model, share, GB/s and GFLOPS, and what holds the task back, from the measurements:
+
+- `launch-bound`: the model's time not spent inside kernels (end-to-end minus the sum of
+  the kernel calls: VM dispatch, allocations, waking the thread pool, cache misses between
+  kernels), spread over the kernel calls, is at least `LAUNCH_BOUND_SHARE` of the task's
+  time per call plus that overhead;
+- `memory-bound`: the task moves its arguments' bytes at `MEMORY_BOUND_SHARE` or more of
+  the measured copy bandwidth (the cache's when its arguments fit `CACHED_BYTES`, else
+  memory's);
+- `data movement`: a kernel without arithmetic (a copy, a transpose, a concat that could
+  not become views, a resize): a layout change between tasks;
+- `elementwise, unfused`: a kernel of under one FLOP per byte (its own pass over memory
+  for what could be a neighbour's epilogue);
+- otherwise `compute`: GFLOPS and FLOPs per byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tunefarm.errors import ModelError
+from tunefarm.isolation import IsolatedWorker
+
+PROFILE_TIMEOUT = 300.0
+"""Seconds the profiling child may take."""
+
+MIN_REPEAT_SECS = 2e-3
+"""Each timed repeat of a kernel runs it this long at least (tiny kernels many times)."""
+
+REPEATS = 5
+"""Timed repeats per kernel and of the whole model; the median is kept."""
+
+CACHED_BYTES = 1 << 20
+"""A kernel whose arguments take at most this many bytes is compared with the copy
+bandwidth of a buffer that size (the L2 of a core here), bigger ones with memory's."""
+
+LAUNCH_BOUND_SHARE = 0.3
+MEMORY_BOUND_SHARE = 0.5
+
+PREPACKED_SUFFIX = "_prepacked"
+"""A kernel whose weights are stored in a rewritten layout is built as `<name>_prepacked`
+(Relax's SplitLayoutRewritePreproc, run by the build's `fold_layout_rewrites`)."""
+
+_JOBS = "tunefarm.models.profile"
+
+
+def kernel_symbols(tasks) -> list[str]:
+    """The names the model's kernels may be called by: each task function's, and its
+    `PREPACKED_SUFFIX` form."""
+    return [n for t in tasks.tasks for g in t.global_vars for n in (g, g + PREPACKED_SUFFIX)]
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    symbol: str  # the kernel (PrimFunc) name, as the task's global_vars name it
+    seconds: float  # one call, on the model's own tensors
+    bytes: int  # its arguments' bytes (what it must at least read and write)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    latency: float  # seconds per inference, end to end (median)
+    calls: tuple[KernelCall, ...]  # in the order the model makes them
+    builtin_calls: int  # calls of the VM's own functions (allocations, views, ...)
+    copy_bandwidth: float  # bytes per second, numpy copy, one thread, 64 MiB
+    threads: int
+    cached_copy_bandwidth: float = 0.0  # the same for CACHED_BYTES
+
+    @property
+    def kernel_seconds(self) -> float:
+        return sum(c.seconds for c in self.calls)
+
+    @property
+    def overhead_per_call(self) -> float:
+        """End-to-end time outside the kernels, per kernel call (>= 0)."""
+        return max(0.0, self.latency - self.kernel_seconds) / max(1, len(self.calls))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def profile_model(
+    model_dir: str | Path,
+    inputs: Sequence[np.ndarray],
+    kernels: Sequence[str],
+    *,
+    threads: int,
+    timeout: float = PROFILE_TIMEOUT,
+) -> ModelProfile:
+    """Profile the built model in `model_dir` on `inputs` (in the order `main` takes them);
+    `kernels` are the names of its PrimFuncs (every other call is the VM's own)."""
+    from tunefarm.models.build import load_manifest
+
+    manifest = load_manifest(model_dir)
+    tmp = tempfile.mkdtemp(prefix="tunefarm-profile-")
+    try:
+        npz = os.path.join(tmp, "inputs.npz")
+        np.savez(npz, *inputs)
+        with IsolatedWorker(env={"TVM_NUM_THREADS": str(threads)}, name="model-profile") as worker:
+            outcome = worker.call(
+                f"{_JOBS}:profile_job",
+                str(Path(model_dir) / manifest["library"]),
+                npz,
+                json.dumps(list(kernels)),
+                timeout=timeout,
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not outcome.ok:
+        raise ModelError(f"profiling {model_dir} failed ({outcome.status}): {outcome.message}")
+    v = outcome.value
+    return ModelProfile(
+        v["latency"], tuple(KernelCall(**c) for c in v["calls"]), v["builtin_calls"], v["copy_bandwidth"], threads,
+        v["cached_copy_bandwidth"],
+    )
+
+
+def profile_job(lib_path: str, inputs_npz: str, kernels_json: str) -> dict[str, Any]:
+    """Child side of `profile_model`: plain arguments, plain result."""
+    import tvm
+    from tvm import relax
+
+    kernels = set(json.loads(kernels_json))
+    dev = tvm.cpu(0)
+    lib = tvm.runtime.load_module(lib_path)
+    vm = relax.VirtualMachine(lib, dev)
+    with np.load(inputs_npz) as data:
+        args = [tvm.runtime.tensor(data[f"arr_{i}"], dev) for i in range(len(data.files))]
+    recorded: list[tuple[str, list]] = []
+    builtins = 0
+
+    def instrument(func, symbol, before_run, ret, *call_args):
+        nonlocal builtins
+        if before_run:
+            if symbol in kernels:
+                recorded.append((symbol, list(call_args)))
+            else:
+                builtins += 1
+        return 0
+
+    vm["main"](*args)  # warm up: allocator pools, pages
+    vm.set_instrument(instrument)
+    vm["main"](*args)
+    vm.set_instrument(None)
+    kernel_module = lib.imports[0] if lib.imports else lib  # the compiled kernels
+    calls = []
+    for symbol, call_args in recorded:
+        seconds = _time(kernel_module, symbol, dev, call_args)
+        calls.append({"symbol": symbol, "seconds": seconds, "bytes": sum(_nbytes(a) for a in call_args)})
+    latency = _time_main(vm, dev, args)
+    return {
+        "latency": latency,
+        "calls": calls,
+        "builtin_calls": builtins,
+        "copy_bandwidth": copy_bandwidth(),
+        "cached_copy_bandwidth": copy_bandwidth(CACHED_BYTES),
+    }
+
+
+def _nbytes(t) -> int:
+    shape = getattr(t, "shape", None)
+    if shape is None:
+        return 0
+    n = np.dtype(str(t.dtype)).itemsize
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _time(module, symbol: str, dev, call_args) -> float:
+    once = module.time_evaluator(symbol, dev, number=1, repeat=3)(*call_args).min
+    number = max(1, int(MIN_REPEAT_SECS / max(once, 1e-9)))
+    return float(module.time_evaluator(symbol, dev, number=number, repeat=REPEATS)(*call_args).min)
+
+
+def _time_main(vm, dev, args) -> float:
+    once = vm.time_evaluator("main", dev, number=1, repeat=3)(*args).min
+    number = max(1, int(MIN_REPEAT_SECS / max(once, 1e-9)))
+    return float(vm.time_evaluator("main", dev, number=number, repeat=REPEATS)(*args).min)
+
+
+def copy_bandwidth(nbytes: int = 64 << 20) -> float:
+    """Bytes per second read plus written by a one-thread numpy copy of `nbytes` (the
+    fastest of repeats lasting about 20 ms in all)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    number = max(1, (16 << 20) // nbytes)
+    best = float("inf")
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            np.copyto(dst, src)
+        best = min(best, (time.perf_counter() - t0) / number)
+    return 2 * nbytes / best
+
+
+# -- per task ---------------------------------------------------------------------------------
+
+
+def in_model_breakdown(tasks, profile: ModelProfile) -> dict[str, dict[str, Any]]:
+    """Per task key: its calls, seconds in the model, share of the latency, GB/s, GFLOPS,
+    overhead share and what holds it back (`holds_back`, a list of short texts)."""
+    by_symbol: dict[str, list[KernelCall]] = {}
+    for c in profile.calls:
+        name = c.symbol[: -len(PREPACKED_SUFFIX)] if c.symbol.endswith(PREPACKED_SUFFIX) else c.symbol
+        by_symbol.setdefault(name, []).append(c)
+    overhead = profile.overhead_per_call
+    rows = {}
+    for t in tasks.tasks:
+        calls = [c for g in t.global_vars for c in by_symbol.get(g, [])]
+        if not calls:
+            continue
+        seconds = sum(c.seconds for c in calls)
+        nbytes = sum(c.bytes for c in calls)
+        flops = t.flops * len(calls)
+        per_call = seconds / len(calls)
+        row = {
+            "calls": len(calls),
+            "seconds": seconds,
+            "share": seconds / profile.latency if profile.latency > 0 else None,
+            "seconds_per_call": per_call,
+            "bytes_per_call": nbytes / len(calls),
+            "overhead_share": overhead / (per_call + overhead) if per_call + overhead > 0 else 0.0,
+            "gbps": nbytes / seconds / 1e9 if seconds > 0 else None,
+            "gflops": flops / seconds / 1e9 if seconds > 0 else None,
+            "flops_per_byte": flops / nbytes if nbytes else None,
+        }
+        bandwidth = profile.cached_copy_bandwidth if row["bytes_per_call"] <= CACHED_BYTES else profile.copy_bandwidth
+        row["holds_back"] = holds_back(row, overhead, bandwidth or profile.copy_bandwidth)
+        rows[t.key] = row
+    return rows
+
+
+def holds_back(row: Mapping[str, Any], overhead_per_call: float, bandwidth: float) -> list[str]:
+    """What limits a task in the model, from its measured row (see the module docstring)."""
+    out = []
+    us = row["seconds_per_call"] * 1e6
+    if row["overhead_share"] >= LAUNCH_BOUND_SHARE:
+        out.append(
+            f"launch-bound (kernel {us:.1f} us, {row['overhead_share']:.0%} of its share is the "
+            f"{overhead_per_call * 1e6:.1f} us per-call overhead)"
+        )
+    gbps, bw = row["gbps"] or 0.0, bandwidth / 1e9
+    if bw and gbps >= MEMORY_BOUND_SHARE * bw:
+        where = "cache" if row["bytes_per_call"] <= CACHED_BYTES else "memory"
+        out.append(f"memory-bound ({gbps:.1f} GB/s vs {bw:.1f} GB/s measured copy bandwidth from {where})")
+    intensity = row["flops_per_byte"]
+    calls = row["calls"]
+    kernels = f"{calls} separate kernel{'s' if calls > 1 else ''}"
+    if not row["gflops"]:
+        out.append(f"data movement: {kernels} that only move data (a layout change between tasks)")
+    elif intensity is not None and intensity < 1.0:
+        out.append(f"elementwise, unfused: {kernels} of {intensity:.2f} FLOP/byte")
+    elif not out:
+        out.append(f"compute ({row['gflops']:.1f} GFLOPS, {intensity:.0f} FLOP/byte)")
+    return out
