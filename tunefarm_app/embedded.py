@@ -31,6 +31,7 @@ from services.scheduler.tuner import SearchPace, TaskState, TaskTuner
 from services.worker.builder import LocalBuilder
 from tunefarm import target as targets
 from tunefarm.errors import UsageError
+from tunefarm.isa import check_runs_on_host
 from tunefarm.records import MeasureRecord
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import Workload
@@ -151,6 +152,7 @@ def tune_tasks(
         raise UsageError("--trials must be at least 1")
     if config.batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
+    check_runs_on_host(target, f"the target ({targets.describe(target)})")  # measured here
     tasks = [make_task(s.workload, target) for s in specs]
     store = JsonlRecordStore(records)
     for task in tasks:

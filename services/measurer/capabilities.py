@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tunefarm.isa import AARCH64_EXTENSIONS, X86_EXTENSIONS, arch_family
 from tunefarm.isolation import IsolatedWorker
 from tunefarm.target import physical_cores
 
@@ -43,16 +44,18 @@ AGENT_VERSION = "1"
 
 ISA_FEATURES = frozenset(
     {
-        # x86
-        "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+        # the extensions device classes are checked against (tunefarm.isa), by the OS's names
+        *X86_EXTENSIONS.values(), *AARCH64_EXTENSIONS.values(),
+        # more x86 and arm ones worth showing
         "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
-        # arm (the kernel's names)
-        "neon", "asimd", "asimdhp", "asimddp", "fphp", "sve", "sve2", "i8mm", "bf16", "sme",
+        "neon", "fphp", "sme",
         # risc-v
         "v", "zvfh",
     }
 )  # fmt: skip
-"""CPU flags worth reporting: those that decide which kernels a machine can run fast."""
+"""CPU flags an agent reports: the instruction-set extensions that decide which kernels a
+machine can run (and run fast). An x86 class is only served by an agent that has every
+extension its target's code uses (`tunefarm.isa`; the lease service checks it)."""
 
 AARCH64_HWCAP = (
     "fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp", "asimdhp",
@@ -67,17 +70,6 @@ AARCH64_HWCAP2 = (
     "afp", "rpres", "mte3", "sme",
 )  # fmt: skip
 """... and of the AT_HWCAP2 bits."""
-
-AARCH64_LLVM_FEATURES = {
-    "asimd": "+neon",
-    "asimdhp": "+fullfp16",
-    "asimddp": "+dotprod",
-    "i8mm": "+i8mm",
-    "bf16": "+bf16",
-    "sve": "+sve",
-    "sve2": "+sve2",
-}
-"""LLVM's `mattr` for the aarch64 features that change the code TVM generates."""
 
 AT_HWCAP, AT_HWCAP2 = 16, 26
 
@@ -130,7 +122,7 @@ def agent_target(host: dict[str, Any], machine: str, features: Iterable[str]) ->
         target["mtriple"] = f"{machine}-linux-{libc}"
     if arch_family(machine) == "arm":
         have = set(features)
-        mattr = [flag for name, flag in AARCH64_LLVM_FEATURES.items() if name in have]
+        mattr = [f"+{llvm}" for llvm, name in AARCH64_EXTENSIONS.items() if name in have]
         if mattr:
             target["mattr"] = sorted(set(target.get("mattr", [])) | set(mattr))
     return target
@@ -152,21 +144,6 @@ def _auxv_hwcaps() -> tuple[int, int] | None:
     getauxval.restype = ctypes.c_ulong
     getauxval.argtypes = [ctypes.c_ulong]
     return int(getauxval(AT_HWCAP)), int(getauxval(AT_HWCAP2))
-
-
-def arch_family(name: str) -> str:
-    """Architectures whose code one CPU runs natively share a family: "x86" (x86_64,
-    i686), "arm" (aarch64, armv7l), "riscv", ...; other names are their own family."""
-    name = name.lower()
-    if name in ("x86", "x86_64", "amd64", "x64") or (len(name) == 4 and name[0] == "i" and name.endswith("86")):
-        return "x86"
-    if name.startswith(("aarch64", "arm")):
-        return "arm"
-    if name.startswith("riscv"):
-        return "riscv"
-    if name.startswith(("ppc", "powerpc")):
-        return "ppc"
-    return name
 
 
 def kernel_arch() -> str:

@@ -1,0 +1,109 @@
+"""x86 ISA device classes and cost-model transfer, without the farm: the extensions a
+target's code uses (from LLVM) against a CPU's flags (from the OS), which agents a class
+accepts, which targets this host runs, and which class a new class's model starts from.
+
+The farm end to end (two x86 classes tuned side by side): test_farm_isa.py.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from services.measurer.exceptions import BadRequest
+from services.measurer.lease_service import _check_compatible
+from services.scheduler import transfer
+from tunefarm import isa
+from tunefarm.errors import TargetError
+
+HASWELL = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
+X86_64_V2 = {"kind": "llvm", "mcpu": "x86-64-v2", "num-cores": 2}
+SKYLAKE_AVX512 = {"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2}
+ZNVER2 = {"kind": "llvm", "mcpu": "znver2", "num-cores": 8}
+CORTEX_A72 = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72", "num-cores": 2}
+CUDA = {"kind": "cuda", "arch": "sm_80"}
+
+# /proc/cpuinfo flags of an AVX2 machine without AVX-512 (a first-generation EPYC), and of
+# an AVX-512 one (a Skylake server), as Linux spells them.
+ZEN1_FLAGS = (
+    "fpu cx8 cmov mmx fxsr sse sse2 lm nopl pni pclmulqdq ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes "
+    "xsave avx f16c rdrand lahf_lm abm sse4a 3dnowprefetch bmi1 avx2 bmi2 adx sha_ni"
+).split()
+SKYLAKE_FLAGS = [*ZEN1_FLAGS, "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl"]
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 host")
+
+
+def test_a_targets_extensions_come_from_llvm_without_tuning_properties():
+    haswell, v2 = isa.target_isa(HASWELL), isa.target_isa(X86_64_V2)
+    assert haswell.family == v2.family == "x86"
+    assert {"avx", "avx2", "fma", "sse4.2", "bmi2"} <= haswell.extensions
+    assert "sse4.2" in v2.extensions and not {"avx", "avx2", "fma"} & v2.extensions
+    assert v2.extensions < haswell.extensions  # an older ISA is a subset
+    assert {"avx512f", "avx512bw", "avx512vl"} <= isa.target_isa(SKYLAKE_AVX512).extensions
+    # LLVM lists tuning properties and system instructions too; they are not extensions here
+    assert not {f for f in haswell.extensions if f.startswith(("fast-", "slow-", "false-deps"))}
+    assert "invpcid" not in haswell.extensions
+    assert isa.target_isa({"kind": "llvm", "mcpu": "haswell", "mattr": ["-avx2"]}).extensions == haswell.extensions - {"avx2"}
+    assert isa.target_isa(CORTEX_A72) == isa.TargetISA("arm", frozenset({"neon"}))
+    assert isa.target_isa(CUDA) == isa.TargetISA("", frozenset())
+
+
+def test_missing_extensions_compare_llvm_names_with_the_oss_flags():
+    haswell, v2, skx = (isa.target_isa(t) for t in (HASWELL, X86_64_V2, SKYLAKE_AVX512))
+    assert isa.missing_extensions(haswell, ZEN1_FLAGS) == []
+    assert isa.missing_extensions(v2, ZEN1_FLAGS) == []
+    assert isa.missing_extensions(skx, ZEN1_FLAGS) == ["avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"]
+    assert isa.missing_extensions(skx, SKYLAKE_FLAGS) == []  # an AVX-512 machine runs all three
+    assert isa.missing_extensions(haswell, [f for f in ZEN1_FLAGS if f != "fma"]) == ["fma"]
+    assert isa.missing_extensions(isa.target_isa(CORTEX_A72), ["fp", "asimd"]) == []
+    assert isa.missing_extensions(isa.target_isa(CORTEX_A72), ["fp"]) == ["neon"]
+
+
+def test_cpuinfo_flags_are_read_from_the_flags_or_features_line():
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse avx2\nbugs\t\t: sysret_ss_attrs\n"
+    assert isa.cpuinfo_flags(text) == {"fpu", "sse", "avx2"}
+    assert isa.cpuinfo_flags("Features\t: fp asimd\n") == {"fp", "asimd"}
+    assert isa.cpuinfo_flags("") == frozenset()
+
+
+def test_this_host_runs_what_its_cpu_has_and_names_what_it_lacks():
+    flags = isa.host_flags()
+    assert isa.runs_on_host(X86_64_V2)
+    assert not isa.runs_on_host(CORTEX_A72)
+    with pytest.raises(TargetError, match="builds for arm; this machine is x86"):
+        isa.check_runs_on_host(CORTEX_A72)
+    if "avx512f" in flags:
+        assert isa.runs_on_host(SKYLAKE_AVX512)
+    else:
+        assert not isa.runs_on_host(SKYLAKE_AVX512)
+        with pytest.raises(TargetError, match=r"cannot run code built for --target \(it lacks .*avx512f"):
+            isa.check_runs_on_host(SKYLAKE_AVX512, "--target")
+
+
+def test_a_class_takes_only_agents_whose_cpu_has_its_extensions():
+    zen1 = {"arch": "x86_64", "isa_features": ZEN1_FLAGS, "cpu_model": "AMD EPYC"}
+    _check_compatible("haswell", HASWELL, zen1)  # one machine serves both classes
+    _check_compatible("v2", X86_64_V2, zen1)
+    _check_compatible("skx", SKYLAKE_AVX512, {**zen1, "isa_features": SKYLAKE_FLAGS})
+    with pytest.raises(BadRequest, match=r"'skx' \(skylake-avx512\) builds code using avx512bw, .*avx512f.*\(AMD EPYC\) lacks"):
+        _check_compatible("skx", SKYLAKE_AVX512, zen1)
+    _check_compatible("skx", SKYLAKE_AVX512, {"arch": "x86_64"})  # an agent reporting no flags is not checked
+    with pytest.raises(BadRequest, match="target TVM rejects"):
+        _check_compatible("bad", {"kind": "llvm", "mcpu": "haswell", "mattr": "avx2"}, zen1)
+
+
+def test_the_nearest_class_is_of_the_same_kind_then_family_then_isa_overlap():
+    candidates = [("v2", X86_64_V2), ("skx", SKYLAKE_AVX512), ("zen2", ZNVER2), ("a72", CORTEX_A72), ("gpu", CUDA)]
+    assert transfer.nearest(HASWELL, candidates).name == "zen2"  # AVX2 too, despite 8 cores
+    assert transfer.nearest(HASWELL, [("v2", X86_64_V2), ("a72", CORTEX_A72), ("gpu", CUDA)]).name == "v2"
+    assert transfer.nearest(HASWELL, [("a72", CORTEX_A72), ("gpu", CUDA)]).name == "a72"  # another family last
+    assert transfer.nearest(CUDA, [("v2", X86_64_V2)]) is None  # never across kinds
+    assert transfer.nearest(HASWELL, []) is None
+    # the same ISA: the closer core count, then the name
+    four, eight = {**HASWELL, "num-cores": 4}, {**HASWELL, "num-cores": 8}
+    assert transfer.nearest(HASWELL, [("b8", eight), ("c4", four)]).name == "c4"
+    assert transfer.nearest(HASWELL, [("b", four), ("a", four)]).name == "a"
+    choice = transfer.nearest(X86_64_V2, [("haswell", HASWELL)])
+    assert choice.similarity.same_family and 0 < choice.similarity.isa_overlap < 1
