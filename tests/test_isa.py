@@ -1,18 +1,20 @@
 """x86 ISA device classes and cost-model transfer, without the farm: the extensions a
-target's code uses (from LLVM) against a CPU's flags (from the OS), which agents a class
-accepts, which targets this host runs, and which class a new class's model starts from.
+target's code uses (from LLVM) against a CPU's flags (from the OS), which classes an agent
+serves, which targets this host runs, and which class a new class's model starts from.
 
 The farm end to end (two x86 classes tuned side by side): test_farm_isa.py.
 """
 
 from __future__ import annotations
 
+import json
 import platform
+import subprocess
+import sys
 
 import pytest
 
-from services.measurer.exceptions import BadRequest
-from services.measurer.lease_service import _check_compatible
+from services.measurer import capabilities
 from services.scheduler import transfer
 from tunefarm import isa
 from tunefarm.errors import TargetError
@@ -82,16 +84,28 @@ def test_this_host_runs_what_its_cpu_has_and_names_what_it_lacks():
             isa.check_runs_on_host(SKYLAKE_AVX512, "--target")
 
 
-def test_a_class_takes_only_agents_whose_cpu_has_its_extensions():
-    zen1 = {"arch": "x86_64", "isa_features": ZEN1_FLAGS, "cpu_model": "AMD EPYC"}
-    _check_compatible("haswell", HASWELL, zen1)  # one machine serves both classes
-    _check_compatible("v2", X86_64_V2, zen1)
-    _check_compatible("skx", SKYLAKE_AVX512, {**zen1, "isa_features": SKYLAKE_FLAGS})
-    with pytest.raises(BadRequest, match=r"'skx' \(skylake-avx512\) builds code using avx512bw, .*avx512f.*\(AMD EPYC\) lacks"):
-        _check_compatible("skx", SKYLAKE_AVX512, zen1)
-    _check_compatible("skx", SKYLAKE_AVX512, {"arch": "x86_64"})  # an agent reporting no flags is not checked
-    with pytest.raises(BadRequest, match="target TVM rejects"):
-        _check_compatible("bad", {"kind": "llvm", "mcpu": "haswell", "mattr": "avx2"}, zen1)
+def test_an_agent_refuses_a_class_whose_extensions_its_cpu_lacks():
+    skx = json.dumps(SKYLAKE_AVX512)
+    for target in (HASWELL, X86_64_V2):  # one machine serves both classes
+        assert capabilities.class_missing_extensions(json.dumps(target), ZEN1_FLAGS) == []
+    assert capabilities.class_missing_extensions(skx, SKYLAKE_FLAGS) == []
+    missing = capabilities.class_missing_extensions(skx, ZEN1_FLAGS)
+    assert missing == ["avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"]
+    assert capabilities.isa_refusal("skx", skx, missing, "AMD EPYC") == (
+        "device class 'skx' (skylake-avx512) builds code using avx512bw, avx512cd, avx512dq, avx512f, "
+        "avx512vl, which this machine's CPU (AMD EPYC) lacks"
+    )
+    assert capabilities.class_missing_extensions(skx, []) is None  # no flags reported: cannot tell
+    # the agent asks in a child process when it has not imported TVM itself
+    code = (
+        "import json, sys; from services.measurer import capabilities as c; "
+        "print(json.dumps(c.class_missing_extensions(sys.argv[1], sys.argv[2].split()))); "
+        "print('tvm' in sys.modules)"
+    )
+    ran = subprocess.run([sys.executable, "-c", code, skx, " ".join(ZEN1_FLAGS)], capture_output=True, text=True,
+                         timeout=300, check=True)  # fmt: skip
+    answer, imported = ran.stdout.splitlines()[-2:]
+    assert json.loads(answer) == missing and imported == "False"
 
 
 def test_the_nearest_class_is_of_the_same_kind_then_family_then_isa_overlap():
@@ -107,3 +121,59 @@ def test_the_nearest_class_is_of_the_same_kind_then_family_then_isa_overlap():
     assert transfer.nearest(HASWELL, [("b", four), ("a", four)]).name == "a"
     choice = transfer.nearest(X86_64_V2, [("haswell", HASWELL)])
     assert choice.similarity.same_family and 0 < choice.similarity.isa_overlap < 1
+
+
+def test_a_class_without_a_model_starts_from_its_nearest_classs_latest_version(db_sessions, tmp_path):
+    import numpy as np
+
+    from services.api import admin
+    from services.db import queries
+    from services.db.session import transaction
+    from services.scheduler.cost_model import XGBConfig, XGBCostModel
+    from services.scheduler.features import FEATURE_VERSION
+    from services.scheduler.shared_model import ClassModels
+
+    rng = np.random.default_rng(0)
+
+    def programs(n: int) -> tuple[list, list, list]:
+        feats = [rng.random((2, 8), dtype=np.float32) for _ in range(n)]
+        return feats, [float(f.sum()) for f in feats], ["task"] * n
+
+    ids = {}
+    with transaction(db_sessions) as s:
+        for name, target in (("t-haswell", HASWELL), ("t-v2", X86_64_V2), ("t-v3", {**HASWELL, "mcpu": "x86-64-v3"}),
+                             ("t-gpu", CUDA), ("t-gpu-new", {**CUDA, "arch": "sm_90"})):  # fmt: skip
+            ids[name] = admin.ensure_device_class(s, name=name, target=target).id
+    versions = {}
+    for name, n in (("t-haswell", 40), ("t-haswell", 50), ("t-v2", 30)):  # haswell: two versions
+        model = XGBCostModel(XGBConfig(num_warmup_samples=4, adaptive_training=False))
+        model.update(*programs(n))
+        path = tmp_path / f"{name}-{n}.npz"
+        model.save(path)
+        with transaction(db_sessions) as s:
+            versions[name] = queries.add_cost_model_version(
+                s, device_class_id=ids[name], feature_version=FEATURE_VERSION, path=path.name, sha256="0" * 64,
+                size=1, trained_on=n, last_measurement_id=None,
+            )  # fmt: skip
+    with transaction(db_sessions) as s:
+        latest = {dc.name: v.version for dc, v in queries.latest_cost_models_of_classes(s, feature_version=FEATURE_VERSION)}
+    assert latest == {"t-haswell": 2, "t-v2": 1}
+
+    models = ClassModels(db_sessions, tmp_path, warmup=4, save_every=1000, catch_up_secs=60)
+    shared = models.get(ids["t-v3"])  # x86-64-v3 (AVX2) is nearer to haswell than to x86-64-v2
+    assert shared.transferred_from.device_class == "t-haswell" and shared.transferred_from.version == 2
+    assert shared.start_version_id == versions["t-haswell"].id and shared.version_id is None
+    assert shared.model.num_prior == shared.model.num_samples == 50 and shared.unsaved == 0
+    assert ClassModels(db_sessions, tmp_path, warmup=4, save_every=1000, catch_up_secs=60, transfer=False).get(
+        ids["t-v3"]
+    ).transferred_from is None  # transfer off: a fresh model
+    assert models.get(ids["t-gpu-new"]).transferred_from is None  # no other cuda class has a model
+
+    shared.model.update(*programs(10))  # its own measurements: the saved version names its origin
+    assert models.save(shared) == 1
+    with transaction(db_sessions) as s:
+        saved = queries.latest_cost_model_version(s, device_class_id=ids["t-v3"])
+        assert saved.transferred_from_id == versions["t-haswell"].id and saved.trained_on == 60
+    again = ClassModels(db_sessions, tmp_path, warmup=4, save_every=1000, catch_up_secs=60).get(ids["t-v3"])
+    assert again.version == 1 and again.transferred_from.device_class == "t-haswell"
+    assert again.model.num_prior == 50 and again.start_version_id == saved.id

@@ -10,6 +10,7 @@
   tunefarm report DIR [--html [--out FILE]]
   tunefarm bench ops [--trials N]
   tunefarm bench models [--trials N] [--models resnet18,bert_layer] [--json F]
+  tunefarm bench transfer [--source T] [--dest T] [--trials N] [--workloads gemm256,...]
 
 Bad input exits with status 2 and one line on stderr; nothing already stored is lost.
 """
@@ -27,6 +28,7 @@ from tunefarm_app import farm_commands, model_commands
 from tunefarm_app.bench import farm as bench_farm
 from tunefarm_app.bench import fastmath as bench_math
 from tunefarm_app.bench import models as bench_models
+from tunefarm_app.bench import transfer as bench_transfer
 
 CONST_HELP = (
     "an input that is a constant (a weight): the kernel may take it in a layout of its own, "
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_models.add_command(bsub)
     bench_farm.add_command(bsub)
     bench_math.add_command(bsub)
+    bench_transfer.add_command(bsub)
     return p
 
 
@@ -155,6 +158,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return bench_farm.run_farm_bench(args)
     if args.command == "bench" and args.suite == "math":
         return bench_math.run(args)
+    if args.command == "bench" and args.suite == "transfer":
+        return bench_transfer.run(args)
     if args.command == "bench":
         from tunefarm_app.bench.ops import run_ops_bench
 

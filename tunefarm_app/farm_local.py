@@ -9,6 +9,8 @@ background, each in its own process group with its log in `D/logs/<name>.log`:
     scheduler      tunefarm scheduler       the searches of every job
     worker-1, -2   tunefarm worker          RQ build workers for the class
     agent          tunefarm agent           measures on this CPU
+    worker-C       tunefarm worker          for each further class C (`extra_classes`):
+    agent-C        tunefarm agent           its build worker and its agent, here
 
 They share the artifact root `D/artifacts`, the database and Redis (with the queue
 prefix given). The class may be another machine's (`FarmConfig.target`, e.g. an aarch64
@@ -20,6 +22,12 @@ registered, then writes `D/farm.json`: the API URL, the gRPC address, a
 team token and an agent token, and the processes (pid, log, command). The tokens are
 in that file only (mode 0600). `down` stops the processes (SIGTERM to each group,
 SIGKILL after a grace period) and marks them stopped in farm.json.
+
+Further classes (`extra_classes`, name -> target; `farm up --extra-class NAME=TARGET`)
+are served here too, each by its own build worker and agent: x86 ISA classes whose code
+this CPU runs (e.g. `haswell` and `x86-64-v2` on an AVX2 machine) tune side by side. An
+agent whose CPU cannot run its class's code is refused (`tunefarm.isa`), and `up` fails
+with its log.
 
 `deploy/docker-compose.yml` runs the same processes with the same settings in containers.
 """
@@ -73,6 +81,7 @@ class FarmConfig:
     target: dict[str, Any] | None = None  # the class's TVM target; default: this CPU's
     agent_command: list[str] | None = None  # how the agent starts; default: `tunefarm agent` here
     agent_env: dict[str, str] = field(default_factory=dict)  # more environment for the agent only
+    extra_classes: dict[str, dict[str, Any]] = field(default_factory=dict)  # more classes served here
 
     @property
     def artifact_root(self) -> Path:
@@ -121,6 +130,8 @@ class LocalFarm:
         try:
             with transaction(sessions) as s:
                 admin.ensure_device_class(s, name=class_name, target=target, description="this machine's CPU (farm up)")
+                for name, extra in c.extra_classes.items():
+                    admin.ensure_device_class(s, name=name, target=extra, description="served here (farm up --extra-class)")
                 team = admin.ensure_team(s, name=c.team)
                 team_token = admin.issue_team_token(s, team_id=team.id, label="farm up")
                 agent_token = admin.issue_agent_token(s, label="farm up")
@@ -151,6 +162,7 @@ class LocalFarm:
             "agent_token": agent_token,
             "device_class": class_name,
             "target": target,
+            "extra_classes": dict(c.extra_classes),
             "database_url": c.database_url,
             "redis_url": c.redis_url,
             "queue_prefix": c.queue_prefix,
@@ -170,7 +182,18 @@ class LocalFarm:
         for i in range(1, self.config.workers + 1):
             out[f"worker-{i}"] = [*cli, "worker", "--device-class", klass, "--name", f"{self._stem()}-worker-{i}"]
         out["agent"] = list(self.config.agent_command or [*cli, "agent"])
+        for name in self.config.extra_classes:
+            out[f"worker-{name}"] = [*cli, "worker", "--device-class", name, "--name", f"{self._stem()}-worker-{name}"]
+            out[f"agent-{name}"] = [
+                *cli, "agent", "--device-class", name, "--name", self.agent_name(name),
+                "--work-dir", str((self.config.state_dir / f"agent-{name}").resolve()),
+            ]  # fmt: skip
         return out
+
+    def agent_name(self, device_class: str | None = None) -> str:
+        """The name the farm's agent registers with (that of an extra class's, given one)."""
+        base = self.env["TUNEFARM_AGENT_NAME"]
+        return base if device_class is None else f"{base}-{device_class}"
 
     def _stem(self) -> str:
         """Unique to this farm (RQ refuses a worker name still registered in Redis, and
@@ -237,7 +260,8 @@ class LocalFarm:
         """Until the API answers, the lease service listens and the agent registered;
         `UsageError` with the dead process's log tail if one exits first."""
         deadline = time.monotonic() + timeout
-        pending = {"api", "lease-service", "agent"}
+        agents = {"agent": self.agent_name(), **{f"agent-{c}": self.agent_name(c) for c in self.config.extra_classes}}
+        pending = {"api", "lease-service", *agents}
         while pending:
             for name in self.processes:
                 if not self.alive(name):
@@ -246,15 +270,16 @@ class LocalFarm:
                 pending.discard("api")
             if "lease-service" in pending and _port_open(self.info["grpc_address"]):
                 pending.discard("lease-service")
-            if "agent" in pending and self._agent_registered():
-                pending.discard("agent")
+            for process, agent in agents.items():
+                if process in pending and self._agent_registered(agent):
+                    pending.discard(process)
             if not pending:
                 return
             if time.monotonic() > deadline:
                 raise UsageError(f"the farm did not come up within {timeout:.0f} s (waiting for {', '.join(sorted(pending))})")
             time.sleep(0.5)
 
-    def _agent_registered(self) -> bool:
+    def _agent_registered(self, name: str) -> bool:
         from sqlalchemy import create_engine, text
         from sqlalchemy.pool import NullPool
 
@@ -263,7 +288,7 @@ class LocalFarm:
             with engine.connect() as conn:
                 n = conn.execute(
                     text("SELECT count(*) FROM agents WHERE name = :n AND state IN ('idle', 'busy')"),
-                    {"n": self.env["TUNEFARM_AGENT_NAME"]},
+                    {"n": name},
                 ).scalar()
                 return bool(n)
         except Exception:

@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import socket
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ ISA_FEATURES = frozenset(
 )  # fmt: skip
 """CPU flags an agent reports: the instruction-set extensions that decide which kernels a
 machine can run (and run fast). An x86 class is only served by an agent that has every
-extension its target's code uses (`tunefarm.isa`; the lease service checks it)."""
+extension its target's code uses (`class_missing_extensions`)."""
 
 AARCH64_HWCAP = (
     "fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp", "asimdhp",
@@ -214,6 +215,40 @@ def probe_tvm() -> dict[str, Any]:
     except Exception:  # no CUDA runtime in this build or on this machine
         pass
     return out
+
+
+def class_missing_extensions(target_json: str, flags: Iterable[str], timeout: float = PROBE_TIMEOUT_SECS) -> list[str] | None:
+    """The instruction-set extensions the code of a class's target (TVM target JSON) uses
+    that a CPU with these OS flags lacks (`tunefarm.isa`): [] when it runs there, None when
+    it cannot be told (no flags, or TVM does not answer). LLVM is asked in an isolated
+    child (in this process when it has imported TVM already)."""
+    flags = sorted(flags)
+    if not flags or not target_json:
+        return None
+    if "tvm" in sys.modules:
+        return missing_for_target(target_json, flags)
+    worker = IsolatedWorker(preload=["tvm"], name="isa-check", start_timeout=timeout)
+    try:
+        outcome = worker.call(f"{__name__}:missing_for_target", target_json, flags, timeout=timeout)
+    finally:
+        worker.close()
+    return list(outcome.value) if outcome.ok else None
+
+
+def missing_for_target(target_json: str, flags: list[str]) -> list[str]:
+    """`class_missing_extensions`'s work (runs where TVM is imported)."""
+    from tunefarm.isa import missing_extensions, target_isa
+
+    return missing_extensions(target_isa(json.loads(target_json)), flags)
+
+
+def isa_refusal(device_class: str, target_json: str, missing: list[str], cpu_model: str) -> str:
+    """Why an agent does not serve a class whose code its CPU cannot run."""
+    mcpu = json.loads(target_json).get("mcpu", "generic")
+    return (
+        f"device class {device_class!r} ({mcpu}) builds code using {', '.join(missing)}, "
+        f"which this machine's CPU ({cpu_model}) lacks"
+    )
 
 
 def default_device_class(caps: dict[str, Any]) -> str:

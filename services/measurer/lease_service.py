@@ -84,9 +84,7 @@ from services.measurer.exceptions import (
 from services.measurer.generated import measurer_pb2 as pb
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc
 from services.measurer.settings import LeaseServiceSettings
-from tunefarm.errors import TargetError
 from tunefarm.export import arch_name, target_arch
-from tunefarm.isa import TargetISA, missing_extensions, target_isa
 from tunefarm.records import BuildResult, MeasureInput, MeasureRecord, MeasureResult, RunResult
 
 log = logging.getLogger("tunefarm.lease_service")
@@ -760,36 +758,22 @@ def given_up_reason(leases: int) -> str:
 
 
 def _check_compatible(class_name: str, target: dict[str, Any], caps: dict[str, Any]) -> None:
-    """Refuse an agent whose machine cannot run its class's kernels: another architecture
-    (an aarch64 class needs an aarch64 agent, and a class without an `mtriple`, built for
-    the build workers' own architecture, taken to be this host's, needs an agent of that
-    one), or a CPU without an instruction-set extension the class's code uses (an AVX-512
-    class on an AVX2 machine; `tunefarm.isa`). A CPU with more runs an older ISA's code:
-    one machine may serve several classes."""
+    """Refuse an agent whose machine cannot run its class's kernels at all (another
+    architecture: an aarch64 class needs an aarch64 agent, and a class without an
+    `mtriple`, built for the build workers' own architecture, taken to be this host's,
+    needs an agent of that one). A different mcpu is only logged: a newer CPU runs an
+    older one's code, and the agent itself refuses a class whose instruction-set
+    extensions its CPU lacks (`capabilities.class_missing_extensions`: asking LLVM needs
+    TVM, which this service does not import)."""
     if target.get("kind") != "llvm":
         return
     arch = arch_name(str(caps.get("arch", "")))
     want = target_arch(target) or arch_name(platform.machine())
     if arch and want != arch:
         raise BadRequest(f"device class {class_name!r} builds for {want}; this agent is {arch}")
-    flags = caps.get("isa_features") or []
-    if not flags:  # an agent that reports no flags: nothing to check against
-        log.warning("agent for device class %s reports no ISA features; its CPU is not checked", class_name)
-        return
-    try:
-        missing = missing_extensions(_target_isa(json.dumps(target, sort_keys=True)), flags)
-    except TargetError as exc:
-        raise BadRequest(f"device class {class_name!r} has a target TVM rejects: {exc}") from None
-    if missing:
-        raise BadRequest(
-            f"device class {class_name!r} ({target.get('mcpu', 'generic')}) builds code using "
-            f"{', '.join(missing)}, which this agent's CPU ({caps.get('cpu_model') or caps.get('llvm_cpu')}) lacks"
-        )
-
-
-@functools.lru_cache(maxsize=64)
-def _target_isa(target_json: str) -> TargetISA:
-    return target_isa(json.loads(target_json))
+    mcpu, own = target.get("mcpu"), caps.get("llvm_cpu")
+    if mcpu and own and mcpu != own:
+        log.warning("device class %s targets mcpu %s; agent on %s registers for it", class_name, mcpu, own)
 
 
 def _json_dict(text: str) -> dict[str, Any]:
