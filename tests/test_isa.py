@@ -177,3 +177,22 @@ def test_a_class_without_a_model_starts_from_its_nearest_classs_latest_version(d
     again = ClassModels(db_sessions, tmp_path, warmup=4, save_every=1000, catch_up_secs=60).get(ids["t-v3"])
     assert again.version == 1 and again.transferred_from.device_class == "t-haswell"
     assert again.model.num_prior == 50 and again.start_version_id == saved.id
+
+
+def test_the_transfer_bench_counts_trials_to_reach_the_cold_runs_final_latency(capsys):
+    import math
+
+    from tunefarm_app.bench.transfer import compare, trials_to_reach
+    from tunefarm_app.cli import main as cli
+
+    assert trials_to_reach([5.0, 3.0, 2.0], 3.0) == 2 and trials_to_reach([5.0], 3.0) is None
+    cold = [9.0, math.inf, 4.0, 3.0, 2.0, 2.5]
+    row = compare("w", 1, 6, [1.0], cold, [2.02, 3.0, 1.0, 9.0, 9.0, 9.0], tolerance=0.02)
+    assert (row.cold_best, row.cold_trials, row.warm_trials, row.warm_best) == (2.0, 5, 1, 1.0)
+    assert row.ratio == 0.2
+    slow = compare("w", 1, 6, [1.0], cold, [9.0] * 6, tolerance=0.0)
+    assert slow.warm_trials is None and slow.ratio == 7 / 5  # never reached: counted as budget + 1
+    if "avx512f" not in isa.host_flags():  # a target this machine cannot run is refused, in one line
+        assert cli(["bench", "transfer", "--dest", json.dumps(SKYLAKE_AVX512), "--trials", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--dest" in err[0] and "avx512f" in err[0]

@@ -6,7 +6,8 @@ the same trials in each (round-robin), with the same batch size and seed:
 1. *source*: tune for the source target (e.g. `haswell`, AVX2) with a fresh cost model,
    which is saved (one model for all the workloads, as the farm keeps one per class);
 2. *cold*: tune for the destination target (e.g. `x86-64-v2`, SSE4.2) with a fresh model;
-3. *warm*: tune for the destination with the source's model transferred
+3. *warm*, at the same time as *cold* (a busy machine slows both alike): tune for the
+   destination with the source's model transferred
    (`XGBCostModel.transferred`: its trees rank the first batch, its measurements are
    prior data whose weight fades as the destination's own arrive), as a farm class with
    no model of its own starts from its nearest class's.
@@ -25,8 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -141,9 +144,37 @@ def run_seed(
 ) -> list[TransferRow]:
     """The three runs (module doc) of every workload for one seed. Each run is one session
     over all the workloads, each getting `trials` (round-robin), so the source's model is a
-    class's model trained on all of them, as the farm keeps one per class."""
-    from services.scheduler.config import TuneConfig
+    class's model trained on all of them, as the farm keeps one per class. The cold and
+    warm runs go at the same time, in two processes, so that a busy machine slows both
+    alike. A run whose records are all in `root` already is resumed, not measured again."""
     from services.scheduler.cost_model import XGBCostModel
+
+    root.mkdir(parents=True, exist_ok=True)
+    run = dict(wids=wids, trials=trials, batch_size=batch_size, seed=seed)
+    source_model = root / "source-model.npz"
+    source_costs = tune_run(name="source", target=source, records=root / "source.jsonl", model=source_model, **run)
+    warm_model = root / "warm-model.npz"
+    if not warm_model.exists():
+        XGBCostModel.load(source_model).transferred("source").save(warm_model)
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
+        cold = pool.submit(tune_run, name="cold", target=dest, records=root / "cold.jsonl", model=None, **run)
+        warm = pool.submit(tune_run, name="warm", target=dest, records=root / "warm.jsonl", model=warm_model, **run)
+        cold_costs, warm_costs = cold.result(), warm.result()
+    return [
+        compare(wid, seed, trials, s, c, w, tolerance)
+        for wid, s, c, w in zip(wids, source_costs, cold_costs, warm_costs)
+    ]
+
+
+def tune_run(
+    *, name: str, wids: list[str], target: dict, trials: int, batch_size: int, seed: int, records: Path,
+    model: Path | None,
+) -> list[list[float]]:  # fmt: skip
+    """One embedded session over the workloads (`trials` each, round-robin); each
+    workload's costs in measurement order. `model`: the cost model file to start from (a
+    fresh model when it does not exist), saved back at the end."""
+    from services.scheduler.config import TuneConfig
     from tunefarm.workloads.registry import make
     from tunefarm_app.embedded import TaskSpec, tune_tasks
 
@@ -152,23 +183,8 @@ def run_seed(
         op, shape, constants = WORKLOADS[wid]
         specs.append(TaskSpec(make(op, shape).with_constants(constants), {"bench": 1}))
     config = TuneConfig(trials=trials * len(specs), batch_size=batch_size, seed=seed, strategy="round-robin")
-    root.mkdir(parents=True, exist_ok=True)
-
-    def tune(name: str, target: dict, model: Path | None) -> list[list[float]]:
-        records = root / f"{name}.jsonl"
-        result = tune_tasks(specs, target, config, records=records, cost_model_path=model, log=_quiet)
-        return [measured_costs(t) for t in result.tasks]
-
-    source_model = root / "source-model.npz"
-    source_costs = tune("source", source, source_model)
-    cold_costs = tune("cold", dest, None)
-    warm_model = root / "warm-model.npz"
-    XGBCostModel.load(source_model).transferred("source").save(warm_model)
-    warm_costs = tune("warm", dest, warm_model)
-    return [
-        compare(wid, seed, trials, s, c, w, tolerance)
-        for wid, s, c, w in zip(wids, source_costs, cold_costs, warm_costs)
-    ]
+    result = tune_tasks(specs, target, config, records=records, cost_model_path=model, log=_quiet)
+    return [measured_costs(t) for t in result.tasks]
 
 
 def render(rows: list[TransferRow], source: dict, dest: dict, args: argparse.Namespace) -> str:
