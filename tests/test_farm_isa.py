@@ -192,5 +192,6 @@ def test_a_new_class_starts_from_its_nearest_classs_model(farm, client, sessions
     client.cancel(job["id"])  # the class has no agent here: its status is what this test reads
     assert started["cost_model"]["version_id"] == source.id
     assert started["cost_model"]["transferred_from"] == {"device_class": AVX2, "version": source.version}
+    assert started["cost_model"]["device_class"] == AVX2
     log = Path(farm.processes["scheduler"].log).read_text()
     assert f"starts from class {AVX2}'s cost model version {source.version}" in log

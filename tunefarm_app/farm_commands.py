@@ -305,9 +305,12 @@ def _print_job(job: dict) -> None:
         print(f"  task     {t['position']}: {t['name']} x{t['weight']}: {t['trials']} trials, "
               f"best {cost(t['best_secs'])}{emulated}{dead}")
     cm = job["cost_model"]
-    if cm.get("transferred_from"):
-        src = cm["transferred_from"]
-        print(f"cost model started from class {src['device_class']}'s (version {src['version']}): transferred")
+    src = cm.get("transferred_from")
+    if src and cm.get("device_class") != job["device_class"]:
+        print(f"cost model class {src['device_class']}'s version {src['version']}, transferred (this class had none)")
+    elif src:
+        print(f"cost model version {cm['version']} of this class, descending from class {src['device_class']}'s "
+              f"version {src['version']} (transferred)")
     if cm["trained_on_at_first_batch"] is not None:
         ranked = "at random" if not cm["trained_on_at_first_batch"] else f"by the class's model ({cm['trained_on_at_first_batch']} programs)"
         print(f"first batch ranked {ranked}")

@@ -279,7 +279,7 @@ def _progress_statement():
     return (
         select(
             Job, Model.name, DeviceClass.name, CostModelVersion.version, CostModelVersion.trained_on, tasks, curve,
-            source_class.name, source.version,
+            source_class.name, source.version, CostModelVersion.device_class_id == Job.device_class_id,
         )  # fmt: skip
         .join(Model, Model.id == Job.model_id)
         .join(DeviceClass, DeviceClass.id == Job.device_class_id)
@@ -299,7 +299,7 @@ def job_public(session: Session, *, team_id: int, job_id: int) -> JobPublic:
     row = session.execute(_PROGRESS, {"job_id": job_id, "team_id": team_id}).one_or_none()
     if row is None:
         raise NotFound(f"job {job_id} not found")
-    job, model_name, class_name, version, trained_on, task_rows, points, source_class, source_version = row
+    job, model_name, class_name, version, trained_on, task_rows, points, source_class, source_version, own = row
     return JobPublic(
         id=job.id,
         state=job.state.value,
@@ -327,6 +327,7 @@ def job_public(session: Session, *, team_id: int, job_id: int) -> JobPublic:
             version=version,
             trained_on=trained_on,
             trained_on_at_first_batch=job.start_model_trained_on,
+            device_class=None if version is None else class_name if own else source_class,
             transferred_from=(
                 TransferPublic(device_class=source_class, version=source_version) if source_class is not None else None
             ),

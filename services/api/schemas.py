@@ -122,6 +122,9 @@ class CostModelPublic(BaseModel):
         description="programs the shared model had learned from when the job's first batch was ranked "
         "(0: ranked at random; null: no batch yet)"
     )
+    device_class: str | None = Field(
+        None, description="the class that version belongs to: the job's own, or the one it was transferred from"
+    )
     transferred_from: TransferPublic | None = Field(
         None,
         description="the job's class had no cost model of its own: its model started from this nearest "
