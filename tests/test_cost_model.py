@@ -21,6 +21,7 @@ from services.scheduler.cost_model.xgb import (
     normalized_throughputs,
     pack_sum_gradient,
     pack_sum_loss,
+    prior_weight,
 )
 
 NUM_FEATURES = 16
@@ -314,3 +315,48 @@ def test_recall_at_k_exact_values() -> None:
     assert recall_at_k([9, 1, 3, 2], [math.inf, 1.0, 2.0, 3.0], k=5) == 1.0
     with pytest.raises(ValueError):
         recall_at_k([1.0], [1.0], k=0)
+
+
+# --- transfer --------------------------------------------------------------------------------
+
+
+def test_a_transferred_model_ranks_at_once_with_the_source_trees_and_keeps_its_history_as_prior(tmp_path) -> None:
+    source = XGBCostModel(XGBConfig(num_warmup_samples=40, adaptive_training=False))
+    source.update(*make_programs(300, seed=10))
+    test_features = make_programs(50, seed=11)[0]
+    model = source.transferred("haswell")
+    np.testing.assert_array_equal(model.predict(test_features), source.predict(test_features))
+    assert model.num_samples == model.num_prior == 300 and source.num_prior == 0
+    assert model.trained_on == source.trained_on
+    model.save(tmp_path / "m.npz")  # the prior flags and renamed groups survive a save
+    again = XGBCostModel.load(tmp_path / "m.npz")
+    assert again.num_prior == 300
+    np.testing.assert_array_equal(again.predict(test_features), source.predict(test_features))
+    # Its own programs (the same task names: another device's groups are renamed) retrain it.
+    again.update(*make_programs(20, seed=12))
+    assert again.num_samples == 320 and again.num_prior == 300 and again.trained_on == 320
+
+
+def test_prior_programs_weigh_less_as_own_programs_arrive() -> None:
+    assert prior_weight(0, 64.0) == 1.0
+    assert prior_weight(64, 64.0) == 0.5
+    assert prior_weight(192, 64.0) == 0.25
+    assert prior_weight(10, 0.0) == 0.0
+
+
+def test_a_transferred_model_adapts_to_a_device_that_ranks_differently() -> None:
+    """The new device's costs depend on another feature than the old one's: after enough of
+    its own programs, the transferred model ranks them as the new device does."""
+    def other_device(features: list[np.ndarray], groups: list[str]) -> list[float]:
+        return [GROUP_SCALES[g] * float((1 + 4 * f[:, 5] ** 2).sum()) for f, g in zip(features, groups)]
+
+    source = XGBCostModel(XGBConfig(num_warmup_samples=40, adaptive_training=False))
+    source.update(*make_programs(300, seed=20))
+    feats, _, groups = make_programs(400, seed=21)
+    model = source.transferred("old")
+    model.update(feats, other_device(feats, groups), groups)
+    test_features, _, test_groups = make_programs(200, seed=22)
+    truth = other_device(test_features, test_groups)
+    adapted = per_group_accuracy(model.predict(test_features), truth, test_groups)
+    before = per_group_accuracy(source.predict(test_features), truth, test_groups)
+    assert adapted > 0.75 and adapted > before + 0.1

@@ -58,6 +58,10 @@ def test_where_a_tuned_model_is_checked():
     assert runs_here({"kind": "llvm", "mtriple": f"{platform.machine()}-linux-gnu"})
     assert not runs_here({"kind": "llvm", "mtriple": "riscv64-linux-gnu"})
     assert not runs_here({"kind": "cuda", "arch": "sm_90"})
+    from tunefarm.isa import host_flags
+
+    if platform.machine() == "x86_64" and "avx512f" not in host_flags():  # an ISA this CPU lacks
+        assert not runs_here({"kind": "llvm", "mcpu": "skylake-avx512"})
 
 
 def test_the_archive_round_trips_and_refuses_strange_entries(tmp_path):

@@ -10,6 +10,7 @@
   tunefarm report DIR [--html [--out FILE]]
   tunefarm bench ops [--trials N]
   tunefarm bench models [--trials N] [--models resnet18,bert_layer] [--json F]
+  tunefarm bench transfer [--source T] [--dest T] [--trials N] [--workloads gemm256,...]
 
 Bad input exits with status 2 and one line on stderr; nothing already stored is lost.
 """
@@ -28,6 +29,7 @@ from tunefarm_app.bench import farm as bench_farm
 from tunefarm_app.bench import farm_load as bench_farm_load
 from tunefarm_app.bench import fastmath as bench_math
 from tunefarm_app.bench import models as bench_models
+from tunefarm_app.bench import transfer as bench_transfer
 
 TARGET_HELP = (
     'TVM target as a JSON dict (default: this host); an NVIDIA GPU: {"kind": "cuda", "arch": "sm_80"} '
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_farm.add_command(bsub)
     bench_farm_load.add_command(bsub)
     bench_math.add_command(bsub)
+    bench_transfer.add_command(bsub)
     return p
 
 
@@ -163,6 +166,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return bench_farm_load.run_farm_load_bench(args)
     if args.command == "bench" and args.suite == "math":
         return bench_math.run(args)
+    if args.command == "bench" and args.suite == "transfer":
+        return bench_transfer.run(args)
     if args.command == "bench":
         from tunefarm_app.bench.ops import run_ops_bench
 

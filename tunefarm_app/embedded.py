@@ -31,15 +31,16 @@ from services.scheduler.session import (
     StoreRecords,
     TuningSession,
 )
+from services.scheduler.similar_programs import SimilarPrograms
 from services.scheduler.task import SearchTask, make_task, structure_kind
 from services.scheduler.task_scheduler import TaskInfo, similarity_tag
-from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import SearchPace, TaskState, TaskTuner
 from services.worker.builder import LocalBuilder
 from tunefarm import target as targets
 from tunefarm.cuda import require_local_gpu
 from tunefarm.errors import UsageError
 from tunefarm.gpu import is_gpu
+from tunefarm.isa import check_runs_on_host
 from tunefarm.records import MeasureRecord
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import Workload
@@ -150,9 +151,11 @@ def tune_tasks(
         raise UsageError("--trials must be at least 1")
     if config.batch_size < 1:
         raise UsageError("--batch-size must be at least 1")
-    tasks = [make_task(s.workload, target) for s in specs]
     if is_gpu(target):
         require_local_gpu(target)
+    else:
+        check_runs_on_host(target, f"the target ({targets.describe(target)})")  # measured here
+    tasks = [make_task(s.workload, target) for s in specs]
     store = JsonlRecordStore(records)
     for task in tasks:
         store.put_workload(task.key, task.workload.name, task.workload.to_json())

@@ -123,6 +123,14 @@ def add_commands(sub) -> None:
     fu.add_argument("--agent-tls-key", type=Path, help="the local agent's client key (PEM)")
     fu.add_argument("--tls-server-name",
                     help="the name in the certificate the local agent checks (default: the lease service's host)")
+    fu.add_argument(
+        "--extra-class",
+        action="append",
+        default=[],
+        metavar="NAME=TARGET",
+        help="another class served here by its own worker and agent, TARGET a TVM JSON target whose code this "
+        'CPU runs, e.g. v2=\'{"kind": "llvm", "mcpu": "x86-64-v2"}\' (repeatable)',
+    )
     fd = fsub.add_parser("down", help="stop a farm started with farm up")
     fd.add_argument("--state-dir", type=Path, required=True, help="the --state-dir given to farm up")
     ft = fsub.add_parser("team", help="create a team (if needed) and print a new token for it")
@@ -320,6 +328,12 @@ def _print_job(job: dict) -> None:
         print(f"  task     {t['position']}: {t['name']} x{t['weight']}: {t['trials']} trials, "
               f"best {cost(t['best_secs'])}{emulated}{dead}")
     cm = job["cost_model"]
+    src = cm.get("transferred_from")
+    if src and cm.get("device_class") != job["device_class"]:
+        print(f"cost model class {src['device_class']}'s version {src['version']}, transferred (this class had none)")
+    elif src:
+        print(f"cost model version {cm['version']} of this class, descending from class {src['device_class']}'s "
+              f"version {src['version']} (transferred)")
     if cm["trained_on_at_first_batch"] is not None:
         ranked = "at random" if not cm["trained_on_at_first_batch"] else f"by the class's model ({cm['trained_on_at_first_batch']} programs)"
         print(f"first batch ranked {ranked}")
@@ -413,6 +427,7 @@ def _farm_up(args: argparse.Namespace) -> int:
         team=args.team,
         device_class=args.device_class,
         tls=tls,
+        extra_classes=_extra_classes(args.extra_class),
     )
     try:
         farm = up(config)
@@ -423,10 +438,28 @@ def _farm_up(args: argparse.Namespace) -> int:
     print(f"dashboard  {info['api_url']}/ui (log in with the team token in farm.json); metrics at /metrics")
     print(f"grpc       {info['grpc_address']}" + (" (TLS)" if info.get("grpc_tls") else " (plaintext)"))
     print(f"class      {info['device_class']}")
+    for name in info["extra_classes"]:
+        print(f"class      {name} (extra)")
     for p in farm.processes.values():
         print(f"process    {p.name}: pid {p.pid}, log {p.log}")
     print(f"state      {args.state_dir / 'farm.json'} (holds the team and agent tokens)")
     return 0
+
+
+def _extra_classes(values: list[str]) -> dict[str, dict]:
+    """`--extra-class NAME=TARGET` values as name -> target (the host runs each: checked)."""
+    from tunefarm.isa import check_runs_on_host
+    from tunefarm.target import parse_target
+
+    out: dict[str, dict] = {}
+    for value in values:
+        name, sep, text = value.partition("=")
+        if not sep or not name.strip() or not text.strip():
+            raise UsageError(f"--extra-class wants NAME=TARGET, got {value!r}")
+        target = parse_target(text)
+        check_runs_on_host(target, f"--extra-class {name.strip()}")
+        out[name.strip()] = target
+    return out
 
 
 def _farm_down(args: argparse.Namespace) -> int:

@@ -9,6 +9,8 @@ background, each in its own process group with its log in `D/logs/<name>.log`:
     scheduler      tunefarm scheduler       the searches of every job
     worker-1, -2   tunefarm worker          RQ build workers for the class
     agent          tunefarm agent           measures on this CPU (agent-2, ... with `agents`)
+    worker-C       tunefarm worker          for each further class C (`extra_classes`):
+    agent-C        tunefarm agent           its build worker and its agent, here
 
 They share the artifact root `D/artifacts`, the database and Redis (with the queue
 prefix given). The class may be another machine's (`FarmConfig.target`, e.g. an aarch64
@@ -20,6 +22,12 @@ registered, then writes `D/farm.json`: the API URL, the gRPC address, a
 team token and an agent token, and the processes (pid, log, command). The tokens are
 in that file only (mode 0600). `down` stops the processes (SIGTERM to each group,
 SIGKILL after a grace period) and marks them stopped in farm.json.
+
+Further classes (`extra_classes`, name -> target; `farm up --extra-class NAME=TARGET`)
+are served here too, each by its own build worker and agent: x86 ISA classes whose code
+this CPU runs (e.g. `haswell` and `x86-64-v2` on an AVX2 machine) tune side by side. An
+agent whose CPU cannot run its class's code is refused (`tunefarm.isa`), and `up` fails
+with its log.
 
 `deploy/docker-compose.yml` runs the same processes with the same settings in containers.
 """
@@ -116,6 +124,7 @@ class FarmConfig:
     agent_command: list[str] | None = None  # how the agent starts; default: `tunefarm agent` here
     agent_env: dict[str, str] = field(default_factory=dict)  # more environment for the agent only
     tls: FarmTls | None = None  # agents and the lease service over TLS; None: plaintext on loopback
+    extra_classes: dict[str, dict[str, Any]] = field(default_factory=dict)  # more classes served here
 
     @property
     def artifact_root(self) -> Path:
@@ -165,6 +174,8 @@ class LocalFarm:
         try:
             with transaction(sessions) as s:
                 admin.ensure_device_class(s, name=class_name, target=target, description="this machine's CPU (farm up)")
+                for name, extra in c.extra_classes.items():
+                    admin.ensure_device_class(s, name=name, target=extra, description="served here (farm up --extra-class)")
                 team = admin.ensure_team(s, name=c.team)
                 team_token = admin.issue_team_token(s, team_id=team.id, label="farm up")
                 agent_token = admin.issue_agent_token(s, label="farm up")
@@ -197,6 +208,7 @@ class LocalFarm:
             "agent_token": agent_token,
             "device_class": class_name,
             "target": target,
+            "extra_classes": dict(c.extra_classes),
             "database_url": c.database_url,
             "redis_url": c.redis_url,
             "queue_prefix": c.queue_prefix,
@@ -218,10 +230,29 @@ class LocalFarm:
             out[name] = [*cli, "worker", "--device-class", klass, "--name", self.worker_name(name)]
         for name in self.agent_names():
             out[name] = list(self.config.agent_command or [*cli, "agent"])
+        for c in self.config.extra_classes:
+            out[f"worker-{c}"] = [*cli, "worker", "--device-class", c, "--name", self.worker_name(f"worker-{c}")]
+            out[f"agent-{c}"] = [
+                *cli, "agent", "--device-class", c, "--name", self.agent_name(c),
+                "--work-dir", str((self.config.state_dir / f"agent-{c}").resolve()),
+            ]  # fmt: skip
         return out
 
     def agent_names(self) -> list[str]:
+        """The agent processes of the farm's own class (`agents` of them)."""
         return ["agent", *(f"agent-{i}" for i in range(2, self.config.agents + 1))]
+
+    def agent_name(self, device_class: str | None = None) -> str:
+        """The name the farm's first agent registers with (that of an extra class's, given one)."""
+        base = self.env["TUNEFARM_AGENT_NAME"]
+        return base if device_class is None else f"{base}-{device_class}"
+
+    def registered_name(self, process: str) -> str:
+        """The name an agent process registers with."""
+        for c in self.config.extra_classes:
+            if process == f"agent-{c}":
+                return self.agent_name(c)
+        return {**self.env, **self._agent_env(process)}["TUNEFARM_AGENT_NAME"]
 
     def worker_name(self, process: str) -> str:
         """The RQ name of a worker process as last started: unique to this farm (one
@@ -302,7 +333,7 @@ class LocalFarm:
         """Until the API answers, the lease service listens and the agent registered;
         `UsageError` with the dead process's log tail if one exits first."""
         deadline = time.monotonic() + timeout
-        pending = {"api", "lease-service", *self.agent_names()}
+        pending = {"api", "lease-service", *self.agent_names(), *(f"agent-{c}" for c in self.config.extra_classes)}
         while pending:
             for name in self.processes:
                 if not self.alive(name):
@@ -311,7 +342,7 @@ class LocalFarm:
                 pending.discard("api")
             if "lease-service" in pending and _port_open(self.info["grpc_address"]):
                 pending.discard("lease-service")
-            pending -= {name for name in self.agent_names() if name in pending and self._agent_registered(name)}
+            pending -= {name for name in pending if name.startswith("agent") and self._agent_registered(name)}
             if not pending:
                 return
             if time.monotonic() > deadline:
@@ -327,7 +358,7 @@ class LocalFarm:
             with engine.connect() as conn:
                 n = conn.execute(
                     text("SELECT count(*) FROM agents WHERE name = :n AND state IN ('idle', 'busy')"),
-                    {"n": {**self.env, **self._agent_env(name)}["TUNEFARM_AGENT_NAME"]},
+                    {"n": self.registered_name(name)},
                 ).scalar()
                 return bool(n)
         except Exception:

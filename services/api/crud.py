@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, text, update
+from sqlalchemy import bindparam, case, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from services.api.exceptions import Conflict, InvalidRequest, NotFound
 from services.api.schemas import (
@@ -38,6 +38,7 @@ from services.api.schemas import (
     ModelTaskPublic,
     ProgressPoint,
     TensorPublic,
+    TransferPublic,
 )
 from services.api.storage import StoredFile
 from services.db.codec import record_from_json
@@ -275,11 +276,23 @@ def _progress_statement():
         .where(JobProgress.job_id == Job.id)
         .scalar_subquery()
     )
+    # The class a transferred model came from: the job's version itself when it is another
+    # class's (the job's class had none yet), or the version that one descends from.
+    source, source_class = aliased(CostModelVersion), aliased(DeviceClass)
+    source_id = case(
+        (CostModelVersion.device_class_id != Job.device_class_id, CostModelVersion.id),
+        else_=CostModelVersion.transferred_from_id,
+    )
     return (
-        select(Job, Model.name, DeviceClass.name, CostModelVersion.version, CostModelVersion.trained_on, tasks, curve)
+        select(
+            Job, Model.name, DeviceClass.name, CostModelVersion.version, CostModelVersion.trained_on, tasks, curve,
+            source_class.name, source.version, CostModelVersion.device_class_id == Job.device_class_id,
+        )  # fmt: skip
         .join(Model, Model.id == Job.model_id)
         .join(DeviceClass, DeviceClass.id == Job.device_class_id)
         .outerjoin(CostModelVersion, CostModelVersion.id == Job.cost_model_version_id)
+        .outerjoin(source, source.id == source_id)
+        .outerjoin(source_class, source_class.id == source.device_class_id)
         .where(Job.id == bindparam("job_id"), Job.team_id == bindparam("team_id"))
     )
 
@@ -293,7 +306,7 @@ def job_public(session: Session, *, team_id: int, job_id: int) -> JobPublic:
     row = session.execute(_PROGRESS, {"job_id": job_id, "team_id": team_id}).one_or_none()
     if row is None:
         raise NotFound(f"job {job_id} not found")
-    job, model_name, class_name, version, trained_on, task_rows, points = row
+    job, model_name, class_name, version, trained_on, task_rows, points, source_class, source_version, own = row
     return JobPublic(
         id=job.id,
         state=job.state.value,
@@ -321,6 +334,10 @@ def job_public(session: Session, *, team_id: int, job_id: int) -> JobPublic:
             version=version,
             trained_on=trained_on,
             trained_on_at_first_batch=job.start_model_trained_on,
+            device_class=None if version is None else class_name if own else source_class,
+            transferred_from=(
+                TransferPublic(device_class=source_class, version=source_version) if source_class is not None else None
+            ),
         ),
         artifact=ArtifactPublic(
             available=job.state is JobState.SUCCEEDED and job.artifact_path is not None,

@@ -109,6 +109,11 @@ class ProgressPoint(BaseModel):
     est_latency_secs: float | None
 
 
+class TransferPublic(BaseModel):
+    device_class: str = Field(description="the class whose cost model this class's model started from")
+    version: int = Field(description="that class's version")
+
+
 class CostModelPublic(BaseModel):
     version_id: int | None = Field(description="the class's cost model version the job started from")
     version: int | None
@@ -116,6 +121,14 @@ class CostModelPublic(BaseModel):
     trained_on_at_first_batch: int | None = Field(
         description="programs the shared model had learned from when the job's first batch was ranked "
         "(0: ranked at random; null: no batch yet)"
+    )
+    device_class: str | None = Field(
+        None, description="the class that version belongs to: the job's own, or the one it was transferred from"
+    )
+    transferred_from: TransferPublic | None = Field(
+        None,
+        description="the job's class had no cost model of its own: its model started from this nearest "
+        "class's (null: trained on the class's own measurements only, or fresh)",
     )
 
 

@@ -13,7 +13,7 @@ nothing itself. Map:
   `record_build_error` (a candidate that never reached an agent);
 - agents and lost batches: `register_agent`, `release_agent_leases`, `abandon_batch`
   (error results for what a batch that cannot be measured still lacks);
-- cost models: `add_cost_model_version`, `latest_cost_model_version`;
+- cost models: `add_cost_model_version`, `latest_cost_model_version`, `latest_cost_models_of_classes` (transfer);
 - model runs (a tuned model run on an agent of its class): `create_model_run`,
   `lease_model_run`, `finish_model_run`; `heartbeat` extends them like leases.
 
@@ -924,6 +924,7 @@ def add_cost_model_version(
     size: int,
     trained_on: int,
     last_measurement_id: int | None,
+    transferred_from_id: int | None = None,
 ) -> CostModelVersion:
     """Store the class's next cost model version (1 + the latest). Two concurrent writers
     get a `Conflict` for one of them (unique class + version) at flush or commit."""
@@ -942,6 +943,7 @@ def add_cost_model_version(
                 "size": size,
                 "trained_on": trained_on,
                 "last_measurement_id": last_measurement_id,
+                "transferred_from_id": transferred_from_id,
             }
         ],
     ).one()
@@ -955,6 +957,26 @@ def latest_cost_model_version(
     if feature_version is not None:
         query = query.where(CostModelVersion.feature_version == feature_version)
     return session.scalars(query.order_by(CostModelVersion.version.desc()).limit(1)).one_or_none()
+
+
+def latest_cost_models_of_classes(session: Session, *, feature_version: int) -> list[tuple[DeviceClass, CostModelVersion]]:
+    """Every class that has a cost model of `feature_version`, with its newest one."""
+    newest = (
+        select(CostModelVersion.device_class_id, func.max(CostModelVersion.version).label("version"))
+        .where(CostModelVersion.feature_version == feature_version)
+        .group_by(CostModelVersion.device_class_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(DeviceClass, CostModelVersion)
+        .join(CostModelVersion, CostModelVersion.device_class_id == DeviceClass.id)
+        .join(
+            newest,
+            (newest.c.device_class_id == CostModelVersion.device_class_id) & (newest.c.version == CostModelVersion.version),
+        )
+        .order_by(DeviceClass.name)
+    ).all()
+    return [(dc, version) for dc, version in rows]
 
 
 # -- model runs -------------------------------------------------------------------------------

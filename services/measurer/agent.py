@@ -228,6 +228,7 @@ class Agent:
         self.stop = stop or threading.Event()
         self.runner = runner or LocalRunner(settings.num_threads or physical_cores())
         self._caps = capabilities
+        self._isa_checked: dict[str, str] = {}  # class target JSON -> why this CPU cannot serve it ("" if it can)
         self.metadata = wire.auth_metadata(settings.token)
         self.channel = open_channel(settings)
         self.stub = pb_grpc.AgentServiceStub(self.channel)
@@ -321,7 +322,26 @@ class Agent:
         self.agent_id = resp.agent_id
         self.heartbeat_secs = max(0.05, resp.heartbeat_interval_secs or 5.0)
         log.info("registered as %s (agent %d) for device class %s", name, resp.agent_id, device_class)
+        refusal = self._isa_refusal(device_class, resp.target_json)
+        if refusal:
+            self._runner_error = refusal  # reported as failing health, then the agent stops
+            self._report_health()
+            raise BadRequest(refusal)
         self._report_health()
+
+    def _isa_refusal(self, device_class: str, target_json: str) -> str:
+        """Why this machine cannot serve the class ("" when it can, or cannot tell): an
+        instruction-set extension its code uses that this CPU lacks (an AVX-512 class on
+        an AVX2 machine). Asked once per class target."""
+        if target_json not in self._isa_checked:
+            caps = self._caps or {}
+            missing = caps_mod.class_missing_extensions(target_json, caps.get("isa_features") or [])
+            if missing is None:
+                log.warning("could not check device class %s's ISA against this CPU's", device_class)
+            self._isa_checked[target_json] = (
+                caps_mod.isa_refusal(device_class, target_json, missing, caps.get("cpu_model") or "?") if missing else ""
+            )
+        return self._isa_checked[target_json]
 
     def _report_health(self) -> None:
         if self.agent_id is None:

@@ -33,11 +33,13 @@ import json
 import os
 import platform
 import socket
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from services.measurer.exceptions import BadRequest
+from tunefarm.isa import AARCH64_EXTENSIONS, X86_EXTENSIONS, arch_family
 from tunefarm.isolation import IsolatedWorker
 from tunefarm.target import physical_cores
 
@@ -46,16 +48,18 @@ AGENT_VERSION = "1"
 
 ISA_FEATURES = frozenset(
     {
-        # x86
-        "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+        # the extensions device classes are checked against (tunefarm.isa), by the OS's names
+        *X86_EXTENSIONS.values(), *AARCH64_EXTENSIONS.values(),
+        # more x86 and arm ones worth showing
         "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
-        # arm (the kernel's names)
-        "neon", "asimd", "asimdhp", "asimddp", "fphp", "sve", "sve2", "i8mm", "bf16", "sme",
+        "neon", "fphp", "sme",
         # risc-v
         "v", "zvfh",
     }
 )  # fmt: skip
-"""CPU flags worth reporting: those that decide which kernels a machine can run fast."""
+"""CPU flags an agent reports: the instruction-set extensions that decide which kernels a
+machine can run (and run fast). An x86 class is only served by an agent that has every
+extension its target's code uses (`class_missing_extensions`)."""
 
 AARCH64_HWCAP = (
     "fp", "asimd", "evtstrm", "aes", "pmull", "sha1", "sha2", "crc32", "atomics", "fphp", "asimdhp",
@@ -70,17 +74,6 @@ AARCH64_HWCAP2 = (
     "afp", "rpres", "mte3", "sme",
 )  # fmt: skip
 """... and of the AT_HWCAP2 bits."""
-
-AARCH64_LLVM_FEATURES = {
-    "asimd": "+neon",
-    "asimdhp": "+fullfp16",
-    "asimddp": "+dotprod",
-    "i8mm": "+i8mm",
-    "bf16": "+bf16",
-    "sve": "+sve",
-    "sve2": "+sve2",
-}
-"""LLVM's `mattr` for the aarch64 features that change the code TVM generates."""
 
 AT_HWCAP, AT_HWCAP2 = 16, 26
 
@@ -133,7 +126,7 @@ def agent_target(host: dict[str, Any], machine: str, features: Iterable[str]) ->
         target["mtriple"] = f"{machine}-linux-{libc}"
     if arch_family(machine) == "arm":
         have = set(features)
-        mattr = [flag for name, flag in AARCH64_LLVM_FEATURES.items() if name in have]
+        mattr = [f"+{llvm}" for llvm, name in AARCH64_EXTENSIONS.items() if name in have]
         if mattr:
             target["mattr"] = sorted(set(target.get("mattr", [])) | set(mattr))
     return target
@@ -155,21 +148,6 @@ def _auxv_hwcaps() -> tuple[int, int] | None:
     getauxval.restype = ctypes.c_ulong
     getauxval.argtypes = [ctypes.c_ulong]
     return int(getauxval(AT_HWCAP)), int(getauxval(AT_HWCAP2))
-
-
-def arch_family(name: str) -> str:
-    """Architectures whose code one CPU runs natively share a family: "x86" (x86_64,
-    i686), "arm" (aarch64, armv7l), "riscv", ...; other names are their own family."""
-    name = name.lower()
-    if name in ("x86", "x86_64", "amd64", "x64") or (len(name) == 4 and name[0] == "i" and name.endswith("86")):
-        return "x86"
-    if name.startswith(("aarch64", "arm")):
-        return "arm"
-    if name.startswith("riscv"):
-        return "riscv"
-    if name.startswith(("ppc", "powerpc")):
-        return "ppc"
-    return name
 
 
 def kernel_arch() -> str:
@@ -259,6 +237,40 @@ def with_gpu_target(caps: dict[str, Any]) -> dict[str, Any]:
     if caps.get("gpu_warp_size"):
         target["thread_warp_size"] = int(caps["gpu_warp_size"])
     return {**caps, "target_json": json.dumps(target, sort_keys=True)}
+
+
+def class_missing_extensions(target_json: str, flags: Iterable[str], timeout: float = PROBE_TIMEOUT_SECS) -> list[str] | None:
+    """The instruction-set extensions the code of a class's target (TVM target JSON) uses
+    that a CPU with these OS flags lacks (`tunefarm.isa`): [] when it runs there, None when
+    it cannot be told (no flags, or TVM does not answer). LLVM is asked in an isolated
+    child (in this process when it has imported TVM already)."""
+    flags = sorted(flags)
+    if not flags or not target_json:
+        return None
+    if "tvm" in sys.modules:
+        return missing_for_target(target_json, flags)
+    worker = IsolatedWorker(preload=["tvm"], name="isa-check", start_timeout=timeout)
+    try:
+        outcome = worker.call(f"{__name__}:missing_for_target", target_json, flags, timeout=timeout)
+    finally:
+        worker.close()
+    return list(outcome.value) if outcome.ok else None
+
+
+def missing_for_target(target_json: str, flags: list[str]) -> list[str]:
+    """`class_missing_extensions`'s work (runs where TVM is imported)."""
+    from tunefarm.isa import missing_extensions, target_isa
+
+    return missing_extensions(target_isa(json.loads(target_json)), flags)
+
+
+def isa_refusal(device_class: str, target_json: str, missing: list[str], cpu_model: str) -> str:
+    """Why an agent does not serve a class whose code its CPU cannot run."""
+    mcpu = json.loads(target_json).get("mcpu", "generic")
+    return (
+        f"device class {device_class!r} ({mcpu}) builds code using {', '.join(missing)}, "
+        f"which this machine's CPU ({cpu_model}) lacks"
+    )
 
 
 def default_device_class(caps: dict[str, Any]) -> str:

@@ -867,8 +867,10 @@ def _check_compatible(class_name: str, target: dict[str, Any], caps: dict[str, A
     architecture: an aarch64 class needs an aarch64 agent, and a class without an
     `mtriple`, built for the build workers' own architecture, taken to be this host's,
     needs an agent of that one). A different mcpu is only logged: a newer CPU runs an
-    older one's code. A CUDA class needs an agent with a GPU of its compute capability's
-    family (`gpu_compatible`)."""
+    older one's code, and the agent itself refuses a class whose instruction-set
+    extensions its CPU lacks (`capabilities.class_missing_extensions`: asking LLVM needs
+    TVM, which this service does not import). A CUDA class needs an agent with a GPU of
+    its compute capability's family (`gpu_compatible`)."""
     if is_gpu(target):
         problem = gpu_compatible(target, str(caps.get("gpu_compute_capability", "")))
         if problem:

@@ -41,7 +41,7 @@ class SearchConfig:
     use_measured_ratio: float = 0.2
     # While a task has fewer measured programs than that share, fill it with the best
     # programs of its similar tasks (same sketch signature), refit to its extents
-    # (`transfer.py`): a task's first rounds start from what worked on its siblings.
+    # (`similar_programs.py`): a task's first rounds start from what worked on its siblings.
     transfer_from_similar: bool = True
     # Mutation kinds and their weights (Ansor CPU: tile 0.90, unroll 0.04,
     # compute location 0.05, parallel 0.01).

@@ -3,7 +3,7 @@
 One round, `EvolutionarySearch.next_batch`:
   1. initial population: fresh random programs plus the best measured ones
      (`use_measured_ratio` of the population) and the programs transferred from similar
-     tasks (`transfer.py`);
+     tasks (`similar_programs.py`);
   2. `generations` times: score the population with the cost model, remember the best
      unmeasured programs seen so far, and breed the next population — parents drawn
      with probability proportional to their score, each offspring a mutation

@@ -48,12 +48,13 @@ from services.scheduler.job_store import JobSetup
 from services.scheduler.model_check import DeviceRun, check_on_device
 from services.scheduler.session import SessionCallback, ShareBestPrograms, TuningSession
 from services.scheduler.shared_model import ClassModel, SharedModelView
+from services.scheduler.similar_programs import SimilarPrograms
 from services.scheduler.task import SearchTask, make_task, structure_kind
 from services.scheduler.task_scheduler import TaskInfo, similarity_tag
-from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import SearchPace, TaskTuner
 from tunefarm.errors import TunefarmError
 from tunefarm.export import is_cross_target
+from tunefarm.isa import runs_on_host
 from tunefarm.measure import MeasureBatch, Measurer
 from tunefarm.models.build import build_model_library
 from tunefarm.models.finish import (
@@ -218,7 +219,7 @@ class JobRunner:
         # tuner ingests a candidate once and ignores it the second time).
         with transaction(self.ctx.sessions) as db:
             seen = job_store.last_measurement_id(db, job_id=self.job_id)
-            job_store.note_cost_model(db, job_id=self.job_id, version_id=self.shared.version_id)
+            job_store.note_cost_model(db, job_id=self.job_id, version_id=self.shared.start_version_id)
         measurer = self.ctx.measurer_factory(s, seen)
         self.measurer = measurer
         in_flight: Callable[[], list[MeasureBatch]] | None = getattr(measurer, "in_flight_batches", None)
@@ -450,5 +451,6 @@ class JobRunner:
 
 def runs_here(target: dict[str, Any]) -> bool:
     """Whether this host can run code built for `target` (a CPU target for its own
-    architecture): the tuned model is then checked here against onnxruntime."""
-    return target.get("kind") == "llvm" and not is_cross_target(target)
+    architecture whose instruction-set extensions its CPU has, `tunefarm.isa`): the tuned
+    model is then checked here against onnxruntime; otherwise an agent of the class runs it."""
+    return target.get("kind") == "llvm" and not is_cross_target(target) and runs_on_host(target)

@@ -123,6 +123,7 @@ class SchedulerService:
             warmup=settings.cost_model_warmup,
             save_every=settings.cost_model_save_every,
             catch_up_secs=settings.cost_model_catch_up_secs,
+            transfer=settings.cost_model_transfer,
             log=self.log,
         )
         self.runners: dict[int, JobRunner] = {}

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from services.scheduler.config import TuneConfig
 from services.scheduler.cost_model import CostModel
+from services.scheduler.similar_programs import SimilarPrograms
 from services.scheduler.task_scheduler import TaskInfo, TaskScheduler, make_scheduler
-from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import TaskTuner
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.records import MeasureRecord
@@ -85,7 +85,7 @@ class StoreRecords(SessionCallback):
 
 class ShareBestPrograms(SessionCallback):
     """Keep every task's best programs where the tasks similar to it find them
-    (`transfer.SimilarPrograms`)."""
+    (`similar_programs.SimilarPrograms`)."""
 
     def __init__(self, similar: SimilarPrograms):
         self.similar = similar

@@ -21,6 +21,15 @@ already ranked by a trained model) instead of from random scores.
   `cost_models/<class id>/<sha256>.npz`), the training size and the last measurement id
   it includes, so the next version trains on what came after it.
 
+Transfer: a class with no version of its own starts from the latest version of its
+nearest class that has one (`services.scheduler.transfer`: same kind, then architecture
+family, ISA overlap, cores), through `XGBCostModel.transferred`: that model's trees rank the
+new class's first batch, and its measurements stay in the history as prior data whose
+weight fades as the class's own measurements arrive. Every version the class then saves
+names the version it descends from (`cost_model_versions.transferred_from_id`), and a job
+that starts from such a model says so in its status (`ClassModel.transferred_from`).
+`ClassModels(transfer=False)` starts such a class fresh instead.
+
 Emulated measurements never train it: a kernel timed by an agent under an emulator
 (`MeasureRecord.emulated`, e.g. an aarch64 agent under qemu-user) has a checked output
 but the emulator's cost, which ranks programs by how fast the emulator translates them,
@@ -53,17 +62,29 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.db import queries
 from services.db.codec import record_from_json
 from services.db.exceptions import DatabaseError
-from services.db.models import DeviceClass, Measurement, Workload
+from services.db.models import CostModelVersion, DeviceClass, Measurement, Workload
 from services.db.session import transaction
+from services.scheduler import transfer
 from services.scheduler.cost_model import CostModel, XGBConfig, XGBCostModel
 from services.scheduler.rule_set import rule_set_for
 from services.scheduler.task import SearchTask, make_task
+from tunefarm.errors import TargetError
 from tunefarm.records import MeasureRecord
 
 COST_MODELS_DIR = "cost_models"
 
 CATCH_UP_CHUNK = 2000
 """Measurements read per query while catching up."""
+
+
+@dataclass(frozen=True)
+class TransferSource:
+    """The other class's version a class's model started from."""
+
+    version_id: int
+    device_class: str
+    version: int
+    why: str = ""  # how near that class is (`transfer.Similarity.describe`)
 
 
 @dataclass
@@ -80,6 +101,15 @@ class ClassModel:
     dirty: bool = False  # a round of one of the class's jobs finished: catch up soon
     last_catch_up: float = field(default_factory=time.monotonic)
     tasks: dict[str, SearchTask | None] = field(default_factory=dict)  # task key -> task (None: unusable)
+    transferred_from: TransferSource | None = None  # the model descends from another class's
+
+    @property
+    def start_version_id(self) -> int | None:
+        """The saved version a job starting now starts from: the class's own, or, before
+        the class saved one, the other class's its model was transferred from."""
+        if self.version_id is not None:
+            return self.version_id
+        return self.transferred_from.version_id if self.transferred_from else None
 
     @property
     def unsaved(self) -> int:
@@ -124,6 +154,7 @@ class ClassModels:
         save_every: int,
         catch_up_secs: float,
         seed: int = 43,
+        transfer: bool = True,
         log: Callable[[str], None] = lambda msg: None,
     ):
         self.sessions = sessions
@@ -132,6 +163,7 @@ class ClassModels:
         self.save_every = save_every
         self.catch_up_secs = catch_up_secs
         self.seed = seed
+        self.transfer = transfer
         self.log = log
         self.models: dict[int, ClassModel] = {}
 
@@ -153,6 +185,7 @@ class ClassModels:
             latest = queries.latest_cost_model_version(
                 s, device_class_id=device_class_id, feature_version=rule_set_for(dict(target or {})).feature_version
             )
+            source = _source(s, latest.transferred_from_id) if latest is not None else None
         if latest is not None:
             try:
                 model = XGBCostModel.load(self.root / latest.path)
@@ -171,9 +204,47 @@ class ClassModels:
                     latest.version,
                     latest.last_measurement_id or 0,
                     model.num_samples,
+                    transferred_from=source,
                 )
+        if self.transfer:
+            transferred = self._transferred(device_class_id, dict(target or {}))
+            if transferred is not None:
+                return transferred
         model = XGBCostModel(XGBConfig(seed=self.seed, adaptive_training=False, num_warmup_samples=self.warmup))
         return ClassModel(device_class_id, dict(target or {}), model, None, None, 0, 0)
+
+    def _transferred(self, device_class_id: int, target: dict[str, Any]) -> ClassModel | None:
+        """The class's model started from its nearest class's latest version (module doc),
+        or None when no other class has one (or it cannot be read)."""
+        with transaction(self.sessions) as s:
+            others = [
+                (dc.name, dict(dc.target or {}), version)
+                for dc, version in queries.latest_cost_models_of_classes(
+                    s, feature_version=rule_set_for(target).feature_version
+                )
+                if dc.id != device_class_id
+            ]
+        try:
+            choice = transfer.nearest(target, [(name, t) for name, t, _ in others])
+        except TargetError as exc:
+            self.log(f"class {device_class_id}: no transfer ({exc})")
+            return None
+        if choice is None:
+            return None
+        version = next(v for name, _, v in others if name == choice.name)
+        try:
+            source = XGBCostModel.load(self.root / version.path)
+        except (OSError, ValueError) as exc:
+            self.log(f"class {device_class_id}: cost model of {choice.name} unreadable ({exc}); starting fresh")
+            return None
+        model = source.transferred(choice.name)
+        why = choice.similarity.describe()
+        self.log(
+            f"class {device_class_id}: starts from class {choice.name}'s cost model version {version.version} "
+            f"({model.num_prior} programs; {why})"
+        )
+        origin = TransferSource(version.id, choice.name, version.version, why)
+        return ClassModel(device_class_id, target, model, None, None, 0, model.num_samples, transferred_from=origin)
 
     # -- learning -----------------------------------------------------------------------------
 
@@ -277,6 +348,7 @@ class ClassModels:
                 size=final.stat().st_size,
                 trained_on=shared.model.num_samples,
                 last_measurement_id=shared.seen_through or None,
+                transferred_from_id=shared.transferred_from.version_id if shared.transferred_from else None,
             )
             version_id, version = row.id, row.version
         shared.version_id, shared.version = version_id, version
@@ -286,6 +358,18 @@ class ClassModels:
             f"({shared.model.num_samples} programs, trained on {shared.model.trained_on})"
         )
         return version
+
+
+def _source(s: Session, version_id: int | None) -> TransferSource | None:
+    """The transfer source a version names (None for a version of the class's own data)."""
+    if version_id is None:
+        return None
+    row = s.execute(
+        select(CostModelVersion.version, DeviceClass.name)
+        .join(DeviceClass, DeviceClass.id == CostModelVersion.device_class_id)
+        .where(CostModelVersion.id == version_id)
+    ).one()
+    return TransferSource(version_id, row.name, row.version)
 
 
 def features(task: SearchTask, records: Sequence[MeasureRecord]) -> list[np.ndarray]:

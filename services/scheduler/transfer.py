@@ -1,55 +1,71 @@
-"""Seeding a task's search from the best programs of structurally similar tasks.
+"""Which device class a new class's cost model starts from (tune on one device, transfer
+to another).
 
-A model's tasks often repeat one structure at other shapes (the convolutions of a CNN,
-the GEMMs of a transformer). When a task starts, the best programs measured for its
-similar tasks, in this run or in the records file, are a better start than random
-ones: the tile structure that suits a 3x3 convolution of 32 channels usually suits one
-of 64. `SimilarPrograms` keeps each task's best measured programs; a task takes those
-of the other tasks with a sketch of the same signature (the same derivation steps, so
-the same slots) and `ProgramSpace.transfer` rebuilds them on its own extents, tile sizes
-refit to the nearest tiling (`TileDomain.nearest`). The programs go into the task's
-initial population next to its own best (`EvolutionarySearch.next_batch`), while the
-task has fewer programs of its own than the population's seed share.
+A class with no cost model of its own starts from the latest model of its *nearest*
+class (`XGBCostModel.transferred`: the same trees, and that class's measurements as prior
+data whose weight fades as the new class measures). Nearest, from the two targets:
+
+1. the same target kind only (an `llvm` CPU model never ranks GPU programs: other features);
+2. the same architecture family first (x86 before arm for an x86 class: `tunefarm.isa`);
+3. then the larger overlap of instruction-set extensions (Jaccard index of the extensions
+   LLVM enables for each target's mcpu/mattr: `haswell` is nearer to `znver2` than to
+   `x86-64-v2`, and nearer to `x86-64-v2` than to an AVX-512 class);
+4. then the closer core count (ratio), and last the name (a deterministic choice).
+
+`similarity` gives the sort key, `nearest` the best candidate (None when no candidate has
+the same kind).
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Collection, Iterable
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from tunefarm.records import MeasureRecord
-
-PER_TASK = 4
-"""Best programs kept per task (and so given by each similar task)."""
+from tunefarm.isa import TargetISA, target_isa
 
 
-class SimilarPrograms:
-    """The best measured programs of every task seen, by task."""
+@dataclass(frozen=True)
+class Similarity:
+    """How near a candidate target is to the new one (larger tuples are nearer)."""
 
-    def __init__(self, per_task: int = PER_TASK) -> None:
-        self.per_task = per_task
-        self._best: dict[str, list[MeasureRecord]] = {}
+    same_family: bool
+    isa_overlap: float  # Jaccard index of the two extension sets (1.0 when both are empty)
+    core_closeness: float  # -|log2(cores ratio)|: 0 for the same core count
 
-    def add(self, records: Iterable[MeasureRecord]) -> None:
-        """Take measured programs of any task (failures and emulated timings are passed over)."""
-        for r in records:
-            if not r.is_valid or r.emulated:
-                continue
-            best = self._best.setdefault(r.task, [])
-            if any(b.candidate.key == r.candidate.key for b in best):
-                continue
-            bisect.insort(best, r, key=lambda b: b.cost)
-            del best[self.per_task :]
+    def key(self) -> tuple[bool, float, float]:
+        return (self.same_family, self.isa_overlap, self.core_closeness)
 
-    def donors(self, task_key: str, signatures: Collection[str], limit: int) -> list[MeasureRecord]:
-        """Up to `limit` best programs of tasks other than `task_key` whose sketch signature
-        is one of `signatures`: each task's best first, then each one's second, and so on."""
-        lists = [
-            [r for r in best if r.sketch_sig in signatures]
-            for key, best in sorted(self._best.items())
-            if key != task_key
-        ]
-        out: list[MeasureRecord] = []
-        for rank in range(self.per_task):
-            out += [best[rank] for best in lists if rank < len(best)]
-        return out[:limit]
+    def describe(self) -> str:
+        family = "same architecture family" if self.same_family else "another architecture family"
+        return f"{family}, ISA overlap {self.isa_overlap:.2f}, core-count distance {-self.core_closeness:.2f}"
+
+
+def similarity(target: dict[str, Any], other: dict[str, Any], isa: TargetISA, other_isa: TargetISA) -> Similarity:
+    """How near `other` is to `target` (their `target_isa`s given)."""
+    union = isa.extensions | other_isa.extensions
+    overlap = len(isa.extensions & other_isa.extensions) / len(union) if union else 1.0
+    cores, other_cores = int(target.get("num-cores") or 1), int(other.get("num-cores") or 1)
+    closeness = -abs(math.log2(max(cores, 1) / max(other_cores, 1)))
+    return Similarity(isa.family == other_isa.family, overlap, closeness)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The nearest candidate: its name and how near it is."""
+
+    name: str
+    similarity: Similarity
+
+
+def nearest(target: dict[str, Any], candidates: Sequence[tuple[str, dict[str, Any]]]) -> Choice | None:
+    """The candidate (name, target) nearest to `target` (module doc); None when none has
+    the same kind."""
+    same_kind = [(name, t) for name, t in candidates if t.get("kind") == target.get("kind")]
+    if not same_kind:
+        return None
+    isa = target_isa(target)
+    scored = [(similarity(target, t, isa, target_isa(t)), name) for name, t in same_kind]
+    best_sim, best_name = min(scored, key=lambda pair: (tuple(-x for x in pair[0].key()), pair[1]))
+    return Choice(best_name, best_sim)

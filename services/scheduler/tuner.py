@@ -35,8 +35,8 @@ from services.scheduler.cost_model import CostModel
 from services.scheduler.evolution import EvolutionarySearch, RoundStats
 from services.scheduler.program_space import Built
 from services.scheduler.realize import RealizeError, realize, trace_json
+from services.scheduler.similar_programs import SimilarPrograms
 from services.scheduler.task import SearchTask
-from services.scheduler.transfer import SimilarPrograms
 from tunefarm import digest
 from tunefarm.records import ErrorKind, MeasureInput, MeasureRecord, MeasureResult, TimingConfig
 
@@ -250,7 +250,7 @@ class TaskTuner:
         return Proposal(tuple(inputs), stats, population, refused, secs)
 
     def transferred(self, population: int) -> list[Built]:
-        """Programs made from similar tasks' best (`transfer.py`), filling the population's
+        """Programs made from similar tasks' best (`similar_programs.py`), filling the population's
         seed share that the task's own best programs do not fill yet."""
         cfg = self.config.search
         room = int(cfg.use_measured_ratio * population) - len(self.best_measured)

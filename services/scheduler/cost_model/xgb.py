@@ -32,6 +32,18 @@ Map of this module
 XGBoost has no incremental training, so each training starts from scratch on the whole
 history; labels are recomputed each time because min_cost(group) falls as better programs are
 found. Early stopping watches the weighted p-rmse on the training set itself, as Ansor does.
+
+Transfer (tune on one device, then another)
+    `transferred(label)` gives a model for a new device (class) that starts from this one:
+    the same trees, so its first batch is already ranked, and this model's history kept as
+    *prior* programs (their groups renamed `label/<group>`, so their labels stay normalised
+    among themselves). Once the new device's own measurements arrive it retrains on both,
+    a prior program's loss weight multiplied by ``s / (s + n_own)``, where n_own is the
+    number of the new device's own programs and s is ``XGBConfig.prior_strength``: at first
+    the prior data counts fully, after s own programs half as much, and it fades as the new
+    device's data grows. The features describe programs, not machines, so what was learnt
+    about which loop structures run fast carries over; the weights let the new device's
+    own timings overrule it where the machines differ.
 """
 
 from __future__ import annotations
@@ -93,6 +105,10 @@ class XGBConfig:
     # differ by orders of magnitude between tasks. False: relative to the best program
     # of all groups (only to measure what the per-task labels bring).
     labels_per_group: bool = True
+    # A transferred (prior) program weighs prior_strength / (prior_strength + own programs)
+    # of an own one (module doc, "Transfer"): 1 before the first own measurement, 1/2 after
+    # prior_strength of them.
+    prior_strength: float = 64.0
 
     def xgb_params(self) -> dict[str, Any]:
         """The parameter dict for ``xgboost.train``."""
@@ -168,6 +184,12 @@ def pack_sum_gradient(
     return grad[row_program], hess[row_program]
 
 
+def prior_weight(own_programs: int, strength: float) -> float:
+    """The factor of a prior (transferred) program's loss weight once the device has
+    `own_programs` of its own: strength / (strength + own_programs)."""
+    return strength / (strength + own_programs) if strength > 0 else 0.0
+
+
 def weighted_p_rmse(row_preds: np.ndarray, row_program: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
     """sqrt(sum_P w_P (score(P) - y_P)^2 / sum_P w_P): the early-stopping metric ("p-rmse")."""
     return float(np.sqrt(pack_sum_loss(row_preds, row_program, y, w) / np.sum(w)))
@@ -202,7 +224,7 @@ class _TrainingData:
     rows: np.ndarray  # (R, F) float32, rows of the programs that have rows
     row_program: np.ndarray  # (R,) index of each row's program in y / w
     y: np.ndarray  # normalised throughput per program with rows
-    w: np.ndarray  # loss weight per program with rows
+    w: np.ndarray  # loss weight per program with rows (prior programs' scaled down)
 
 
 class _History:
@@ -215,12 +237,17 @@ class _History:
         self._row_counts = _GrowingArray((), np.int64)
         self._costs = _GrowingArray((), np.float64)
         self._group_ids = _GrowingArray((), np.int64)
+        self._prior = _GrowingArray((), np.bool_)  # transferred from another device's model
         self.group_names: list[str] = []
         self._group_index: dict[str, int] = {}
 
     @property
     def num_programs(self) -> int:
         return len(self._costs.view())
+
+    @property
+    def num_prior(self) -> int:
+        return int(np.count_nonzero(self._prior.view()))
 
     def append(self, features: Sequence[np.ndarray], costs: np.ndarray, groups: Sequence[str]) -> None:
         counts = program_row_counts(features)
@@ -234,6 +261,7 @@ class _History:
         self._row_counts.extend(counts)
         self._costs.extend(costs)
         self._group_ids.extend(np.array([self._group_id(g) for g in groups], dtype=np.int64))
+        self._prior.extend(np.zeros(len(counts), dtype=np.bool_))
 
     def stack_rows(self, features: Sequence[np.ndarray], counts: np.ndarray) -> np.ndarray:
         """Rows of all programs with rows, stacked as one (R, F) float32 array.
@@ -252,11 +280,15 @@ class _History:
             raise ValueError(f"feature width {rows.shape[1]} differs from the model's {self.num_features}")
         return rows
 
-    def training_data(self, min_weight: float, per_group: bool = True) -> _TrainingData:
+    def training_data(self, min_weight: float, prior_strength: float, per_group: bool = True) -> _TrainingData:
         """Rows and freshly computed labels and weights of every program that has rows."""
         costs = self._costs.view()
         y = normalized_throughputs(costs, self._group_ids.view(), len(self.group_names), per_group=per_group)
         w = np.maximum(y, min_weight)
+        prior = self._prior.view()
+        if prior.any():
+            own = len(prior) - int(np.count_nonzero(prior))
+            w = np.where(prior, w * prior_weight(own, prior_strength), w)
         has_rows = self._row_counts.view() > 0
         # Renumber programs so that programs without rows (no loss term) drop out.
         new_index = np.cumsum(has_rows) - 1
@@ -272,6 +304,7 @@ class _History:
             "costs": self._costs.view(),
             "group_ids": self._group_ids.view(),
             "group_names": np.array(self.group_names, dtype=str),
+            "prior": self._prior.view(),
         }
 
     def keep_last(self, n: int) -> _History:
@@ -298,9 +331,17 @@ class _History:
         history._row_counts.extend(counts)
         history._costs.extend(arrays["costs"])
         history._group_ids.extend(arrays["group_ids"])
+        history._prior.extend(arrays.get("prior", np.zeros(len(counts), dtype=np.bool_)))
         history.group_names = [str(name) for name in arrays["group_names"]]
         history._group_index = {name: i for i, name in enumerate(history.group_names)}
         return history
+
+    def as_prior(self, label: str) -> _History:
+        """A copy whose programs are all prior ones, their groups renamed `label/<group>`."""
+        arrays = self.arrays()
+        arrays["group_names"] = np.array([f"{label}/{g}" for g in self.group_names], dtype=str)
+        arrays["prior"] = np.ones(self.num_programs, dtype=np.bool_)
+        return _History.from_arrays(arrays, self.num_features)
 
     def _group_id(self, group: str) -> int:
         index = self._group_index.get(group)
@@ -344,6 +385,22 @@ class XGBCostModel(CostModel):
     def trained_on(self) -> int:
         """Programs the current trees were trained on; 0 while predictions are random."""
         return self._trained_on
+
+    @property
+    def num_prior(self) -> int:
+        """Programs of the history transferred from another device's model (`transferred`)."""
+        return self._history.num_prior
+
+    def transferred(self, label: str) -> XGBCostModel:
+        """A model for another device that starts from this one (module doc, "Transfer"):
+        this one's trees and, as prior programs under groups `label/...`, its history."""
+        model = type(self)(self._config)
+        model._history = self._history.as_prior(label)
+        if self._booster is not None:
+            model._booster = xgb.Booster(model_file=bytearray(self._booster.save_raw("ubj")))
+            model._booster.set_param({"nthread": self._config.nthread})
+        model._trained_on = self._trained_on
+        return model
 
     @property
     def last_training(self) -> TrainingStats | None:
@@ -439,7 +496,9 @@ class XGBCostModel(CostModel):
 
     def _train(self) -> None:
         start = time.perf_counter()
-        data = self._history.training_data(self._config.min_weight, self._config.labels_per_group)
+        data = self._history.training_data(
+            self._config.min_weight, self._config.prior_strength, self._config.labels_per_group
+        )
         if not data.rows.shape[0]:
             return  # only invalid programs so far: nothing to learn from
 

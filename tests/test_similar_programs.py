@@ -11,9 +11,9 @@ import numpy as np
 
 from services.scheduler.config import SearchConfig, TuneConfig
 from services.scheduler.cost_model.base import CostModel
+from services.scheduler.similar_programs import SimilarPrograms
 from services.scheduler.slots import ChoiceDomain, TileDomain
 from services.scheduler.task import make_task
-from services.scheduler.transfer import SimilarPrograms
 from services.scheduler.tuner import TaskTuner
 from tunefarm.records import ErrorKind, MeasureRecord
 from tunefarm.workloads import registry
