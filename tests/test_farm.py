@@ -868,6 +868,7 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
         # The batch went back to the queue at once: another agent leases it now.
         lb = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=b), metadata=meta_b, timeout=10).batch
         assert lb.batch_id == batch_id and len(lb.candidates) == 2
+        assert register("a", meta_b) == a  # the board, given a new token, keeps its agent name
     assert _stored(farm) == {}
     measurer.close()
 # -- the build lock (services.worker.build_lock) ----------------------------------------------
