@@ -229,6 +229,7 @@ class Agent:
         self.runner = runner or LocalRunner(settings.num_threads or physical_cores())
         self._caps = capabilities
         self._isa_checked: dict[str, str] = {}  # class target JSON -> why this CPU cannot serve it ("" if it can)
+        self._probe = caps_mod.probe_worker()  # TVM in a child: the probe, then the class's ISA check
         self.metadata = wire.auth_metadata(settings.token)
         self.channel = open_channel(settings)
         self.stub = pb_grpc.AgentServiceStub(self.channel)
@@ -276,6 +277,7 @@ class Agent:
             self._join_finisher()
             beat.join(timeout=5)
             self.runner.close()
+            self._probe.close()
             self.channel.close()
 
     def _prepare(self) -> None:
@@ -291,7 +293,7 @@ class Agent:
         t = threading.Thread(target=start_runner, daemon=True)
         t.start()
         if self._caps is None:
-            self._caps = caps_mod.detect(emulated=self.settings.emulated)
+            self._caps = caps_mod.detect(emulated=self.settings.emulated, worker=self._probe)
             if self._caps.get("emulated"):
                 log.warning(
                     "running under an emulator (%s): outputs are checked, timings are the emulator's",
@@ -335,7 +337,9 @@ class Agent:
         an AVX2 machine). Asked once per class target."""
         if target_json not in self._isa_checked:
             caps = self._caps or {}
-            missing = caps_mod.class_missing_extensions(target_json, caps.get("isa_features") or [])
+            missing = caps_mod.class_missing_extensions(target_json, caps.get("isa_features") or [], worker=self._probe)
+            self._probe.close()  # its TVM is not needed any more; a new one starts on demand
+            self._probe = caps_mod.probe_worker()
             if missing is None:
                 log.warning("could not check device class %s's ISA against this CPU's", device_class)
             self._isa_checked[target_json] = (

@@ -80,9 +80,10 @@ AT_HWCAP, AT_HWCAP2 = 16, 26
 PROBE_TIMEOUT_SECS = 120.0
 
 
-def detect(*, probe: bool = True, emulated: bool | None = None) -> dict[str, Any]:
+def detect(*, probe: bool = True, emulated: bool | None = None, worker: IsolatedWorker | None = None) -> dict[str, Any]:
     """The capabilities of this machine, as the Register message's fields. `emulated`
-    overrides the detection of an emulator (`emulation`)."""
+    overrides the detection of an emulator (`emulation`); `worker`: the child to probe
+    TVM in (kept for `class_missing_extensions`; default: one of its own)."""
     machine = platform.machine()
     cpuinfo = _read("/proc/cpuinfo")
     model, features = _cpuinfo(cpuinfo)
@@ -107,7 +108,7 @@ def detect(*, probe: bool = True, emulated: bool | None = None) -> dict[str, Any
         "emulation": why if emulated is None else ("set by the agent's settings" if emulated else ""),
     }
     if probe:
-        probed = probe_in_child()
+        probed = probe_in_child(worker=worker)
         if probed.get("target_json"):
             target = agent_target(json.loads(probed["target_json"]), machine, features)
             probed["target_json"] = json.dumps(target, sort_keys=True)
@@ -189,13 +190,20 @@ def _cpuinfo_family(text: str) -> str:
     return ""
 
 
-def probe_in_child(timeout: float = PROBE_TIMEOUT_SECS) -> dict[str, Any]:
-    """`probe_tvm` run in an isolated child ({} if TVM cannot even start there)."""
-    worker = IsolatedWorker(preload=["tvm"], name="probe", start_timeout=timeout)
+def probe_worker(timeout: float = PROBE_TIMEOUT_SECS) -> IsolatedWorker:
+    """An isolated child with TVM imported, for `probe_tvm` and `missing_for_target`."""
+    return IsolatedWorker(preload=["tvm"], name="probe", start_timeout=timeout)
+
+
+def probe_in_child(timeout: float = PROBE_TIMEOUT_SECS, worker: IsolatedWorker | None = None) -> dict[str, Any]:
+    """`probe_tvm` run in an isolated child ({} if TVM cannot even start there); in
+    `worker` when given (left running), else in one of its own."""
+    child = worker or probe_worker(timeout)
     try:
-        outcome = worker.call(f"{__name__}:probe_tvm", timeout=timeout)
+        outcome = child.call(f"{__name__}:probe_tvm", timeout=timeout)
     finally:
-        worker.close()
+        if worker is None:
+            child.close()
     return dict(outcome.value) if outcome.ok else {}
 
 
@@ -239,21 +247,25 @@ def with_gpu_target(caps: dict[str, Any]) -> dict[str, Any]:
     return {**caps, "target_json": json.dumps(target, sort_keys=True)}
 
 
-def class_missing_extensions(target_json: str, flags: Iterable[str], timeout: float = PROBE_TIMEOUT_SECS) -> list[str] | None:
+def class_missing_extensions(
+    target_json: str, flags: Iterable[str], timeout: float = PROBE_TIMEOUT_SECS, worker: IsolatedWorker | None = None
+) -> list[str] | None:
     """The instruction-set extensions the code of a class's target (TVM target JSON) uses
     that a CPU with these OS flags lacks (`tunefarm.isa`): [] when it runs there, None when
     it cannot be told (no flags, or TVM does not answer). LLVM is asked in an isolated
-    child (in this process when it has imported TVM already)."""
+    child (`worker` when given, e.g. the agent's probe child, left running; in this
+    process when it has imported TVM already)."""
     flags = sorted(flags)
     if not flags or not target_json:
         return None
     if "tvm" in sys.modules:
         return missing_for_target(target_json, flags)
-    worker = IsolatedWorker(preload=["tvm"], name="isa-check", start_timeout=timeout)
+    child = worker or probe_worker(timeout)
     try:
-        outcome = worker.call(f"{__name__}:missing_for_target", target_json, flags, timeout=timeout)
+        outcome = child.call(f"{__name__}:missing_for_target", target_json, flags, timeout=timeout)
     finally:
-        worker.close()
+        if worker is None:
+            child.close()
     return list(outcome.value) if outcome.ok else None
 
 
