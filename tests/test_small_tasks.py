@@ -34,6 +34,11 @@ def test_yolov8n_like_imports_and_its_tasks_are_extracted(yolo_tasks):
     assert sum("sigmoid_multiply" in n for n in convs) >= 35
     assert not any(n.startswith(("sigmoid", "multiply", "fused_sigmoid")) for n in names)
     assert tasks.total_flops > 1e9  # about 2.2 GFLOPs at 320x320
+    # the C2f/SPPF/neck concats and splits are views, not kernels; left: the head's concat
+    # along the anchors (144 rows of 3 levels: not contiguous) and the box decoding's
+    # concat of 2-row halves (16800-byte slices: not 64-byte aligned), fused with its math
+    assert sum("concatenate" in n or n.startswith("split") for n in names) <= 2, names
+    assert any(n.startswith("split_slices") for n in tasks.elided)
 
 
 # -- concat and split as slices of one buffer (tunefarm.models.slices) ---------------------------
