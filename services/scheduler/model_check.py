@@ -8,8 +8,9 @@ on an x86 scheduler, so `check_on_device` asks an agent of the class instead:
 
 1. the library (cross-compiled for the class) and the model's seeded inputs, one set per
    input kind of `tunefarm.models.check`, are stored under the artifact root
-   (`model_runs/<job id>/<uuid>/`), and one `ModelRun` row per set queues them for the
-   class (the first set's run also times `repeat` inferences, the others only run once);
+   (`model_runs/<job id>/<uuid>/`), and one `ModelRun` row per set, each queued once the
+   previous one is done, runs them on the class (the first also times `repeat`
+   inferences, the others only run once);
 2. an agent of the class leases them before any batch, runs the model for its outputs
    (and the timed inferences), and sends outputs and latencies back (the lease service
    stores them, with the agent's name and whether it is emulated);
@@ -82,15 +83,18 @@ def check_on_device(
     `JobFailed` when the run failed or the outputs differ (the library is removed), and
     `FinishInterrupted` when the scheduler stops while waiting."""
     sets = check_inputs(m)
-    runs = {
-        kind: _submit(where, directory / LIBRARY_NAME, [feeds[t.name] for t in m.imported.inputs], timed=i == 0)
-        for i, (kind, feeds) in enumerate(sets.items())
-    }
-    listed = ", ".join(f"{k} {r}" for k, r in runs.items())
-    log(f"{m.name}: the tuned model is queued for an agent of {where.device_class} (model runs {listed})")
-    rows = {kind: _wait(where, run_id) for kind, run_id in runs.items()}
+    # One run at a time: a new run of the job supersedes its open ones (a restarted
+    # scheduler's), so each kind's run is queued once the previous one is done.
+    runs: dict[str, int] = {}
+    rows: dict[str, ModelRun | None] = {}
+    for i, (kind, feeds) in enumerate(sets.items()):
+        runs[kind] = _submit(where, directory / LIBRARY_NAME, [feeds[t.name] for t in m.imported.inputs], timed=i == 0)
+        log(f"{m.name}: the tuned model is queued for an agent of {where.device_class} ({kind} input, model run {runs[kind]})")
+        rows[kind] = _wait(where, runs[kind])
+        if rows[kind] is None or rows[kind].state is ModelRunState.FAILED:
+            break
     timed_kind = next(iter(runs))
-    if any(row is None for row in rows.values()):
+    if any(row is None for row in rows.values()):  # (the loop stopped at it)
         why = f"not run: no agent of {where.device_class} ran it within {where.wait_secs:.0f} s"
         log(f"{m.name}: {why}; the tuned model is kept unchecked")
         checked = {"ok": None, "reference": m.reference_name, "problem": why}
@@ -104,6 +108,7 @@ def check_on_device(
     names = [t.name for t in m.imported.outputs]
     errors = []
     for kind, row in rows.items():
+        assert row is not None
         errors += check.compare_outputs(_outputs(where.artifact_root, row), m.reference(sets[kind]),
                                         input_kind=kind, names=names)
     result = check.ModelCheck(m.reference_name, tuple(errors))
@@ -113,7 +118,9 @@ def check_on_device(
             f"{m.name}: the tuned model's output on {measured_on['agent']} differs from {m.reference_name}'s: "
             f"{result.problem()}; the library was not kept"
         )
-    samples = [float(x) for x in (rows[timed_kind].result or {}).get("latency_samples", [])]
+    timed_row = rows[timed_kind]
+    assert timed_row is not None
+    samples = [float(x) for x in (timed_row.result or {}).get("latency_samples", [])]
     latency = None
     if samples:
         # The agent's runner sets its TVM threads (`--threads`); its model run does not
