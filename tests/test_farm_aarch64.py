@@ -118,7 +118,7 @@ def test_a_model_is_tuned_for_the_aarch64_class_through_the_emulated_agent(
     np.savez(tmp_path / "inputs.npz", feeds["x"])
     code = (
         "import sys, numpy as np; from tunefarm.models.build import run_job; "
-        "outs, _ = run_job(sys.argv[1], sys.argv[2], 0, 1); np.savez(sys.argv[3], *outs)"
+        "outs = run_job(sys.argv[1], sys.argv[2], 0, 1)[0]; np.savez(sys.argv[3], *outs)"
     )
     ran = subprocess.run(
         [*emulated_python(aarch64_root), "-c", code, str(out / "model.so"), str(tmp_path / "inputs.npz"),
