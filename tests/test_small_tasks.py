@@ -132,7 +132,8 @@ def _c2f_like_onnx(piece_from_input: bool = False):
 
 def _build_and_check(data: bytes, out):
     from tunefarm.models.build import build_default_library, run_model
-    from tunefarm.models.finish import compare, load_model, model_inputs
+    from tunefarm.models.check import compare_outputs
+    from tunefarm.models.finish import load_model, model_inputs
 
     m = load_model(data, name="c2f")
     build_default_library(
@@ -140,7 +141,7 @@ def _build_and_check(data: bytes, out):
         outputs=m.imported.outputs,
     )
     feeds = model_inputs(m)
-    return m, compare(run_model(out, feeds, repeat=0).outputs, m.reference(feeds))
+    return m, compare_outputs(run_model(out, feeds, repeat=0).outputs, m.reference(feeds), input_kind="normal")
 
 
 def test_concats_and_splits_become_views_and_the_model_still_matches_onnxruntime(tmp_path):
@@ -150,7 +151,7 @@ def test_concats_and_splits_become_views_and_the_model_still_matches_onnxruntime
     assert any(n.startswith("concatenate_slices") for n in m.tasks.elided)
     assert any(n.startswith("split_slices") for n in m.tasks.elided)
     assert any(n.startswith("resize2d") for n in names)  # the Resize writes into the concat's buffer itself
-    assert check["ok"], check
+    assert check and all(e.ok for e in check), [e.describe() for e in check]
 
     # where its time goes: every kernel call of an inference, by task
     from tunefarm.models.finish import model_inputs
@@ -186,7 +187,7 @@ def test_a_concat_of_the_graph_input_keeps_its_copy_and_matches_onnxruntime(tmp_
     m, check = _build_and_check(_c2f_like_onnx(piece_from_input=True), tmp_path / "copy")
     kept = [t for t in m.tasks.tasks if t.name.startswith("concatenate_slices")]
     assert len(kept) == 1 and kept[0].weight == 1  # the one whose piece is the input
-    assert check["ok"], check
+    assert check and all(e.ok for e in check), [e.describe() for e in check]
 
 
 # -- one thread for small kernels (services.scheduler.loopnest) ----------------------------------
