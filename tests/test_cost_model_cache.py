@@ -122,3 +122,29 @@ def test_resumed_records_the_kept_model_learnt_are_not_learnt_twice(tmp_path):
 
     cache.save_model(again, path, TARGET, learnt=learnt_again[:1], log=print)  # out of step: not kept
     assert cache.learnt_programs(XGBCostModel.load(path)) == []
+
+
+def test_a_target_without_a_cached_model_starts_from_its_nearest_cached_targets(monkeypatch, tmp_path):
+    """Tune on one machine, then another: the second target starts from the first's model
+    (transferred: the same predictions, its programs as prior data), the nearest of those
+    cached (AVX2 `haswell` before SSE4.2 `x86-64-v2` for an AVX2 `znver2`)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    haswell = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
+    v2 = {"kind": "llvm", "mcpu": "x86-64-v2", "num-cores": 2}
+    model, feats = _trained()
+    cache.save_model(model, cache.cache_path(haswell), haswell, log=print)
+    cache.save_model(_trained(seed=3)[0], cache.cache_path(v2), v2, log=print)
+    dest = {"kind": "llvm", "mcpu": "znver2", "num-cores": 2}
+
+    assert cache.nearest_cached(dest)[0] == cache.cache_path(haswell)
+    logs: list[str] = []
+    warm = cache.load_model(cache.cache_path(dest), dest, seed=5, batch_size=8, log=logs.append)
+    assert warm.num_prior == model.num_samples and warm.trained_on == model.trained_on
+    np.testing.assert_array_equal(warm.predict(feats), model.predict(feats))
+    assert str(cache.cache_path(haswell)) in logs[0] and "ISA overlap" in logs[0]
+    assert cache.incompatibility(warm, dest) is None  # stamped for its own target
+
+    # an explicit --cost-model file that does not exist yet, or another kind, starts fresh
+    assert cache.load_model(tmp_path / "new.npz", dest, seed=5, batch_size=8, log=print).num_samples == 0
+    gpu = {"kind": "cuda", "arch": "sm_80"}
+    assert cache.nearest_cached(gpu) is None

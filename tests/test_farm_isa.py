@@ -193,5 +193,10 @@ def test_a_new_class_starts_from_its_nearest_classs_model(farm, client, sessions
     assert started["cost_model"]["version_id"] == source.id
     assert started["cost_model"]["transferred_from"] == {"device_class": AVX2, "version": source.version}
     assert started["cost_model"]["device_class"] == AVX2
-    log = Path(farm.processes["scheduler"].log).read_text()
-    assert f"starts from class {AVX2}'s cost model version {source.version}" in log
+    log = Path(farm.processes["scheduler"].log)
+    assert f"starts from class {AVX2}'s cost model version {source.version}" in log.read_text()
+    # the same workloads were tuned on the AVX2 class: their best programs seed the searches
+    deadline = time.monotonic() + 30
+    while f"programs of class {AVX2} seed the tasks' searches" not in log.read_text():
+        assert time.monotonic() < deadline, "the job did not start from the nearest class's programs"
+        time.sleep(0.2)

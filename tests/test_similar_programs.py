@@ -123,3 +123,19 @@ def test_similar_programs_keep_each_tasks_best_and_skip_the_asking_task():
     donors = similar.donors(b.key, sigs, 8)
     assert [r.costs[0] for r in donors] == [1, 2][: len(donors)] and donors
     assert similar.donors(a.key, sigs, 8) == []
+
+
+def test_the_same_workload_on_another_target_comes_first():
+    """A new device class's task starts from its workload's best programs on the nearest
+    class (another target, so another task key) before any other similar task's."""
+    other_target = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
+    mine = _task(64, 64, 64)
+    same_elsewhere = make_task(mine.workload, other_target)
+    similar_shape = _task(128, 96, 64)
+    programs = mine.space.sample_many(4, random.Random(2))
+    similar = SimilarPrograms(per_task=2)
+    similar.add([_record(similar_shape, programs[0], 1.0), _record(similar_shape, programs[1], 2.0)])
+    similar.add([_record(same_elsewhere, programs[2], 9.0), _record(same_elsewhere, programs[3], 8.0)])
+    donors = similar.donors(mine.key, {s.signature for s in mine.sketches}, 3)
+    assert [r.task for r in donors] == [same_elsewhere.key, same_elsewhere.key, similar_shape.key]
+    assert [r.costs[0] for r in donors] == [8.0, 9.0, 1.0]

@@ -16,6 +16,11 @@ bounded however many runs fed it, and the identities of the programs it learnt
 (`session.program_id`, in the metadata), so that a run resuming a records file does not
 learn the measurements it made before the interruption twice. Two runs on one target at
 the same time each save what they learnt; the last to finish wins.
+
+A target with no cache file of its own yet starts from the cached model of its nearest
+target (`services.scheduler.transfer.nearest`: same kind, then architecture family, ISA
+overlap, core count), transferred (`XGBCostModel.transferred`): tune on one machine, then
+another, and the second starts ranked, as a new device class in the farm does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from services.scheduler.cost_model import XGBConfig, XGBCostModel
 from services.scheduler.features import feature_width
 from services.scheduler.rule_set import rule_set_for
 from services.scheduler.task import target_key
+from tunefarm.target import describe
 
 CACHE_FORMAT = 1
 """Version of the cache entry; a file of another version is ignored."""
@@ -71,8 +77,20 @@ def load_model(
 ) -> XGBCostModel:
     """The model saved at `path` if it is there and fits this target and these features;
     otherwise (with a warning when a file was there) a fresh one."""
-    if path is None or not path.exists():
+    if path is None:
         return fresh_model(seed, batch_size)
+    if not path.exists():
+        nearest = nearest_cached(target) if path == cache_path(target) else None
+        if nearest is None:
+            return fresh_model(seed, batch_size)
+        source, why = nearest
+        try:
+            model = transferred_model(source, target)
+        except Exception as exc:  # any unreadable file: a cache must never stop a run
+            log(f"warning: cost model {source} is unreadable ({type(exc).__name__}: {exc}); starting from a fresh one")
+            return fresh_model(seed, batch_size)
+        log(f"cost model: none for this target yet; starting from {source} ({model.num_prior} programs; {why})")
+        return model
     try:
         model = XGBCostModel.load(path)
     except Exception as exc:  # any unreadable file: a cache must never stop a run
@@ -103,6 +121,44 @@ def incompatibility(model: XGBCostModel, target: dict[str, Any]) -> str | None:
     if meta.get("target_key") != target_key(target):
         return f"trained for target {meta.get('target')!r}"
     return None
+
+
+def nearest_cached(target: dict[str, Any]) -> tuple[Path, str] | None:
+    """The cache file of the target nearest to `target` among those cached with the
+    features `target` uses, and why it is nearest; None when there is none."""
+    from services.scheduler import transfer
+
+    version = rule_set_for(target).feature_version
+    candidates: list[tuple[str, dict[str, Any]]] = []
+    for path in sorted(cache_dir().glob("*.npz")):
+        try:
+            meta = XGBCostModel.read_metadata(path)
+        except Exception:  # an unreadable file is no candidate
+            continue
+        other = meta.get("target")
+        if meta.get("cache_format") == CACHE_FORMAT and meta.get("feature_version") == version and isinstance(other, dict):
+            if target_key(other) != target_key(target):
+                candidates.append((str(path), other))
+    try:
+        choice = transfer.nearest(target, candidates)
+    except Exception:  # a target the ISA tables do not know: no transfer
+        return None
+    return (Path(choice.name), choice.similarity.describe()) if choice is not None else None
+
+
+def transferred_model(source: Path, target: dict[str, Any]) -> XGBCostModel:
+    """The model cached at `source` transferred to `target` (its trees, and its history
+    as prior programs), with `target`'s metadata."""
+    loaded = XGBCostModel.load(source)
+    model = loaded.transferred(describe(loaded.metadata.get("target") or {}))
+    model.metadata = {
+        "cache_format": CACHE_FORMAT,
+        "feature_version": rule_set_for(target).feature_version,
+        "target_key": target_key(target),
+        "target": target,
+        "programs": [],
+    }
+    return model
 
 
 def learnt_programs(model: XGBCostModel) -> list[str]:

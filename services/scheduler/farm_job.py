@@ -48,7 +48,7 @@ from services.scheduler.job_store import JobSetup
 from services.scheduler.model_check import DeviceRun, check_on_device
 from services.scheduler.session import SessionCallback, ShareBestPrograms, TuningSession
 from services.scheduler.shared_model import ClassModel, SharedModelView
-from services.scheduler.similar_programs import SimilarPrograms
+from services.scheduler.similar_programs import PER_TASK, SimilarPrograms
 from services.scheduler.task import SearchTask, make_task, structure_kind
 from services.scheduler.task_scheduler import TaskInfo, similarity_tag
 from services.scheduler.tuner import SearchPace, TaskTuner
@@ -187,6 +187,25 @@ class JobRunner:
         )
         return LoadedModel(imported, tasks, onnx_reference(onnx_bytes), "onnxruntime")
 
+    def transferred_programs(self) -> list[MeasureRecord]:
+        """When the class's model descends from another class's (`ClassModel.transferred_from`),
+        that class's best programs of the job's workloads: each task's search starts from
+        them (`SimilarPrograms` puts the same workload first), as its model starts from
+        that class's model."""
+        source = self.shared.transferred_from
+        if source is None:
+            return []
+        with transaction(self.ctx.sessions) as db:
+            found = job_store.best_records_of_class(
+                db,
+                device_class=source.device_class,
+                workload_keys=[t.workload.key for t in self.tasks],
+                per_workload=PER_TASK,
+            )
+        if found:
+            self.log(f"{len(found)} programs of class {source.device_class} seed the tasks' searches")
+        return found
+
     def config(self) -> TuneConfig:
         c = self.setup.config
         return TuneConfig(
@@ -234,6 +253,7 @@ class JobRunner:
         pace = SearchPace()
         similar = SimilarPrograms()  # each task's best, for its similar tasks to start from
         similar.add(records)
+        similar.add(self.transferred_programs())
         self.tuners = [
             TaskTuner(t, config, view, verify=m.verify, pace=pace, similar=similar, log=self.log)
             for t, m in zip(self.tasks, measure_tasks)

@@ -4,6 +4,7 @@ session (`services.db.session.transaction`), none of which commits.
 - picking jobs: `runnable_jobs`, `claim_job` (queued -> running, with everything the
   job's session needs: `JobSetup`);
 - resuming: `last_measurement_id`, `job_records` (the job's measurements in id order);
+- transfer: `best_records_of_class` (another class's best programs of the job's workloads);
 - progress: `write_progress` (a curve point and the job's estimate), `set_dead_reasons`,
   `note_cost_model`;
 - fairness: `live_agents_by_class`, `running_jobs_by_class`;
@@ -39,7 +40,7 @@ from services.db.models import (
     Workload,
 )
 from services.scheduler.exceptions import JobVanished
-from tunefarm.records import MeasureRecord
+from tunefarm.records import ErrorKind, MeasureRecord
 
 RUNNABLE = (JobState.QUEUED, JobState.RUNNING, JobState.FINISHING)
 
@@ -147,6 +148,36 @@ def job_records(session: Session, *, job_id: int) -> list[MeasureRecord]:
     """Every measurement of the job, in the order they were stored."""
     rows = session.scalars(select(Measurement.record).where(Measurement.job_id == job_id).order_by(Measurement.id))
     return [record_from_json(r) for r in rows]
+
+
+def best_records_of_class(
+    session: Session, *, device_class: str, workload_keys: Iterable[str], per_workload: int
+) -> list[MeasureRecord]:
+    """The `per_workload` fastest valid measurements of each workload in `workload_keys`
+    made on the class named `device_class`, from any job (the programs a class that
+    starts from it tries first)."""
+    keys = list(workload_keys)
+    if not keys or per_workload < 1:
+        return []
+    ranked = (
+        select(
+            Measurement.record,
+            func.row_number()
+            .over(partition_by=Measurement.workload_id, order_by=(Measurement.cost, Measurement.id))
+            .label("rank"),
+        )
+        .join(Workload, Workload.id == Measurement.workload_id)
+        .join(DeviceClass, DeviceClass.id == Measurement.device_class_id)
+        .where(
+            DeviceClass.name == device_class,
+            Workload.key.in_(keys),
+            Measurement.error_kind == ErrorKind.NONE,
+            Measurement.cost.is_not(None),
+        )
+        .subquery()
+    )
+    rows = session.scalars(select(ranked.c.record).where(ranked.c.rank <= per_workload))
+    return [r for r in map(record_from_json, rows) if r.is_valid and not r.emulated]
 
 
 def last_measurement_id(session: Session, *, job_id: int) -> int:

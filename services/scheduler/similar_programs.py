@@ -10,6 +10,11 @@ the same slots) and `ProgramSpace.transfer` rebuilds them on its own extents, ti
 refit to the nearest tiling (`TileDomain.nearest`). The programs go into the task's
 initial population next to its own best (`EvolutionarySearch.next_batch`), while the
 task has fewer programs of its own than the population's seed share.
+
+The same workload measured on another target (another device class: records of the
+nearest class in the farm, or of another target in an embedded records file) is the most
+similar task of all: its programs come first, so a new class starts from the programs
+that won on its nearest class (tune on one device, transfer to another).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Collection, Iterable
 
+from services.scheduler.task import workload_of
 from tunefarm.records import MeasureRecord
 
 PER_TASK = 4
@@ -43,13 +49,20 @@ class SimilarPrograms:
 
     def donors(self, task_key: str, signatures: Collection[str], limit: int) -> list[MeasureRecord]:
         """Up to `limit` best programs of tasks other than `task_key` whose sketch signature
-        is one of `signatures`: each task's best first, then each one's second, and so on."""
-        lists = [
-            [r for r in best if r.sketch_sig in signatures]
-            for key, best in sorted(self._best.items())
-            if key != task_key
-        ]
-        out: list[MeasureRecord] = []
+        is one of `signatures`: first those of the same workload on other targets, best
+        first; then each other task's best, then each one's second, and so on."""
+        workload = workload_of(task_key)
+        same: list[MeasureRecord] = []
+        lists: list[list[MeasureRecord]] = []
+        for key, best in sorted(self._best.items()):
+            if key == task_key:
+                continue
+            usable = [r for r in best if r.sketch_sig in signatures]
+            if workload_of(key) == workload:
+                same += usable
+            else:
+                lists.append(usable)
+        out = sorted(same, key=lambda r: r.cost)
         for rank in range(self.per_task):
             out += [best[rank] for best in lists if rank < len(best)]
         return out[:limit]

@@ -20,6 +20,12 @@ def target_key(target: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(target, sort_keys=True).encode()).hexdigest()[:8]
 
 
+def workload_of(task_key: str) -> str:
+    """The workload part of a task key (`SearchTask.key`): the same for one workload on
+    any target."""
+    return task_key.rpartition("@")[0]
+
+
 @dataclass(eq=False)
 class SearchTask:
     workload: Workload

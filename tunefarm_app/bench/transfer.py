@@ -6,19 +6,21 @@ the same trials in each (round-robin), with the same batch size and seed:
 1. *source*: tune for the source target (e.g. `haswell`, AVX2) with a fresh cost model,
    which is saved (one model for all the workloads, as the farm keeps one per class);
 2. *cold*: tune for the destination target (e.g. `x86-64-v2`, SSE4.2) with a fresh model;
-3. *warm*, at the same time as *cold* (a busy machine slows both alike): tune for the
-   destination with the source's model transferred
+3. *warm*: tune for the destination starting from what the source run left, as a farm class with no model of
+   its own starts from its nearest class: the source's cost model transferred
    (`XGBCostModel.transferred`: its trees rank the first batch, its measurements are
-   prior data whose weight fades as the destination's own arrive), as a farm class with
-   no model of its own starts from its nearest class's.
+   prior data whose weight fades as the destination's own arrive), and the source's
+   records in the warm run's records file, so that each workload's search starts from
+   the programs that won on the source (`SimilarPrograms`: the same workload on another
+   target comes first).
 
 Both targets must run on this machine (`tunefarm.isa`): a kernel built for an older ISA
 runs here, so two classes are measured side by side. The figure of merit: the trials
 the cold run needs to reach its own final best latency (within `--tolerance`), and the
 trials the warm run needs to reach that same latency; the goal is warm <= 50% of cold.
 A warm run that never reaches it counts as more than the budget. Trials are counted per
-workload (its own measurements, in order). Timings on a shared
-machine are noisy: the table is a ratio of trial counts, both runs timed alike.
+workload (its own measurements, in order). The runs go one after the other, so each
+times its kernels with the machine to itself.
 """
 
 from __future__ import annotations
@@ -26,10 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
+import shutil
 import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -144,23 +145,22 @@ def run_seed(
 ) -> list[TransferRow]:
     """The three runs (module doc) of every workload for one seed. Each run is one session
     over all the workloads, each getting `trials` (round-robin), so the source's model is a
-    class's model trained on all of them, as the farm keeps one per class. The cold and
-    warm runs go at the same time, in two processes, so that a busy machine slows both
-    alike. A run whose records are all in `root` already is resumed, not measured again."""
-    from services.scheduler.cost_model import XGBCostModel
+    class's model trained on all of them, as the farm keeps one per class. The runs go one
+    after the other, each with the machine's cores to itself (two runs at once would time
+    each other's kernels). A run whose records are all in `root` already is resumed, not measured again."""
+    from tunefarm_app import cost_model_cache
 
     root.mkdir(parents=True, exist_ok=True)
     run = dict(wids=wids, trials=trials, batch_size=batch_size, seed=seed)
     source_model = root / "source-model.npz"
     source_costs = tune_run(name="source", target=source, records=root / "source.jsonl", model=source_model, **run)
-    warm_model = root / "warm-model.npz"
+    warm_model, warm_records = root / "warm-model.npz", root / "warm.jsonl"
     if not warm_model.exists():
-        XGBCostModel.load(source_model).transferred("source").save(warm_model)
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
-        cold = pool.submit(tune_run, name="cold", target=dest, records=root / "cold.jsonl", model=None, **run)
-        warm = pool.submit(tune_run, name="warm", target=dest, records=root / "warm.jsonl", model=warm_model, **run)
-        cold_costs, warm_costs = cold.result(), warm.result()
+        cost_model_cache.transferred_model(source_model, dest).save(warm_model)
+    if not warm_records.exists():
+        shutil.copyfile(root / "source.jsonl", warm_records)
+    cold_costs = tune_run(name="cold", target=dest, records=root / "cold.jsonl", model=None, **run)
+    warm_costs = tune_run(name="warm", target=dest, records=warm_records, model=warm_model, **run)
     return [
         compare(wid, seed, trials, s, c, w, tolerance)
         for wid, s, c, w in zip(wids, source_costs, cold_costs, warm_costs)

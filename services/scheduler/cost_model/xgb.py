@@ -468,6 +468,15 @@ class XGBCostModel(CostModel):
                 raise
         os.replace(f.name, path)
 
+    @staticmethod
+    def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The `metadata` of a saved model, without loading its trees and history."""
+        with np.load(path, allow_pickle=False) as data:
+            state = json.loads(str(data["state"]))
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"{os.fspath(path)} is not a saved XGBCostModel")
+        return dict(state.get("metadata") or {})
+
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Self:
         with np.load(path, allow_pickle=False) as data:
