@@ -107,8 +107,10 @@ class XGBConfig:
     labels_per_group: bool = True
     # A transferred (prior) program weighs prior_strength / (prior_strength + own programs)
     # of an own one (module doc, "Transfer"): 1 before the first own measurement, 1/2 after
-    # prior_strength of them.
-    prior_strength: float = 64.0
+    # prior_strength of them. One batch's worth: `tunefarm bench transfer` (haswell to
+    # x86-64-v2, 64 trials, 2 seeds) reached the cold run's best in 0.80x its trials with
+    # 64 and 0.53x with 16, where the two ISAs' best programs differ.
+    prior_strength: float = 16.0
 
     def xgb_params(self) -> dict[str, Any]:
         """The parameter dict for ``xgboost.train``."""
