@@ -48,7 +48,8 @@ def _with_constants(workload, const: list[str] | None):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage + error)
-        raise UsageError(f"{self.prog}: {message}")
+        command = self.prog.removeprefix("tunefarm").strip()  # "tune", "farm up"; "" at the top
+        raise UsageError(f"{command}: {message}" if command else message)
 
 
 def build_parser() -> argparse.ArgumentParser:
