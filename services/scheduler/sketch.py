@@ -378,7 +378,8 @@ def _rule_tiling(st: DerivationState, b: BlockSpec, hw: Hardware):
     return RuleResult.APPLY_AND_SKIP_REST, [new]
 
 
-def _rule_skip(st: DerivationState, b: BlockSpec, hw: Hardware):
+def rule_skip(st: DerivationState, b: BlockSpec, hw: Hardware):
+    """The last rule of every rule list: leave the block as it is and go to the next."""
     return RuleResult.APPLY, [st.advance()]
 
 
@@ -388,7 +389,7 @@ CPU_RULES = (
     _rule_add_cache_write,
     _rule_tiling_with_fusion,
     _rule_tiling,
-    _rule_skip,
+    rule_skip,
 )
 
 

@@ -64,6 +64,7 @@ from services.scheduler.sketch import (
     apply_cache_write,
     cache_write_names,
     derive,
+    rule_skip,
 )
 from tunefarm.gpu import GpuLimits
 
@@ -174,16 +175,12 @@ def _cached_reads(st: DerivationState, b: BlockSpec) -> list[str]:
     return out
 
 
-def _rule_skip(st: DerivationState, b: BlockSpec, hw: Hardware):
-    return RuleResult.APPLY, [st.advance()]
-
-
 GPU_RULES = (
     _rule_always_inline,
     _rule_cross_thread_reduction,
     _rule_add_cache_write,
     _rule_tiling_with_fusion,
-    _rule_skip,
+    rule_skip,
 )
 
 
