@@ -36,10 +36,10 @@ demo: setup
 	$(BIN)/tunefarm run demo-out/tuned
 
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n 2 --dist loadfile -m "not slow"
 
 # An aarch64 Debian root with the agent's packages, run under qemu-user through binfmt_misc:
 # cross compiler, qemu, the root and the wheels, each step skipped when done (needs root the
