@@ -8,9 +8,9 @@ import numpy as np
 
 
 def tiny_onnx(path: Path, *, op: str = "Relu", dynamic: bool = True) -> Path:
-    """conv3x3+relu then conv1x1+relu on a 1x3x8x8 input (two tasks); `op` replaces the
-    first relu (an operator TVM does not know makes an unsupported model); `dynamic`
-    leaves the batch dimension symbolic ("N")."""
+    """conv3x3+relu then conv1x1+relu on a 1x3x8x8 input (four tasks: the two, and the
+    transposes to NHWC and back); `op` replaces the first relu (an operator TVM does not
+    know makes an unsupported model); `dynamic` leaves the batch dimension symbolic ("N")."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)

@@ -106,7 +106,7 @@ def test_farm_up_wrote_farm_json(farm):
 def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     info = farm.info
     model = client.upload_model(tiny, {"x": [1, 3, 8, 8]})
-    assert len(model["tasks"]) == 2
+    assert len(model["tasks"]) == 4  # two convolutions, and the input to NHWC and back
     job = client.create_job(model_id=model["id"], device_class=info["device_class"], trial_budget=8)
     seen_running = wait_for(client, job["id"], lambda j: j["trials_used"] > 0 or j["state"] != "queued")
     assert seen_running["state"] in ("running", "finishing", "succeeded")

@@ -42,7 +42,7 @@ from tunefarm_app.farm_local import LocalFarm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-TRIALS = 16  # 2 tasks, batches of 4: four batches per job
+TRIALS = 16  # 4 tasks, batches of 4: four batches per job
 JOB_TIMEOUT = 600.0  # a guard: an idle machine takes a small part of it
 POLL_SECS = 0.05
 

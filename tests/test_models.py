@@ -83,20 +83,27 @@ def test_conv_bn_relu_tasks(conv_bn_relu_onnx):
     assert [t.name for t in model.inputs] == ["x"] and model.inputs[0].shape == (1, 3, 16, 16)
     assert model.outputs[0].shape == (1, 8, 16, 16) and model.warnings == ()
     tasks = extract_tasks(model)
-    assert [t.weight for t in tasks.tasks] == [1, 2]  # the stem, then the repeated block
-    stem, block = tasks.tasks
-    assert stem.name == "fused_conv2d_add_relu(1x3x16x16,8x3x3x3,1x8x1x1)"
-    assert block.name == "fused_conv2d_add_relu(1x8x16x16,8x8x3x3,1x8x1x1)"
+    # the input to NHWC, the stem, the repeated block, the output back to the model's NCHW
+    assert [t.weight for t in tasks.tasks] == [1, 1, 2, 1]
+    to_nhwc, stem, block, to_nchw = tasks.tasks
+    assert to_nhwc.name == "transpose(1x3x16x16)" and to_nchw.name == "transpose(1x16x16x8)"
+    assert stem.name == "fused_conv2d_add_relu(1x16x16x3,8x3x3x3,1x1x1x8)"  # NHWC data, OHWI weights
+    assert block.name == "fused_conv2d_add_relu(1x16x16x8,8x3x3x8,1x1x1x8)"
     assert stem.const_inputs == block.const_inputs == (1, 2)  # weight and bias, not the activation
     assert block.flops == pytest.approx(2 * 8 * 8 * 9 * 16 * 16, rel=0.2)
     assert all(len(t.global_vars) == 1 for t in tasks.tasks)
     rows = tasks.table()
-    assert [r.weight for r in rows] == [1, 2]
+    assert [r.weight for r in rows] == [1, 1, 2, 1]
     assert sum(r.share for r in rows) == pytest.approx(1.0)
-    assert rows[1].total_flops == pytest.approx(2 * block.flops)
+    assert rows[2].total_flops == pytest.approx(2 * block.flops)
     # each task is an ordinary PrimFunc workload: the weights are inputs, the output last
-    assert [tuple(s.shape) for s in block.workload.inputs] == [(1, 8, 16, 16), (8, 8, 3, 3), (1, 8, 1, 1)]
-    assert block.workload.outputs[0].shape == (1, 8, 16, 16)
+    assert [tuple(s.shape) for s in block.workload.inputs] == [(1, 16, 16, 8), (8, 3, 3, 8), (1, 1, 1, 8)]
+    assert block.workload.outputs[0].shape == (1, 16, 16, 8)
+    # the model's own layout, on request
+    as_exported = extract_tasks(model, conv_layouts=None)
+    assert [t.name for t in as_exported.tasks] == [
+        "fused_conv2d_add_relu(1x3x16x16,8x3x3x3,1x8x1x1)", "fused_conv2d_add_relu(1x8x16x16,8x8x3x3,1x8x1x1)"
+    ]
 
 
 def test_identical_subgraphs_get_identical_keys_and_merge(conv_bn_relu_onnx, tmp_path):
@@ -108,9 +115,9 @@ def test_identical_subgraphs_get_identical_keys_and_merge(conv_bn_relu_onnx, tmp
     assert [t.key for t in a.tasks] == [t.key for t in b.tasks]
     shared = merge_tasks([a, b])
     assert [s.key for s in shared] == [t.key for t in a.tasks]
-    assert [s.weights for s in shared] == [(("a", 1), ("again", 1)), (("a", 2), ("again", 2))]
-    assert [s.weight for s in shared] == [2, 4]
-    assert shared[1].const_inputs == (1, 2)
+    assert [s.weights for s in shared][1:3] == [(("a", 1), ("again", 1)), (("a", 2), ("again", 2))]
+    assert [s.weight for s in shared] == [2, 2, 4, 2]
+    assert shared[2].const_inputs == (1, 2)
 
 
 def test_canonical_name_strips_fusetir_numbering():

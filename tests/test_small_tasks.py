@@ -18,12 +18,12 @@ from tunefarm.models.tasks import extract_tasks  # noqa: E402
 def yolo_tasks(tmp_path_factory):
     path = examples.export_example("yolov8n_like", tmp_path_factory.mktemp("models") / "yolo.onnx")
     imported = import_model(path)
-    return imported, extract_tasks(imported)
+    return imported, extract_tasks(imported), extract_tasks(imported, conv_layouts=None)
 
 
 @pytest.mark.slow
 def test_yolov8n_like_imports_and_its_tasks_are_extracted(yolo_tasks):
-    imported, tasks = yolo_tasks
+    imported, tasks, as_exported = yolo_tasks
     assert imported.input_shapes == {"x": (1, 3, 320, 320)}
     assert [o.shape for o in imported.outputs] == [(1, 84, 2100)]  # 4 box + 80 classes, 40^2 + 20^2 + 10^2 anchors
     assert 50 <= len(tasks.tasks) <= 80
@@ -34,11 +34,19 @@ def test_yolov8n_like_imports_and_its_tasks_are_extracted(yolo_tasks):
     assert sum("sigmoid_multiply" in n for n in convs) >= 35
     assert not any(n.startswith(("sigmoid", "multiply", "fused_sigmoid")) for n in names)
     assert tasks.total_flops > 1e9  # about 2.2 GFLOPs at 320x320
-    # the C2f/SPPF/neck concats and splits are views, not kernels; left: the head's concat
-    # along the anchors (144 rows of 3 levels: not contiguous) and the box decoding's
-    # concat of 2-row halves (16800-byte slices: not 64-byte aligned), fused with its math
-    assert sum("concatenate" in n or n.startswith("split") for n in names) <= 2, names
-    assert any(n.startswith("split_slices") for n in tasks.elided)
+    # the convolutions compute in NHWC (channels innermost), their weights OHWI
+    conv = next(t for t in tasks.tasks if t.name.startswith("fused_conv2d"))
+    assert conv.name.startswith("fused_conv2d_add_tir_sigmoid_multiply(1x320x320x3,16x3x3x3,"), conv.name
+    assert names[0] == "transpose(1x3x320x320)"  # the model's NCHW input, once
+    assert as_exported.total_flops == pytest.approx(tasks.total_flops, rel=0.01)
+
+    # In the model's own NCHW layout, the C2f/SPPF/neck concats and splits are views, not
+    # kernels; left: the head's concat along the anchors (144 rows of 3 levels: not
+    # contiguous) and the box decoding's concat of 2-row halves (16800-byte slices: not
+    # 64-byte aligned), fused with its math
+    nchw = [t.name for t in as_exported.tasks]
+    assert sum("concatenate" in n or n.startswith("split") for n in nchw) <= 2, nchw
+    assert any(n.startswith("split_slices") for n in as_exported.elided)
 
 
 # -- concat and split as slices of one buffer (tunefarm.models.slices) ---------------------------
@@ -135,7 +143,7 @@ def _build_and_check(data: bytes, out):
     from tunefarm.models.check import compare_outputs
     from tunefarm.models.finish import load_model, model_inputs
 
-    m = load_model(data, name="c2f")
+    m = load_model(data, name="c2f", conv_layouts=None)  # NCHW: channel concats are contiguous
     build_default_library(
         m.tasks.fused_mod, out, target={"kind": "llvm", "num-cores": 2}, inputs=m.imported.inputs,
         outputs=m.imported.outputs,

@@ -52,7 +52,7 @@ from tunefarm.models.build import (
     time_onnxruntime,
 )
 from tunefarm.models.importer import ImportedModel, import_model
-from tunefarm.models.tasks import ModelTasks, extract_tasks
+from tunefarm.models.tasks import CONV_LAYOUTS, ModelTasks, extract_tasks
 from tunefarm.records import MeasureRecord
 
 RECORDS_NAME = "records.jsonl"
@@ -105,13 +105,14 @@ def load_model(
     *,
     name: str,
     example_inputs: Sequence[Any] | None = None,
+    conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS,
 ) -> LoadedModel:
     """Import one model (a path, ONNX bytes, a ModelProto or a torch module) and extract
-    its tasks."""
+    its tasks (`conv_layouts`: `tunefarm.models.tasks.fuse`'s)."""
     if isinstance(source, (str, Path)) and not Path(source).is_file():
         raise ModelError(f"no such model file: {source}")
     imported = import_model(source, input_shapes, name=name, example_inputs=example_inputs)
-    tasks = extract_tasks(imported, name=name)
+    tasks = extract_tasks(imported, name=name, conv_layouts=conv_layouts)
     if imported.onnx_bytes is not None:
         # The reference is the graph the user has, not the simplified one TVM converted:
         # a simplification that moved the results must not move the reference with them.
