@@ -191,8 +191,10 @@ def test_upload_answers_with_the_task_table(farm, uploaded):
     assert m["name"] == "tiny" and m["input_shapes"] == {"x": [1, 3, 8, 8]}
     assert m["inputs"] == [{"name": "x", "shape": [1, 3, 8, 8], "dtype": "float32"}]
     assert m["outputs"][0]["shape"] == [1, 4, 8, 8]
-    assert [t["position"] for t in m["tasks"]] == [0, 1]
-    assert all(t["name"].startswith("fused_conv2d") and t["weight"] == 1 and t["flops"] > 0 for t in m["tasks"])
+    assert [t["position"] for t in m["tasks"]] == [0, 1, 2, 3]  # two convolutions, two transposes
+    convs = [t for t in m["tasks"] if t["name"].startswith("fused_conv2d")]
+    assert len(convs) == 2 and all(t["weight"] == 1 and t["flops"] > 0 for t in convs)
+    assert [t["name"].split("(")[0] for t in m["tasks"] if t not in convs] == ["transpose", "transpose"]
     assert abs(sum(t["share"] for t in m["tasks"]) - 1) < 1e-6
     root: Path = farm["root"]
     assert (root / "models" / f"{m['onnx_sha256']}.onnx").is_file()
@@ -258,7 +260,7 @@ def test_create_a_job(farm, uploaded):
     assert job["device_class"] == CLASS and job["model_name"] == "tiny" and job["latency_target_secs"] == 0.001
     assert [t["name"] for t in job["tasks"]] == [t["name"] for t in uploaded["tasks"]]
     assert all(t["key"].startswith(m["key"] + "@") for t, m in zip(job["tasks"], uploaded["tasks"]))
-    assert job["config"] == {"strategy": "gradient", "seed": 1, "batch_size": 6}
+    assert job["config"] == {"strategy": "gradient", "seed": 1, "batch_size": 4}  # 40 trials, 4 tasks
     assert job["artifact"] == {"available": False, "sha256": None, "size": None}
     assert farm["client"].get(f"/v1/jobs/{job['id']}", headers=auth(farm)).json() == job
 

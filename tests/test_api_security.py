@@ -224,7 +224,7 @@ def test_a_model_with_its_external_data_is_taken_in_and_kept_self_contained(serv
     client_settings = ClientSettings.load(server=f"http://127.0.0.1:{served}", token=team_token)
     with FarmClient(client_settings) as client:  # what `tunefarm submit` does: the side files go along
         model = client.upload_model(path, {"x": [1, 3, 8, 8]})
-    assert [t["position"] for t in model["tasks"]] == [0, 1]
+    assert [t["position"] for t in model["tasks"]] == [0, 1, 2, 3]
     kept = onnx.load(str(settings.artifact_root / "models" / f"{model['onnx_sha256']}.onnx"), load_external_data=False)
     assert not list(external_tensors(kept)) and {t.name for t in kept.graph.initializer} == {"w1", "w2"}
     assert not any("tiny.bin" in f for f in _stored_files(settings))

@@ -268,7 +268,7 @@ def _schedule_output_block(workload) -> list:
 
 def test_apply_schedules_replaces_only_the_scheduled_task(conv_bn_relu_onnx):
     tasks = extract_tasks(import_model(conv_bn_relu_onnx))
-    stem, block = tasks.tasks
+    _, stem, block, _ = tasks.tasks
     before = tasks.fused_mod[block.global_vars[0]]
     scheduled = apply_schedules(
         tasks.fused_mod,

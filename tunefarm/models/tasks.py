@@ -59,8 +59,10 @@ from typing import Any
 from tunefarm.errors import ModelError
 from tunefarm.workloads.base import Workload, workload_from_prim_func
 
-CONV_LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"]}
-"""The data and weight layouts ConvertLayout gives convolutions (see the module docstring)."""
+CONV_LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
+"""The data and weight layouts ConvertLayout gives convolutions (see the module docstring).
+A transposed convolution keeps NCHW, the only layout TVM's legalization lowers: left to
+ConvertLayout's inference it would take NHWC from its producer and never be lowered."""
 
 
 def fusion_passes(conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS) -> list:
@@ -135,9 +137,32 @@ def fuse(mod, conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS):
     import tvm
 
     try:
-        return tvm.transform.Sequential(fusion_passes(conv_layouts))(mod)
+        fused = tvm.transform.Sequential(fusion_passes(conv_layouts))(mod)
+        if conv_layouts and _unlowered_ops(fused):
+            # An operator whose lowering does not take the converted layout stays a
+            # Relax operator the VM cannot run: the model's own layout, unless that
+            # leaves such operators too (then the build names them).
+            own = tvm.transform.Sequential(fusion_passes(None))(mod)
+            if len(_unlowered_ops(own)) < len(_unlowered_ops(fused)):
+                return own
+        return fused
     except Exception as exc:
         raise ModelError(f"fusing the model failed: {type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _unlowered_ops(fused_mod) -> set[str]:
+    """The Relax operators other than call_tir left in the fused module's main."""
+    import tvm
+    from tvm import relax
+
+    ops: set[str] = set()
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name != "relax.call_tir":
+            ops.add(e.op.name)
+
+    relax.analysis.post_order_visit(fused_mod["main"], visit)
+    return ops
 
 
 @dataclass(frozen=True)
