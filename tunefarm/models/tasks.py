@@ -7,7 +7,7 @@ many times the model calls it). `merge_tasks` shares identical tasks between mod
 The pipeline (`fusion_passes()`), in order:
 
 - fold_constant_layouts: a reshape or transpose of a constant (ONNX convolutions' biases
-  become 1xCx1x1 reshapes) becomes the reshaped constant; FoldConstant would compile one
+  become 1xCx1x1 reshapes) becomes the reshaped or transposed constant; FoldConstant would compile one
   LLVM function per reshape (63 in the YOLO-like example: 25 of its 41 s of fusion); it
   runs again after ConvertLayout for the weights' and biases' transposes;
 - FoldBatchnormToConv2D: folds an inference batch-norm into the preceding conv2d's
@@ -73,14 +73,13 @@ def fusion_passes(conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS) -> l
     from tunefarm.models import slices
 
     t = relax.transform
-    layout = [t.ConvertLayout(conv_layouts)] if conv_layouts else []
+    layout = [t.ConvertLayout(conv_layouts), fold_constant_layouts()] if conv_layouts else []
     return [
         fold_constant_layouts(),
         t.FoldBatchnormToConv2D(),
         t.DecomposeOpsForInference(),
         t.CanonicalizeBindings(),
         *layout,
-        fold_constant_layouts(),
         slices.mark_slice_ops(),
         t.LegalizeOps(),
         t.AnnotateTIROpPattern(),
