@@ -13,7 +13,7 @@ import pytest
 
 from tunefarm.models import check
 from tunefarm.models.check import ModelCheck, check_inputs, compare_output
-from tunefarm.models.timing import Latency, time_calls
+from tunefarm.models.timing import Latency, round_ratios, time_calls, time_interleaved
 
 TARGET = {"kind": "llvm", "num-cores": 2}
 
@@ -90,6 +90,29 @@ def test_timing_warms_up_and_reports_percentiles_and_threads():
     assert lat.as_report()["threads"] == 3 and "samples" not in lat.as_report()
 
 
+def test_interleaved_timing_alternates_blocks_and_splits_the_runs():
+    calls = []
+
+    def contender(name, secs):
+        def block(runs, budget_secs, warmup_secs, min_runs):
+            calls.append((name, runs, warmup_secs > 0))
+            return [secs] * runs, 2
+
+        return block
+
+    timed = time_interleaved({"a": contender("a", 2.0), "b": contender("b", 1.0)}, runs=7, rounds=3, settle_secs=0)
+    # one block each per round, the order reversed every other round; 7 runs as 2 + 2 + 3
+    assert [c[0] for c in calls] == ["a", "b", "b", "a", "a", "b"]
+    assert [c[1] for c in calls if c[0] == "a"] == [2, 2, 3]
+    assert [c[2] for c in calls if c[0] == "b"] == [True, False, False]  # only the first block warms up fully
+    assert timed["a"].runs == 7 and timed["a"].round_medians == (2.0, 2.0, 2.0) and timed["b"].median == 1.0
+    assert round_ratios(timed["a"].as_report(), timed["b"].as_report()) == [2.0, 2.0, 2.0]
+    assert round_ratios(timed["a"].as_report(), Latency.of([1.0], 2).as_report()) == []  # not timed in rounds
+    calls.clear()
+    time_interleaved({"a": contender("a", 1.0)}, runs=2, rounds=5, settle_secs=0)
+    assert [c[1] for c in calls] == [1, 1]  # never more blocks than runs
+
+
 # -- end to end ---------------------------------------------------------------------------------
 
 
@@ -128,6 +151,7 @@ def test_tuned_detector_matches_onnxruntime_on_every_input_kind(tuned_detector, 
     for key in ("latency", "onnxruntime_latency"):
         lat = model[key]
         assert lat["threads"] == 2 and lat["runs"] >= 20 and 0 < lat["median"] <= lat["p90"] <= lat["p99"]
+        assert len(lat["round_medians"]) == 5  # timed in alternating blocks
     assert (out / "reference.onnx").is_file()
 
     capsys.readouterr()
@@ -135,7 +159,7 @@ def test_tuned_detector_matches_onnxruntime_on_every_input_kind(tuned_detector, 
     text = capsys.readouterr().out
     assert "p50" in text and "p99" in text
     assert text.count("(25 runs, 1 threads)") == 2  # the tuned model and onnxruntime, alike
-    assert "x the speed of onnxruntime" in text
+    assert "x the speed of onnxruntime" in text and "over 5 alternating rounds" in text
 
 
 @pytest.mark.slow

@@ -46,7 +46,8 @@ def add_commands(sub) -> None:
     r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input (default: random)")
     r.add_argument("--output", type=Path, help="write the outputs to this .npz")
     r.add_argument(
-        "--repeat", type=int, help="timed inferences (default: as many as fit in about a second, at least 20)"
+        "--repeat", type=int, help="timed inferences (default: as many as fit in about a second, at least 20), "
+        "in 5 blocks alternating with onnxruntime's"
     )
     r.add_argument("--threads", type=int, help="threads of TVM and of onnxruntime (default: the target's cores)")
     r.add_argument(
@@ -205,7 +206,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tunefarm.models.build import load_manifest, model_threads, run_model, time_onnxruntime
+    from tunefarm.models.build import ONNXRUNTIME, load_manifest, model_threads, run_model, time_side_by_side
     from tunefarm.models.check import random_inputs
     from tunefarm.models.finish import REFERENCE_NAME
     from tunefarm_app.tuned_report import latency_lines
@@ -237,11 +238,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             random_inputs({s["name"]: s["shape"] for s in missing}, {s["name"]: s["dtype"] for s in missing})
         )
     threads = args.threads or model_threads(args.directory)
-    run = run_model(args.directory, given, repeat=args.repeat, threads=threads)
-    timed: dict = {"latency": run.latency.as_report() if run.latency else None}
+    run = run_model(args.directory, given, repeat=0, threads=threads)
     reference = args.directory / REFERENCE_NAME
-    if reference.is_file() and not args.no_onnxruntime:
-        timed["onnxruntime_latency"] = time_onnxruntime(reference, given, threads=threads, repeat=args.repeat).as_report()
+    with_ort = reference.is_file() and not args.no_onnxruntime
+    latencies = time_side_by_side(
+        {"tuned": args.directory}, given, threads=threads, onnx_model=reference if with_ort else None, runs=args.repeat
+    )
+    timed: dict = {"latency": latencies["tuned"].as_report()}
+    if with_ort:
+        timed["onnxruntime_latency"] = latencies[ONNXRUNTIME].as_report()
     for line in latency_lines(timed):
         print(line)
     for s, out in zip(manifest["outputs"], run.outputs):

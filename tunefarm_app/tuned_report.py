@@ -23,6 +23,7 @@ from typing import Any
 
 from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, latency_curve_svg
 from tunefarm.errors import UsageError
+from tunefarm.models.timing import round_ratios
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -156,7 +157,11 @@ def latency_lines(model: Mapping[str, Any]) -> list[str]:
         lines.append(f"ORT        {latency_text(ort)}")
         x = speedup(ort, lat)
         if x is not None:
-            lines.append(f"vs ORT     {x:.2f}x the speed of onnxruntime (p50, same input and threads)")
+            text = f"vs ORT     {x:.2f}x the speed of onnxruntime (p50, same input and threads"
+            per_round = round_ratios(ort, lat)
+            if per_round:
+                text += f"; {min(per_round):.2f}-{max(per_round):.2f}x over {len(per_round)} alternating rounds"
+            lines.append(text + ")")
     x = speedup(model.get("untuned_latency"), lat)
     if x is not None:
         lines.append(f"vs untuned {x:.2f}x the speed of TVM's untuned build ({format_cost(model['untuned_latency']['median'])} p50)")

@@ -9,9 +9,10 @@
   `build_default_library` is the same with no schedule: TVM's default build of the
   fused module, every PrimFunc unscheduled (the "TVM default" baseline).
 - `run_model(model_dir, inputs)`: outputs and latency (`tunefarm.models.timing`), in a
-  child process whose TVM thread pool has one thread per core (or `threads`);
-  `time_onnxruntime` times onnxruntime the same way, in a child process too, on the
-  same thread count.
+  child process whose TVM thread pool has one thread per core (or `threads`).
+- `time_side_by_side(builds, inputs, onnx_model=...)`: several built models and
+  onnxruntime timed in alternating blocks (`timing.time_interleaved`), each in its own
+  child process, on the same thread count and input.
 - `check_library(model_dir, onnx_model)`: the built model against onnxruntime on every
   input kind of `tunefarm.models.check`.
 
@@ -52,7 +53,7 @@ from tunefarm.export import export_library
 from tunefarm.isolation import IsolatedWorker, summarize_error
 from tunefarm.models import check
 from tunefarm.models.check import ModelCheck
-from tunefarm.models.timing import WARMUP_CALLS, Latency, time_calls
+from tunefarm.models.timing import ROUNDS, WARMUP_CALLS, Latency, time_calls, time_interleaved
 from tunefarm.records import TensorSpec, TraceJSON
 
 LIBRARY_NAME = "model.so"
@@ -439,48 +440,122 @@ def check_library(model_dir: str | Path, onnx_model: Any, *, worker: IsolatedWor
             own.close()
 
 
-def time_onnxruntime(
-    onnx_model: Any,
+ONNXRUNTIME = "onnxruntime"
+"""The key of onnxruntime's latency in `time_side_by_side`'s answer."""
+
+
+def time_side_by_side(
+    builds: Mapping[str, str | Path],
     inputs: Mapping[str, np.ndarray],
     *,
     threads: int,
-    repeat: int | None = None,
+    onnx_model: Any = None,
+    runs: int | None = None,
+    rounds: int = ROUNDS,
+    budget_secs: float | None = None,
     timeout: float = RUN_TIMEOUT,
-) -> Latency:
-    """onnxruntime's latency on the same inputs (CPU provider, `threads` intra-op
-    threads, one inter-op thread), timed by `timing.time_calls` in a child process as
-    `run_model` times a built model."""
-    if isinstance(onnx_model, (str, os.PathLike)):
-        onnx_model = Path(onnx_model).read_bytes()
-    elif not isinstance(onnx_model, bytes):
-        onnx_model = onnx_model.SerializeToString()
-    tmp = tempfile.mkdtemp(prefix="tunefarm-ort-")
+) -> dict[str, Latency]:
+    """The latency of each built model (name -> model directory) and, when `onnx_model`
+    (bytes, path or ModelProto) is given, of onnxruntime under the key `ONNXRUNTIME`
+    (CPU provider, `threads` intra-op threads, one inter-op thread). Each runs in its
+    own child process with `threads` threads, on the same `inputs` (name -> array), in
+    `rounds` alternating blocks (`timing.time_interleaved`): `runs` samples each, or
+    `budget_secs` of them (default `timing.BUDGET_SECS` per contender). Raises
+    `ModelError` when one cannot be run."""
+    if ONNXRUNTIME in builds and onnx_model is not None:
+        raise ValueError(f"a build may not be named {ONNXRUNTIME!r} when onnxruntime is timed too")
+    tmp = tempfile.mkdtemp(prefix="tunefarm-timing-")
+    workers: list[IsolatedWorker] = []
+    blocks = {}
     try:
-        model_path = os.path.join(tmp, "model.onnx")
-        Path(model_path).write_bytes(onnx_model)
-        npz = os.path.join(tmp, "inputs.npz")
-        np.savez(npz, **dict(inputs))
-        with IsolatedWorker(name="ort-timing") as worker:
-            outcome = worker.call(f"{_JOBS}:ort_timing_job", model_path, npz, threads, repeat, timeout=timeout)
+        for i, (name, model_dir) in enumerate(builds.items()):
+            manifest = load_manifest(model_dir)
+            npz = os.path.join(tmp, f"inputs-{i}.npz")
+            np.savez(npz, *_ordered_inputs(manifest["inputs"], inputs))
+            worker = model_worker(threads)
+            workers.append(worker)
+            lib = str(Path(model_dir) / manifest["library"])
+            blocks[name] = _block(worker, name, f"{_JOBS}:tvm_block_job", (lib, npz), timeout)
+        if onnx_model is not None:
+            if isinstance(onnx_model, (str, os.PathLike)):
+                onnx_model = Path(onnx_model).read_bytes()
+            elif not isinstance(onnx_model, bytes):
+                onnx_model = onnx_model.SerializeToString()
+            model_path = os.path.join(tmp, "model.onnx")
+            Path(model_path).write_bytes(onnx_model)
+            npz = os.path.join(tmp, "inputs-ort.npz")
+            np.savez(npz, **dict(inputs))
+            worker = IsolatedWorker(name="ort-timing")
+            workers.append(worker)
+            blocks[ONNXRUNTIME] = _block(worker, ONNXRUNTIME, f"{_JOBS}:ort_block_job", (model_path, npz, threads), timeout)
+        kwargs = {} if budget_secs is None else {"budget_secs": budget_secs}
+        return time_interleaved(blocks, runs=runs, rounds=rounds, **kwargs)
     finally:
+        for worker in workers:
+            worker.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    if not outcome.ok:
-        raise ModelError(f"timing onnxruntime failed ({outcome.status}): {_strip_kind(outcome.message)}")
-    return Latency.of(outcome.value, threads)
 
 
-def ort_timing_job(model_path: str, inputs_npz: str, threads: int, repeat: int | None) -> list[float]:
-    """Child side of `time_onnxruntime`."""
-    import onnxruntime as ort
+def _block(worker: IsolatedWorker, name: str, job: str, args: tuple, timeout: float):
+    """A `timing.Block` that runs `job(*args, runs, budget, warm-up, min runs)` in `worker`."""
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
-    with np.load(inputs_npz) as data:
-        feeds = {name: data[name] for name in data.files}
-    return time_calls(lambda: session.run(None, feeds), runs=repeat)
+    def block(runs: int | None, budget_secs: float, warmup_secs: float, min_runs: int) -> tuple[list[float], int]:
+        outcome = worker.call(job, *args, runs, budget_secs, warmup_secs, min_runs, timeout=timeout)
+        if not outcome.ok:
+            raise ModelError(f"timing {name} failed ({outcome.status}): {_strip_kind(outcome.message)}")
+        return outcome.value
+
+    return block
+
+
+_TIMED_CALLS: dict[tuple, Any] = {}
+"""In a timing child: the loaded model's call per (library or ONNX file, inputs), so that
+each block after the first only times."""
+
+
+def tvm_block_job(
+    lib_path: str, inputs_npz: str, runs: int | None, budget_secs: float, warmup_secs: float, min_runs: int
+) -> tuple[list[float], int]:
+    """Child side of `time_side_by_side` for a built model: one block of samples."""
+    import tvm
+    from tvm import relax
+
+    key = (lib_path, inputs_npz)
+    if key not in _TIMED_CALLS:
+        dev = tvm.cpu(0)
+        vm = relax.VirtualMachine(tvm.runtime.load_module(lib_path), dev)
+        with np.load(inputs_npz) as data:
+            args = [tvm.runtime.tensor(data[f"arr_{i}"], dev) for i in range(len(data.files))]
+        main = vm["main"]
+        _TIMED_CALLS[key] = lambda: main(*args)
+    samples = _timed_block(_TIMED_CALLS[key], runs, budget_secs, warmup_secs, min_runs)
+    return samples, int(tvm.runtime.num_threads())
+
+
+def ort_block_job(
+    model_path: str, inputs_npz: str, threads: int, runs: int | None, budget_secs: float, warmup_secs: float,
+    min_runs: int,
+) -> tuple[list[float], int]:
+    """Child side of `time_side_by_side` for onnxruntime: one block of samples."""
+    key = (model_path, inputs_npz)
+    if key not in _TIMED_CALLS:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        session = ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
+        with np.load(inputs_npz) as data:
+            feeds = {name: data[name] for name in data.files}
+        _TIMED_CALLS[key] = lambda: session.run(None, feeds)
+    return _timed_block(_TIMED_CALLS[key], runs, budget_secs, warmup_secs, min_runs), threads
+
+
+def _timed_block(call, runs: int | None, budget_secs: float, warmup_secs: float, min_runs: int) -> list[float]:
+    # the first block warms up fully; later ones with one call (caches after the other contenders)
+    return time_calls(call, runs=runs, budget_secs=budget_secs, warmup_secs=warmup_secs,
+                      warmup_calls=WARMUP_CALLS if warmup_secs > 0 else 1, min_runs=min_runs)  # fmt: skip
 
 
 # -- helpers --------------------------------------------------------------------------------

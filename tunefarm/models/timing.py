@@ -17,12 +17,21 @@ allocation for TVM, `InferenceSession.run` for onnxruntime), after a warm-up:
 The thread count is the same for both: TVM's pool gets `TVM_NUM_THREADS` (set in the
 child process that runs the model; `tvm.runtime.num_threads()` confirms it) and
 onnxruntime `intra_op_num_threads` (one inter-op thread).
+
+`time_interleaved(blocks)` compares several contenders (the tuned model, onnxruntime,
+another build) on a shared, noisy machine: each keeps its own process, and the samples
+are taken in `ROUNDS` rounds of one block per contender, the order reversed every other
+round, with a pause of `SETTLE_SECS` after each block so that the previous contender's
+spinning threads have gone to sleep. A noisy minute then hits every contender alike, and
+the per-round p50s (`Latency.round_medians`) show how much a ratio moves from round to
+round (`round_ratios`).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +52,12 @@ MIN_RUNS = 20
 MAX_RUNS = 2000
 """Samples at most."""
 
+ROUNDS = 5
+"""Blocks per contender in `time_interleaved`."""
+
+SETTLE_SECS = 0.05
+"""Pause after each block of `time_interleaved` (thread pools stop spinning well before)."""
+
 
 @dataclass(frozen=True)
 class Latency:
@@ -54,21 +69,33 @@ class Latency:
     p99: float
     threads: int
     samples: tuple[float, ...] = field(default=(), repr=False)
+    round_medians: tuple[float, ...] = ()  # p50 of each block of `time_interleaved`; () otherwise
 
     @property
     def runs(self) -> int:
         return len(self.samples)
 
     @staticmethod
-    def of(samples: Sequence[float], threads: int) -> Latency:
+    def of(samples: Sequence[float], threads: int, round_medians: Sequence[float] = ()) -> Latency:
         arr = np.asarray(samples, dtype=np.float64)
         p50, p90, p99 = (float(x) for x in np.percentile(arr, [50, 90, 99]))
-        return Latency(float(arr.mean()), p50, p90, p99, int(threads), tuple(float(s) for s in arr))
+        return Latency(float(arr.mean()), p50, p90, p99, int(threads), tuple(float(s) for s in arr),
+                       tuple(float(m) for m in round_medians))  # fmt: skip
 
     def as_report(self) -> dict[str, Any]:
         """The latency as the report stores it (the samples left out)."""
-        return {"mean": self.mean, "median": self.median, "p90": self.p90, "p99": self.p99,
-                "threads": self.threads, "runs": self.runs}
+        report = {"mean": self.mean, "median": self.median, "p90": self.p90, "p99": self.p99,
+                  "threads": self.threads, "runs": self.runs}  # fmt: skip
+        if self.round_medians:
+            report["round_medians"] = list(self.round_medians)
+        return report
+
+
+def round_ratios(slower: Mapping[str, Any], faster: Mapping[str, Any]) -> list[float]:
+    """Per round of `time_interleaved`, `slower`'s p50 over `faster`'s (two reports of
+    `Latency.as_report`, or [] when either was not timed in rounds)."""
+    a, b = slower.get("round_medians") or [], faster.get("round_medians") or []
+    return [x / y for x, y in zip(a, b) if y > 0] if len(a) == len(b) else []
 
 
 def time_calls(
@@ -78,6 +105,7 @@ def time_calls(
     warmup_calls: int = WARMUP_CALLS,
     warmup_secs: float = WARMUP_SECS,
     budget_secs: float = BUDGET_SECS,
+    min_runs: int = MIN_RUNS,
 ) -> list[float]:
     """Seconds of each timed call of `call` (see the module docstring)."""
     clock = time.perf_counter_ns
@@ -93,6 +121,42 @@ def time_calls(
         call()
         t1 = clock()
         samples.append((t1 - t0) * 1e-9)
-        if runs is None and len(samples) >= MIN_RUNS and t1 >= deadline:
+        if runs is None and len(samples) >= min_runs and t1 >= deadline:
             break
     return samples
+
+
+Block = Callable[[int | None, float, float, int], tuple[list[float], int]]
+"""One block of a contender in `time_interleaved`: called as (runs, budget_secs,
+warmup_secs, min_runs) with `time_calls`' meaning, it returns the samples and the
+thread count they ran on."""
+
+
+def time_interleaved(
+    blocks: Mapping[str, Block],
+    *,
+    runs: int | None = None,
+    rounds: int = ROUNDS,
+    budget_secs: float = BUDGET_SECS,
+    settle_secs: float = SETTLE_SECS,
+) -> dict[str, Latency]:
+    """Each contender's latency, sampled in `rounds` alternating blocks (see the module
+    docstring): `runs` samples in all (split over the rounds) or `budget_secs` of them,
+    the first block of each after a full warm-up, the others after one call."""
+    names = list(blocks)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    threads: dict[str, int] = {}
+    if runs is not None:
+        rounds = max(1, min(rounds, runs))
+    min_per_block = max(1, math.ceil(MIN_RUNS / rounds))
+    for r in range(rounds):
+        # `runs` split as evenly as whole blocks allow
+        per_block = None if runs is None else runs * (r + 1) // rounds - runs * r // rounds
+        for name in names if r % 2 == 0 else reversed(names):
+            got, threads[name] = blocks[name](per_block, budget_secs / rounds, WARMUP_SECS if r == 0 else 0.0,
+                                              min_per_block)  # fmt: skip
+            samples[name].extend(got)
+            medians[name].append(float(np.median(got)))
+            time.sleep(settle_secs)
+    return {n: Latency.of(samples[n], threads[n], medians[n]) for n in names}
