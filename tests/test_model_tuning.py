@@ -56,6 +56,7 @@ def test_tune_a_tiny_model_interrupt_resume_and_match_onnxruntime(tiny, tmp_path
     result = tune_models([tiny], trials=16, out=out, target=TARGET, log=lambda m: None)
     records = JsonlRecordStore(out / "records.jsonl").load()
     assert len(records) == 16 and result.tune.resumed == len(first)
+    assert result.report["conv_layout"] == "nhwc"
     assert max(Counter((r.task, r.candidate.key) for r in records).values()) == 1  # nothing measured twice
 
     report = json.loads((out / "report.json").read_text())
@@ -189,7 +190,13 @@ def test_model_errors_are_one_line_and_exit_2(make, extra, words, command, tmp_p
 def test_tasks_command_prints_the_table(tiny, capsys):
     assert main(["tasks", str(tiny)]) == 0
     out = capsys.readouterr().out
-    assert "tiny: 4 tasks" in out and "fused_conv2d" in out
+    assert "tiny: 4 tasks" in out and "fused_conv2d" in out and "transpose" in out  # NHWC between transposes
+    # in the model's own layout (NCHW): the convolutions alone, no transposes around them
+    assert main(["tasks", str(tiny), "--conv-layout", "model"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny: 2 tasks" in out and "transpose" not in out
+    assert main(["tasks", str(tiny), "--conv-layout", "nchw"]) == 2
+    assert "invalid choice: 'nchw'" in capsys.readouterr().err
 
 
 def test_cli_module_runs_tasks_in_a_fresh_process(tiny):

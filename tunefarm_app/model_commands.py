@@ -20,10 +20,12 @@ def add_commands(sub) -> None:
     t = sub.add_parser("tasks", help="the task table of a model: subgraphs, shapes, weights, FLOPs")
     t.add_argument("models", nargs="+", type=Path, help="ONNX files")
     _input_shape_arg(t)
+    _conv_layout_arg(t)
 
     u = sub.add_parser("tune", help="tune whole models and write the tuned, compiled models")
     u.add_argument("models", nargs="+", type=Path, help="ONNX files; several share their identical tasks")
     _input_shape_arg(u)
+    _conv_layout_arg(u)
     u.add_argument("--trials", type=int, default=2000, help="measurements in total over all tasks (default 2000)")
     u.add_argument("--out", type=Path, required=True, help="directory for model.so, manifest, records and report")
     u.add_argument("--target", help="TVM target as a JSON dict (default: this host)")
@@ -87,6 +89,16 @@ def _input_shape_arg(p) -> None:
     )
 
 
+def _conv_layout_arg(p) -> None:
+    p.add_argument(
+        "--conv-layout",
+        choices=["nhwc", "model"],
+        default="nhwc",
+        help="the layout convolutions compute in: nhwc (default; vectorized over channels) or model "
+        "(the model's own, e.g. NCHW; channel concats and splits stay views)",
+    )
+
+
 def parse_input_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for item in items:
@@ -131,6 +143,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from tunefarm.models.tasks import CONV_LAYOUT_CHOICES
     from tunefarm_app.model_tuning import load_model, model_name
 
     _check_files(args.models)
@@ -138,7 +151,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     taken: set[str] = set()
     console = Console(highlight=False)
     for path in args.models:
-        m = load_model(path, shapes, name=model_name(path, taken))
+        m = load_model(path, shapes, name=model_name(path, taken), conv_layouts=CONV_LAYOUT_CHOICES[args.conv_layout])
         rows = m.tasks.table()
         table = Table(title=f"{m.name}: {len(rows)} tasks, {m.tasks.total_flops / 1e9:.3f} GFLOP per run")
         for col in ("#", "task", "shapes", "weight", "MFLOP", "share"):
@@ -181,6 +194,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         callbacks=callbacks,
         work_dir=args.work_dir,
         cost_model=cost_model_file(args, target),
+        conv_layout=args.conv_layout,
     )
     report = result.report
     failed = False

@@ -52,7 +52,7 @@ from tunefarm.models.finish import (  # noqa: F401  (re-exported: the app layer'
     plain,
 )
 from tunefarm.models.finish import model_report as _model_report
-from tunefarm.models.tasks import merge_tasks
+from tunefarm.models.tasks import CONV_LAYOUT_CHOICES, merge_tasks
 from tunefarm.target import host_target_dict
 from tunefarm_app.embedded import TaskSpec, TuneResult, tune_tasks
 
@@ -85,24 +85,29 @@ def tune_models(
     work_dir: Path | None = None,
     cost_model: Path | None = None,
     search: SearchConfig | None = None,
+    conv_layout: str = "nhwc",
     log: Callable[[str], None] = _stderr,
 ) -> ModelTuneResult:
     """Tune one or several models together and write the tuned models to `out`.
     `cost_model`: a cost model file to start from (if it is there and fits the target)
     and to save the run's model to; None: a fresh model, not kept. `search`: the
-    evolutionary search's parameters (default `SearchConfig()`)."""
+    evolutionary search's parameters (default `SearchConfig()`). `conv_layout`: the
+    layout convolutions compute in, a key of `CONV_LAYOUT_CHOICES` ("nhwc" or "model")."""
     if trials < 1:
         raise UsageError("--trials must be at least 1")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
+    if conv_layout not in CONV_LAYOUT_CHOICES:
+        raise UsageError(f"--conv-layout {conv_layout!r}: choose one of {', '.join(CONV_LAYOUT_CHOICES)}")
     target = target or host_target_dict()
     t_start = time.perf_counter()
     taken: set[str] = set()
     models = []
     for src in sources:
         name = model_name(src, taken)
-        models.append(load_model(src, input_shapes, name=name, example_inputs=example_inputs))
+        models.append(load_model(src, input_shapes, name=name, example_inputs=example_inputs,
+                                 conv_layouts=CONV_LAYOUT_CHOICES[conv_layout]))  # fmt: skip
         for w in models[-1].imported.warnings:
             log(f"{name}: {w}")
     targets = dict(latency_targets or {})
@@ -140,6 +145,7 @@ def tune_models(
         directory = out if len(models) == 1 else out / m.name
         outcomes.append(finish_model(m, directory, target, schedules, compare_default=compare_default, log=log))
     report = model_report(models, outcomes, result, target, trials, strategy, time.perf_counter() - t_start)
+    report["conv_layout"] = conv_layout
     (out / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
     return ModelTuneResult(out, outcomes, result, report)
 

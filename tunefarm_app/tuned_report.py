@@ -213,6 +213,9 @@ def print_report(report: Mapping[str, Any], file: Path, console=None) -> None:
     target_text = target if isinstance(target, str) else json.dumps(target)
     p(f"[bold]report[/bold]     {file}")
     p(f"target     {target_text}", markup=False)
+    if report.get("conv_layout"):
+        layout = "NHWC" if report["conv_layout"] == "nhwc" else "the model's own layout"
+        p(f"layout     convolutions in {layout}")
     p(f"trials     {report['trials']} of {report['trials_budget']} ({report['resumed_trials']} resumed); "
       f"stopped: {report['stop_reason']}")
     share = report.get("search_share")

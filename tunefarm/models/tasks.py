@@ -64,6 +64,11 @@ CONV_LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose"
 A transposed convolution keeps NCHW, the only layout TVM's legalization lowers: left to
 ConvertLayout's inference it would take NHWC from its producer and never be lowered."""
 
+CONV_LAYOUT_CHOICES: dict[str, dict[str, list[str]] | None] = {"nhwc": CONV_LAYOUTS, "model": None}
+"""The layouts a user can choose for convolutions, by name (`tunefarm tune --conv-layout`):
+"nhwc" (`CONV_LAYOUTS`, the default: vectorized over channels, faster on small images)
+or "model" (the model's own, e.g. NCHW: channel concats and splits stay views)."""
+
 
 def fusion_passes(conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS) -> list:
     """The passes `fuse` runs, in order (see the module docstring for why each);
