@@ -331,6 +331,17 @@ def test_worker_raised_keeps_the_child():
         assert w.call("os:getpid", timeout=10).value == pid
 
 
+def test_worker_reports_its_cpu_time_and_waits_for_an_idle_child():
+    with IsolatedWorker() as w:
+        assert w.cpu_seconds() is None  # no child yet
+        w.start()
+        before = w.cpu_seconds()
+        assert w.call("builtins:sum", range(20_000_000), timeout=60).ok  # a few hundred ms of CPU
+        assert w.cpu_seconds() - before >= 0.05
+        assert w.wait_idle(max_secs=5.0) < 5.0  # an idle child: no CPU between two readings
+    assert w.cpu_seconds() is None
+
+
 def test_worker_output_does_not_corrupt_the_protocol():
     with IsolatedWorker() as w:
         assert w.call("os:write", 1, b"garbage\x00" * 10000, timeout=10).ok

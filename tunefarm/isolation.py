@@ -130,6 +130,32 @@ class IsolatedWorker:
         """Process id of the current child, None when no child runs."""
         return self._proc.pid if self._proc is not None else None
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time the child has used so far, all its threads (Linux /proc); None when
+        no child runs or it cannot be read."""
+        pid = self.pid
+        if pid is None:
+            return None
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def wait_idle(self, *, poll_secs: float = 0.03, max_secs: float = 2.0) -> float:
+        """Wait until the child uses no CPU over `poll_secs` (a thread pool spins for a
+        while after its last task: TVM's for about 0.1-0.2 s here), at most `max_secs`;
+        the seconds waited. Where the CPU time cannot be read, waits `poll_secs`."""
+        t0 = time.monotonic()
+        last = self.cpu_seconds()
+        while True:
+            time.sleep(poll_secs)
+            now = self.cpu_seconds()
+            if now is None or now == last or time.monotonic() - t0 >= max_secs:
+                return time.monotonic() - t0
+            last = now
+
     def start(self) -> None:
         """Start the child now (if none runs) and wait until its preload is imported.
 

@@ -503,6 +503,8 @@ def _block(worker: IsolatedWorker, name: str, job: str, args: tuple, timeout: fl
         outcome = worker.call(job, *args, runs, budget_secs, warmup_secs, min_runs, timeout=timeout)
         if not outcome.ok:
             raise ModelError(f"timing {name} failed ({outcome.status}): {_strip_kind(outcome.message)}")
+        # its thread pool spins on after the last call: the next contender must not pay for it
+        worker.wait_idle()
         return outcome.value
 
     return block

@@ -21,11 +21,12 @@ onnxruntime `intra_op_num_threads` (one inter-op thread).
 `time_interleaved(blocks)` compares several contenders (the tuned model, onnxruntime,
 another build) on a shared, noisy machine: each keeps its own process, and the samples
 are taken in `ROUNDS` rounds of one block per contender, the order reversed every other
-round, with a pause of `SETTLE_SECS` after each block so that the previous contender's
-spinning threads have gone to sleep. A noisy minute then hits every contender alike, and
-the per-round p50s (`Latency.round_medians`) show how much a ratio moves from round to
-round (`round_ratios`).
-"""
+round, each block followed by a pause until the contender's process uses no CPU (its
+thread pool spins on for 0.1-0.2 s after its last call: TVM's here; a fixed 50 ms pause
+was too short, and the next contender's block ran up to 2x slower) and `SETTLE_SECS`
+more. A noisy minute then hits every contender alike, and the per-round p50s
+(`Latency.round_medians`) show how much a ratio moves from round to round
+(`round_ratios`)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ ROUNDS = 5
 """Blocks per contender in `time_interleaved`."""
 
 SETTLE_SECS = 0.05
-"""Pause after each block of `time_interleaved` (thread pools stop spinning well before)."""
+"""Pause after each block of `time_interleaved` (after the block's own wait for its
+process to be idle, `IsolatedWorker.wait_idle`)."""
 
 
 @dataclass(frozen=True)
