@@ -383,18 +383,26 @@ def run_job(
     the latency samples of `timing.time_calls` (none when `repeat` is 0), and the
     threads of TVM's pool."""
     import tvm
+
+    main, args = _loaded_model(lib_path, inputs_npz)
+    outputs = [t.numpy() for t in _flatten(main(*args))]
+    samples: list[float] = []
+    if repeat != 0:
+        samples = time_calls(lambda: main(*args), runs=repeat, warmup_calls=warmup)
+    return outputs, samples, int(tvm.runtime.num_threads())
+
+
+def _loaded_model(lib_path: str, inputs_npz: str):
+    """In a child: the built model's Relax VM `main` and its inputs (the .npz's arrays in
+    order) as TVM tensors on the CPU."""
+    import tvm
     from tvm import relax
 
     dev = tvm.cpu(0)
     vm = relax.VirtualMachine(tvm.runtime.load_module(lib_path), dev)
     with np.load(inputs_npz) as data:
         args = [tvm.runtime.tensor(data[f"arr_{i}"], dev) for i in range(len(data.files))]
-    main = vm["main"]
-    outputs = [t.numpy() for t in _flatten(main(*args))]
-    samples: list[float] = []
-    if repeat != 0:
-        samples = time_calls(lambda: main(*args), runs=repeat, warmup_calls=warmup)
-    return outputs, samples, int(tvm.runtime.num_threads())
+    return vm["main"], args
 
 
 def _flatten(value) -> list:
@@ -520,15 +528,10 @@ def tvm_block_job(
 ) -> tuple[list[float], int]:
     """Child side of `time_side_by_side` for a built model: one block of samples."""
     import tvm
-    from tvm import relax
 
     key = (lib_path, inputs_npz)
     if key not in _TIMED_CALLS:
-        dev = tvm.cpu(0)
-        vm = relax.VirtualMachine(tvm.runtime.load_module(lib_path), dev)
-        with np.load(inputs_npz) as data:
-            args = [tvm.runtime.tensor(data[f"arr_{i}"], dev) for i in range(len(data.files))]
-        main = vm["main"]
+        main, args = _loaded_model(lib_path, inputs_npz)
         _TIMED_CALLS[key] = lambda: main(*args)
     samples = _timed_block(_TIMED_CALLS[key], runs, budget_secs, warmup_secs, min_runs)
     return samples, int(tvm.runtime.num_threads())
