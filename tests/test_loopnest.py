@@ -54,6 +54,26 @@ def test_model_loops_match_tvm(op):
         assert loop_structure(sch) == expected_tvm_loops(prog), (op, decider.decisions)
 
 
+def test_model_loops_match_tvm_with_a_silu_epilogue():
+    # An expensive op inlined into its consumer (the sigmoid of x * sigmoid(x)), then fused
+    # into the convolution's tile.
+    from tvm import te, topi
+
+    from tunefarm.workloads.base import workload_from_te
+
+    data = te.placeholder((1, 6, 6, 8), name="data")
+    w = te.placeholder((3, 3, 8, 16), name="w")
+    x = topi.nn.conv2d_nhwc(data, w, 1, 1, 1)
+    wl = workload_from_te("conv_silu", [data, w, topi.multiply(x, topi.sigmoid(x))])
+    dag = analyse(wl.mod["main"])
+    sketches = generate_sketches(dag, num_cores=2)
+    rng = random.Random(7)
+    for i in range(2 * len(sketches) + 6):
+        decider, prog = _sample(dag, sketches[i % len(sketches)], rng)
+        sch = realize(wl.mod, prog.instructions)
+        assert loop_structure(sch) == expected_tvm_loops(prog), decider.decisions
+
+
 def test_batched_features_equal_one_by_one():
     wl = registry.make("conv2d", SMALL["conv2d"])
     dag = analyse(wl.mod["main"])

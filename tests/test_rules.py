@@ -93,6 +93,24 @@ def test_elementwise_nodes_are_inlined():
     assert any(FuseConsumerStep("compute", "conv2d_nchw") in sk.steps for sk in sketches)
 
 
+def _conv_silu():
+    data = te.placeholder((1, 6, 6, 8), name="data")
+    w = te.placeholder((3, 3, 8, 16), name="w")
+    bias = te.placeholder((1, 1, 1, 16), name="bias")
+    x = topi.add(topi.nn.conv2d_nhwc(data, w, 1, 1, 1), bias)
+    return [data, w, bias, topi.multiply(x, topi.sigmoid(x))]
+
+
+def test_sigmoid_read_once_by_its_consumer_is_inlined_and_the_epilogue_fuses():
+    # x * sigmoid(x): the sigmoid (expensive) is read once per element by the multiply, so
+    # inlining computes nothing twice; the multiply becomes the conv's fused consumer.
+    dag = _dag(_conv_silu())
+    assert is_strictly_inlineable(dag, dag.block("compute"))
+    sketches = generate_sketches(dag, 2)
+    assert all(InlineStep("compute") in sk.steps for sk in sketches)
+    assert any(FuseConsumerStep("T_multiply", "conv2d_nhwc") in sk.steps for sk in sketches)
+
+
 def test_expensive_elementwise_is_not_inlined_but_flexible():
     x = te.placeholder((8, 16), name="x")
     sketches = generate_sketches(_dag([x, topi.nn.softmax(x, axis=-1)]), num_cores=2)

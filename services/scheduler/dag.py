@@ -472,10 +472,20 @@ def is_simple_access(block: BlockSpec, access: AccessSpec) -> bool:
 
 def is_strictly_inlineable(dag: ComputeDag, block: BlockSpec) -> bool:
     """Ansor's CPU AlwaysInline condition: a spatial, non-output block with simple
-    accesses, no branch and no expensive operation."""
+    accesses and no branch. Ansor also keeps every block with an expensive operation
+    (exp, sigmoid, ...) out of line, so that inlining never computes it more than once per
+    element. We inline such a block when its single consumer reads each element once, at
+    the position it writes (`fusible_consumer`): nothing is computed twice, and the
+    producer's tile can then fuse that consumer. A SiLU epilogue, x * sigmoid(x), is such a
+    pair; kept out of line, the sigmoid left a convolution with two consumers, so no fused
+    epilogue, and a separate pass over the output whose parallel and vector annotations
+    the search had to find (a YOLO-like model's 80-channel convolution spent its best
+    programs in a serial, scalar sigmoid)."""
     if block.is_reduction or dag.is_output(block.name) or not dag.consumers(block.name):
         return False
-    if block.has_branch or block.has_expensive_op:
+    if block.has_branch:
+        return False
+    if block.has_expensive_op and fusible_consumer(dag, block) is None:
         return False
     if block.write.indices != tuple(Affine.of({it.name: 1}) for it in block.iters):
         return False
