@@ -42,16 +42,19 @@ def _sample(dag, sketch, rng):
     raise AssertionError("no valid program in 100 draws")
 
 
-@pytest.mark.parametrize("op", sorted(SMALL))
-def test_model_loops_match_tvm(op):
-    wl = registry.make(op, SMALL[op])
+def _assert_model_loops_match_tvm(wl):
     dag = analyse(wl.mod["main"])
     sketches = generate_sketches(dag, num_cores=2)
     rng = random.Random(7)
     for i in range(2 * len(sketches) + 6):
         decider, prog = _sample(dag, sketches[i % len(sketches)], rng)
         sch = realize(wl.mod, prog.instructions)
-        assert loop_structure(sch) == expected_tvm_loops(prog), (op, decider.decisions)
+        assert loop_structure(sch) == expected_tvm_loops(prog), (wl.name, decider.decisions)
+
+
+@pytest.mark.parametrize("op", sorted(SMALL))
+def test_model_loops_match_tvm(op):
+    _assert_model_loops_match_tvm(registry.make(op, SMALL[op]))
 
 
 def test_model_loops_match_tvm_with_a_silu_epilogue():
@@ -64,14 +67,7 @@ def test_model_loops_match_tvm_with_a_silu_epilogue():
     data = te.placeholder((1, 6, 6, 8), name="data")
     w = te.placeholder((3, 3, 8, 16), name="w")
     x = topi.nn.conv2d_nhwc(data, w, 1, 1, 1)
-    wl = workload_from_te("conv_silu", [data, w, topi.multiply(x, topi.sigmoid(x))])
-    dag = analyse(wl.mod["main"])
-    sketches = generate_sketches(dag, num_cores=2)
-    rng = random.Random(7)
-    for i in range(2 * len(sketches) + 6):
-        decider, prog = _sample(dag, sketches[i % len(sketches)], rng)
-        sch = realize(wl.mod, prog.instructions)
-        assert loop_structure(sch) == expected_tvm_loops(prog), decider.decisions
+    _assert_model_loops_match_tvm(workload_from_te("conv_silu", [data, w, topi.multiply(x, topi.sigmoid(x))]))
 
 
 def test_batched_features_equal_one_by_one():
