@@ -70,6 +70,27 @@ def test_model_loops_match_tvm_with_a_silu_epilogue():
     _assert_model_loops_match_tvm(workload_from_te("conv_silu", [data, w, topi.multiply(x, topi.sigmoid(x))]))
 
 
+def test_te_buffers_of_one_name_are_renamed_and_a_gelu_epilogue_fuses():
+    # TE names each multiply's buffer "T_multiply": the DAG used to merge them into one
+    # buffer, and every sampled program of this GELU was invalid.
+    from tvm import te, topi
+
+    from services.scheduler.sketch import FuseConsumerStep
+    from tunefarm.workloads.base import workload_from_te
+
+    a = te.placeholder((16, 8), name="a")
+    w = te.placeholder((32, 8), name="w")
+    x = topi.nn.dense(a, w)
+    gelu = topi.multiply(topi.multiply(x, 0.5), topi.add(topi.erf(topi.multiply(x, 0.7071067811865476)), 1.0))
+    wl = workload_from_te("dense_gelu", [a, w, gelu])
+    dag = analyse(wl.mod["main"])
+    writes = [b.write.buffer for b in dag.blocks]
+    assert len(set(writes)) == len(writes) == 6
+    sketches = generate_sketches(dag, num_cores=2)
+    assert any(isinstance(s, FuseConsumerStep) for sk in sketches for s in sk.steps)
+    _assert_model_loops_match_tvm(wl)
+
+
 def test_batched_features_equal_one_by_one():
     wl = registry.make("conv2d", SMALL["conv2d"])
     dag = analyse(wl.mod["main"])

@@ -110,7 +110,7 @@ def workload_from_prim_func(
 
     if not isinstance(func, tvm.tirx.PrimFunc):
         raise WorkloadError(f"{name}: expected a PrimFunc, got {type(func).__name__}")
-    func = func.with_attr("global_symbol", "main")
+    func = _with_unique_buffer_names(func.with_attr("global_symbol", "main"))
     mod = tvm.IRModule({"main": func})
     buffers = list(func.params)  # in TVM 0.27 a PrimFunc's parameters are its buffers
     if any(not hasattr(b, "shape") or b.shape is None for b in buffers):
@@ -175,6 +175,26 @@ def estimate_flops(mod) -> float:
         return float(estimate_tir_flops(mod))
     except Exception:
         return 0.0
+
+
+def _with_unique_buffer_names(func):
+    """`func` with one name per buffer. TE names a tensor after its operator, so a PrimFunc
+    from TE can hold several buffers named e.g. "T_multiply"; the search and the schedule
+    address buffers by name. TVMScript's printer gives such buffers distinct names
+    ("T_multiply_1", ...), so a round trip through it renames them and changes nothing else."""
+    import tvm
+    import tvm_ffi
+
+    seen: dict = {}  # buffer -> its name (buffers hash by identity)
+
+    def note(buffer) -> None:
+        seen.setdefault(buffer, str(buffer.name))
+
+    tvm_ffi.structural_walk(func, (tvm.tirx.Buffer, note))
+    names = list(seen.values())
+    if len(set(names)) == len(names):
+        return func
+    return tvm.script.from_source(func.script())
 
 
 def _written_buffers(func) -> set[str]:
