@@ -59,6 +59,9 @@ AARCH64_EXTENSIONS = {
 EXTENSIONS = {"x86": X86_EXTENSIONS, "arm": AARCH64_EXTENSIONS}
 """The tables by architecture family."""
 
+VECTOR_BYTES = (("avx512f", 64), ("avx", 32), ("sse", 16), ("sse2", 16), ("neon", 16))
+"""Float vector register width an extension brings, widest first (`TargetISA.vector_bytes`)."""
+
 
 @dataclass(frozen=True)
 class TargetISA:
@@ -69,6 +72,16 @@ class TargetISA:
 
     def to_json(self) -> dict[str, Any]:
         return {"family": self.family, "extensions": sorted(self.extensions)}
+
+    @property
+    def vector_bytes(self) -> int:
+        """Width of the widest vector registers this code computes floats in: 64 with
+        AVX-512, 32 with AVX, 16 with SSE or NEON (SVE's width is the board's: 16 is its
+        minimum); 0 when unknown."""
+        for ext, width in VECTOR_BYTES:
+            if ext in self.extensions:
+                return width
+        return 0
 
 
 def arch_family(name: str) -> str:

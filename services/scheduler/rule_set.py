@@ -4,7 +4,8 @@ layout. Chosen once per task from the target's kind (`rule_set_for`); nothing el
 the search asks what the target is.
 
 - `CpuRules`: Ansor's CPU rules (`sketch.py`) and annotation (parallel, vectorize,
-  unroll: `loopnest.py`).
+  unroll: `loopnest.py`); the target's vector width steers half the random draws of the
+  vectorized tile towards whole vectors.
 - `GpuRules`: Ansor's GPU rules (`sketch_gpu.py`) and annotation (thread binding,
   cooperative fetching, unroll: `loopnest_gpu.py`), within the GPU's limits.
 """
@@ -23,6 +24,8 @@ from services.scheduler.sketch import Sketch, generate_sketches
 from services.scheduler.sketch_gpu import generate_gpu_sketches
 from services.scheduler.slots import Decider
 from tunefarm import target as targets
+from tunefarm.errors import TargetError
+from tunefarm.isa import target_isa
 from tunefarm.gpu import GpuLimits, is_gpu
 
 
@@ -52,6 +55,7 @@ class RuleSet(ABC):
 @dataclass(frozen=True)
 class CpuRules(RuleSet):
     num_cores: int
+    vector_bytes: int = 0  # the target's float vector registers (`TargetISA.vector_bytes`); 0: unknown
 
     @property
     def feature_version(self) -> int:
@@ -61,7 +65,7 @@ class CpuRules(RuleSet):
         return generate_sketches(dag, self.num_cores)
 
     def build(self, dag: ComputeDag, sketch: Sketch, decider: Decider) -> Program:
-        return build(dag, sketch, decider, self.num_cores)
+        return build(dag, sketch, decider, self.num_cores, vector_bytes=self.vector_bytes)
 
     def mutation_weights(self, config: SearchConfig) -> dict[str, float]:
         return config.mutation_weights
@@ -90,4 +94,8 @@ def rule_set_for(target: dict[str, Any]) -> RuleSet:
     Raises TargetError for a CUDA target without a usable `arch`."""
     if is_gpu(target):
         return GpuRules(GpuLimits.of(target))
-    return CpuRules(targets.num_cores(target))
+    try:
+        vector_bytes = target_isa(target).vector_bytes
+    except TargetError:  # a target TVM rejects fails where it is built, with its own message
+        vector_bytes = 0
+    return CpuRules(targets.num_cores(target), vector_bytes)

@@ -4,7 +4,8 @@ random (Ansor §4.2, random annotation) and how to mutate one (Ansor §5.1).
 Two kinds of slot:
 - `TileDomain`: a perfect tiling of an extent into `parts` factors (product == extent,
   innermost <= `max_innermost`), drawn uniformly from all such factorizations as
-  Ansor's InitFillTileSize does;
+  Ansor's InitFillTileSize does (the vectorized tile: half its draws among those that
+  fill whole vectors of the target);
 - `ChoiceDomain`: an index into `n` options (fusion level, compute location, parallel
   granularity, unroll depth).
 
@@ -54,11 +55,19 @@ class TileDomain:
     parts: int
     max_innermost: int = 64
     min_innermost: int = 1  # e.g. 2 for a loop that is split off to be vectorized
+    vector_lanes: int = 0  # the innermost loop is vectorized with this many lanes (0: no preference)
 
     def options(self) -> tuple[tuple[int, ...], ...]:
         return _tile_options(self.extent, self.parts, self.max_innermost, self.min_innermost)
 
     def sample(self, rng: random.Random) -> tuple[int, ...]:
+        """Uniform over the tilings; with `vector_lanes`, every other draw (at random) is
+        uniform over those whose innermost factor fills whole vectors, if there are any.
+        Every tiling stays in the domain: mutation and given decisions are unaffected."""
+        if self.vector_lanes > 1 and rng.random() < 0.5:
+            whole = _whole_vector_options(self.extent, self.parts, self.max_innermost, self.min_innermost, self.vector_lanes)
+            if whole:
+                return rng.choice(whole)
         return rng.choice(self.options())
 
     def contains(self, value: DecisionValue) -> bool:
@@ -110,6 +119,11 @@ class TileDomain:
 @lru_cache(maxsize=1024)
 def _option_logs(extent: int, parts: int, max_inner: int, min_inner: int) -> np.ndarray:
     return np.log(np.array(_tile_options(extent, parts, max_inner, min_inner), dtype=np.float64))
+
+
+@lru_cache(maxsize=4096)
+def _whole_vector_options(extent: int, parts: int, max_inner: int, min_inner: int, lanes: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(o for o in _tile_options(extent, parts, max_inner, min_inner) if o[-1] % lanes == 0)
 
 
 @lru_cache(maxsize=4096)
