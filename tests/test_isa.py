@@ -52,6 +52,14 @@ def test_a_targets_extensions_come_from_llvm_without_tuning_properties():
     assert isa.target_isa(CUDA) == isa.TargetISA("", frozenset())
 
 
+def test_a_targets_vector_width_follows_its_widest_float_extension():
+    assert isa.target_isa(SKYLAKE_AVX512).vector_bytes == 64
+    assert isa.target_isa(HASWELL).vector_bytes == 32
+    assert isa.target_isa(X86_64_V2).vector_bytes == 16
+    assert isa.target_isa(CORTEX_A72).vector_bytes == 16
+    assert isa.target_isa(CUDA).vector_bytes == 0
+
+
 def test_missing_extensions_compare_llvm_names_with_the_oss_flags():
     haswell, v2, skx = (isa.target_isa(t) for t in (HASWELL, X86_64_V2, SKYLAKE_AVX512))
     assert isa.missing_extensions(haswell, ZEN1_FLAGS) == []

@@ -11,7 +11,7 @@ from services.scheduler.dag import analyse
 from services.scheduler.features import NUM_FEATURES, batch_features, program_features
 from services.scheduler.loopnest import InvalidProgram, build, expected_tvm_loops
 from services.scheduler.realize import loop_structure, realize
-from services.scheduler.sketch import generate_sketches
+from services.scheduler.sketch import FuseConsumerStep, generate_sketches
 from services.scheduler.slots import Decider
 from tunefarm.workloads import registry
 
@@ -75,7 +75,6 @@ def test_te_buffers_of_one_name_are_renamed_and_a_gelu_epilogue_fuses():
     # buffer, and every sampled program of this GELU was invalid.
     from tvm import te, topi
 
-    from services.scheduler.sketch import FuseConsumerStep
     from tunefarm.workloads.base import workload_from_te
 
     a = te.placeholder((16, 8), name="a")
@@ -89,6 +88,19 @@ def test_te_buffers_of_one_name_are_renamed_and_a_gelu_epilogue_fuses():
     sketches = generate_sketches(dag, num_cores=2)
     assert any(isinstance(s, FuseConsumerStep) for sk in sketches for s in sk.steps)
     _assert_model_loops_match_tvm(wl)
+
+
+def test_only_the_vectorized_tile_knows_the_vector_width():
+    wl = registry.make("conv2d", {"N": 1, "C": 8, "H": 14, "W": 14, "F": 16})
+    dag = analyse(wl.mod["main"])
+    sketch = next(sk for sk in generate_sketches(dag, num_cores=2) if not any(isinstance(s, FuseConsumerStep) for s in sk.steps))
+    decider = Decider(None, random.Random(0))
+    build(dag, sketch, decider, 2, vector_bytes=64)
+    lanes = {slot: d.vector_lanes for slot, d in decider.domains.items() if ".tile." in slot}
+    vectorized = [slot for slot, n in lanes.items() if n]
+    # the innermost spatial iterator of the conv's output (float32: 16 lanes in 64 bytes)
+    assert len(vectorized) == 1 and lanes[vectorized[0]] == 16
+    assert dag.block(vectorized[0].split(".tile.")[0]).spatial[-1].name == vectorized[0].split(".tile.")[1]
 
 
 def test_batched_features_equal_one_by_one():

@@ -28,6 +28,18 @@ def test_factorizations_are_complete_and_perfect():
     assert all(f[-1] <= 4 for f in factorizations(64, 2, 4))
 
 
+def test_a_vectorized_tile_draws_whole_vectors_half_the_time_and_keeps_every_tiling():
+    # 80 into 4 levels, innermost <= 64: 3 of the 139 tilings have a 16-wide innermost
+    plain, vec = TileDomain(80, 4, 64), TileDomain(80, 4, 64, vector_lanes=16)
+    rng = random.Random(0)
+    whole = [vec.sample(rng)[-1] % 16 == 0 for _ in range(1000)]
+    assert 0.4 < sum(whole) / len(whole) < 0.6
+    assert sum(plain.sample(rng)[-1] % 16 == 0 for _ in range(1000)) < 100
+    assert vec.options() == plain.options() and vec.contains((4, 2, 1, 10))
+    # nothing fills a whole vector: the draws stay uniform
+    assert TileDomain(12, 2, 64, vector_lanes=16).sample(rng) in TileDomain(12, 2, 64).options()
+
+
 @given(extent=st.sampled_from([1, 2, 7, 12, 56, 64, 96, 1024, 3136]), parts=st.integers(1, 4), seed=st.integers(0, 10**6))
 @settings(max_examples=80, deadline=None)
 def test_tile_sample_and_mutate_stay_in_domain(extent, parts, seed):
