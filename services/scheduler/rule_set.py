@@ -25,8 +25,8 @@ from services.scheduler.sketch_gpu import generate_gpu_sketches
 from services.scheduler.slots import Decider
 from tunefarm import target as targets
 from tunefarm.errors import TargetError
-from tunefarm.isa import target_isa
 from tunefarm.gpu import GpuLimits, is_gpu
+from tunefarm.isa import target_isa
 
 
 class RuleSet(ABC):
