@@ -38,20 +38,34 @@ needs_nvcc = pytest.mark.skipif(
 )
 
 
-def _program(op: str, shape: dict, seed: int, unroll: int | None = None):
+def _local_gpu_target() -> dict | None:
+    """The CUDA target of this machine's GPU, None without one."""
+    try:
+        dev = cuda.cuda_device()
+    except cuda.NoGpuError:
+        return None
+    major, minor = str(dev.compute_version).split(".")[:2]
+    return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
+
+
+LOCAL_GPU = _local_gpu_target()
+needs_gpu = pytest.mark.skipif(LOCAL_GPU is None, reason="no CUDA GPU on this machine (these run on a GPU machine)")
+
+
+def _program(op: str, shape: dict, seed: int, unroll: int | None = None, rules: GpuRules = RULES):
     wl = registry.make(op, shape)
     dag = analyse(wl.mod["main"])
-    sketches = RULES.sketches(dag)
+    sketches = rules.sketches(dag)
     rng = random.Random(seed)
     while True:
         decider = Decider(None, rng)
         try:
-            prog = RULES.build(dag, sketches[rng.randrange(len(sketches))], decider)
+            prog = rules.build(dag, sketches[rng.randrange(len(sketches))], decider)
         except InvalidProgram:
             continue
         if unroll is not None:
             decisions = {k: (0 if k.endswith(".unroll") else v) for k, v in decider.decisions.items()}
-            prog = RULES.build(dag, sketches[0], Decider(decisions))
+            prog = rules.build(dag, sketches[0], Decider(decisions))
         return wl, prog
 
 
@@ -166,6 +180,37 @@ def test_a_cuda_kernel_without_a_gpu_is_a_clear_error(tmp_path):
         pytest.skip("this machine has a GPU")
 
 
+def test_a_loaded_kernel_is_never_unpacked_over_and_a_changed_one_gets_its_own_directory(tmp_path, monkeypatch):
+    """`load_kernel` unpacks by content: loading an artifact again leaves the kernel.so
+    the process runs from untouched, and a new artifact at the same path goes elsewhere."""
+    loaded = []
+    monkeypatch.setattr(cuda, "cuda_device", lambda index=0: None)  # the GPU is not what is tested
+    monkeypatch.setattr(tvm.runtime, "load_module", lambda p: loaded.append(p) or p)
+
+    def artifact(source: str) -> str:
+        out = tmp_path / f"k{cuda.CUDA_KERNEL_SUFFIX}"
+        files = {"kernel.so": b"ELF", "kernel.fatbin": b"FATBIN-" + source.encode(), "kernel.cu": source.encode()}
+        manifest = {"arch": "sm_80", "source_sha256": cuda._sha256(source.encode()),
+                    "fatbin_sha256": cuda._sha256(files["kernel.fatbin"])}  # fmt: skip
+        files["manifest.json"] = json.dumps(manifest).encode()
+        for name, data in files.items():
+            (tmp_path / name).write_bytes(data)
+        with tarfile.open(out, "w") as tar:
+            for name in files:
+                tar.add(tmp_path / name, arcname=name)
+        return str(out)
+
+    work = tmp_path / "unpacked"
+    path = artifact("__global__ void a() {}")
+    first = cuda.load_kernel(path, work)
+    stamp = os.stat(first).st_mtime_ns
+    assert cuda.load_kernel(path, work) == first
+    assert os.stat(first).st_mtime_ns == stamp
+    second = cuda.load_kernel(artifact("__global__ void b() {}"), work)
+    assert second != first and os.path.dirname(second) != os.path.dirname(first)
+    assert len(list(work.iterdir())) == 2
+
+
 def test_a_cuda_class_takes_agents_whose_gpu_runs_its_kernels():
     assert gpu_compatible(SM80, "") == "this agent has no CUDA GPU"
     assert "older" in gpu_compatible(SM80, "7.5")
@@ -250,3 +295,66 @@ def test_a_gpu_task_goes_from_proposal_to_a_runner_that_has_no_gpu(tmp_path):
         assert res.error_kind is ErrorKind.RUN_ERROR and "no CUDA GPU on this machine" in res.error_msg
     records = tuner.ingest(results)
     assert [r.error_kind for r in records] == [ErrorKind.RUN_ERROR] * 2
+
+
+# -- on a machine with a GPU (skipped elsewhere, CI included) ---------------------------------
+
+
+@needs_gpu
+@needs_nvcc
+@pytest.mark.parametrize("op, shape", CASES, ids=[c[0] for c in CASES])
+def test_on_a_gpu_random_programs_run_match_the_reference_and_are_timed(op, shape, tmp_path):
+    """The agent's CUDA measuring path on this machine's GPU: random programs of the GPU
+    space, built for its arch into artifacts (here, as a build worker does), run by the
+    agent's runner (`LocalRunner`: `run_kernel` in an isolated process), their outputs
+    checked against the numpy reference, then timed on the GPU."""
+    from services.measurer.runner import LocalRunner
+
+    rules = GpuRules(GpuLimits.of(LOCAL_GPU))
+    data = tmp_path / "data.npz"
+    write_task_data(data, registry.make(op, shape), seed=0, with_expected=True)
+    inputs = []
+    for seed in range(3):
+        wl, prog = _program(op, shape, seed=200 + seed, rules=rules)
+        wl_path = tmp_path / "wl.json"
+        wl_path.write_text(wl.to_json())
+        artifact = tmp_path / f"{op}-{seed}{cuda.CUDA_KERNEL_SUFFIX}"
+        build_module(str(wl_path), trace_json(realize(wl.mod, prog.instructions)), LOCAL_GPU, str(artifact))
+        timing = TimingConfig(repeat=3)
+        inputs.append(RunInput(f"k{seed}", str(artifact), str(data), len(wl.inputs), len(wl.outputs), True, timing))
+    runner = LocalRunner(1)
+    try:
+        results = runner.run(inputs + inputs)  # twice: an artifact loaded again runs again
+    finally:
+        runner.close()
+    for res in results:
+        assert not res.error_kind.is_error, (res.candidate_key, res.error_msg)
+        assert res.verified and len(res.costs) == 3 and all(0 < c < 1.0 for c in res.costs), res
+
+
+@needs_gpu
+def test_on_a_gpu_the_agent_probe_reports_it_and_takes_its_class():
+    from services.measurer import capabilities
+
+    caps = capabilities.with_gpu_target(capabilities.probe_tvm())
+    assert json.loads(caps["target_json"])["arch"] == LOCAL_GPU["arch"]
+    assert capabilities.default_device_class(caps).startswith(f"cuda-{LOCAL_GPU['arch']}-")
+    assert gpu_compatible(LOCAL_GPU, caps["gpu_compute_capability"]) == ""
+
+
+@needs_gpu
+@needs_nvcc
+def test_on_a_gpu_tune_op_measures_there_and_its_best_kernel_is_verified(capsys, tmp_path, monkeypatch):
+    """Embedded tuning for this machine's GPU, through the command line: every trial is
+    built, run on the GPU and timed; the best kernel was checked against the reference."""
+    from tunefarm_app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    target = json.dumps(LOCAL_GPU)
+    assert main(["tune-op", "matmul", "--shape", "M=256,N=256,K=256", "--target", target, "--trials", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "verified: yes" in out, out
+    records = list(tmp_path.glob("tunefarm-records/*.jsonl"))
+    assert len(records) == 1
+    lines = [json.loads(line) for line in records[0].read_text().splitlines() if line.strip()]
+    assert len(lines) >= 16

@@ -1,11 +1,10 @@
 """CUDA kernels: built where there is no GPU, run where there is one.
 
 Build (a build worker, no GPU needed): `tvm.compile` for a CUDA target emits the host
-code and the kernels' CUDA C source (without a CUDA driver TVM keeps the source in its
-module); `verify` runs TVM's GPU code verifier on the lowered kernels against the
-target's limits; `compile_fatbin` compiles the source with nvcc for the target's
-compute capability (SASS for it, and its PTX so that newer GPUs can JIT it); and
-`export_kernel` writes one artifact, a tar (`CUDA_KERNEL_SUFFIX`) of:
+code and the kernels' CUDA C source; `verify` runs TVM's GPU code verifier on the lowered
+kernels against the target's limits; `compile_fatbin` compiles the source with nvcc for
+the target's compute capability (SASS for it, and its PTX so that newer GPUs can JIT it);
+and `export_kernel` writes one artifact, a tar (`CUDA_KERNEL_SUFFIX`) of:
 
   kernel.so      TVM's library: host code, the launch table and the CUDA source
   kernel.fatbin  nvcc's binary of that source for the class's arch
@@ -17,6 +16,12 @@ runtime turns a module holding source into a binary by calling the global functi
 `tvm_callback_cuda_compile`; the agent registers one (`_PrebuiltBinaries`) that hands
 back the fatbin built for exactly that source (matched by its sha256) and refuses any
 other, so a board never compiles and runs exactly what the worker verified.
+
+Where TVM's CUDA runtime is present (a build worker on a machine with a GPU), `tvm.compile`
+itself asks `tvm_callback_cuda_compile` for the binary and embeds it in kernel.so (TVM's
+own callback uses NVRTC); `use_nvcc` makes that callback `compile_fatbin` too, so that
+every kernel runs nvcc's binary with the same flags, wherever it was built. The last
+binaries are kept by source, so export reuses the one the compile made.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import shutil
 import tarfile
 import tempfile
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +101,40 @@ def nvcc_path() -> str | None:
     return None
 
 
+_FATBINS: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+"""The last binaries `compile_fatbin` made, by (source sha256, compute capability)."""
+
+_FATBINS_KEPT = 4
+
+
 def compile_fatbin(source: str, target: dict[str, Any]) -> bytes:
     """nvcc's fatbin of the source for the target's compute capability: its SASS and its
     PTX (which the driver JIT-compiles on a newer GPU). Raises CudaBuildError."""
+    major, minor = compute_capability(target)
+    key = (_sha256(source.encode()), f"{major}{minor}")
+    fatbin = _FATBINS.get(key)
+    if fatbin is None:
+        fatbin = _nvcc_fatbin(source, key[1])
+        _FATBINS[key] = fatbin
+        while len(_FATBINS) > _FATBINS_KEPT:
+            _FATBINS.popitem(last=False)
+    return fatbin
+
+
+def use_nvcc(target: dict[str, Any]) -> None:
+    """Make `compile_fatbin` for `target` the binary `tvm.compile` embeds in this process
+    (TVM's CUDA codegen asks the global function `tvm_callback_cuda_compile` for it when
+    TVM's CUDA runtime is present)."""
+    import tvm_ffi
+
+    tvm_ffi.register_global_func(
+        "tvm_callback_cuda_compile", lambda code, *_: compile_fatbin(str(code), target), override=True
+    )
+
+
+def _nvcc_fatbin(source: str, cc: str) -> bytes:
     import subprocess
 
-    major, minor = compute_capability(target)
-    cc = f"{major}{minor}"
     nvcc = nvcc_path()
     if nvcc is None:
         raise CudaBuildError("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): a CUDA build worker needs the CUDA toolkit")
@@ -224,16 +257,27 @@ def require_local_gpu(target: dict[str, Any]) -> None:
 
 
 def load_kernel(path: str | os.PathLike[str], work_dir: str | os.PathLike[str]) -> Any:
-    """Load a CUDA kernel artifact (on a machine with a GPU): unpack it into `work_dir`,
-    give TVM's runtime its prebuilt binary, load kernel.so. Raises NoGpuError first when
-    there is no GPU."""
+    """Load a CUDA kernel artifact (on a machine with a GPU): unpack it into a directory
+    of `work_dir` named by the artifact's content, give TVM's runtime its prebuilt binary,
+    load kernel.so. Raises NoGpuError first when there is no GPU.
+
+    An artifact already unpacked there is not unpacked again: rewriting a kernel.so this
+    process has loaded would change the pages it runs from (loading one artifact twice,
+    as a bench's timing passes do, crashed with SIGSEGV in dlsym)."""
     import tvm
 
     cuda_device()
-    directory = Path(work_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path) as tar:
-        tar.extractall(directory, filter="data")
+    directory = Path(work_dir, _sha256(Path(path).read_bytes())[:16])
+    if not directory.is_dir():
+        partial = directory.with_name(f"{directory.name}.{os.getpid()}.tmp")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        with tarfile.open(path) as tar:
+            tar.extractall(partial, filter="data")
+        try:
+            os.replace(partial, directory)
+        except OSError:  # unpacked by another process meanwhile
+            shutil.rmtree(partial, ignore_errors=True)
     manifest = json.loads(Path(directory, "manifest.json").read_text())
     fatbin = Path(directory, "kernel.fatbin").read_bytes()
     if _sha256(fatbin) != manifest["fatbin_sha256"]:

@@ -170,6 +170,7 @@ def build_module(workload: str, trace: TraceJSON | None, target: dict[str, Any],
                 f"shared memory per block, {limits.max_vthreads} vthreads, {limits.max_vector_bytes}-byte vectors)"
             )
         tvm_target = _step("making the target", cuda.tvm_target, target)
+        cuda.use_nvcc(target)  # the binary tvm.compile embeds where TVM's CUDA runtime is present
     else:
         tvm_target = _step("making the target", tvm.target.Target, target)
     ex = _step("compiling", tvm.compile, mod, target=tvm_target)
