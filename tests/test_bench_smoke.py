@@ -43,3 +43,32 @@ def test_bench_small_gemm_end_to_end(tmp_path):
     write_json(tmp_path / "bench.json", plan, [row], summary)
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["ops"][0]["op"] == "gemm128" and data["summary"]["geomean_vs_ms"] > 0
+
+
+def test_a_device_vendor_call_is_waited_for_before_each_clock_read():
+    """On a GPU a vendor call only launches the op: `time_call` synchronises the device
+    after the warm-up, after the one-call probe and at the end of every sample."""
+    from tunefarm_app.bench import vendors
+
+    events: list[str] = []
+    call = vendors.VendorCall(run=lambda: events.append("run"), outputs=lambda: [], sync=lambda: events.append("sync"))
+    timing = vendors.time_call(call)
+    assert events.count("sync") == timing.samples + 2
+    assert events.count("run") == vendors.WARMUP_CALLS + 1 + timing.calls
+    assert events[-1] == "sync" and events[vendors.WARMUP_CALLS] == "sync"
+
+
+def test_bench_ops_for_a_gpu_target_needs_that_gpu_on_this_machine(capsys, tmp_path, monkeypatch):
+    from tunefarm import cuda
+    from tunefarm_app.cli import main
+
+    try:
+        cuda.cuda_device()
+        pytest.skip("this machine has a GPU")
+    except cuda.NoGpuError:
+        pass
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "ops", "--target", '{"kind": "cuda", "arch": "sm_90"}', "--trials", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no CUDA GPU on this machine" in err and len(err.splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written

@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--json", type=Path, help="write the table as JSON here")
     bo.add_argument("--work-dir", type=Path, help="keep records and peer outputs here")
     bo.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
+    bo.add_argument(
+        "--target",
+        help='TVM target as a JSON dict (default: this host); a CUDA target, e.g. {"kind": "cuda", "arch": "sm_90"}, '
+        "tunes and times every kernel and the PyTorch peer on this machine's GPU",
+    )
     bench_models.add_command(bsub)
     bench_farm.add_command(bsub)
     bench_farm_load.add_command(bsub)

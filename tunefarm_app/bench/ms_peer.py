@@ -27,6 +27,12 @@ stdout and stderr the bench sends to a log file; MetaSchedule's own logs go to
 
 The child inherits TVM_NUM_THREADS from the bench (the cores of the target), so
 MetaSchedule's runner times candidates with as many threads as tunefarm's does.
+
+For a CUDA target (`tunefarm.gpu.is_gpu`) MetaSchedule measures on this machine's GPU with
+its GPU rules; its kernels' binaries come from the same nvcc call and flags as tunefarm's
+(`use_nvcc_for_cuda`), its builder and search use this host's cores, and its best kernel is
+exported as a `tunefarm.cuda` artifact, which tunefarm's runner times on the GPU. No input
+is marked layout-free (MetaSchedule's RewriteLayout is a CPU postprocessor).
 """
 
 from __future__ import annotations
@@ -72,9 +78,38 @@ def build_without_intrin(mod: Any, target: Any, _params: Any) -> Any:
     from tunefarm import fastmath
 
     fastmath.install()
+    if target.kind.name == "cuda":
+        use_nvcc_for_cuda(str(target.attrs["arch"]))
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     return tvm_build(mod, target=target)
+
+
+def use_nvcc_for_cuda(arch: str) -> None:
+    """MetaSchedule's kernels get their binary from tunefarm's nvcc call for `arch`
+    (`tunefarm.cuda.use_nvcc`), so that both tuners' kernels are compiled alike."""
+    from tunefarm.cuda import use_nvcc
+
+    use_nvcc({"kind": "cuda", "arch": arch})
+
+
+def metaschedule_gpu_target(target_dict: dict[str, Any]) -> Any:
+    """The TVM target MetaSchedule tunes a CUDA target dict for: the limits its GPU rules
+    read (threads per block, warp size, shared memory, registers), from `GpuLimits`, the
+    same limits tunefarm's GPU rules and validity checks use."""
+    from tunefarm.cuda import tvm_target
+    from tunefarm.gpu import GpuLimits
+
+    limits = GpuLimits.of(target_dict)
+    return tvm_target(
+        {
+            "max_threads_per_block": limits.max_threads_per_block,
+            "thread_warp_size": limits.warp_size,
+            "max_shared_memory_per_block": limits.max_shared_memory_per_block,
+            "registers_per_block": limits.registers_per_block,
+            **target_dict,
+        }
+    )
 
 
 def tune_metaschedule(
@@ -93,14 +128,18 @@ def tune_metaschedule(
     import tvm.s_tir.tensor_intrin  # noqa: F401  (registers the intrinsics the rules look up)
     from tvm.s_tir import meta_schedule as ms
 
+    from tunefarm.gpu import is_gpu
+    from tunefarm.target import physical_cores
+
     setup_secs = time.perf_counter() - t0
-    target = tvm.target.Target(target_dict)
-    if constants:  # MetaSchedule's RewriteLayout postproc rewrites the inputs marked so
+    gpu = is_gpu(target_dict)
+    target = metaschedule_gpu_target(target_dict) if gpu else tvm.target.Target(target_dict)
+    if constants and not gpu:  # MetaSchedule's RewriteLayout postproc rewrites the inputs marked so
         workload_mod = tvm.IRModule({"main": workload_mod["main"].with_attr("layout_free_buffers", list(constants))})
     if (work_dir / "database_tuning_record.json").exists():
         raise FileExistsError(f"{work_dir} already holds a MetaSchedule database; use a fresh --work-dir")
     work_dir.mkdir(parents=True, exist_ok=True)
-    cores = int(target_dict.get("num-cores") or 1)
+    cores = physical_cores() if gpu else int(target_dict.get("num-cores") or 1)
     t0 = time.perf_counter()
     builder = ms.builder.LocalBuilder(max_workers=cores, f_build=build_without_intrin)
     database = ms.tune_tir(
@@ -132,8 +171,13 @@ def tune_metaschedule(
         return _with_note(outcome, "MetaSchedule's database has no valid schedule")
     library.parent.mkdir(parents=True, exist_ok=True)
     from tunefarm import fastmath, layout
+    from tunefarm.export import export_library
 
     fastmath.install()
+    if gpu:
+        use_nvcc_for_cuda(str(target_dict["arch"]))
+        export_library(tvm.compile(sch.mod, target=target), library, target_dict)
+        return MetaScheduleOutcome(**{**outcome.as_dict(), "library": str(library)})
     # The layout transform of a constant goes into the library beside the kernel, as in
     # tunefarm's builds, so that the bench times both kernels on pre-transformed weights.
     tvm.compile(layout.kernel_library_module(sch.mod), target=target).export_library(str(library))

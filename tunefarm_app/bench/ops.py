@@ -9,6 +9,12 @@ What is compared, per op of the benchmark set (`suite.BENCH_OPS`, registry defau
 - numpy (OpenBLAS) and, when `import torch` works, PyTorch CPU, each in a child process
   (`vendors`), checked against the reference and timed on the same inputs.
 
+`--target` picks another target than this host's CPU. With a CUDA target
+(`{"kind": "cuda", "arch": "sm_90"}`, on a machine with that GPU) every kernel runs on the
+GPU: both tuners measure there, the vendor peer is PyTorch on the GPU (cuBLAS and cuDNN,
+float32 with TF32 off), numpy is left out, builds and the peers use this host's cores, and
+there is no FMA peak (the peer to beat is cuBLAS/cuDNN).
+
 How the numbers are made:
 - Kernel speed: both tuners' best kernels are timed by the same tunefarm `LocalRunner`
   with the same timing config on the same task data (`<work>/data/<op>.npz`), outputs
@@ -39,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from tunefarm.errors import UsageError
+from tunefarm.export import artifact_suffix
+from tunefarm.gpu import is_gpu
+from tunefarm.target import physical_cores
 from tunefarm.workloads import Workload
 from tunefarm_app.bench import peers
 from tunefarm_app.bench.heldout import FOLDS, HeldOutAccuracy, held_out_accuracy
@@ -70,8 +79,13 @@ class BenchPlan:
     ms_timeout: float | None = None  # seconds per MetaSchedule child; None: peers.ms_timeout(trials)
 
     @property
+    def on_gpu(self) -> bool:
+        return is_gpu(self.target)
+
+    @property
     def cores(self) -> int:
-        return int(self.target.get("num-cores") or 1)
+        """CPU cores for CPU kernels, builds and the peers: the target's, this host's for a GPU."""
+        return physical_cores() if self.on_gpu else int(self.target.get("num-cores") or 1)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -107,16 +121,21 @@ def run_ops_bench(args: argparse.Namespace) -> int:
 
 
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
-    from tunefarm.target import host_target_dict
+    from tunefarm.target import parse_target
 
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
+    target = parse_target(getattr(args, "target", None))
+    if is_gpu(target):
+        from tunefarm.cuda import require_local_gpu
+
+        require_local_gpu(target)  # TargetError: this machine cannot run the target's kernels
     return BenchPlan(
         ops=tuple(select_ops(args.ops)),
         trials=args.trials,
         seed=args.seed,
         work_dir=args.work_dir or fresh_work_dir(),
-        target=host_target_dict(),
+        target=target,
         metaschedule=not args.no_metaschedule,
     )
 
@@ -147,6 +166,9 @@ def run_bench(plan: BenchPlan, log: Log = _stderr) -> list[OpRow]:
 def _fma_peak(plan: BenchPlan, log: Log) -> float | None:
     from tunefarm_app.bench.fma_peak import measure_fma_peak
 
+    if plan.on_gpu:
+        log("FMA peak: n/a for a GPU target (PyTorch's cuBLAS/cuDNN on the same GPU is the peer)")
+        return None
     try:
         peak = measure_fma_peak(plan.target, plan.work_dir / "fma")
     except Exception as exc:  # the column is n/a; the bench goes on
@@ -183,7 +205,7 @@ def bench_op(op: BenchOp, plan: BenchPlan, timer: KernelTimer, log: Log) -> OpRo
     task_data = Path(write_task_data(plan.work_dir / "data" / f"{op.id}.npz", workload, seed=0))
     ours = _guard("tunefarm", lambda: tune_ours(op, workload, plan, log), log)
     ms = _guard("MetaSchedule", lambda: tune_metaschedule(op, plan, log), log) if plan.metaschedule else None
-    numpy_secs, numpy_note = vendor_secs("numpy", op, task_data, plan, log)
+    numpy_secs, numpy_note = (None, "") if plan.on_gpu else vendor_secs("numpy", op, task_data, plan, log)
     torch_secs, torch_note = vendor_secs("torch", op, task_data, plan, log)
     ours, ms = time_best_kernels(ours, ms, workload, task_data, timer, log)
     heldout, heldout_notes = _guard_value(
@@ -236,7 +258,7 @@ def tune_ours(op: BenchOp, workload: Workload, plan: BenchPlan, log: Log) -> _Tu
         notes.append(f"ours: stopped after {state.trials} trials ({reason})")
     if best is None:
         return _Tuned(run, None, (*notes, "ours: no valid kernel"))
-    library = build_best(find_best(records), plan.work_dir / "ours" / f"{op.id}.so")
+    library = build_best(find_best(records), plan.work_dir / "ours" / f"{op.id}{artifact_suffix(plan.target)}")
     return _Tuned(run, library, tuple(notes))
 
 
@@ -244,7 +266,8 @@ def tune_metaschedule(op: BenchOp, plan: BenchPlan, log: Log) -> _Tuned:
     out_dir = plan.work_dir / "ms"
     log(f"MetaSchedule: tuning, {plan.trials} trials, log {out_dir / (op.id + '.log')}")
     peer = peers.run_metaschedule(
-        op, target=plan.target, trials=plan.trials, out_dir=out_dir, seed=plan.seed, timeout=plan.ms_timeout
+        op, target=plan.target, trials=plan.trials, out_dir=out_dir, seed=plan.seed, threads=plan.cores,
+        timeout=plan.ms_timeout,
     )
     if peer.result is None:
         log(f"MetaSchedule: failed: {peer.note}")
@@ -274,8 +297,11 @@ def tune_metaschedule(op: BenchOp, plan: BenchPlan, log: Log) -> _Tuned:
 def vendor_secs(
     lib: str, op: BenchOp, task_data: Path, plan: BenchPlan, log: Log
 ) -> tuple[float | None, str]:
-    log(f"{lib}: timing")
-    peer = peers.run_vendor(lib, op, task_data=task_data, threads=plan.cores, out_dir=plan.work_dir / lib)
+    device = "cuda" if plan.on_gpu else "cpu"
+    log(f"{lib}: timing on the {device}")
+    peer = peers.run_vendor(
+        lib, op, task_data=task_data, threads=plan.cores, out_dir=plan.work_dir / lib, device=device
+    )
     if peer.result is None:
         return None, f"{lib}: {peer.note}"
     return float(peer.result["median_secs"]), ""

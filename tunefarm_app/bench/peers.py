@@ -67,16 +67,20 @@ def run_metaschedule(
     trials: int,
     out_dir: Path,
     seed: int,
+    threads: int,
     timeout: float | None = None,
 ) -> PeerRun:
-    """Tune `op` with MetaSchedule in a child; the best kernel goes to `<out_dir>/<op>.so`."""
+    """Tune `op` with MetaSchedule in a child (`threads` CPU threads); the best kernel goes
+    to `<out_dir>/<op>.so` (`<op>.cuda.tar` for a CUDA target)."""
+    from tunefarm.export import artifact_suffix
+
     argv = [
         "metaschedule",
         *_workload_args(op),
         "--target", json.dumps(target),
         "--trials", str(trials),
         "--work-dir", str(out_dir / op.id),
-        "--library", str(out_dir / f"{op.id}.so"),
+        "--library", str(out_dir / f"{op.id}{artifact_suffix(target)}"),
         "--seed", str(seed),
     ]  # fmt: skip
     return run_child(
@@ -84,12 +88,15 @@ def run_metaschedule(
         result_path=out_dir / f"{op.id}.json",
         log_path=out_dir / f"{op.id}.log",
         timeout=timeout if timeout is not None else ms_timeout(trials),
-        threads=int(target.get("num-cores") or 1),
+        threads=threads,
     )
 
 
-def run_vendor(lib: str, op: BenchOp, *, task_data: Path, threads: int, out_dir: Path) -> PeerRun:
-    """Check and time `op` with vendor library `lib` ("numpy" or "torch") in a child."""
+def run_vendor(
+    lib: str, op: BenchOp, *, task_data: Path, threads: int, out_dir: Path, device: str = "cpu"
+) -> PeerRun:
+    """Check and time `op` with vendor library `lib` ("numpy" or "torch") in a child, on
+    `device` ("cpu", or "cuda" for torch: this machine's GPU)."""
     log = out_dir / f"{op.id}.log"
     if lib == "torch" and importlib.util.find_spec("torch") is None:
         return PeerRun(None, "torch is not installed", 0.0, log)
@@ -99,6 +106,7 @@ def run_vendor(lib: str, op: BenchOp, *, task_data: Path, threads: int, out_dir:
         *_workload_args(op),
         "--task-data", str(task_data),
         "--threads", str(threads),
+        "--device", device,
     ]  # fmt: skip
     return run_child(
         argv,
@@ -237,16 +245,16 @@ def _child_vendor(args: argparse.Namespace) -> dict[str, Any]:
     data = read_task_data(args.task_data)
     p = vendors.resolve_params(args.registry, json.loads(args.params))
     if args.lib == "numpy":
-        run = vendors.bind_numpy(args.registry, p, data.inputs)
+        call = vendors.bind_numpy(args.registry, p, data.inputs)
     else:
-        run = vendors.bind_torch(args.registry, p, data.inputs, args.threads)
-    if run is None:
+        call = vendors.bind_torch(args.registry, p, data.inputs, args.threads, args.device)
+    if call is None:
         return {"error": f"{args.lib} has no implementation of {args.registry}"}
     if data.expected is not None:
-        problem = compare_outputs(run(), data.expected)
+        problem = compare_outputs(call.outputs(), data.expected)
         if problem:
             return {"error": f"{args.lib}'s output is wrong: {problem}"}
-    timing = vendors.time_thunk(run)
+    timing = vendors.time_call(call)
     return {"median_secs": timing.median_secs, "samples": timing.samples, "calls": timing.calls}
 
 
@@ -277,6 +285,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--lib", choices=("numpy", "torch"), required=True)
     v.add_argument("--task-data", required=True)
     v.add_argument("--threads", type=int, default=1)
+    v.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return p
 
 

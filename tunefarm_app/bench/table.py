@@ -78,7 +78,7 @@ def render_summary(summary: Summary, trials: int) -> list[str]:
         f" (MS start-up not counted: {_num(s.ms_setup_secs, '.0f')} s in all)",
         f"  geomean ours/best vendor {_ratio(s.geomean_vs_vendor)}",
         f"  min ours/best vendor     {_ratio(s.min_vs_vendor)}{f' ({s.min_vs_vendor_op})' if s.min_vs_vendor_op else ''}",
-        f"  conv ours/oneDNN (min)   {_ratio(s.conv_vs_onednn)}",
+        f"  conv ours/torch (min)    {_ratio(s.conv_vs_torch)}",
         f"  GEMM 1024 share of peak  {_pct(s.gemm_peak_share)} (FMA peak measured: {_num(s.peak_gflops, '.0f')} GFLOPS)",
         f"  held-out pairwise acc.   {_num(s.mean_heldout_pairwise, '.3f')} (mean over ops, 5-fold in random"
         f" order, pairs within the measurement noise dropped: {s.heldout_pairs_dropped} of"

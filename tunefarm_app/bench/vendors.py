@@ -1,13 +1,15 @@
-"""Vendor-library peers: the benchmark ops written with numpy (OpenBLAS) and PyTorch (CPU).
+"""Vendor-library peers: the benchmark ops written with numpy (OpenBLAS) and PyTorch (CPU,
+or for a CUDA target on this machine's GPU: cuBLAS and cuDNN, TF32 off).
 
 Runs inside a vendor child process (`python -m tunefarm_app.bench.peers vendor ...`), never in
 the bench process: numpy's and torch's thread pools would otherwise fight over the cores
 with each other and with TVM's.
 
-Each `bind_*` function returns a thunk that runs the op once on inputs bound in advance and
-returns its outputs as numpy arrays (checked against the workload's reference before
-timing), or None when the library has no implementation of the op. Outputs are written
-into preallocated arrays where the library allows it, as the TVM kernels do.
+Each `bind_*` function returns a `VendorCall`, the op bound to its inputs in advance (its
+outputs are checked against the workload's reference before timing), or None when the
+library has no implementation of the op. Outputs are written into preallocated arrays
+where the library allows it, as the TVM kernels do. On a GPU a call only launches the op;
+`time_call` waits for the device once per sample, as TVM's GPU timer does.
 
 numpy convolutions follow the registry's reference (one BLAS GEMM per kernel tap), but in
 float32: the reference computes in float64, which would time dgemm instead of sgemm. The
@@ -22,7 +24,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,21 @@ from tunefarm.workloads.registry import LAYER_NORM_EPS, OPS
 
 Thunk = Callable[[], list[np.ndarray]]
 """Runs the op once on the bound inputs; returns its outputs."""
+
+
+def _no_sync() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class VendorCall:
+    """A vendor op bound to its inputs: `run` calls it once (on a GPU: launches it),
+    `outputs` calls it and returns its outputs as numpy arrays, `sync` waits until the
+    device has finished what was launched."""
+
+    run: Callable[[], object]
+    outputs: Thunk
+    sync: Callable[[], None] = _no_sync
 
 MIN_TIMING_SECS = 0.2
 """A vendor op is called until the timed samples add up to at least this long."""
@@ -59,13 +75,17 @@ def resolve_params(registry: str, params: dict[str, int]) -> dict[str, int]:
 # -- timing --------------------------------------------------------------------------------
 
 
-def time_thunk(fn: Callable[[], Any]) -> VendorTiming:
-    """Warm up, then time samples of `calls_per_sample` calls until MIN_TIMING_SECS have passed
-    (and at least MIN_SAMPLES samples); the result is the median per-call time."""
+def time_call(call: VendorCall) -> VendorTiming:
+    """Warm up, then time samples of `calls_per_sample` calls (the device synchronised at
+    each sample's start and end) until MIN_TIMING_SECS have passed (and at least
+    MIN_SAMPLES samples); the result is the median per-call time."""
+    fn, sync = call.run, call.sync
     for _ in range(WARMUP_CALLS):
         fn()
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     one = time.perf_counter() - t0
     per_sample = max(1, math.ceil(MIN_SAMPLE_SECS / max(one, 1e-9)))
     samples: list[float] = []
@@ -74,6 +94,7 @@ def time_thunk(fn: Callable[[], Any]) -> VendorTiming:
         t0 = time.perf_counter()
         for _ in range(per_sample):
             fn()
+        sync()
         samples.append((time.perf_counter() - t0) / per_sample)
     return VendorTiming(statistics.median(samples), len(samples), len(samples) * per_sample)
 
@@ -81,10 +102,11 @@ def time_thunk(fn: Callable[[], Any]) -> VendorTiming:
 # -- numpy ---------------------------------------------------------------------------------
 
 
-def bind_numpy(registry: str, p: dict[str, int], inputs: Sequence[np.ndarray]) -> Thunk | None:
-    """A numpy thunk for the op, or None when there is none."""
+def bind_numpy(registry: str, p: dict[str, int], inputs: Sequence[np.ndarray]) -> VendorCall | None:
+    """The op in numpy, or None when there is none."""
     maker = _NUMPY.get(registry)
-    return maker(p, [np.ascontiguousarray(a) for a in inputs]) if maker else None
+    thunk = maker(p, [np.ascontiguousarray(a) for a in inputs]) if maker else None
+    return VendorCall(thunk, thunk) if thunk else None
 
 
 def _np_matmul(relu: bool) -> Callable[[dict[str, int], list[np.ndarray]], Thunk]:
@@ -265,25 +287,37 @@ _NUMPY: dict[str, Callable[[dict[str, int], list[np.ndarray]], Thunk | None]] = 
 # -- torch ---------------------------------------------------------------------------------
 
 
-def bind_torch(registry: str, p: dict[str, int], inputs: Sequence[np.ndarray], threads: int) -> Thunk | None:
-    """A PyTorch (CPU, inference mode, `threads` intra-op threads) thunk, or None when the op
-    has no torch peer. Imports torch: call only in a vendor child process."""
+def bind_torch(
+    registry: str, p: dict[str, int], inputs: Sequence[np.ndarray], threads: int, device: str = "cpu"
+) -> VendorCall | None:
+    """The op in PyTorch (inference mode, `threads` intra-op threads) on `device` ("cpu",
+    or "cuda": cuBLAS and cuDNN in float32, TF32 off, cuDNN's autotuner on), or None when
+    the op has no torch peer. Imports torch: call only in a vendor child process."""
     import torch
 
     torch.set_num_threads(threads)
     maker = _torch_makers().get(registry)
     if maker is None:
         return None
-    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in inputs]
     op = maker(registry, p)
     if op is None:
         return None
+    tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in inputs]
+    sync = _no_sync
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 math, as the TVM kernels do
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.benchmark = True  # cuDNN picks its fastest algorithm for the shape
+        sync = torch.cuda.synchronize
 
-    def run() -> list[np.ndarray]:
+    def run() -> object:
         with torch.inference_mode():
-            return [op(*tensors).numpy()]
+            return op(*tensors)
 
-    return run
+    def outputs() -> list[np.ndarray]:
+        return [run().cpu().numpy()]
+
+    return VendorCall(run, outputs, sync)
 
 
 def _torch_makers() -> dict[str, Callable[[str, dict[str, int]], Callable | None]]:
