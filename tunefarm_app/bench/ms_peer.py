@@ -30,7 +30,7 @@ MetaSchedule's runner times candidates with as many threads as tunefarm's does.
 
 For a CUDA target (`tunefarm.gpu.is_gpu`) MetaSchedule measures on this machine's GPU with
 its GPU rules; its kernels' binaries come from the same nvcc call and flags as tunefarm's
-(`use_nvcc_for_cuda`), its builder and search use this host's cores, and its best kernel is
+(`tunefarm.cuda.use_nvcc`), its builder and search use this host's cores, and its best kernel is
 exported as a `tunefarm.cuda` artifact, which tunefarm's runner times on the GPU. No input
 is marked layout-free (MetaSchedule's RewriteLayout is a CPU postprocessor).
 """
@@ -78,19 +78,13 @@ def build_without_intrin(mod: Any, target: Any, _params: Any) -> Any:
     from tunefarm import fastmath
 
     fastmath.install()
-    if target.kind.name == "cuda":
-        use_nvcc_for_cuda(str(target.attrs["arch"]))
+    if target.kind.name == "cuda":  # both tuners' kernels compiled alike
+        from tunefarm.cuda import use_nvcc
+
+        use_nvcc({"kind": "cuda", "arch": str(target.attrs["arch"])})
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     return tvm_build(mod, target=target)
-
-
-def use_nvcc_for_cuda(arch: str) -> None:
-    """MetaSchedule's kernels get their binary from tunefarm's nvcc call for `arch`
-    (`tunefarm.cuda.use_nvcc`), so that both tuners' kernels are compiled alike."""
-    from tunefarm.cuda import use_nvcc
-
-    use_nvcc({"kind": "cuda", "arch": arch})
 
 
 def metaschedule_gpu_target(target_dict: dict[str, Any]) -> Any:
@@ -175,7 +169,9 @@ def tune_metaschedule(
 
     fastmath.install()
     if gpu:
-        use_nvcc_for_cuda(str(target_dict["arch"]))
+        from tunefarm.cuda import use_nvcc
+
+        use_nvcc(target_dict)
         export_library(tvm.compile(sch.mod, target=target), library, target_dict)
         return MetaScheduleOutcome(**{**outcome.as_dict(), "library": str(library)})
     # The layout transform of a constant goes into the library beside the kernel, as in

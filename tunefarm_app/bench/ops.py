@@ -125,7 +125,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
 
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
-    target = parse_target(getattr(args, "target", None))
+    target = parse_target(args.target)
     if is_gpu(target):
         from tunefarm.cuda import require_local_gpu
 
