@@ -410,7 +410,7 @@ def test_expired_lease_is_leased_again_and_the_late_result_refused(db_sessions):
     with pytest.raises(LeaseNotHeld):
         record(db_sessions, farm, first, a)
     with transaction(db_sessions) as s:
-        assert queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS) == []  # nothing to extend
+        assert queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, lease_ids=[first.id]) == []  # not a's now
     with pytest.raises(LeaseNotHeld):
         with transaction(db_sessions) as s:
             queries.finish_lease(s, lease_id=first.id, agent_id=a)
@@ -427,9 +427,9 @@ def test_heartbeat_keeps_a_lease_and_expire_leases_requeues(db_sessions):
     held = lease(db_sessions, a)
     t0 = db_now(db_sessions)
     with transaction(db_sessions) as s:
-        assert queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, now=t0 + timedelta(seconds=50)) == [
-            held.id
-        ]
+        assert queries.heartbeat(
+            s, agent_id=a, lease_secs=LEASE_SECS, lease_ids=[held.id], now=t0 + timedelta(seconds=50)
+        ) == [held.id]
         assert s.get(Agent, a).state is AgentState.BUSY
     assert lease(db_sessions, b, now=t0 + timedelta(seconds=LEASE_SECS + 1)) is None  # extended to t0+110
     with transaction(db_sessions) as s:
@@ -486,7 +486,7 @@ def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessio
     assert lease_run(a) == run_id
     assert lease_run(b) is None  # held by a
     with transaction(db_sessions) as s:
-        queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, now=t0 + timedelta(seconds=50))
+        queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, model_run_ids=[run_id], now=t0 + timedelta(seconds=50))
         assert s.get(Agent, a).state is AgentState.BUSY
     assert lease_run(b, now=t0 + timedelta(seconds=LEASE_SECS + 1)) is None  # extended to t0+110
     assert lease_run(b, now=t0 + timedelta(seconds=120)) == run_id  # a went silent: b takes it over

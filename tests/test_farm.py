@@ -590,6 +590,103 @@ def test_the_agent_survives_a_lease_service_restart(farm, tmp_path, agent_caps, 
     measurer.close()
 
 
+class LoseTheFirstGrant(grpc.UnaryUnaryClientInterceptor):
+    """The first LeaseBatch answer that grants a batch never reaches the agent: the lease
+    exists in the database, the agent sees a broken call (a lease service killed, or the
+    connection cut, between the grant and its answer)."""
+
+    def __init__(self) -> None:
+        self.lost: list[int] = []
+
+    def intercept_unary_unary(self, continuation, details, request):
+        outcome = continuation(details, request)
+        if details.method.endswith("/LeaseBatch") and not self.lost and outcome.code() is grpc.StatusCode.OK:
+            answer = outcome.result()
+            if answer.HasField("batch"):
+                self.lost.append(answer.batch.lease_id)
+                raise grpc.RpcError("the connection broke before the answer arrived")
+        return outcome
+
+
+@pytest.mark.slow
+def test_a_lease_whose_grant_never_reached_the_agent_is_leased_again_at_once(farm, tmp_path, agent_caps, lease_settings, db_sessions):
+    # Leases last 30 s and heartbeats come every 0.3 s: heartbeats that renewed every
+    # active lease of the agent would keep the lost one alive for ever.
+    from services.measurer.agent import Agent
+
+    settings = lease_settings.model_copy(update={"lease_bind": f"127.0.0.1:{free_port()}", "lease_secs": 30.0})
+    server = make_server(settings, sessions=db_sessions)
+    server.start()
+    farm.server_address = server.address
+    wl = gemm()
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    inputs = gemm_inputs(wl, task.key, 3)
+    measurer.submit(MeasureBatch(id="0:1", task=task, inputs=tuple(inputs), timing=FAST))
+    farm.build()
+    stop = threading.Event()
+    agent = Agent(farm.agent_settings(f"{farm.device_class}-lost", tmp_path / "lost"), capabilities=agent_caps, stop=stop)
+    dropper = LoseTheFirstGrant()
+    agent.stub = pb_grpc.AgentServiceStub(grpc.intercept_channel(agent.channel, dropper))
+    errors: list = []
+    thread = threading.Thread(target=lambda: _run_collecting(agent, errors), daemon=True)
+    thread.start()
+    try:
+        results = collect_all(measurer, len(inputs), timeout=20)  # well within the lost lease's 30 s
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        server.stop(grace=0)
+    assert errors == []
+    assert len(dropper.lost) == 1
+    assert sorted(r.key for r in results) == sorted(m.key for m in inputs)
+    assert measurements_per_candidate(farm) == {m.key: 1 for m in inputs}
+    with transaction(farm.sessions) as s:
+        leases = list(s.scalars(select(Lease).where(Lease.agent_id == agent.agent_id).order_by(Lease.id)))
+    assert [le.id for le in leases][0] == dropper.lost[0]
+    assert [le.state for le in leases] == [LeaseState.EXPIRED, LeaseState.FINISHED]
+    assert leases[0].finished_at - leases[0].granted_at < timedelta(seconds=15)
+    measurer.close()
+
+
+def test_a_heartbeat_renews_only_the_leases_the_agent_names(farm):
+    wl = gemm(16)
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    batch_id = _ready_without_building(farm, measurer, task, gemm_inputs(wl, task.key, 2))
+    with transaction(farm.sessions) as s:
+        agent = queries.register_agent(
+            s, name=f"{farm.device_class}-hb", device_class_id=measurer.device_class_id, token_id=None, capabilities={}
+        )
+        now = s.scalar(select(func.now()))
+        lease = queries.lease_next_batch(s, agent_id=agent.id, lease_secs=10, now=now)
+    later = now + timedelta(seconds=8)
+    with transaction(farm.sessions) as s:  # the grant never arrived: the agent names nothing
+        assert queries.heartbeat(s, agent_id=agent.id, lease_secs=10, lease_ids=[], now=later) == []
+    with transaction(farm.sessions) as s:
+        assert s.get(Lease, lease.id).expires_at == now + timedelta(seconds=10)
+        assert queries.expire_leases(s, now=now + timedelta(seconds=11)) == [batch_id]
+    with transaction(farm.sessions) as s:  # leased again; this time the agent names it
+        again = queries.lease_next_batch(s, agent_id=agent.id, lease_secs=10, now=later + timedelta(seconds=4))
+    with transaction(farm.sessions) as s:
+        assert queries.heartbeat(
+            s, agent_id=agent.id, lease_secs=10, lease_ids=[again.id, lease.id], now=later + timedelta(seconds=9)
+        ) == [again.id]
+        assert s.get(Lease, again.id).expires_at == later + timedelta(seconds=19)
+    with transaction(farm.sessions) as s:  # a LeaseBatch naming nothing ends it at once
+        assert queries.release_agent_leases(s, agent_id=agent.id, keep_lease_ids=[]) == [batch_id]
+        assert s.get(Lease, again.id).state is LeaseState.EXPIRED
+        assert s.scalar(select(Batch.state).where(Batch.id == batch_id)) is BatchState.READY
+    measurer.close()
+
+
+def _run_collecting(agent, errors: list) -> None:
+    try:
+        agent.run()
+    except Exception as exc:  # surfaced by the test
+        errors.append(exc)
+
+
 def _ready_without_building(farm: Farm, measurer: FarmMeasurer, task, inputs) -> int:
     """Submit a batch and put it in the queue as if built (no kernels: for lease logic)."""
     measurer.submit(MeasureBatch(id="0:1", task=task, inputs=tuple(inputs), timing=FAST))
@@ -842,7 +939,7 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
         a, b = register("a", meta_a), register("b", meta_b)
         la = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=a), metadata=meta_a, timeout=10).batch
         assert la.batch_id == batch_id
-        stub.Heartbeat(pb.HeartbeatRequest(agent_id=a), metadata=meta_a, timeout=10)  # the token is cached now
+        stub.Heartbeat(pb.HeartbeatRequest(agent_id=a, held_lease_ids=[la.lease_id]), metadata=meta_a, timeout=10)  # the token is cached now
         with transaction(farm.sessions) as s:
             revoked = admin.revoke_token(s, ref=farm.token)
             assert revoked.kind is TokenKind.AGENT and revoked.revoked_at is not None

@@ -6,12 +6,13 @@ nothing itself. Map:
 - tokens: `new_token`, `hash_token`, `issue_token`, `verify_token`, `revoke_token`;
 - batch lifecycle: `transition_batch` (the state machine, `BATCH_TRANSITIONS`),
   `mark_batch_ready`, `unmeasured_candidates`;
-- leases: `lease_next_batch` (FIFO, `FOR UPDATE SKIP LOCKED`), `heartbeat`,
-  `expire_leases`, `finish_lease`, `mark_agents_offline`;
+- leases: `lease_next_batch` (FIFO, `FOR UPDATE SKIP LOCKED`), `heartbeat` (renews the
+  leases the agent names, only those), `expire_leases`, `finish_lease`, `mark_agents_offline`;
 - measurements: `record_measurement` (exactly once, only under the sender's active lease),
   `record_measurements` (the same for many candidates of a lease in a few statements),
   `record_build_error` (a candidate that never reached an agent);
-- agents and lost batches: `register_agent`, `release_agent_leases`, `abandon_batch`
+- agents and lost batches: `register_agent`, `release_agent_leases` (everything an agent
+  does not say it holds: a grant lost on its way, an agent restarted), `abandon_batch`
   (error results for what a batch that cannot be measured still lacks);
 - cost models: `add_cost_model_version`, `latest_cost_model_version`, `latest_cost_models_of_classes` (transfer);
 - model runs (a tuned model run on an agent of its class): `create_model_run`,
@@ -375,25 +376,35 @@ def _end_active_lease(
 
 
 def heartbeat(
-    session: Session, *, agent_id: int, lease_secs: float, now: datetime | None = None
+    session: Session,
+    *,
+    agent_id: int,
+    lease_secs: float,
+    lease_ids: Sequence[int] = (),
+    model_run_ids: Sequence[int] = (),
+    now: datetime | None = None,
 ) -> list[int]:
-    """An agent is alive: record it, and extend its active leases and leased model runs
-    to now + `lease_secs`. Returns the ids of the leases extended. Raises `NotFound` for
-    an unknown agent."""
+    """An agent is alive: record it, and extend to now + `lease_secs` those of its active
+    leases and leased model runs that it names (`lease_ids`, `model_run_ids`: what it is
+    working on). A lease it does not name is not renewed: its grant never reached the
+    agent, and it expires at its deadline. Returns the ids of the leases extended. Raises
+    `NotFound` for an unknown agent."""
     at = _now(now)
 
-    def extend(entity: Any, held: Any) -> list[int]:
+    def extend(entity: Any, held: Any, ids: Sequence[int]) -> list[int]:
+        if not ids:
+            return []
         return list(
             session.scalars(
                 update(entity)
-                .where(entity.agent_id == agent_id, entity.state == held)
+                .where(entity.agent_id == agent_id, entity.state == held, entity.id.in_(sorted(set(ids))))
                 .values(expires_at=at + timedelta(seconds=lease_secs))
                 .returning(entity.id)
             )
         )
 
-    extended = extend(Lease, LeaseState.ACTIVE)
-    runs = extend(ModelRun, ModelRunState.LEASED)
+    extended = extend(Lease, LeaseState.ACTIVE, lease_ids)
+    runs = extend(ModelRun, ModelRunState.LEASED, model_run_ids)
     state = case(
         (Agent.state == AgentState.DISABLED, Agent.state),
         else_=AgentState.BUSY if extended or runs else AgentState.IDLE,
@@ -726,18 +737,38 @@ def register_agent(
     ).one()
 
 
-def release_agent_leases(session: Session, *, agent_id: int, now: datetime | None = None) -> list[int]:
-    """End the agent's active leases (expired) and put their batches back in the queue;
-    returns those batch ids."""
+def release_agent_leases(
+    session: Session,
+    *,
+    agent_id: int,
+    keep_lease_ids: Sequence[int] = (),
+    keep_model_run_ids: Sequence[int] = (),
+    now: datetime | None = None,
+) -> list[int]:
+    """End the agent's active leases (expired) and leased model runs, but for those it
+    still holds (`keep_*`), and put their batches and runs back in the queue at once;
+    returns the batch ids."""
     batch_ids = list(
         session.scalars(
-            select(Lease.batch_id).where(Lease.agent_id == agent_id, Lease.state == LeaseState.ACTIVE)
+            select(Lease.batch_id).where(
+                Lease.agent_id == agent_id, Lease.state == LeaseState.ACTIVE, Lease.id.not_in(sorted(set(keep_lease_ids)))
+            )
         )
     )
     for batch_id in sorted(batch_ids):  # lock order: the batch, then (in transition_batch) its lease
         batch = session.scalars(select(Batch).where(Batch.id == batch_id).with_for_update()).one()
         if batch.state is BatchState.LEASED:
             transition_batch(session, batch_id=batch_id, to=BatchState.READY, now=now)
+    session.execute(
+        update(ModelRun)
+        .where(
+            ModelRun.agent_id == agent_id,
+            ModelRun.state == ModelRunState.LEASED,
+            ModelRun.id.not_in(sorted(set(keep_model_run_ids))),
+        )
+        .values(state=ModelRunState.READY, expires_at=None),
+        execution_options={"synchronize_session": False},
+    )
     return sorted(batch_ids)
 
 

@@ -14,8 +14,10 @@ library and its inputs -> run it once for the outputs and time `repeat` inferenc
 the same runner process (`Runner.run_model`) -> send outputs and latencies
 (`ReportModelRun`).
 
-A heartbeat thread keeps the agent's leases alive and tells it when it lost one (the
-batch then goes to another agent, and this one drops it). A bad kernel never takes the
+A heartbeat thread keeps alive the leases the agent names (`_Holding`: what it is
+measuring or finishing) and tells it when it lost one (the batch then goes to another
+agent, and this one drops it). Each LeaseBatch names them too, and the server ends any
+other lease of the agent: a grant whose answer never arrived is leased again at once. A bad kernel never takes the
 agent down: a crash, a hang or a wrong output is a result. The server going away is
 survived: every call is retried with exponential backoff, the results stream is reopened
 and the results it had not acknowledged are sent again (storing is idempotent).
@@ -236,6 +238,7 @@ class Agent:
         self.agent_id: int | None = None
         self.heartbeat_secs = 5.0
         self._held: tuple[float, frozenset[int]] = (0.0, frozenset())  # (sent at, active lease ids)
+        self.holding = _Holding()  # the leases and model runs this agent works on, named to the server
         self._fatal: MeasurerError | None = None
         self._work = Path(settings.work_dir)
         self.measured = 0  # candidates reported (for logs and tests)
@@ -370,7 +373,11 @@ class Agent:
                 continue
             sent = time.monotonic()
             try:
-                resp = self._call(self.stub.Heartbeat, pb.HeartbeatRequest(agent_id=agent_id))
+                leases, runs = self.holding.ids()
+                resp = self._call(
+                    self.stub.Heartbeat,
+                    pb.HeartbeatRequest(agent_id=agent_id, held_lease_ids=leases, held_model_run_ids=runs),
+                )
                 self._held = (sent, frozenset(resp.active_lease_ids))
             except UnknownAgent:
                 self.agent_id = None  # the main loop registers again
@@ -406,12 +413,16 @@ class Agent:
             return None
         assert self.agent_id is not None
         t0 = time.monotonic()
+        leases, runs = self.holding.ids()
         resp = self._call(
             self.stub.LeaseBatch,
-            pb.LeaseBatchRequest(agent_id=self.agent_id, model_runs=True),
+            pb.LeaseBatchRequest(
+                agent_id=self.agent_id, model_runs=True, held_lease_ids=leases, held_model_run_ids=runs
+            ),
             timeout=self.settings.lease_wait_secs,
         )
         if resp.HasField("model_run"):
+            self.holding.add_model_run(resp.model_run.model_run_id)
             return resp.model_run
         if not resp.HasField("batch"):
             # The server waits for a batch before answering; one that answers at once (an
@@ -419,6 +430,7 @@ class Agent:
             if time.monotonic() - t0 < 0.05:
                 self.stop.wait(0.2)
             return None
+        self.holding.add_lease(resp.batch.lease_id)
         return resp.batch
 
     def _measure(self, batch: pb.LeasedBatch) -> None:
@@ -472,8 +484,9 @@ class Agent:
         except LeaseLost as exc:
             log.warning("lease %d: %s; dropping the batch", batch.lease_id, exc)
         finally:
-            if stream is not None:
+            if stream is not None:  # not handed to the finisher: this agent is done with the lease
                 stream.close()
+                self.holding.drop_lease(batch.lease_id)
             shutil.rmtree(lease_dir, ignore_errors=True)
 
     def _finish_in_background(
@@ -498,6 +511,7 @@ class Agent:
                 log.warning("lease %d not finished: %s", batch.lease_id, exc)
             finally:
                 stream.close()
+                self.holding.drop_lease(batch.lease_id)
 
         self._finisher = threading.Thread(target=finish, daemon=True, name="agent-finish")
         self._finisher.start()
@@ -544,6 +558,7 @@ class Agent:
         except LeaseLost as exc:
             log.warning("model run %d: %s; dropping it", run.model_run_id, exc)
         finally:
+            self.holding.drop_model_run(run.model_run_id)
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def _report_model_run(self, result: pb.ModelRunResult) -> None:
@@ -697,6 +712,38 @@ class _Sink:
             self._file.close()
             self._file = None
             self.part.unlink(missing_ok=True)
+
+
+class _Holding:
+    """The leases and model runs the agent works on: from LeaseBatch's answer until it is
+    done with them (finished, reported, or dropped). Heartbeats renew these and no others,
+    and LeaseBatch names them so that the server ends any other (a grant that never
+    arrived). Shared by the main loop, the finisher and the heartbeat thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._leases: set[int] = set()
+        self._runs: set[int] = set()
+
+    def ids(self) -> tuple[list[int], list[int]]:
+        with self._lock:
+            return sorted(self._leases), sorted(self._runs)
+
+    def add_lease(self, lease_id: int) -> None:
+        with self._lock:
+            self._leases.add(lease_id)
+
+    def drop_lease(self, lease_id: int) -> None:
+        with self._lock:
+            self._leases.discard(lease_id)
+
+    def add_model_run(self, run_id: int) -> None:
+        with self._lock:
+            self._runs.add(run_id)
+
+    def drop_model_run(self, run_id: int) -> None:
+        with self._lock:
+            self._runs.discard(run_id)
 
 
 def _safe_file_name(name: str, fallback: int) -> str:

@@ -389,7 +389,13 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         agent = self.auth.agent(request.agent_id, token_id)
         try:
             held = self._tx(
-                lambda s: queries.heartbeat(s, agent_id=agent.agent_id, lease_secs=self.settings.lease_secs)
+                lambda s: queries.heartbeat(
+                    s,
+                    agent_id=agent.agent_id,
+                    lease_secs=self.settings.lease_secs,
+                    lease_ids=request.held_lease_ids,
+                    model_run_ids=request.held_model_run_ids,
+                )
             )
         except db_exc.NotFound:
             self.auth.forget(agent.agent_id)
@@ -425,6 +431,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         if remaining is not None:
             wait = min(wait, max(0.0, remaining - 1.0))
         deadline = time.monotonic() + wait
+        self._reconcile(request, agent)
         leased = self._try_lease(request, agent)
         if leased is not None or wait <= 0:
             return leased or pb.LeaseBatchResponse()
@@ -441,6 +448,25 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                     return leased
         finally:
             self._waiting.release()
+
+    def _reconcile(self, request: pb.LeaseBatchRequest, agent: _AgentInfo) -> None:
+        """End every active lease and leased model run of the agent that it does not say
+        it holds: granted by an earlier LeaseBatch whose answer never reached it (a server
+        killed, a connection cut), so its batch waits for no one."""
+        released = self._tx(
+            lambda s: queries.release_agent_leases(
+                s,
+                agent_id=agent.agent_id,
+                keep_lease_ids=request.held_lease_ids,
+                keep_model_run_ids=request.held_model_run_ids,
+            )
+        )
+        if released:
+            log.warning(
+                "agent %s does not hold the leases of batches %s (their grants never reached it): leased again",
+                agent.name,
+                released,
+            )
 
     def _try_lease(self, request: pb.LeaseBatchRequest, agent: _AgentInfo) -> pb.LeaseBatchResponse | None:
         """A model run (when the agent takes them) or a batch, if its class has any."""

@@ -41,7 +41,9 @@ class LoadCounts:
     fetched_bytes: int = 0
 
 
-async def _heartbeats(stub, agent_id: int, metadata, interval: float, counts: LoadCounts, stop: asyncio.Event) -> None:
+async def _heartbeats(
+    stub, agent_id: int, held: set[int], metadata, interval: float, counts: LoadCounts, stop: asyncio.Event
+) -> None:
     from services.measurer.generated import measurer_pb2 as pb
 
     while not stop.is_set():
@@ -51,7 +53,8 @@ async def _heartbeats(stub, agent_id: int, metadata, interval: float, counts: Lo
         except TimeoutError:
             pass
         try:
-            await stub.Heartbeat(pb.HeartbeatRequest(agent_id=agent_id), metadata=metadata, timeout=30)
+            request = pb.HeartbeatRequest(agent_id=agent_id, held_lease_ids=sorted(held))
+            await stub.Heartbeat(request, metadata=metadata, timeout=30)
             counts.heartbeats += 1
         except Exception:
             counts.rpc_errors += 1
@@ -112,8 +115,9 @@ async def simulated_agent(
                 return
             await asyncio.sleep(0.5)
     counts.registered += 1
+    held: set[int] = set()  # the lease being reported, named in heartbeats as the agent does
     beating = asyncio.create_task(
-        _heartbeats(stub, reg.agent_id, metadata, reg.heartbeat_interval_secs or 5.0, counts, stop)
+        _heartbeats(stub, reg.agent_id, held, metadata, reg.heartbeat_interval_secs or 5.0, counts, stop)
     )
     try:
         while not stop.is_set():
@@ -130,6 +134,7 @@ async def simulated_agent(
                     await asyncio.sleep(0.2)
                 continue
             counts.leases += 1
+            held.add(resp.batch.lease_id)
             try:
                 if fetch:
                     await _fetch(stub, reg.agent_id, resp.batch, metadata, counts)
@@ -139,6 +144,8 @@ async def simulated_agent(
                     counts.lost_leases += 1
                 else:
                     counts.rpc_errors += 1
+            finally:
+                held.discard(resp.batch.lease_id)
     finally:
         beating.cancel()
 

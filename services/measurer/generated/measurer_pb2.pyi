@@ -109,10 +109,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, agent_id: _Optional[int] = ..., target_json: _Optional[str] = ..., heartbeat_interval_secs: _Optional[float] = ..., lease_secs: _Optional[float] = ..., poll_interval_secs: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("agent_id",)
+    __slots__ = ("agent_id", "held_lease_ids", "held_model_run_ids")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_MODEL_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
     agent_id: int
-    def __init__(self, agent_id: _Optional[int] = ...) -> None: ...
+    held_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    held_model_run_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_id: _Optional[int] = ..., held_lease_ids: _Optional[_Iterable[int]] = ..., held_model_run_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("active_lease_ids",)
@@ -141,12 +145,16 @@ class HealthResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseBatchRequest(_message.Message):
-    __slots__ = ("agent_id", "model_runs")
+    __slots__ = ("agent_id", "model_runs", "held_lease_ids", "held_model_run_ids")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_RUNS_FIELD_NUMBER: _ClassVar[int]
+    HELD_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_MODEL_RUN_IDS_FIELD_NUMBER: _ClassVar[int]
     agent_id: int
     model_runs: bool
-    def __init__(self, agent_id: _Optional[int] = ..., model_runs: _Optional[bool] = ...) -> None: ...
+    held_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    held_model_run_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_id: _Optional[int] = ..., model_runs: _Optional[bool] = ..., held_lease_ids: _Optional[_Iterable[int]] = ..., held_model_run_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ArtifactRef(_message.Message):
     __slots__ = ("kind", "id", "file_name", "sha256", "size")

@@ -82,7 +82,7 @@ class AgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """The agent is alive: extends its active leases; says which leases it still holds.
+        """The agent is alive: extends the active leases it names; says which of them it still holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
