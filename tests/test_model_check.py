@@ -1,8 +1,9 @@
 """The output check of a tuned model (`tunefarm.models.check`) and how a model is timed
 (`tunefarm.models.timing`): element-wise tolerances on several input kinds, a detector
 (sigmoid heads, upsampling, concat) tuned end to end that matches onnxruntime on every
-kind, a deliberately wrong kernel that the check catches (the library is not kept, the
-command fails with one line), and `tunefarm run` timing the model and onnxruntime alike."""
+kind, summation noise told from a wrong kernel against a float64 run of the model, a
+deliberately wrong kernel that the check catches (the library is kept under another
+name, the task to suspect is named, the command fails with one line), and `tunefarm run` timing the model and onnxruntime alike."""
 
 from __future__ import annotations
 
@@ -79,6 +80,77 @@ def test_the_check_compares_every_kind_and_reports_the_tolerance():
         ("normal", "y", True), ("uniform", "y", True), ("pixels", "y", False)]
     assert "output y on pixels input" in report["problem"]
     assert ModelCheck("torch", ()).ok is False  # nothing compared is no match
+
+
+def _saturated_head(seed: int, noise: float) -> tuple[np.ndarray, np.ndarray]:
+    """A sigmoid head saturated low (outputs around 1e-5, like a text detector's map on an
+    image with no text), exactly and as a float32 engine computes it: the rounding error
+    of the pre-activation, a long sum of large terms, becomes a relative error of
+    `noise` on every output."""
+    exact = 1e-5 * (1 + np.random.default_rng(0).random((1, 1, 32, 32)))
+    rng = np.random.default_rng(seed)
+    return exact, (exact * (1 + noise * rng.standard_normal(exact.shape))).astype(np.float32)
+
+
+def test_summation_noise_beyond_the_tolerance_is_told_from_a_wrong_kernel():
+    exact, reference = _saturated_head(0, 2e-3)  # onnxruntime: 2e-3 relative off the exact result
+    _, noisy = _saturated_head(1, 2e-3)  # the tuned model: as far off, summed in another order
+    _, wrong = _saturated_head(1, 5e-2)  # a kernel 25x as far off: wrong, not noisy
+    strict = compare_output(noisy, reference, input_kind="pixels", output="prob")
+    assert not strict.ok  # the element-wise tolerance alone refuses the noisy model
+
+    judged = check.judge_noise(strict, noisy, reference, exact)
+    assert judged.ok and judged.within_noise
+    assert judged.exact_error <= check.NOISE_FACTOR * judged.reference_noise
+    assert "within 10x its noise" in judged.describe()
+    refused = check.judge_noise(compare_output(wrong, reference, input_kind="pixels", output="prob"), wrong, reference, exact)
+    assert not refused.ok and "beyond 10x its noise" in refused.describe()
+    # A float32 reference far from the exact one (one of them is wrong, not noisy): no judgment.
+    far = (reference + 0.05 * reference.max()).astype(np.float32)
+    assert not check.judge_noise(compare_output(noisy, far, input_kind="pixels", output="prob"), noisy, far, exact).ok
+
+
+def test_the_model_check_asks_the_exact_reference_only_for_what_fails():
+    exact, reference = _saturated_head(0, 2e-3)
+    _, noisy = _saturated_head(1, 2e-3)
+    asked = []
+
+    def run_exact(feeds):
+        asked.append(feeds["x"].dtype)
+        return [exact]
+
+    inputs = {"normal": {"x": np.zeros(2, np.float32)}}
+    result = check.check_model(lambda f: [noisy], lambda f: [reference], inputs, reference_name="onnxruntime",
+                               output_names=["prob"], exact=check.ExactReference("float64 test", run_exact))
+    assert result.ok and len(asked) == 1
+    report = result.as_report()
+    assert report["exact_reference"] == "float64 test" and report["outputs"][0]["within_noise"] is True
+    assert report["tolerance"]["noise_factor"] == check.NOISE_FACTOR
+    same = check.check_model(lambda f: [reference], lambda f: [reference], inputs, reference_name="onnxruntime",
+                             exact=check.ExactReference("float64 test", run_exact))
+    assert same.ok and len(asked) == 1 and "exact_reference" not in same.as_report()  # nothing to judge
+
+    def broken(feeds):
+        raise RuntimeError("no float64 kernel for this op")
+
+    kept = check.check_model(lambda f: [noisy], lambda f: [reference], inputs, reference_name="onnxruntime",
+                             exact=check.ExactReference("float64 test", broken))
+    assert not kept.ok  # the tolerance's verdict stands
+
+
+def test_the_exact_reference_runs_an_example_model_in_float64(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    from tunefarm.models import examples
+    from tunefarm.models.importer import run_onnxruntime
+
+    path = examples.export_example("dbnet_tiny", tmp_path / "dbnet_tiny.onnx")  # Resize, ConvTranspose, sigmoid
+    feeds = check_inputs({"x": (1, 3, 32, 32)}, {"x": "float32"})["pixels"]
+    exact = check.exact_onnx_reference(path.read_bytes()).run(feeds)
+    ort = run_onnxruntime(path.read_bytes(), feeds)
+    assert [e.dtype for e in exact] == [np.float64] * len(ort)
+    for e, o in zip(exact, ort):
+        assert e.shape == o.shape and np.max(np.abs(e - o)) <= 1e-5 * np.max(np.abs(e))
 
 
 def test_timing_warms_up_and_reports_percentiles_and_threads():
@@ -163,7 +235,7 @@ def test_tuned_detector_matches_onnxruntime_on_every_input_kind(tuned_detector, 
 
 
 @pytest.mark.slow
-def test_a_wrong_kernel_fails_the_check_and_the_library_is_not_kept(tuned_detector, tmp_path):
+def test_a_wrong_kernel_fails_the_check_its_library_is_kept_aside_and_its_task_named(tuned_detector, tmp_path):
     """The tuned schedules, but the sigmoid head's task gets one that stores the
     transposed convolution's sums as integers (every kernel of a run is checked on its
     own, but a model is built from records that can come from anywhere)."""
@@ -186,6 +258,13 @@ def test_a_wrong_kernel_fails_the_check_and_the_library_is_not_kept(tuned_detect
 
     outcome = finish_model(loaded, tmp_path / "wrong", TARGET, schedules)
     assert outcome.directory is None and not (tmp_path / "wrong" / "model.so").exists()
-    assert "differs from onnxruntime's: output" in outcome.error and "the library was not kept" in outcome.error
+    assert (tmp_path / "wrong" / "model.failed-check.so").is_file()  # the work is kept, under another name
+    assert "differs from onnxruntime's: output" in outcome.error and "model.failed-check.so" in outcome.error
     assert outcome.check["ok"] is False and any(r["mismatched"] for r in outcome.check["outputs"])
+    # Beyond noise: judged against the float64 model, the wrong kernel is far further off than onnxruntime.
+    judged = [r for r in outcome.check["outputs"] if not r["ok"]]
+    assert judged and all(r["within_noise"] is False for r in judged)
+    assert outcome.check["exact_reference"].startswith("ONNX reference evaluator")
+    assert outcome.check["suspects"]["tasks"] == [head.name]  # the bisection finds the injected kernel
+    assert f"suspect task(s): {head.name}" in outcome.error
     assert outcome.latency is None

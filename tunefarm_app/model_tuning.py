@@ -12,8 +12,9 @@ One run:
   4. build each model with its tasks' best schedules (a task without a valid measurement
      keeps TVM's default build, and the report says so), check its output against the
      reference (onnxruntime on the ONNX file as given, the module itself for torch) on
-     several input kinds (`tunefarm.models.check`) — a mismatch is an error and the
-     library is not kept —, time it and onnxruntime on the same threads, and write `model.so`,
+     several input kinds (`tunefarm.models.check`) — a mismatch beyond float32 noise is
+     an error: the library is kept as `model.failed-check.so` and the report names the
+     task to suspect —, time it and onnxruntime on the same threads, and write `model.so`,
      `manifest.json` and `report.json`. Step 4 and the report are
      `tunefarm.models.finish`, shared with the farm's scheduler service.
 

@@ -17,7 +17,9 @@ on an x86 scheduler, so `check_on_device` asks an agent of the class instead:
 3. here, the outputs are compared with the reference's on the same inputs (onnxruntime,
    run on this host: the reference does not depend on the device) by the same check a
    local run uses (`tunefarm.models.check`: every input kind, every element). A
-   mismatch, or a run the agent could not do, fails the job and the library is not kept.
+   mismatch beyond float32 noise fails the job (the library is kept as
+   `model.failed-check.so`, never as the tuned model); a run the agent could not do fails
+   it too, and that library is not kept.
 
 The latency is the device's, and `ModelOutcome.measured_on` says where it came from:
 the agent, its class, and `emulated` when that agent runs under an emulator (then the
@@ -46,7 +48,7 @@ from services.measurer import artifacts
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.models import check
 from tunefarm.models.build import LIBRARY_NAME, RUN_TIMEOUT
-from tunefarm.models.finish import LoadedModel, ModelOutcome, check_inputs
+from tunefarm.models.finish import FAILED_LIBRARY_NAME, LoadedModel, ModelOutcome, check_inputs
 from tunefarm.models.timing import Latency
 
 INPUTS_NAME = "inputs.npz"
@@ -109,14 +111,14 @@ def check_on_device(
     errors = []
     for kind, row in rows.items():
         assert row is not None
-        errors += check.compare_outputs(_outputs(where.artifact_root, row), m.reference(sets[kind]),
-                                        input_kind=kind, names=names)
-    result = check.ModelCheck(m.reference_name, tuple(errors))
+        errors += check.check_outputs(_outputs(where.artifact_root, row), m.reference(sets[kind]), sets[kind],
+                                      input_kind=kind, names=names, exact=m.exact)
+    result = check.ModelCheck(m.reference_name, tuple(errors), check.exact_name(errors, m.exact))
     if not result.ok:
-        (directory / LIBRARY_NAME).unlink(missing_ok=True)
+        (directory / LIBRARY_NAME).replace(directory / FAILED_LIBRARY_NAME)
         raise JobFailed(
             f"{m.name}: the tuned model's output on {measured_on['agent']} differs from {m.reference_name}'s: "
-            f"{result.problem()}; the library was not kept"
+            f"{result.problem()}; kept as {FAILED_LIBRARY_NAME} (not the tuned model)"
         )
     timed_row = rows[timed_kind]
     assert timed_row is not None

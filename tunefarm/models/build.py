@@ -442,6 +442,7 @@ def check_library(model_dir: str | Path, onnx_model: Any, *, worker: IsolatedWor
             inputs,
             reference_name="onnxruntime",
             output_names=[s["name"] for s in manifest["outputs"]],
+            exact=check.exact_onnx_reference(onnx_model if isinstance(onnx_model, bytes) else onnx_model.SerializeToString()),
         )
     finally:
         if worker is None:

@@ -15,8 +15,9 @@ Map:
   seeds its inputs (the timing input, the first of the check's input kinds);
 - `batch_size_for`: measurements per round for a model's budget and task count;
 - `finish_model`: build with the tasks' best schedules, check it against the reference
-  on every input kind (`tunefarm.models.check`; a mismatch is an error and the library
-  is not kept), time it and onnxruntime on the same threads (`tunefarm.models.timing`),
+  on every input kind (`tunefarm.models.check`; a mismatch beyond float32 noise is an
+  error: the library is kept as `model.failed-check.so` and the task to suspect is
+  found by bisection, `tunefarm.models.suspects`), time it and onnxruntime on the same threads (`tunefarm.models.timing`),
   `ModelOutcome`;
 - `TaskOutcome` + `TuningSummary` -> `model_report`: the report as plain data, from
   whatever ran the search (embedded mode's `TuneResult`, the farm's sessions);
@@ -42,8 +43,10 @@ from typing import Any
 import numpy as np
 
 from tunefarm.errors import ModelError
+from tunefarm.isolation import IsolatedWorker
 from tunefarm.models import check
 from tunefarm.models.build import (
+    LIBRARY_NAME,
     ONNXRUNTIME,
     build_default_library,
     build_model_library,
@@ -53,11 +56,14 @@ from tunefarm.models.build import (
     time_side_by_side,
 )
 from tunefarm.models.importer import ImportedModel, import_model
+from tunefarm.models.suspects import Suspects, find_suspects
 from tunefarm.models.tasks import CONV_LAYOUTS, ModelTasks, extract_tasks
 from tunefarm.records import MeasureRecord
 
 RECORDS_NAME = "records.jsonl"
 REPORT_NAME = "report.json"
+FAILED_LIBRARY_NAME = "model.failed-check.so"
+"""Where a tuned model that failed its check is kept (loaded by nothing; for inspection)."""
 REFERENCE_NAME = "reference.onnx"
 
 REPORT_VERSION = 1
@@ -80,6 +86,8 @@ class LoadedModel:
     # The ONNX graph as given (before simplification): the check's reference and the
     # graph onnxruntime is timed on. None for a torch module.
     reference_onnx: bytes | None = None
+    # The model in float64, for the check's noise judgment (`check.ExactReference`).
+    exact: check.ExactReference | None = None
 
     @property
     def name(self) -> str:
@@ -118,7 +126,9 @@ def load_model(
         # The reference is the graph the user has, not the simplified one TVM converted:
         # a simplification that moved the results must not move the reference with them.
         original = _onnx_bytes(source) or imported.onnx_bytes
-        return LoadedModel(imported, tasks, onnx_reference(original), "onnxruntime", original)
+        return LoadedModel(
+            imported, tasks, onnx_reference(original), "onnxruntime", original, check.exact_onnx_reference(original)
+        )
 
     module = source
 
@@ -130,7 +140,8 @@ def load_model(
         outs = out if isinstance(out, (tuple, list)) else (out,)
         return [o.detach().numpy() for o in outs]
 
-    return LoadedModel(imported, tasks, torch_reference, "torch")
+    exact = check.exact_torch_reference(module, [t.name for t in imported.inputs])
+    return LoadedModel(imported, tasks, torch_reference, "torch", exact=exact)
 
 
 def _onnx_bytes(source: Any) -> bytes | None:
@@ -215,7 +226,7 @@ def finish_model(
     if missing:
         log(f"{m.name}: {len(missing)} task(s) without a valid measurement keep TVM's default build")
     log(f"{m.name}: building the tuned model")
-    built = build_model_library(
+    build_model_library(
         m.tasks.fused_mod,
         directory,
         target=target,
@@ -227,10 +238,7 @@ def finish_model(
     result = check_built(m, directory)
     checked = result.as_report()
     if not result.ok:
-        built.library.unlink(missing_ok=True)
-        msg = f"{m.name}: the tuned model's output differs from {m.reference_name}'s: {result.problem()}; the library was not kept"
-        log(msg)
-        return ModelOutcome(m.name, None, None, checked, None, None, msg)
+        return _failed_check(m, directory, target, mine, result, log)
     feeds = model_inputs(m)
     threads = model_threads(directory)
     if m.reference_onnx is not None:
@@ -252,6 +260,47 @@ def finish_model(
     breakdown = profile_breakdown(m, directory, feeds, target, log)
     return ModelOutcome(m.name, directory, latency, checked, default_latency, ort_latency, breakdown=breakdown)
 
+
+
+def _failed_check(
+    m: LoadedModel,
+    directory: Path,
+    target: dict[str, Any],
+    schedules: Mapping[str, Any],
+    result: check.ModelCheck,
+    log: Callable[[str], None],
+) -> ModelOutcome:
+    """A model that failed its check: its library is kept under `FAILED_LIBRARY_NAME`
+    (never loaded as the tuned model), and the tuned tasks are bisected for the kernel to
+    suspect (`tunefarm.models.suspects`)."""
+    kept = directory / FAILED_LIBRARY_NAME
+    (directory / LIBRARY_NAME).replace(kept)
+    log(f"{m.name}: the tuned model fails its check ({result.problem()}); looking for the task to suspect")
+    by_name = {t.name: t for t in m.tasks.tasks}
+    tuned = [t.name for t in m.tasks.tasks if schedules.get(t.key)]
+
+    def fails(subset: Sequence[str], builder: IsolatedWorker, runner: IsolatedWorker) -> bool:
+        with tempfile.TemporaryDirectory(prefix="tunefarm-suspect-") as tmp:
+            picked = {by_name[n].key: schedules[by_name[n].key] for n in subset}
+            build_model_library(
+                m.tasks.fused_mod, tmp, target=target, inputs=m.imported.inputs, outputs=m.imported.outputs,
+                schedules=picked, name=f"{m.name} ({len(picked)} tuned tasks)", worker=builder,
+            )
+            return not check_built(m, Path(tmp), worker=runner).ok
+
+    try:  # one build process and one run process for every step (one TVM import each)
+        with IsolatedWorker(name="model-build") as builder, model_worker(model_threads(kept.parent)) as runner:
+            suspects = find_suspects(tuned, lambda subset: fails(subset, builder, runner))
+    except ModelError as exc:
+        suspects = Suspects((), 0, f"the bisection could not build the model: {exc}")
+    checked = {**result.as_report(), "suspects": suspects.as_report(), "kept_library": kept.name}
+    named = ", ".join(suspects.tasks) if suspects.tasks else "none"
+    msg = (
+        f"{m.name}: the tuned model's output differs from {m.reference_name}'s: {result.problem()};"
+        f" kept as {kept} (not the tuned model); suspect task(s): {named} ({suspects.reason})"
+    )
+    log(msg)
+    return ModelOutcome(m.name, None, None, checked, None, None, msg)
 
 
 def profile_breakdown(
@@ -285,16 +334,20 @@ def profile_breakdown(
     }
 
 
-def check_built(m: LoadedModel, directory: Path) -> check.ModelCheck:
-    """The model built in `directory` against its reference on every input kind."""
-    with model_worker(model_threads(directory)) as worker:
-        return check.check_model(
-            lambda feeds: run_model(directory, feeds, repeat=0, worker=worker).outputs,
-            m.reference,
-            check_inputs(m),
-            reference_name=m.reference_name,
-            output_names=[t.name for t in m.imported.outputs],
-        )
+def check_built(m: LoadedModel, directory: Path, *, worker: IsolatedWorker | None = None) -> check.ModelCheck:
+    """The model built in `directory` against its reference on every input kind (run in
+    `worker`, or a child of its own)."""
+    if worker is None:
+        with model_worker(model_threads(directory)) as own:
+            return check_built(m, directory, worker=own)
+    return check.check_model(
+        lambda feeds: run_model(directory, feeds, repeat=0, worker=worker).outputs,
+        m.reference,
+        check_inputs(m),
+        reference_name=m.reference_name,
+        output_names=[t.name for t in m.imported.outputs],
+        exact=m.exact,
+    )
 
 
 # -- the report -------------------------------------------------------------------------------
