@@ -51,9 +51,10 @@ def add_commands(sub) -> None:
         "--repeat", type=int, help="timed inferences (default: as many as fit in about a second, at least 20), "
         "in 5 blocks alternating with onnxruntime's"
     )
-    r.add_argument("--threads", type=int, help="threads of TVM and of onnxruntime (default: the target's cores)")
+    r.add_argument("--threads", type=int, help="threads of TVM and of the peers (default: the target's cores)")
     r.add_argument(
-        "--no-onnxruntime", action="store_true", help="do not time onnxruntime on the model's reference.onnx"
+        "--no-peers", "--no-onnxruntime", dest="no_peers", action="store_true",
+        help="do not time onnxruntime and OpenVINO on the model's reference.onnx",
     )
 
 
@@ -220,9 +221,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tunefarm.models.build import ONNXRUNTIME, load_manifest, model_threads, run_model, time_side_by_side
+    from tunefarm.models.build import load_manifest, model_threads, run_model, time_side_by_side
     from tunefarm.models.check import random_inputs
     from tunefarm.models.finish import REFERENCE_NAME
+    from tunefarm.models.peers import available_peers, latency_key
     from tunefarm_app.tuned_report import latency_lines
 
     if args.repeat is not None and args.repeat < 1:
@@ -254,13 +256,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     threads = args.threads or model_threads(args.directory)
     run = run_model(args.directory, given, repeat=0, threads=threads)
     reference = args.directory / REFERENCE_NAME
-    with_ort = reference.is_file() and not args.no_onnxruntime
+    peers = () if args.no_peers or not reference.is_file() else available_peers()
     latencies = time_side_by_side(
-        {"tuned": args.directory}, given, threads=threads, onnx_model=reference if with_ort else None, runs=args.repeat
+        {"tuned": args.directory}, given, threads=threads, onnx_model=reference if peers else None, peers=peers,
+        runs=args.repeat,
     )
     timed: dict = {"latency": latencies["tuned"].as_report()}
-    if with_ort:
-        timed["onnxruntime_latency"] = latencies[ONNXRUNTIME].as_report()
+    timed.update({latency_key(p): latencies[p].as_report() for p in peers})
     for line in latency_lines(timed):
         print(line)
     for s, out in zip(manifest["outputs"], run.outputs):

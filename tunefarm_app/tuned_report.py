@@ -23,9 +23,13 @@ from typing import Any
 
 from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, latency_curve_svg
 from tunefarm.errors import UsageError
+from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
 from tunefarm.models.timing import round_ratios
 
 TEMPLATES = Path(__file__).with_name("templates")
+
+PEER_LABELS = {ONNXRUNTIME: "ORT", OPENVINO: "OpenVINO"}
+"""The peers a report shows, with their short label in the terminal."""
 
 
 def load_report(path: Path) -> tuple[Path, dict[str, Any]]:
@@ -147,18 +151,21 @@ def latency_text(lat: Mapping[str, Any]) -> str:
 
 
 def latency_lines(model: Mapping[str, Any]) -> list[str]:
-    """The tuned model's latency, onnxruntime's and TVM's untuned build's, and the ratios."""
+    """The tuned model's latency, the peers' (onnxruntime, OpenVINO) and TVM's untuned
+    build's, and the ratios."""
     lat = model.get("latency")
     if not lat:
         return []
     lines = [f"latency    {latency_text(lat)}"]
-    ort = model.get("onnxruntime_latency")
-    if ort:
-        lines.append(f"ORT        {latency_text(ort)}")
-        x = speedup(ort, lat)
+    for peer, short in PEER_LABELS.items():
+        theirs = model.get(latency_key(peer))
+        if not theirs:
+            continue
+        lines.append(f"{short:<10} {latency_text(theirs)}")
+        x = speedup(theirs, lat)
         if x is not None:
-            text = f"vs ORT     {x:.2f}x the speed of onnxruntime (p50, same input and threads"
-            per_round = round_ratios(ort, lat)
+            text = f"{'vs ' + short:<10} {x:.2f}x the speed of {peer} (p50, same input and threads"
+            per_round = round_ratios(theirs, lat)
             if per_round:
                 text += f"; {min(per_round):.2f}-{max(per_round):.2f}x over {len(per_round)} alternating rounds"
             lines.append(text + ")")
@@ -194,9 +201,21 @@ def check_lines(check: Mapping[str, Any]) -> list[str]:
             if r.get("worst"):
                 w = r["worst"]
                 text += f", worst at {w['index']}: {w['got']:.6g} vs {w['reference']:.6g}"
+        if r.get("exact_error") is not None:
+            verdict = "summation noise (accepted)" if r["within_noise"] else "beyond noise"
+            text += (f"; vs float64 {r['exact_error']:.2g}, {check.get('reference', 'the reference')}'s own"
+                     f" {r['reference_noise']:.2g}: {verdict}")
         lines.append(text)
     for name, desc in kinds.items():
         lines.append(f"  {name:<8} = {desc}")
+    if tol.get("noise_rule") and any(r.get("exact_error") is not None for r in rows):
+        lines.append(f"  noise    = {tol['noise_rule']} ({check.get('exact_reference', 'float64')})")
+    suspects = check.get("suspects")
+    if suspects:
+        named = ", ".join(suspects["tasks"]) or "no task"
+        lines.append(f"suspect    {named}: {suspects['reason']}")
+    if check.get("kept_library"):
+        lines.append(f"kept       {check['kept_library']} (the failed model, for inspection; not the tuned model)")
     return lines
 
 
@@ -280,9 +299,12 @@ def html_report(report: Mapping[str, Any], file: Path) -> str:
             "tasks": task_lines(m),
             "plot": latency_curve_svg(curve_points(report, m["name"]), title=f"{m['name']}: estimated latency"),
             "vs_untuned": speedup(m.get("untuned_latency"), m.get("latency")),
-            "vs_ort": speedup(m.get("onnxruntime_latency"), m.get("latency")),
             "latency": latency_text(m["latency"]) if m.get("latency") else "",
-            "ort_latency": latency_text(m["onnxruntime_latency"]) if m.get("onnxruntime_latency") else "",
+            "peers": [
+                {"name": peer, "latency": latency_text(m[latency_key(peer)]), "median": m[latency_key(peer)]["median"],
+                 "speedup": speedup(m[latency_key(peer)], m.get("latency"))}
+                for peer in PEER_LABELS if m.get(latency_key(peer))
+            ],
             "check": [line.strip() for line in check_lines(m["check"])] if m.get("check") else [],
         }
         for m in report["models"]

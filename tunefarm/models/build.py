@@ -53,6 +53,7 @@ from tunefarm.export import export_library
 from tunefarm.isolation import IsolatedWorker, summarize_error
 from tunefarm.models import check
 from tunefarm.models.check import ModelCheck
+from tunefarm.models.peers import available_peers, peer_call
 from tunefarm.models.timing import ROUNDS, WARMUP_CALLS, Latency, time_calls, time_interleaved
 from tunefarm.records import TensorSpec, TraceJSON
 
@@ -424,8 +425,7 @@ def check_library(model_dir: str | Path, onnx_model: Any, *, worker: IsolatedWor
 
     manifest = load_manifest(model_dir)
     specs = manifest["inputs"]
-    if isinstance(onnx_model, (str, os.PathLike)):
-        onnx_model = Path(onnx_model).read_bytes()
+    onnx_model = _onnx_bytes(onnx_model)
 
     def reference(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         try:
@@ -442,15 +442,11 @@ def check_library(model_dir: str | Path, onnx_model: Any, *, worker: IsolatedWor
             inputs,
             reference_name="onnxruntime",
             output_names=[s["name"] for s in manifest["outputs"]],
-            exact=check.exact_onnx_reference(onnx_model if isinstance(onnx_model, bytes) else onnx_model.SerializeToString()),
+            exact=check.exact_onnx_reference(onnx_model),
         )
     finally:
         if worker is None:
             own.close()
-
-
-ONNXRUNTIME = "onnxruntime"
-"""The key of onnxruntime's latency in `time_side_by_side`'s answer."""
 
 
 def time_side_by_side(
@@ -459,20 +455,22 @@ def time_side_by_side(
     *,
     threads: int,
     onnx_model: Any = None,
+    peers: Sequence[str] | None = None,
     runs: int | None = None,
     rounds: int = ROUNDS,
     budget_secs: float | None = None,
     timeout: float = RUN_TIMEOUT,
 ) -> dict[str, Latency]:
     """The latency of each built model (name -> model directory) and, when `onnx_model`
-    (bytes, path or ModelProto) is given, of onnxruntime under the key `ONNXRUNTIME`
-    (CPU provider, `threads` intra-op threads, one inter-op thread). Each runs in its
-    own child process with `threads` threads, on the same `inputs` (name -> array), in
-    `rounds` alternating blocks (`timing.time_interleaved`): `runs` samples each, or
-    `budget_secs` of them (default `timing.BUDGET_SECS` per contender). Raises
-    `ModelError` when one cannot be run."""
-    if ONNXRUNTIME in builds and onnx_model is not None:
-        raise ValueError(f"a build may not be named {ONNXRUNTIME!r} when onnxruntime is timed too")
+    (bytes, path or ModelProto) is given, of each engine of `peers` (default: those
+    installed, `peers.available_peers()`) under its own name (`peers.ONNXRUNTIME`,
+    `peers.OPENVINO`). Each runs in its own child process with `threads` threads, on the
+    same `inputs` (name -> array), in `rounds` alternating blocks
+    (`timing.time_interleaved`): `runs` samples each, or `budget_secs` of them (default
+    `timing.BUDGET_SECS` per contender). Raises `ModelError` when one cannot be run."""
+    peer_names = tuple(available_peers() if peers is None else peers) if onnx_model is not None else ()
+    if set(builds) & set(peer_names):
+        raise ValueError(f"a build may not be named like a peer ({', '.join(peer_names)})")
     tmp = tempfile.mkdtemp(prefix="tunefarm-timing-")
     workers: list[IsolatedWorker] = []
     blocks = {}
@@ -485,24 +483,27 @@ def time_side_by_side(
             workers.append(worker)
             lib = str(Path(model_dir) / manifest["library"])
             blocks[name] = _block(worker, name, f"{_JOBS}:tvm_block_job", (lib, npz), timeout)
-        if onnx_model is not None:
-            if isinstance(onnx_model, (str, os.PathLike)):
-                onnx_model = Path(onnx_model).read_bytes()
-            elif not isinstance(onnx_model, bytes):
-                onnx_model = onnx_model.SerializeToString()
+        if peer_names:
             model_path = os.path.join(tmp, "model.onnx")
-            Path(model_path).write_bytes(onnx_model)
-            npz = os.path.join(tmp, "inputs-ort.npz")
+            Path(model_path).write_bytes(_onnx_bytes(onnx_model))
+            npz = os.path.join(tmp, "inputs-peers.npz")
             np.savez(npz, **dict(inputs))
-            worker = IsolatedWorker(name="ort-timing")
-            workers.append(worker)
-            blocks[ONNXRUNTIME] = _block(worker, ONNXRUNTIME, f"{_JOBS}:ort_block_job", (model_path, npz, threads), timeout)
+            for peer in peer_names:
+                worker = IsolatedWorker(name=f"{peer}-timing")
+                workers.append(worker)
+                blocks[peer] = _block(worker, peer, f"{_JOBS}:peer_block_job", (peer, model_path, npz, threads), timeout)
         kwargs = {} if budget_secs is None else {"budget_secs": budget_secs}
         return time_interleaved(blocks, runs=runs, rounds=rounds, **kwargs)
     finally:
         for worker in workers:
             worker.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _onnx_bytes(onnx_model: Any) -> bytes:
+    if isinstance(onnx_model, (str, os.PathLike)):
+        return Path(onnx_model).read_bytes()
+    return onnx_model if isinstance(onnx_model, bytes) else onnx_model.SerializeToString()
 
 
 def _block(worker: IsolatedWorker, name: str, job: str, args: tuple, timeout: float):
@@ -538,23 +539,16 @@ def tvm_block_job(
     return samples, int(tvm.runtime.num_threads())
 
 
-def ort_block_job(
-    model_path: str, inputs_npz: str, threads: int, runs: int | None, budget_secs: float, warmup_secs: float,
-    min_runs: int,
+def peer_block_job(
+    peer: str, model_path: str, inputs_npz: str, threads: int, runs: int | None, budget_secs: float,
+    warmup_secs: float, min_runs: int,
 ) -> tuple[list[float], int]:
-    """Child side of `time_side_by_side` for onnxruntime: one block of samples."""
-    key = (model_path, inputs_npz)
+    """Child side of `time_side_by_side` for a peer engine: one block of samples."""
+    key = (peer, model_path, inputs_npz)
     if key not in _TIMED_CALLS:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        session = ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
         with np.load(inputs_npz) as data:
             feeds = {name: data[name] for name in data.files}
-        _TIMED_CALLS[key] = lambda: session.run(None, feeds)
+        _TIMED_CALLS[key] = peer_call(peer, model_path, feeds, threads)
     return _timed_block(_TIMED_CALLS[key], runs, budget_secs, warmup_secs, min_runs), threads
 
 

@@ -47,7 +47,6 @@ from tunefarm.isolation import IsolatedWorker
 from tunefarm.models import check
 from tunefarm.models.build import (
     LIBRARY_NAME,
-    ONNXRUNTIME,
     build_default_library,
     build_model_library,
     model_threads,
@@ -56,6 +55,7 @@ from tunefarm.models.build import (
     time_side_by_side,
 )
 from tunefarm.models.importer import ImportedModel, import_model
+from tunefarm.models.peers import ONNXRUNTIME, OPENVINO
 from tunefarm.models.suspects import Suspects, find_suspects
 from tunefarm.models.tasks import CONV_LAYOUTS, ModelTasks, extract_tasks
 from tunefarm.records import MeasureRecord
@@ -198,6 +198,7 @@ class ModelOutcome:
     check: dict  # `ModelCheck.as_report()` (ok, reference, per input kind and output, tolerance)
     default_latency: dict | None
     onnxruntime_latency: dict | None = None  # the same timing, input and thread count
+    openvino_latency: dict | None = None  # likewise, when OpenVINO is installed
     error: str = ""
     # Where the check and the latency were taken when not on this host: a device class's
     # agent {"device_class", "agent", "emulated", ...}; `emulated` means the latency is
@@ -243,10 +244,11 @@ def finish_model(
     threads = model_threads(directory)
     if m.reference_onnx is not None:
         (directory / REFERENCE_NAME).write_bytes(m.reference_onnx)
-    # the tuned model and onnxruntime in alternating blocks: a noisy minute hits both
+    # the tuned model, onnxruntime and OpenVINO in alternating blocks: a noisy minute hits all
     timed = time_side_by_side({"tuned": directory}, feeds, threads=threads, onnx_model=m.reference_onnx)
     latency = timed["tuned"].as_report()
     ort_latency = timed[ONNXRUNTIME].as_report() if ONNXRUNTIME in timed else None
+    ov_latency = timed[OPENVINO].as_report() if OPENVINO in timed else None
     default_latency = None
     if compare_default:
         log(f"{m.name}: building and timing TVM's default (untuned) build for comparison")
@@ -258,7 +260,9 @@ def finish_model(
         d = run_model(default_dir, feeds, repeat=DEFAULT_BUILD_REPEAT, threads=threads)
         default_latency = d.latency.as_report() if d.latency else None
     breakdown = profile_breakdown(m, directory, feeds, target, log)
-    return ModelOutcome(m.name, directory, latency, checked, default_latency, ort_latency, breakdown=breakdown)
+    return ModelOutcome(
+        m.name, directory, latency, checked, default_latency, ort_latency, ov_latency, breakdown=breakdown
+    )
 
 
 
@@ -432,6 +436,7 @@ def model_report(
                 "latency": o.latency,
                 "untuned_latency": o.default_latency,
                 "onnxruntime_latency": o.onnxruntime_latency,
+                "openvino_latency": o.openvino_latency,
                 "estimated_seconds": estimate,
                 "estimated_seconds_at_start": at_start,
                 "check": o.check,
