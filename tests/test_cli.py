@@ -66,7 +66,7 @@ def test_tune_op_on_a_tvmscript_file_then_apply_best(tmp_path, capsys, host_targ
     import numpy as np
     import tvm
 
-    from tunefarm_app.cost_model_cache import cache_path
+    from tunefarm.search.cost_model.cache import cache_path
 
     kernel = Path(__file__).resolve().parents[1] / "examples" / "kernel.py"
     records, report = tmp_path / "k.jsonl", tmp_path / "k.json"

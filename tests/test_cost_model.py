@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from services.scheduler.cost_model import (
+from tunefarm.search.cost_model import (
     CostModel,
     RandomCostModel,
     XGBConfig,
@@ -17,7 +17,7 @@ from services.scheduler.cost_model import (
     pairwise_accuracy,
     recall_at_k,
 )
-from services.scheduler.cost_model.xgb import (
+from tunefarm.search.cost_model.xgb import (
     normalized_throughputs,
     pack_sum_gradient,
     pack_sum_loss,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.scheduler.cost_model import XGBConfig, XGBCostModel
-from services.scheduler.features import NUM_FEATURES
-from tunefarm_app import cost_model_cache as cache
+from tunefarm.search.cost_model import XGBConfig, XGBCostModel
+from tunefarm.search.features import NUM_FEATURES
+from tunefarm.search.cost_model import cache
 
 TARGET = {"kind": "llvm", "mcpu": "skylake", "num-cores": 2}
 
@@ -104,7 +104,7 @@ class _Session:
 
 
 def test_resumed_records_the_kept_model_learnt_are_not_learnt_twice(tmp_path):
-    from services.scheduler.session import RetrainCostModel, program_id
+    from tunefarm.search.session import RetrainCostModel, program_id
 
     a, b = _record("t", 1, 1e-3), _record("t", 2, 2e-3)
     model = XGBCostModel(XGBConfig(seed=1, num_warmup_samples=1, num_boost_round=5))

@@ -6,13 +6,13 @@ import random
 
 import numpy as np
 
-from services.scheduler.config import SearchConfig
-from services.scheduler.cost_model import RandomCostModel
-from services.scheduler.cost_model.base import CostModel
-from services.scheduler.evolution import EvolutionarySearch
-from services.scheduler.features import FEATURE_NAMES
-from services.scheduler.program_space import ProgramSpace
-from services.scheduler.task import make_task
+from tunefarm.search.config import SearchConfig
+from tunefarm.search.cost_model import RandomCostModel
+from tunefarm.search.cost_model.base import CostModel
+from tunefarm.search.evolution import EvolutionarySearch
+from tunefarm.search.features import FEATURE_NAMES
+from tunefarm.search.space.program_space import ProgramSpace
+from tunefarm.search.task import make_task
 from tunefarm.workloads import registry
 
 SMALL_SEARCH = SearchConfig(population=64, generations=2)
@@ -119,7 +119,7 @@ def test_crossover_takes_each_block_from_a_parent():
 
 def test_a_small_batch_gets_a_random_program():
     """5% of a batch of 4 rounds to no random pick; the floor gives it one (exploration)."""
-    from services.scheduler.evolution import random_picks
+    from tunefarm.search.evolution import random_picks
 
     space = _space()
     rng = random.Random(3)

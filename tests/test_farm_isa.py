@@ -119,7 +119,7 @@ def test_one_machine_serves_both_classes(farm, client):
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
 def test_two_isa_classes_tune_side_by_side_each_for_its_own_isa(farm, client, sessions, tmp_path):
-    from services.scheduler.cost_model import XGBCostModel
+    from tunefarm.search.cost_model import XGBCostModel
 
     onnx_path = tiny_onnx(tmp_path / "tiny.onnx")
     model = client.upload_model(onnx_path, {"x": [1, 3, 8, 8]})

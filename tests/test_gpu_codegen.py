@@ -18,15 +18,15 @@ import tvm_ffi
 
 from services.measurer.runner import run_kernel
 from services.measurer.task_data import write_task_data
-from services.scheduler.dag import analyse
-from services.scheduler.loopnest import InvalidProgram
-from services.scheduler.realize import realize, trace_json
-from services.scheduler.rule_set import GpuRules
-from services.scheduler.slots import Decider
 from services.worker.builder import BuildError, build_module
 from tunefarm import cuda
 from tunefarm.gpu import GpuLimits, gpu_compatible
 from tunefarm.records import RunInput, TimingConfig
+from tunefarm.search.space.dag import analyse
+from tunefarm.search.space.program import InvalidProgram
+from tunefarm.search.space.realize import realize, trace_json
+from tunefarm.search.space.rule_set import GpuRules
+from tunefarm.search.space.slots import Decider
 from tunefarm.workloads import registry
 
 SM80 = {"kind": "cuda", "arch": "sm_80"}
@@ -261,13 +261,13 @@ def test_a_gpu_task_goes_from_proposal_to_a_runner_that_has_no_gpu(tmp_path):
     path times the kernels (not run here)."""
     from services.measurer.local import LocalMeasurer
     from services.measurer.runner import LocalRunner
-    from services.scheduler.config import TuneConfig
-    from services.scheduler.cost_model.random import RandomCostModel
-    from services.scheduler.task import make_task
-    from services.scheduler.tuner import TaskTuner
     from services.worker.builder import LocalBuilder
     from tunefarm.measure import MeasureBatch
     from tunefarm.records import ErrorKind
+    from tunefarm.search.config import TuneConfig
+    from tunefarm.search.cost_model.random_model import RandomCostModel
+    from tunefarm.search.task import make_task
+    from tunefarm.search.tuner import TaskTuner
 
     try:
         cuda.cuda_device()

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from services.scheduler.dag import analyse
-from services.scheduler.features import (
+from tunefarm.errors import TargetError
+from tunefarm.gpu import GpuLimits
+from tunefarm.search.features import (
     GPU_FEATURE_NAMES,
     GPU_FEATURE_VERSION,
     NUM_FEATURES,
@@ -17,10 +18,11 @@ from services.scheduler.features import (
     program_features,
     slog,
 )
-from services.scheduler.loopnest import InvalidProgram, expected_tvm_loops
-from services.scheduler.realize import loop_structure, realize
-from services.scheduler.rule_set import CpuRules, GpuRules, rule_set_for
-from services.scheduler.sketch import (
+from tunefarm.search.space.dag import analyse
+from tunefarm.search.space.program import InvalidProgram, expected_tvm_loops
+from tunefarm.search.space.realize import loop_structure, realize
+from tunefarm.search.space.rule_set import CpuRules, GpuRules, rule_set_for
+from tunefarm.search.space.sketch import (
     CacheReadStep,
     CacheWriteStep,
     CrossThreadReductionStep,
@@ -29,9 +31,7 @@ from services.scheduler.sketch import (
     ThreadBindStep,
     TileStep,
 )
-from services.scheduler.slots import Decider
-from tunefarm.errors import TargetError
-from tunefarm.gpu import GpuLimits
+from tunefarm.search.space.slots import Decider
 from tunefarm.workloads import registry
 
 SM80 = {"kind": "cuda", "arch": "sm_80"}
@@ -220,8 +220,8 @@ def test_gpu_feature_rows_are_the_cpu_layout_plus_the_gpu_group():
 
 def test_gpu_mutation_changes_gpu_slots():
     """The evolution's mutation on a GPU space: tile sizes, unroll and threads."""
-    from services.scheduler.config import SearchConfig
-    from services.scheduler.program_space import ProgramSpace, slot_kind
+    from tunefarm.search.config import SearchConfig
+    from tunefarm.search.space.program_space import ProgramSpace, slot_kind
 
     _, dag = _dag("layer_norm")
     space = ProgramSpace(dag, RULES.sketches(dag), RULES)

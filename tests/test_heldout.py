@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from services.scheduler.cost_model import XGBConfig, XGBCostModel, pairwise_accuracy
-from services.scheduler.cost_model.metrics import pairwise_beyond_noise, relative_spread, spearman
+from tunefarm.search.cost_model import XGBConfig, XGBCostModel, pairwise_accuracy
+from tunefarm.search.cost_model.metrics import pairwise_beyond_noise, relative_spread, spearman
 from tunefarm_app.bench.heldout import FOLDS, cross_validate, kfold_splits, time_ordered_split
 
 

@@ -7,9 +7,9 @@ import pytest
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from services.scheduler.realize import realize, trace_json
-from services.scheduler.task import make_task
 from tunefarm.records import ErrorKind, MeasureRecord
+from tunefarm.search.space.realize import realize, trace_json
+from tunefarm.search.task import make_task
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import registry
 from tunefarm_app.interop import export_metaschedule

@@ -15,9 +15,9 @@ import sys
 import pytest
 
 from services.measurer import capabilities
-from services.scheduler import transfer
 from tunefarm import isa
 from tunefarm.errors import TargetError
+from tunefarm.search.cost_model import transfer
 
 HASWELL = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
 X86_64_V2 = {"kind": "llvm", "mcpu": "x86-64-v2", "num-cores": 2}
@@ -137,9 +137,9 @@ def test_a_class_without_a_model_starts_from_its_nearest_classs_latest_version(d
     from services.api import admin
     from services.db import queries
     from services.db.session import transaction
-    from services.scheduler.cost_model import XGBConfig, XGBCostModel
-    from services.scheduler.features import CPU_FEATURE_VERSION as FEATURE_VERSION
     from services.scheduler.shared_model import ClassModels
+    from tunefarm.search.cost_model import XGBConfig, XGBCostModel
+    from tunefarm.search.features import CPU_FEATURE_VERSION as FEATURE_VERSION
 
     rng = np.random.default_rng(0)
 

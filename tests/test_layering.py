@@ -53,7 +53,13 @@ def test_the_measuring_side_carries_no_search_code():
     # services/measurer/local.py is embedded mode's measurer (builds too); the rest of the
     # package is what a device agent runs.
     exempt = ("services/measurer/local.py",)
-    assert violations("services/measurer", ("services.scheduler", "services.worker"), exempt) == []
+    assert violations("services/measurer", ("tunefarm.search", "services.scheduler", "services.worker"), exempt) == []
+
+
+def test_the_search_engine_is_a_library_of_the_core():
+    """The search (`tunefarm.search`) imports nothing of the services or the app layer:
+    embedded mode and the farm's scheduler both drive the same engine."""
+    assert violations("tunefarm/search", ("services", "tunefarm_app")) == []
 
 
 def test_importing_every_core_module_loads_nothing_above_it():
@@ -73,10 +79,10 @@ def test_importing_every_core_module_loads_nothing_above_it():
 
 
 def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
-    """The static check is not vacuous: a core module importing the search is caught."""
+    """The static check is not vacuous: a core module importing the farm's service is caught."""
     fake = tmp_path / "tunefarm"
     fake.mkdir()
-    (fake / "bad.py").write_text("from services.scheduler.tuner import TaskTuner\n")
+    (fake / "bad.py").write_text("from services.scheduler.farm_job import JobRunner\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert violations("tunefarm", ("services",)) == ["tunefarm/bad.py:1 imports services.scheduler.tuner",
-                                                     "tunefarm/bad.py:1 imports services.scheduler.tuner.TaskTuner"]
+    assert violations("tunefarm", ("services",)) == ["tunefarm/bad.py:1 imports services.scheduler.farm_job",
+                                                     "tunefarm/bad.py:1 imports services.scheduler.farm_job.JobRunner"]

@@ -20,16 +20,17 @@ from hypothesis import strategies as st
 
 from services.measurer.runner import run_kernel
 from services.measurer.task_data import write_task_data
-from services.scheduler.dag import analyse
-from services.scheduler.loopnest import InvalidProgram, build, expected_tvm_loops
-from services.scheduler.realize import loop_structure, realize, trace_json
-from services.scheduler.sketch import LayoutRewriteStep, generate_sketches
-from services.scheduler.slots import Decider
-from services.scheduler.task import make_task
 from services.worker.builder import build_module
 from tunefarm import layout
 from tunefarm.errors import WorkloadError
 from tunefarm.records import ErrorKind, RunInput, TimingConfig
+from tunefarm.search.space.dag import analyse
+from tunefarm.search.space.loopnest import build
+from tunefarm.search.space.program import InvalidProgram, expected_tvm_loops
+from tunefarm.search.space.realize import loop_structure, realize, trace_json
+from tunefarm.search.space.sketch import LayoutRewriteStep, generate_sketches
+from tunefarm.search.space.slots import Decider
+from tunefarm.search.task import make_task
 from tunefarm.workloads import registry
 
 CASES = {

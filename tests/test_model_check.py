@@ -241,8 +241,8 @@ def test_a_wrong_kernel_fails_the_check_its_library_is_kept_aside_and_its_task_n
     own, but a model is built from records that can come from anywhere)."""
     from tvm.s_tir import Schedule
 
-    from services.scheduler.realize import trace_json
     from tunefarm.models.finish import finish_model, load_model
+    from tunefarm.search.space.realize import trace_json
     from tunefarm.store import JsonlRecordStore
 
     onnx_path, out, _ = tuned_detector

@@ -20,8 +20,8 @@ pytest.importorskip("torch")
 
 from onnx import TensorProto, helper  # noqa: E402
 
-from services.scheduler.session import SessionCallback  # noqa: E402
 from tunefarm.models import examples  # noqa: E402
+from tunefarm.search.session import SessionCallback  # noqa: E402
 from tunefarm.store import JsonlRecordStore  # noqa: E402
 from tunefarm_app.cli import main  # noqa: E402
 from tunefarm_app.model_tuning import batch_size_for, tune_models  # noqa: E402

@@ -11,9 +11,9 @@ import tvm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.program_space import ProgramSpace
-from services.scheduler.realize import realize, trace_json
-from services.scheduler.task import make_task
+from tunefarm.search.space.program_space import ProgramSpace
+from tunefarm.search.space.realize import realize, trace_json
+from tunefarm.search.task import make_task
 from tunefarm.workloads import registry
 
 CASES = {

@@ -11,11 +11,12 @@ import random
 
 import pytest
 
-from services.scheduler.dag import analyse
-from services.scheduler.loopnest import InvalidProgram, build, expected_tvm_loops
-from services.scheduler.realize import loop_structure, realize
-from services.scheduler.sketch import RfactorStep, generate_sketches
-from services.scheduler.slots import Decider
+from tunefarm.search.space.dag import analyse
+from tunefarm.search.space.loopnest import build
+from tunefarm.search.space.program import InvalidProgram, expected_tvm_loops
+from tunefarm.search.space.realize import loop_structure, realize
+from tunefarm.search.space.sketch import RfactorStep, generate_sketches
+from tunefarm.search.space.slots import Decider
 from tunefarm.workloads import registry
 
 

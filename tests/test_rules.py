@@ -6,8 +6,8 @@ import pytest
 import tvm
 from tvm import te, topi
 
-from services.scheduler.dag import analyse, is_strictly_inlineable, needs_multi_level_tiling
-from services.scheduler.sketch import (
+from tunefarm.search.space.dag import analyse, is_strictly_inlineable, needs_multi_level_tiling
+from tunefarm.search.space.sketch import (
     AnnotateStep,
     CacheWriteStep,
     ComputeLocationStep,

@@ -21,8 +21,8 @@ def test_a_class_shares_its_agents_between_its_jobs(agents, jobs, share):
 
 
 def test_the_shared_models_view_predicts_but_never_learns():
-    from services.scheduler.cost_model import XGBConfig, XGBCostModel
     from services.scheduler.shared_model import ClassModel, SharedModelView
+    from tunefarm.search.cost_model import XGBConfig, XGBCostModel
 
     model = XGBCostModel(XGBConfig(num_warmup_samples=4, adaptive_training=False))
     rng = np.random.default_rng(0)

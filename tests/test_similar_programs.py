@@ -9,13 +9,13 @@ import random
 
 import numpy as np
 
-from services.scheduler.config import SearchConfig, TuneConfig
-from services.scheduler.cost_model.base import CostModel
-from services.scheduler.similar_programs import SimilarPrograms
-from services.scheduler.slots import ChoiceDomain, TileDomain
-from services.scheduler.task import make_task
-from services.scheduler.tuner import TaskTuner
 from tunefarm.records import ErrorKind, MeasureRecord
+from tunefarm.search.config import SearchConfig, TuneConfig
+from tunefarm.search.cost_model.base import CostModel
+from tunefarm.search.similar_programs import SimilarPrograms
+from tunefarm.search.space.slots import ChoiceDomain, TileDomain
+from tunefarm.search.task import make_task
+from tunefarm.search.tuner import TaskTuner
 from tunefarm.workloads import registry
 
 TARGET = {"kind": "llvm", "num-cores": 2}

@@ -198,7 +198,7 @@ def test_a_concat_of_the_graph_input_keeps_its_copy_and_matches_onnxruntime(tmp_
     assert check and all(e.ok for e in check), [e.describe() for e in check]
 
 
-# -- one thread for small kernels (services.scheduler.loopnest) ----------------------------------
+# -- one thread for small kernels (tunefarm.search.space.loopnest) ----------------------------------
 
 
 def test_small_blocks_may_run_on_one_thread_and_stay_correct(host_target):
@@ -207,11 +207,12 @@ def test_small_blocks_may_run_on_one_thread_and_stay_correct(host_target):
     import numpy as np
     import tvm
 
-    from services.scheduler.dag import analyse
-    from services.scheduler.loopnest import InvalidProgram, build, expected_tvm_loops
-    from services.scheduler.realize import realize
-    from services.scheduler.sketch import generate_sketches
-    from services.scheduler.slots import Decider
+    from tunefarm.search.space.dag import analyse
+    from tunefarm.search.space.loopnest import build
+    from tunefarm.search.space.program import InvalidProgram, expected_tvm_loops
+    from tunefarm.search.space.realize import realize
+    from tunefarm.search.space.sketch import generate_sketches
+    from tunefarm.search.space.slots import Decider
     from tunefarm.workloads import registry
 
     def sample(wl, seed):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.task_scheduler import (
+from tunefarm.search.task_scheduler import (
     STRATEGIES,
     DeadReason,
     DecisionReason,
@@ -30,7 +30,7 @@ from services.scheduler.task_scheduler import (
     similarity_tag,
     task_gradient,
 )
-from services.scheduler.task_scheduler.gradient import backward_slope, forward_gain
+from tunefarm.search.task_scheduler.gradient import backward_slope, forward_gain
 
 TRIALS = 32  # measurements per simulated round
 MS = 1e-3

@@ -14,14 +14,14 @@ from tvm.script import tirx as T
 
 from services.measurer.local import LocalMeasurer
 from services.measurer.runner import LocalRunner
-from services.scheduler.config import SearchConfig, TuneConfig
-from services.scheduler.cost_model import XGBConfig, XGBCostModel
-from services.scheduler.session import StoreRecords, TuningSession
-from services.scheduler.task import make_task
-from services.scheduler.task_scheduler import TaskInfo
-from services.scheduler.tuner import TaskTuner
 from services.worker.builder import LocalBuilder
 from tunefarm.records import ErrorKind, TimingConfig
+from tunefarm.search.config import SearchConfig, TuneConfig
+from tunefarm.search.cost_model import XGBConfig, XGBCostModel
+from tunefarm.search.session import StoreRecords, TuningSession
+from tunefarm.search.task import make_task
+from tunefarm.search.task_scheduler import TaskInfo
+from tunefarm.search.tuner import TaskTuner
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import workload_from_te
 from tunefarm_app.apply import build_best, find_best

@@ -249,8 +249,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def test_the_readme_example_workloads_load_and_get_sketches(spec, shape, blocks):
     """The example files the README points at load as workloads and get sketches; the
     capsule convolution's data-reuse block gets multi-level tiling."""
-    from services.scheduler.dag import analyse
-    from services.scheduler.sketch import TileStep, generate_sketches
+    from tunefarm.search.space.dag import analyse
+    from tunefarm.search.space.sketch import TileStep, generate_sketches
 
     wl = load_workload(str(EXAMPLES / spec), shape)
     dag = analyse(wl.mod["main"])

@@ -182,7 +182,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _tune_op(args: argparse.Namespace) -> int:
-    from services.scheduler.config import TuneConfig
+    from tunefarm.search.config import TuneConfig
     from tunefarm.target import parse_target
     from tunefarm.workloads import load_workload
     from tunefarm_app.embedded import default_records_path, tune_workload
@@ -233,8 +233,8 @@ def _apply_best(args: argparse.Namespace) -> int:
 
 
 def _sketches(args: argparse.Namespace) -> int:
-    from services.scheduler.dag import fusible_consumer, is_strictly_inlineable, needs_multi_level_tiling
-    from services.scheduler.task import make_task
+    from tunefarm.search.space.dag import fusible_consumer, is_strictly_inlineable, needs_multi_level_tiling
+    from tunefarm.search.task import make_task
     from tunefarm.target import describe, parse_target
     from tunefarm.workloads import load_workload
 

@@ -3,7 +3,7 @@ processes, a JSON-lines record store and a cost model in memory (no Redis, no Po
 
 `tune_tasks` is the one way in: workloads (one for `tune-op`, a model's tasks for
 `tune`) with their weights per model, a trial budget for all of them, and a records file
-that makes the run resumable. It builds the session of `services.scheduler.session`
+that makes the run resumable. It builds the session of `tunefarm.search.session`
 (task scheduler, one evolutionary search per task, one shared cost model) over a
 `LocalMeasurer`. With `cost_model_path`, the shared cost model is loaded from that file
 (when it fits the target) and saved back at the end (`cost_model_cache`).
@@ -23,18 +23,6 @@ from typing import Any
 
 from services.measurer.local import LocalMeasurer
 from services.measurer.runner import LocalRunner
-from services.scheduler.config import TuneConfig
-from services.scheduler.session import (
-    SessionCallback,
-    SessionStats,
-    ShareBestPrograms,
-    StoreRecords,
-    TuningSession,
-)
-from services.scheduler.similar_programs import SimilarPrograms
-from services.scheduler.task import SearchTask, make_task, structure_kind
-from services.scheduler.task_scheduler import TaskInfo, similarity_tag
-from services.scheduler.tuner import SearchPace, TaskState, TaskTuner
 from services.worker.builder import LocalBuilder
 from tunefarm import target as targets
 from tunefarm.cuda import require_local_gpu
@@ -42,9 +30,21 @@ from tunefarm.errors import UsageError
 from tunefarm.gpu import is_gpu
 from tunefarm.isa import check_runs_on_host
 from tunefarm.records import MeasureRecord
+from tunefarm.search.config import TuneConfig
+from tunefarm.search.cost_model import cache as cost_model_cache
+from tunefarm.search.session import (
+    SessionCallback,
+    SessionStats,
+    ShareBestPrograms,
+    StoreRecords,
+    TuningSession,
+)
+from tunefarm.search.similar_programs import SimilarPrograms
+from tunefarm.search.task import SearchTask, make_task, structure_kind
+from tunefarm.search.task_scheduler import TaskInfo, similarity_tag
+from tunefarm.search.tuner import SearchPace, TaskState, TaskTuner
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import Workload
-from tunefarm_app import cost_model_cache
 
 
 def _stderr(msg: str) -> None:

@@ -75,7 +75,7 @@ def add_cost_model_args(p) -> None:
 
 def cost_model_file(args: argparse.Namespace, target: dict) -> Path | None:
     """The cost model file of a `tune` or `tune-op` run (None: a fresh model, not kept)."""
-    from tunefarm_app.cost_model_cache import model_path
+    from tunefarm.search.cost_model.cache import model_path
 
     return model_path(args.cost_model, target, use_cache=not args.no_cost_model_cache)
 

@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.scheduler.config import SearchConfig, TuneConfig
-from services.scheduler.session import SessionCallback
 from tunefarm.errors import UsageError
 from tunefarm.models.finish import (  # noqa: F401  (re-exported: the app layer's names for them)
     DEFAULT_BUILD_REPEAT,
@@ -54,6 +52,8 @@ from tunefarm.models.finish import (  # noqa: F401  (re-exported: the app layer'
 )
 from tunefarm.models.finish import model_report as _model_report
 from tunefarm.models.tasks import CONV_LAYOUT_CHOICES, merge_tasks
+from tunefarm.search.config import SearchConfig, TuneConfig
+from tunefarm.search.session import SessionCallback
 from tunefarm.target import host_target_dict
 from tunefarm_app.embedded import TaskSpec, TuneResult, tune_tasks
 

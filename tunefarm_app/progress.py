@@ -25,10 +25,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from services.scheduler.session import RoundSummary, SessionCallback, TuningSession
-from services.scheduler.tuner import TaskTuner
 from tunefarm.display import format_cost, format_duration
 from tunefarm.records import MeasureRecord
+from tunefarm.search.session import RoundSummary, SessionCallback, TuningSession
+from tunefarm.search.tuner import TaskTuner
 
 __all__ = ["JobProgressView", "ProgressSnapshot", "ProgressView", "TaskRow", "format_cost", "format_duration",
            "render_progress", "snapshot_of_job"]

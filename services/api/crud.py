@@ -57,10 +57,10 @@ from services.db.models import (
     Workload,
 )
 from services.db.session import transaction
-from services.scheduler.task import target_key
 from tunefarm.gpu import is_gpu
 from tunefarm.models.finish import batch_size_for
 from tunefarm.records import ErrorKind
+from tunefarm.search.task import target_key
 
 RECORDS_FETCH = 500
 """Measurements fetched per round trip while streaming a job's records."""

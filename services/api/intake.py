@@ -58,9 +58,9 @@ def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str) ->
 
     import tvm
 
-    from services.scheduler.task import make_task
     from tunefarm.errors import ModelError, WorkloadError
     from tunefarm.models.tasks import extract_tasks
+    from tunefarm.search.task import make_task
 
     imported = import_model(model, shapes, name=name)
     tasks = extract_tasks(imported, name=name)

@@ -592,7 +592,7 @@ class CostModelVersion(Base):
     id: Mapped[int] = _pk()
     device_class_id: Mapped[int] = _fk("device_classes.id")
     version: Mapped[int]
-    feature_version: Mapped[int]  # the feature version it was trained with (services.scheduler.features)
+    feature_version: Mapped[int]  # the feature version it was trained with (tunefarm.search.features)
     path: Mapped[str]
     sha256: Mapped[str] = _sha256()
     size: Mapped[int] = mapped_column(BigInteger)
@@ -600,7 +600,7 @@ class CostModelVersion(Base):
     # The class's highest measurement id in the training set: the next version trains on
     # the measurements after it (plus what this one saw).
     last_measurement_id: Mapped[int | None] = mapped_column(BigInteger)
-    # The other class's version this class's model started from (services.scheduler.transfer),
+    # The other class's version this class's model started from (tunefarm.search.cost_model.transfer),
     # on every version descending from it; None for a model trained on the class's own data only.
     transferred_from_id: Mapped[int | None] = _fk("cost_model_versions.id", nullable=True)
     created_at: Mapped[datetime] = _created()

@@ -42,16 +42,10 @@ from services.db.models import JobState
 from services.db.session import transaction
 from services.measurer.artifacts import file_sha256
 from services.scheduler import job_store
-from services.scheduler.config import TuneConfig
 from services.scheduler.exceptions import JobFailed
 from services.scheduler.job_store import JobSetup
 from services.scheduler.model_check import DeviceRun, check_on_device
-from services.scheduler.session import SessionCallback, ShareBestPrograms, TuningSession
 from services.scheduler.shared_model import ClassModel, SharedModelView
-from services.scheduler.similar_programs import PER_TASK, SimilarPrograms
-from services.scheduler.task import SearchTask, make_task, structure_kind
-from services.scheduler.task_scheduler import TaskInfo, similarity_tag
-from services.scheduler.tuner import SearchPace, TaskTuner
 from tunefarm.errors import TunefarmError
 from tunefarm.export import is_cross_target
 from tunefarm.isa import runs_on_host
@@ -74,6 +68,12 @@ from tunefarm.models.finish import (
 from tunefarm.models.importer import ImportedModel
 from tunefarm.models.tasks import extract_tasks
 from tunefarm.records import MeasureRecord, TensorSpec
+from tunefarm.search.config import TuneConfig
+from tunefarm.search.session import SessionCallback, ShareBestPrograms, TuningSession
+from tunefarm.search.similar_programs import PER_TASK, SimilarPrograms
+from tunefarm.search.task import SearchTask, make_task, structure_kind
+from tunefarm.search.task_scheduler import TaskInfo, similarity_tag
+from tunefarm.search.tuner import SearchPace, TaskTuner
 
 JOBS_DIR = "jobs"
 ARCHIVE_NAME = "tuned.tar.gz"

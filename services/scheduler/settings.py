@@ -60,7 +60,7 @@ class SchedulerSettings(DatabaseSettings):
     cost_model_save_every: int = 256
     cost_model_catch_up_secs: float = 10.0
     # A class with no cost model of its own starts from its nearest class's latest one
-    # (services.scheduler.transfer); False: it starts fresh.
+    # (tunefarm.search.cost_model.transfer); False: it starts fresh.
     cost_model_transfer: bool = True
     # Run the tuned model and compare it with onnxruntime before keeping it: here when
     # this host can run the class's target, otherwise on an agent of the class (a model

@@ -22,7 +22,7 @@ already ranked by a trained model) instead of from random scores.
   it includes, so the next version trains on what came after it.
 
 Transfer: a class with no version of its own starts from the latest version of its
-nearest class that has one (`services.scheduler.transfer`: same kind, then architecture
+nearest class that has one (`tunefarm.search.cost_model.transfer`: same kind, then architecture
 family, ISA overlap, cores), through `XGBCostModel.transferred`: that model's trees rank the
 new class's first batch, and its measurements stay in the history as prior data whose
 weight fades as the class's own measurements arrive. Every version the class then saves
@@ -64,12 +64,11 @@ from services.db.codec import record_from_json
 from services.db.exceptions import DatabaseError
 from services.db.models import CostModelVersion, DeviceClass, Measurement, Workload
 from services.db.session import transaction
-from services.scheduler import transfer
-from services.scheduler.cost_model import CostModel, XGBConfig, XGBCostModel
-from services.scheduler.rule_set import rule_set_for
-from services.scheduler.task import SearchTask, make_task
 from tunefarm.errors import TargetError
 from tunefarm.records import MeasureRecord
+from tunefarm.search.cost_model import CostModel, XGBConfig, XGBCostModel, transfer
+from tunefarm.search.space.rule_set import rule_set_for
+from tunefarm.search.task import SearchTask, make_task
 
 COST_MODELS_DIR = "cost_models"
 

@@ -31,16 +31,16 @@ from typing import Any
 
 import numpy as np
 
-from services.scheduler.cost_model import XGBConfig, XGBCostModel, recall_at_k
-from services.scheduler.cost_model.metrics import (
+from tunefarm.records import MeasureRecord
+from tunefarm.search.cost_model import XGBConfig, XGBCostModel, recall_at_k
+from tunefarm.search.cost_model.metrics import (
     NO_PAIRS,
     PairCounts,
     pairwise_beyond_noise,
     relative_spread,
     spearman,
 )
-from services.scheduler.task import SearchTask, make_task
-from tunefarm.records import MeasureRecord
+from tunefarm.search.task import SearchTask, make_task
 from tunefarm.store import JsonlRecordStore
 from tunefarm.workloads import Workload
 

@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.scheduler.config import SearchConfig
 from tunefarm.errors import UsageError
+from tunefarm.search.config import SearchConfig
 
 Log = Callable[[str], None]
 

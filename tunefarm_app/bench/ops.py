@@ -227,7 +227,7 @@ def bench_op(op: BenchOp, plan: BenchPlan, timer: KernelTimer, log: Log) -> OpRo
 
 
 def tune_ours(op: BenchOp, workload: Workload, plan: BenchPlan, log: Log) -> _Tuned:
-    from services.scheduler.config import TuneConfig
+    from tunefarm.search.config import TuneConfig
     from tunefarm_app.apply import build_best, find_best
     from tunefarm_app.embedded import tune_workload
     from tunefarm_app.report import stop_reason

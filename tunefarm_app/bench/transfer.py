@@ -148,7 +148,7 @@ def run_seed(
     class's model trained on all of them, as the farm keeps one per class. The runs go one
     after the other, each with the machine's cores to itself (two runs at once would time
     each other's kernels). A run whose records are all in `root` already is resumed, not measured again."""
-    from tunefarm_app import cost_model_cache
+    from tunefarm.search.cost_model import cache as cost_model_cache
 
     root.mkdir(parents=True, exist_ok=True)
     run = dict(wids=wids, trials=trials, batch_size=batch_size, seed=seed)
@@ -174,7 +174,7 @@ def tune_run(
     """One embedded session over the workloads (`trials` each, round-robin); each
     workload's costs in measurement order. `model`: the cost model file to start from (a
     fresh model when it does not exist), saved back at the end."""
-    from services.scheduler.config import TuneConfig
+    from tunefarm.search.config import TuneConfig
     from tunefarm.workloads.registry import make
     from tunefarm_app.embedded import TaskSpec, tune_tasks
 

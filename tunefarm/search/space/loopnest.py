@@ -1,11 +1,10 @@
 """The loop-nest model: a sketch plus decisions, applied without TVM.
 
-Map of this module:
+Map of this module (the `Program` it builds is `program.py`'s; GPU steps are
+`loopnest_gpu`'s):
   build(dag, sketch, decider, num_cores) -> Program    apply every step, filling slots
-  Program.chain(block)                                 loops from the root to a block's store
-  Program.stores()                                     one `Store` per innermost statement
-                                                       (the feature extractor's input)
   _tile / _fuse_consumer / _compute_location / ...     one function per sketch step
+  _annotate, parallel_range                            vectorize, parallelize, unroll
 
 Why a model: the evolutionary search scores thousands of programs per round, and
 replaying a schedule in TVM costs ~5 ms each on this machine, so the search works on
@@ -24,9 +23,11 @@ Semantics mirrored from TVM's schedule primitives:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from services.scheduler.dag import (
+from tunefarm.gpu import GpuLimits
+from tunefarm.search.space import loopnest_gpu
+from tunefarm.search.space.dag import (
     AccessSpec,
     Affine,
     BlockSpec,
@@ -37,7 +38,21 @@ from services.scheduler.dag import (
     inline_into_consumers,
     is_elementwise_write,
 )
-from services.scheduler.sketch import (
+from tunefarm.search.space.program import (
+    MAX_INNERMOST_TILE,
+    MAX_UNROLLED_LANES,
+    InvalidProgram,
+    Loop,
+    Nest,
+    Program,
+    add_root_nest,
+    attach_region_nest,
+    touched_region,
+    tvm_position,
+    union_region,
+    unrolled_lanes,
+)
+from tunefarm.search.space.sketch import (
     FUSE_LEVELS,
     AnnotateStep,
     CacheReadStep,
@@ -56,209 +71,13 @@ from services.scheduler.sketch import (
     describe_step,
     rfactor_names,
 )
-from services.scheduler.slots import ChoiceDomain, Decider, IntRange, TileDomain
-from tunefarm.gpu import GpuLimits
+from tunefarm.search.space.slots import ChoiceDomain, Decider, IntRange, TileDomain
 
 UNROLL_STEPS = (0, 16, 64, 512)
 """Candidate values of `pragma_auto_unroll_max_step` (Ansor CPU)."""
 
 MAX_VECTOR = 64
 """Longest loop the model vectorizes (Ansor: max_innermost_split_factor)."""
-
-MAX_UNROLLED_LANES = 8192
-"""Largest straight-line body auto-unroll may produce, counted as unrolled statements
-times vector lanes. LLVM's compile time grows much faster than linearly past it: a GEMM
-body of 512 unrolled statements compiles in 0.8 s with 16 float lanes, 10 s with 32 and
-75 s with 64 (znver4). Such a program is rejected as invalid rather than measured: its
-build would cost more than a whole batch of ordinary ones."""
-
-MAX_INNERMOST_TILE = 64
-
-
-BOUND_KINDS = ("blockIdx.x", "vthread.x", "threadIdx.x")
-"""Loop kinds of GPU loops bound to a thread axis. Consecutive loops bound to the same
-axis are one loop in TVM (they are fused before binding)."""
-
-
-class InvalidProgram(Exception):
-    """The decisions do not give a program (an impossible location, an empty domain)."""
-
-
-@dataclass(frozen=True)
-class Instr:
-    """One schedule primitive for `realize.py` to replay on TVM, with every position
-    already resolved by the model. Loop positions index `get_loops(block)`; negative
-    ones count from the innermost loop.
-
-      inline(block) | cache_write(block) -> new block | rfactor(block, factors, inner)
-      tile(block, structure, factors per iterator, iterator put innermost or -1)
-      reverse_compute_at(block, producer, pos)
-      layout_rewrite(block, buffer, new dims as (buffer dim, stride, extent, dim extent))
-      acc_layout(block, new dims of its output buffer, as for layout_rewrite)
-      compute_at(block, consumer, pos) | split_inner(block, factors) | parallel(block, n)
-      vectorize(block) | unroll(block, pos, max_step) | decompose(block, pos)
-      move_innermost(block, pos)
-    """
-
-    op: str
-    block: str
-    args: tuple = ()
-
-    def describe(self) -> str:
-        return f"{self.op} {self.block}" + (f" {self.args}" if self.args else "")
-
-
-@dataclass(slots=True)
-class Loop:
-    key: str  # unique name in the program, used as the variable in Affine forms
-    extent: int
-    reduce: bool  # drives a reduction iterator of its block
-    kind: str = "serial"  # "serial", "parallel", "vectorized", or a GPU thread axis (BOUND_KINDS)
-
-
-@dataclass
-class Nest:
-    """One block's own loops and how its iterators are bound to loop variables."""
-
-    spec: BlockSpec
-    loops: list[Loop]
-    binding: dict[str, Affine]  # iterator -> Affine over loop keys
-    attach: tuple[str, str] | None = None  # (owner block, loop key) it is computed under
-    tiled: bool = False
-    tile_groups: list[list[str]] = field(default_factory=list)  # loop keys per structure level
-    tile_structure: str = ""  # e.g. "SSRSRS": the level kind of each tile group
-    inner_axis: str | None = None  # spatial iterator moved innermost (None: iterator order)
-    rf_inner: bool = False
-    cross_thread: bool = False  # GPU: its reduction loop is bound to threadIdx (never decomposed)
-    threads: int = 0  # GPU: threads per block of the kernel this root block launches
-    footprint: int = 0  # elements of its output buffer after compaction, when the loops do not say
-    lowering_shared_bytes: int = 0  # GPU: shared memory TVM's lowering adds (a cross-thread reduction's)
-    parallel: int = 0  # number of leading own loops fused into one parallel loop
-    unroll: int = 0  # pragma_auto_unroll_max_step on the outermost own loop
-    init_at: int | None = None  # own-loop index of decompose_reduction
-
-
-@dataclass(frozen=True, slots=True)
-class Access:
-    buffer: BufferSpec
-    indices: tuple[Affine, ...]  # over loop keys
-    is_write: bool
-    is_read: bool
-
-
-@dataclass(frozen=True)
-class Store:
-    """One innermost store statement: what the feature extractor looks at."""
-
-    block: str
-    loops: tuple[Loop, ...]  # root to innermost
-    accesses: tuple[Access, ...]
-    ops: OpCounts
-    unroll: int  # the auto-unroll pragma in effect (0 = none)
-    is_init: bool = False
-    alloc: BufferSpec | None = None  # intermediate buffer this store fills, if any
-    alloc_elems: int = 0  # its size after compaction (elements under its attach point)
-    shared_bytes: int = 0  # GPU: shared memory of the kernel (thread block) the store is in
-    local_bytes: int = 0  # GPU: registers/local memory of one thread of that kernel
-
-
-@dataclass
-class Program:
-    dag: ComputeDag
-    nests: dict[str, Nest]  # program order
-    order: list[str]
-    counter: int = 0
-    instructions: list[Instr] = field(default_factory=list)
-    fused_producers: frozenset[str] = frozenset()  # tiled blocks whose consumer joins their tile
-    gpu: bool = False  # built for a GPU (loops bound to thread axes, shared/local stages)
-
-    def emit(self, op: str, block: str, *args) -> None:
-        self.instructions.append(Instr(op, block, tuple(args)))
-
-    def new_loop(self, extent: int, reduce: bool) -> Loop:
-        self.counter += 1
-        return Loop(f"l{self.counter}", int(extent), reduce)
-
-    def chain(self, name: str) -> list[Loop]:
-        nest = self.nests[name]
-        if nest.attach is None:
-            return list(nest.loops)
-        owner, key = nest.attach
-        outer = self.chain(owner)
-        pos = next(i for i, lp in enumerate(outer) if lp.key == key)
-        return outer[: pos + 1] + list(nest.loops)
-
-    def attached_keys(self) -> set[str]:
-        return {n.attach[1] for n in self.nests.values() if n.attach is not None}
-
-    def consumers(self, name: str) -> list[str]:
-        buf = self.nests[name].spec.write.buffer
-        return [n for n in self.order if n != name and any(a.buffer == buf for a in self.nests[n].spec.reads)]
-
-    def root_of(self, name: str) -> str:
-        """The root block whose loop nest `name` is computed in (one GPU kernel each)."""
-        nest = self.nests[name]
-        return name if nest.attach is None else self.root_of(nest.attach[0])
-
-    def kernel_bytes(self, root: str, scope: str) -> int:
-        """Bytes of `scope` buffers ("shared": per block, "local": per thread) the stages
-        computed under root block `root` allocate, after compaction."""
-        total = 0
-        for name in self.order:
-            if self.root_of(name) != root:
-                continue
-            buf = self.dag.buffer(self.nests[name].spec.write.buffer)
-            if buf.scope == scope:
-                total += _region_elems(self, name) * buf.elem_bytes
-            if scope == "shared":
-                total += self.nests[name].lowering_shared_bytes
-        return total
-
-    def stores(self) -> list[Store]:
-        out = []
-        memory: dict[str, tuple[int, int]] = {}
-        for name in self.order:
-            nest = self.nests[name]
-            chain = self.chain(name)
-            unroll = self._unroll_in_effect(name)
-            spec = nest.spec
-            reads = [self._access(a, nest, is_write=False) for a in spec.reads]
-            write = self._access(spec.write, nest, is_write=True)
-            buf = self.dag.buffer(spec.write.buffer)
-            alloc = buf if buf.role == "intermediate" else None
-            alloc_elems = _region_elems(self, name) if alloc is not None else 0
-            if spec.is_reduction:  # C = C + ...: the output is read and written
-                write = replace(write, is_read=True)
-            shared = local = 0
-            if self.gpu:
-                root = self.root_of(name)
-                if root not in memory:
-                    memory[root] = (self.kernel_bytes(root, "shared"), self.kernel_bytes(root, "local"))
-                shared, local = memory[root]
-            out.append(
-                Store(name, tuple(chain), (write, *reads), spec.ops, unroll, False, alloc, alloc_elems, shared, local)
-            )
-            if spec.has_init and nest.init_at is not None:
-                n_outer = len(chain) - len(nest.loops)
-                own_after = [lp for lp in nest.loops[nest.init_at :] if not lp.reduce]
-                init_loops = chain[: n_outer + nest.init_at] + own_after
-                init_write = self._access(spec.write, nest, is_write=True)
-                out.append(
-                    Store(name, tuple(init_loops), (init_write,), OpCounts(), unroll, True, alloc, alloc_elems, shared, local)
-                )
-        return out
-
-    def _access(self, acc: AccessSpec, nest: Nest, is_write: bool) -> Access:
-        indices = tuple(ix.substitute(nest.binding) for ix in acc.indices)
-        return Access(self.dag.buffer(acc.buffer), indices, is_write, not is_write)
-
-    def _unroll_in_effect(self, name: str) -> int:
-        nest = self.nests[name]
-        if nest.unroll:
-            return nest.unroll
-        if nest.attach is not None:
-            return self._unroll_in_effect(nest.attach[0])
-        return 0
 
 
 # ------------------------------------------------------------------------------ build
@@ -278,7 +97,7 @@ def build(
     fused = frozenset(s.producer for s in sketch.steps if isinstance(s, FuseConsumerStep))
     prog = Program(dag, {}, [], fused_producers=fused, gpu=gpu is not None)
     for b in dag.blocks:
-        _add_root_nest(prog, b)
+        add_root_nest(prog, b)
     for step in sketch.steps:
         match step:
             case InlineStep(block=b):
@@ -289,8 +108,6 @@ def build(
                 _rfactor(prog, b, inner, decider)
             case TileStep(block=b, structure=s):
                 if gpu is not None:
-                    from services.scheduler import loopnest_gpu
-
                     loopnest_gpu.draw_feasible_tiles(prog, b, s, decider, gpu)
                 _tile(prog, b, s, decider, choose_inner_axis=gpu is None, vector_bytes=vector_bytes)
             case LayoutRewriteStep(block=b, buffer=buf):
@@ -306,14 +123,10 @@ def build(
             case CacheReadStep() | CrossThreadReductionStep() | ThreadBindStep():
                 if gpu is None:
                     raise InvalidProgram(f"{describe_step(step)}: a GPU step, and no GPU to build for")
-                from services.scheduler import loopnest_gpu
-
                 loopnest_gpu.apply(prog, step, decider, gpu)
             case _:
                 raise TypeError(step)
     if gpu is not None:
-        from services.scheduler import loopnest_gpu
-
         loopnest_gpu.check_program(prog, gpu)
     _decompose_reductions(prog)
     return prog
@@ -328,20 +141,6 @@ def _decompose_reductions(prog: Program) -> None:
             nest.init_at = next((i for i, lp in enumerate(nest.loops) if lp.reduce), None)
             if nest.init_at is not None:
                 prog.emit("decompose", name, -(len(nest.loops) - nest.init_at))
-
-
-def _add_root_nest(prog: Program, spec: BlockSpec, after: str | None = None, before: str | None = None) -> Nest:
-    loops = [prog.new_loop(it.extent, it.kind == "R") for it in spec.iters]
-    binding = {it.name: Affine.var(lp.key) for it, lp in zip(spec.iters, loops)}
-    nest = Nest(spec, loops, binding)
-    prog.nests[spec.name] = nest
-    if after is not None:
-        prog.order.insert(prog.order.index(after) + 1, spec.name)
-    elif before is not None:
-        prog.order.insert(prog.order.index(before), spec.name)
-    else:
-        prog.order.append(spec.name)
-    return nest
 
 
 def _refresh_specs(prog: Program) -> None:
@@ -365,7 +164,7 @@ def _cache_write(prog: Program, name: str, scope: str) -> None:
     prog.emit("cache_write", name, copy_name, scope)
     prog.dag = apply_cache_write(prog.dag, name, scope)
     _refresh_specs(prog)
-    _add_root_nest(prog, prog.dag.block(copy_name), after=name)
+    add_root_nest(prog, prog.dag.block(copy_name), after=name)
 
 
 def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
@@ -587,70 +386,6 @@ def _layout_rewrite(prog: Program, name: str, buffer: str) -> None:
     nest.spec = new_spec
 
 
-def _region(
-    prog: Program, indices: list[Affine], chain: list[Loop], pos: int, shape, relaxed: frozenset[str] = frozenset()
-) -> list[tuple[Affine, int]]:
-    """Per dimension: (start over the loops up to `pos`, extent) of what `indices`
-    touch while the loops after `pos` run (and the loops `relaxed`: e.g. the thread
-    loops a shared buffer is shared by); clipped to the buffer."""
-    inner = {lp.key: lp.extent for i, lp in enumerate(chain) if i > pos or lp.key in relaxed}
-    out = []
-    for d, ix in enumerate(indices):
-        ext = 1
-        low = 0
-        outer_terms = {}
-        for v, c in ix.terms:
-            if v in inner:
-                ext += abs(c) * (inner[v] - 1)
-                if c < 0:
-                    low += c * (inner[v] - 1)
-            else:
-                outer_terms[v] = c
-        ext = max(1, min(ext, int(shape[d])))
-        out.append((Affine.of(outer_terms, ix.const + low, ix.exact), ext))
-    return out
-
-
-def tvm_position(chain: list[Loop], pos: int) -> int:
-    """The index in TVM's `get_loops` of the model's loop `chain[pos]`: consecutive loops
-    bound to one GPU thread axis are one fused loop in TVM."""
-    out = -1
-    for i in range(pos + 1):
-        if not (i > 0 and chain[i].kind in BOUND_KINDS and chain[i].kind == chain[i - 1].kind):
-            out += 1
-    return out
-
-
-def _attach_region_nest(prog: Program, name: str, owner: str, loop_key: str, region: list[tuple[Affine, int]]) -> None:
-    """Put block `name` under `loop_key`: one loop per iterator whose region extent is
-    > 1, in iterator order, bound to region start + loop."""
-    nest = prog.nests[name]
-    spec = nest.spec
-    dim_of = {}
-    for d, ix in enumerate(spec.write.indices):
-        v = ix.is_single_var()
-        if v is not None:
-            dim_of[v] = d
-    loops = []
-    binding = {}
-    for it in spec.iters:
-        if it.kind == "S":
-            if it.name not in dim_of:
-                raise InvalidProgram(f"{name}: iterator {it.name} is not a dimension of its output")
-            start, ext = region[dim_of[it.name]]
-        else:
-            start, ext = Affine(), it.extent
-        if ext > 1:
-            lp = prog.new_loop(ext, it.kind == "R")
-            loops.append(lp)
-            binding[it.name] = Affine.of({**dict(start.terms), lp.key: 1}, start.const, start.exact)
-        else:
-            binding[it.name] = start
-    nest.loops = loops
-    nest.binding = binding
-    nest.attach = (owner, loop_key)
-
-
 def _owner_of(prog: Program, loop_key: str) -> str:
     for n, nest in prog.nests.items():
         if any(lp.key == loop_key for lp in nest.loops):
@@ -671,11 +406,11 @@ def _fuse_consumer(prog: Program, consumer: str, producer: str, decider: Decider
     pos = next(i for i, lp in enumerate(chain) if lp.key == attach_key)
     write = [ix.substitute(p.binding) for ix in p.spec.write.indices]
     shape = prog.dag.buffer(p.spec.write.buffer).shape
-    region = _region(prog, write, chain, pos, shape)
+    region = touched_region(prog, write, chain, pos, shape)
     prog.emit("reverse_compute_at", consumer, producer, tvm_position(chain, pos))
     # The consumer reads the producer's buffer at its own write index (elementwise),
     # so dimension d of the producer's output is dimension d of the consumer's.
-    _attach_region_nest(prog, consumer, producer, attach_key, region)
+    attach_region_nest(prog, consumer, producer, attach_key, region)
     if p.inner_axis is not None:
         _acc_layout(prog, producer, consumer, pos)
 
@@ -757,40 +492,11 @@ def _compute_location(prog: Program, name: str, decider: Decider) -> None:
             if acc.buffer != buf:
                 continue
             idx = [ix.substitute(cnest.binding) for ix in acc.indices]
-            r = _region(prog, idx, chain, pos, shape)
-            region = r if region is None else _union(region, r, shape)
+            r = touched_region(prog, idx, chain, pos, shape)
+            region = r if region is None else union_region(region, r, shape)
     assert region is not None
     prog.emit("compute_at", name, consumers[0], tvm_position(common, pos))
-    _attach_region_nest(prog, name, _owner_of(prog, choice), choice, region)
-
-
-def _union(a: list[tuple[Affine, int]], b: list[tuple[Affine, int]], shape) -> list[tuple[Affine, int]]:
-    out = []
-    for d, ((sa, ea), (sb, eb)) in enumerate(zip(a, b)):
-        if sa.terms == sb.terms:
-            lo = min(sa.const, sb.const)
-            hi = max(sa.const + ea, sb.const + eb)
-            out.append((Affine(sa.terms, lo, sa.exact and sb.exact), min(hi - lo, int(shape[d]))))
-        else:
-            out.append((sa, min(max(ea, eb), int(shape[d]))))
-    return out
-
-
-def _region_elems(prog: Program, name: str) -> int:
-    """Elements of a block's output after buffer compaction: its write footprint under
-    the loop it is computed at (the whole buffer at the root)."""
-    nest = prog.nests[name]
-    if nest.footprint:
-        return nest.footprint
-    n = 1
-    for ix in nest.spec.write.indices:
-        ext = 1
-        for v, c in ix.substitute(nest.binding).terms:
-            lp = next((x for x in nest.loops if x.key == v), None)
-            if lp is not None:
-                ext += abs(c) * (lp.extent - 1)
-        n *= ext
-    return n
+    attach_region_nest(prog, name, _owner_of(prog, choice), choice, region)
 
 
 def _annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None:
@@ -866,22 +572,6 @@ def _rf_axis_innermost(prog: Program, name: str) -> None:
     prog.emit("move_innermost", name, pos)
 
 
-def unrolled_lanes(loops: list[Loop], max_step: int) -> int:
-    """Size of the body TVM's UnrollLoop pass makes under `pragma_auto_unroll_max_step =
-    max_step`: inner loops are unrolled from the innermost out while the product of their
-    extents stays within `max_step` (a vectorized loop is one statement by then, of that
-    many lanes). Returns unrolled statements x lanes."""
-    lanes, steps = 1, 1
-    inner = list(loops)
-    if inner and inner[-1].kind == "vectorized":
-        lanes = inner.pop().extent
-    for lp in reversed(inner):
-        if lp.kind != "serial" or steps * lp.extent > max_step:
-            break
-        steps *= lp.extent
-    return steps * lanes
-
-
 SERIAL_WORK_LIMIT = 1 << 18
 """A root block whose loop nest runs at most this many iterations may also run on one
 thread (parallel decision 0). Waking TVM's thread pool and joining it costs microseconds
@@ -925,34 +615,3 @@ def _split_last(prog: Program, nest: Nest, outer_ext: int, inner_ext: int) -> No
             terms[outer.key] = c * inner_ext
             terms[inner.key] = c
             nest.binding[it] = Affine.of(terms, aff.const, aff.exact)
-
-
-def expected_tvm_loops(prog: Program) -> dict[str, list[tuple[int, str]]]:
-    """What TVM's loop nest should look like for this program: {block: [(extent, kind)]},
-    with parallel prefixes fused into one loop and decomposed reductions split into
-    `<block>_init` / `<block>_update` (the names TVM gives them)."""
-
-    def collapse(name: str, loops: list[Loop]) -> list[tuple[int, str]]:
-        out: list[tuple[int, str]] = []
-        i = 0
-        # Parallel prefixes belong to root blocks; in a chain they are the leading loops.
-        while i < len(loops):
-            lp = loops[i]
-            if lp.kind == "parallel" or lp.kind in BOUND_KINDS:
-                ext = 1
-                while i < len(loops) and loops[i].kind == lp.kind:
-                    ext *= loops[i].extent
-                    i += 1
-                out.append((ext, lp.kind))
-                continue
-            out.append((lp.extent, lp.kind))
-            i += 1
-        return out
-
-    result: dict[str, list[tuple[int, str]]] = {}
-    for store in prog.stores():
-        nest = prog.nests[store.block]
-        decomposed = nest.spec.has_init and nest.init_at is not None
-        name = store.block if not decomposed else f"{store.block}_{'init' if store.is_init else 'update'}"
-        result[name] = collapse(name, list(store.loops))
-    return result

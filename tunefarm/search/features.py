@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.scheduler.loopnest import Access, Program, Store
+from tunefarm.search.space.program import Access, Program, Store
 
 CPU_FEATURE_VERSION = 1
 GPU_FEATURE_VERSION = 2

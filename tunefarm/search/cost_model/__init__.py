@@ -6,7 +6,7 @@ learned pack-sum model. `metrics` measures how well scores rank measured program
 
 from .base import INVALID_SCORE, CostModel
 from .metrics import pairwise_accuracy, recall_at_k
-from .random import RandomCostModel
+from .random_model import RandomCostModel
 from .xgb import TrainingStats, XGBConfig, XGBCostModel
 
 __all__ = [

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
-from services.scheduler.loopnest import Instr
 from tunefarm.layout import PREPROC_ATTR
+from tunefarm.search.space.program import Instr
 
 
 class RealizeError(Exception):

@@ -22,8 +22,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Collection, Iterable
 
-from services.scheduler.task import workload_of
 from tunefarm.records import MeasureRecord
+from tunefarm.search.task import workload_of
 
 PER_TASK = 4
 """Best programs kept per task (and so given by each similar task)."""

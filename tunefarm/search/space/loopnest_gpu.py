@@ -33,23 +33,23 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from services.scheduler.dag import AccessSpec, Affine, BlockSpec, BufferSpec, IterSpec, OpCounts
-from services.scheduler.loopnest import (
+from tunefarm.gpu import GpuLimits
+from tunefarm.search.space.dag import AccessSpec, Affine, BlockSpec, BufferSpec, IterSpec, OpCounts
+from tunefarm.search.space.program import (
     MAX_INNERMOST_TILE,
     MAX_UNROLLED_LANES,
     InvalidProgram,
     Loop,
     Program,
-    _add_root_nest,
-    _attach_region_nest,
-    _region,
-    _union,
+    add_root_nest,
+    attach_region_nest,
+    touched_region,
     tvm_position,
+    union_region,
     unrolled_lanes,
 )
-from services.scheduler.sketch import CacheReadStep, CrossThreadReductionStep, Step, ThreadBindStep
-from services.scheduler.slots import ChoiceDomain, Decider, TileDomain
-from tunefarm.gpu import GpuLimits
+from tunefarm.search.space.sketch import CacheReadStep, CrossThreadReductionStep, Step, ThreadBindStep
+from tunefarm.search.space.slots import ChoiceDomain, Decider, TileDomain
 
 GPU_UNROLL_STEPS = (0, 16, 64, 512, 1024)
 """Candidate values of `pragma_auto_unroll_max_step` on a GPU (Ansor and MetaSchedule)."""
@@ -115,8 +115,8 @@ def _cache_read_shared(prog: Program, block: str, buffer: str, decider: Decider,
     region = None
     for acc in nest.spec.reads:
         if acc.buffer == buffer:
-            r = _region(prog, [ix.substitute(nest.binding) for ix in acc.indices], chain, pos, buf.shape, relaxed)
-            region = r if region is None else _union(region, r, buf.shape)
+            r = touched_region(prog, [ix.substitute(nest.binding) for ix in acc.indices], chain, pos, buf.shape, relaxed)
+            region = r if region is None else union_region(region, r, buf.shape)
     if region is None:
         raise InvalidProgram(f"{block} does not read {buffer}")
     name = f"{buffer}_shared"
@@ -134,8 +134,8 @@ def _cache_read_shared(prog: Program, block: str, buffer: str, decider: Decider,
     prog.dag = prog.dag.replace_blocks(blocks, (*prog.dag.buffers, shared))
     nest.spec = reader
     prog.emit("cache_read", block, buffer, name, tvm_position(chain, pos))
-    _add_root_nest(prog, stage, before=block)
-    _attach_region_nest(prog, name, block, attach_key, region)
+    add_root_nest(prog, stage, before=block)
+    attach_region_nest(prog, name, block, attach_key, region)
     stage_nest = prog.nests[name]
     tile_elems = _product(stage_nest.loops)
     stage_nest.footprint = tile_elems

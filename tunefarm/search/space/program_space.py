@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.scheduler.dag import ComputeDag
-from services.scheduler.features import batch_features, feature_width
-from services.scheduler.loopnest import InvalidProgram, Program
-from services.scheduler.rule_set import RuleSet
-from services.scheduler.sketch import Sketch
-from services.scheduler.slots import ChoiceDomain, Decider, Domain, IntRange, InvalidDecision, TileDomain
 from tunefarm.records import Candidate, DecisionValue
+from tunefarm.search.features import batch_features, feature_width
+from tunefarm.search.space.dag import ComputeDag
+from tunefarm.search.space.program import InvalidProgram, Program
+from tunefarm.search.space.rule_set import RuleSet
+from tunefarm.search.space.sketch import Sketch
+from tunefarm.search.space.slots import ChoiceDomain, Decider, Domain, IntRange, InvalidDecision, TileDomain
 
 
 def slot_kind(slot: str) -> str:

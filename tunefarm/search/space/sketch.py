@@ -39,7 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from services.scheduler.dag import (
+from tunefarm.gpu import GpuLimits
+from tunefarm.search.space.dag import (
     AccessSpec,
     Affine,
     BlockSpec,
@@ -55,7 +56,6 @@ from services.scheduler.dag import (
     reduce_size,
     spatial_size,
 )
-from tunefarm.gpu import GpuLimits
 
 CPU_TILE_STRUCTURE = "SSRSRS"
 """Ansor's CPU multi-level tiling: i0 j0 | i1 j1 | k0 | i2 j2 | k1 | i3 j3."""

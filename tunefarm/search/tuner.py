@@ -30,15 +30,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from services.scheduler.config import TuneConfig
-from services.scheduler.cost_model import CostModel
-from services.scheduler.evolution import EvolutionarySearch, RoundStats
-from services.scheduler.program_space import Built
-from services.scheduler.realize import RealizeError, realize, trace_json
-from services.scheduler.similar_programs import SimilarPrograms
-from services.scheduler.task import SearchTask
 from tunefarm import digest
 from tunefarm.records import ErrorKind, MeasureInput, MeasureRecord, MeasureResult, TimingConfig
+from tunefarm.search.config import TuneConfig
+from tunefarm.search.cost_model import CostModel
+from tunefarm.search.evolution import EvolutionarySearch, RoundStats
+from tunefarm.search.similar_programs import SimilarPrograms
+from tunefarm.search.space.program_space import Built
+from tunefarm.search.space.realize import RealizeError, realize, trace_json
+from tunefarm.search.task import SearchTask
 
 BEST_KEPT = 256
 """Best measured programs kept to seed the evolution's initial population."""

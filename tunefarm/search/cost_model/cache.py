@@ -18,7 +18,7 @@ learn the measurements it made before the interruption twice. Two runs on one ta
 the same time each save what they learnt; the last to finish wins.
 
 A target with no cache file of its own yet starts from the cached model of its nearest
-target (`services.scheduler.transfer.nearest`: same kind, then architecture family, ISA
+target (`tunefarm.search.cost_model.transfer.nearest`: same kind, then architecture family, ISA
 overlap, core count), transferred (`XGBCostModel.transferred`): tune on one machine, then
 another, and the second starts ranked, as a new device class in the farm does.
 """
@@ -30,10 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.scheduler.cost_model import XGBConfig, XGBCostModel
-from services.scheduler.features import feature_width
-from services.scheduler.rule_set import rule_set_for
-from services.scheduler.task import target_key
+from tunefarm.search.cost_model import XGBConfig, XGBCostModel
+from tunefarm.search.features import feature_width
+from tunefarm.search.space.rule_set import rule_set_for
+from tunefarm.search.task import target_key
 from tunefarm.target import describe
 
 CACHE_FORMAT = 1
@@ -126,7 +126,7 @@ def incompatibility(model: XGBCostModel, target: dict[str, Any]) -> str | None:
 def nearest_cached(target: dict[str, Any]) -> tuple[Path, str] | None:
     """The cache file of the target nearest to `target` among those cached with the
     features `target` uses, and why it is nearest; None when there is none."""
-    from services.scheduler import transfer
+    from tunefarm.search.cost_model import transfer
 
     version = rule_set_for(target).feature_version
     candidates: list[tuple[str, dict[str, Any]]] = []

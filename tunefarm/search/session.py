@@ -28,13 +28,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.scheduler.config import TuneConfig
-from services.scheduler.cost_model import CostModel
-from services.scheduler.similar_programs import SimilarPrograms
-from services.scheduler.task_scheduler import TaskInfo, TaskScheduler, make_scheduler
-from services.scheduler.tuner import TaskTuner
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.records import MeasureRecord
+from tunefarm.search.config import TuneConfig
+from tunefarm.search.cost_model import CostModel
+from tunefarm.search.similar_programs import SimilarPrograms
+from tunefarm.search.task_scheduler import TaskInfo, TaskScheduler, make_scheduler
+from tunefarm.search.tuner import TaskTuner
 from tunefarm.store import RecordStore
 
 COLLECT_WAIT_SECS = 1.0

@@ -38,7 +38,8 @@ cooperative-fetch vectors and unroll, `loopnest_gpu`).
 
 from __future__ import annotations
 
-from services.scheduler.dag import (
+from tunefarm.gpu import GpuLimits
+from tunefarm.search.space.dag import (
     Affine,
     BlockSpec,
     ComputeDag,
@@ -48,7 +49,7 @@ from services.scheduler.dag import (
     reduce_size,
     spatial_size,
 )
-from services.scheduler.sketch import (
+from tunefarm.search.space.sketch import (
     CacheReadStep,
     CacheWriteStep,
     CrossThreadReductionStep,
@@ -66,7 +67,6 @@ from services.scheduler.sketch import (
     derive,
     rule_skip,
 )
-from tunefarm.gpu import GpuLimits
 
 GPU_TILE_STRUCTURE = "SSSRRSRS"
 """Ansor's GPU multi-level tiling: three spatial levels for blockIdx, vthread and

@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from services.scheduler.config import SearchConfig
-from services.scheduler.cost_model import CostModel
-from services.scheduler.program_space import Built, ProgramSpace
 from tunefarm.records import Candidate
+from tunefarm.search.config import SearchConfig
+from tunefarm.search.cost_model import CostModel
+from tunefarm.search.space.program_space import Built, ProgramSpace
 
 
 @dataclass

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from services.scheduler.dag import ComputeDag, analyse
-from services.scheduler.program_space import ProgramSpace
-from services.scheduler.rule_set import RuleSet, rule_set_for
-from services.scheduler.sketch import Sketch
 from tunefarm.errors import WorkloadError
+from tunefarm.search.space.dag import ComputeDag, analyse
+from tunefarm.search.space.program_space import ProgramSpace
+from tunefarm.search.space.rule_set import RuleSet, rule_set_for
+from tunefarm.search.space.sketch import Sketch
 from tunefarm.workloads import Workload
 
 
@@ -48,7 +48,7 @@ class SearchTask:
 
 
 def make_task(workload: Workload, target: dict[str, Any]) -> SearchTask:
-    from services.scheduler.dag import UnsupportedProgram
+    from tunefarm.search.space.dag import UnsupportedProgram
 
     try:
         dag = analyse(workload.mod["main"], workload.constants)
@@ -65,7 +65,7 @@ def structure_kind(dag: ComputeDag) -> str:
     """The task's operator structure for the task scheduler's similarity groups (Ansor
     groups tasks by operator tag; we derive it from the DAG, never from a name): the
     iterator kinds of every block that needs multi-level tiling, or of the last block."""
-    from services.scheduler.dag import needs_multi_level_tiling
+    from tunefarm.search.space.dag import needs_multi_level_tiling
 
     tiled = [b for b in dag.blocks if needs_multi_level_tiling(b)] or [dag.blocks[-1]]
     return "+".join("".join(it.kind for it in b.iters) for b in tiled)

@@ -62,7 +62,7 @@ import numpy as np
 import xgboost as xgb
 
 from .base import INVALID_SCORE, CostModel, check_update_args, program_row_counts
-from .random import RandomCostModel
+from .random_model import RandomCostModel
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from services.scheduler.task_scheduler import SchedulerConfig
 from tunefarm.records import TimingConfig
+from tunefarm.search.task_scheduler import SchedulerConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,17 +16,18 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from services.scheduler.config import SearchConfig
-from services.scheduler.dag import ComputeDag
-from services.scheduler.features import CPU_FEATURE_VERSION, GPU_FEATURE_VERSION
-from services.scheduler.loopnest import Program, build
-from services.scheduler.sketch import Sketch, generate_sketches
-from services.scheduler.sketch_gpu import generate_gpu_sketches
-from services.scheduler.slots import Decider
 from tunefarm import target as targets
 from tunefarm.errors import TargetError
 from tunefarm.gpu import GpuLimits, is_gpu
 from tunefarm.isa import target_isa
+from tunefarm.search.config import SearchConfig
+from tunefarm.search.features import CPU_FEATURE_VERSION, GPU_FEATURE_VERSION
+from tunefarm.search.space.dag import ComputeDag
+from tunefarm.search.space.loopnest import build
+from tunefarm.search.space.program import Program
+from tunefarm.search.space.sketch import Sketch, generate_sketches
+from tunefarm.search.space.sketch_gpu import generate_gpu_sketches
+from tunefarm.search.space.slots import Decider
 
 
 class RuleSet(ABC):
