@@ -321,7 +321,7 @@ def _unroll(b: _Batch) -> np.ndarray:
 
 
 def _buffers(b: _Batch, trip: np.ndarray) -> np.ndarray:
-    S, L, A = b.S, b.L, b.A
+    L, A = b.L, b.A
     ext = b.ext[b.acc_store]  # (A, L)
     span = b.coef * (ext - 1.0)[:, None, :]  # (A, D, L)
     suffix = np.cumsum(span[:, :, ::-1], axis=2)[:, :, ::-1]  # footprint - 1 when loops j.. vary
@@ -349,19 +349,7 @@ def _buffers(b: _Batch, trip: np.ndarray) -> np.ndarray:
     unique_lines = unique / np.maximum(last_foot, 1.0) * np.ceil(last_foot * b.elem / CACHE_LINE_BYTES)
     nbytes = trip[b.acc_store] * b.elem * b.count
     unique_bytes = unique * b.elem
-    # reuse: innermost loop with extent > 1 that the access does not depend on
-    cand = (~used) & (ext > 1)
-    j_reuse = np.where(cand, np.arange(L)[None, :], -1).max(axis=1)
-    loop_reuse = j_reuse >= 0
-    jr = np.maximum(j_reuse, 0)
-    inner_iter = np.concatenate([np.cumprod(ext[:, ::-1], axis=1)[:, ::-1][:, 1:], np.ones((A, 1))], axis=1)  # iterations strictly inside loop j
-    dis_iter = np.where(loop_reuse, inner_iter[ar, jr], np.where(b.count > 1, 1.0, 0.0))
-    # bytes every access of the same store touches inside the reuse loop
-    bytes_inside = elems_at * b.elem[:, None]  # (A, L+1)
-    store_bytes_at = np.zeros((S, L + 1))
-    np.add.at(store_bytes_at, b.acc_store, bytes_inside)
-    dis_bytes = np.where(loop_reuse, store_bytes_at[b.acc_store, jr + 1], 0.0)
-    reuse_ct = np.where(loop_reuse, ext[ar, jr], np.where(b.count > 1, b.count, 0.0))
+    loop_reuse, dis_iter, dis_bytes, reuse_ct, store_bytes_at = _reuse(b, ext, used, elems_at)
     serial = (~loop_reuse) & (b.count > 1)
     none = (~loop_reuse) & (b.count <= 1)
     ct = np.maximum(reuse_ct, 1.0)
@@ -390,16 +378,41 @@ def _buffers(b: _Batch, trip: np.ndarray) -> np.ndarray:
     )  # (A, 18)
     # arithmetic intensity curve, per store (needs all of a store's accesses)
     b._curve = _curve(b, store_bytes_at)
-    # place each store's accesses into its slots, largest bytes first
-    out = np.zeros((S, MAX_BUFFERS, len(_BUFFER)))
+    return _in_slots(b, feats, nbytes)
+
+
+def _reuse(b: _Batch, ext: np.ndarray, used: np.ndarray, elems_at: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per access, its reuse loop (the innermost loop with extent > 1 it does not depend
+    on): whether it has one, the iterations and the bytes (of all its store's accesses)
+    between reuses, and the reuse count; and per store the bytes touched inside each loop."""
+    S, L, A = b.S, b.L, b.A
+    ar = np.arange(A)
+    cand = (~used) & (ext > 1)
+    j_reuse = np.where(cand, np.arange(L)[None, :], -1).max(axis=1)
+    loop_reuse = j_reuse >= 0
+    jr = np.maximum(j_reuse, 0)
+    inner_iter = np.concatenate([np.cumprod(ext[:, ::-1], axis=1)[:, ::-1][:, 1:], np.ones((A, 1))], axis=1)  # iterations strictly inside loop j
+    dis_iter = np.where(loop_reuse, inner_iter[ar, jr], np.where(b.count > 1, 1.0, 0.0))
+    # bytes every access of the same store touches inside the reuse loop
+    bytes_inside = elems_at * b.elem[:, None]  # (A, L+1)
+    store_bytes_at = np.zeros((S, L + 1))
+    np.add.at(store_bytes_at, b.acc_store, bytes_inside)
+    dis_bytes = np.where(loop_reuse, store_bytes_at[b.acc_store, jr + 1], 0.0)
+    reuse_ct = np.where(loop_reuse, ext[ar, jr], np.where(b.count > 1, b.count, 0.0))
+    return loop_reuse, dis_iter, dis_bytes, reuse_ct, store_bytes_at
+
+
+def _in_slots(b: _Batch, feats: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Each store's access features in its buffer slots, largest bytes first."""
+    out = np.zeros((b.S, MAX_BUFFERS, len(_BUFFER)))
     order = np.lexsort((-nbytes, b.acc_store))
-    slot = np.zeros(A, dtype=np.int64)
+    slot = np.zeros(b.A, dtype=np.int64)
     sorted_store = b.acc_store[order]
     first = np.searchsorted(sorted_store, sorted_store, side="left")
-    slot[order] = np.arange(A) - first
+    slot[order] = np.arange(b.A) - first
     keep = slot < MAX_BUFFERS
     out[b.acc_store[keep], slot[keep]] = feats[keep]
-    return out.reshape(S, MAX_BUFFERS * len(_BUFFER))
+    return out.reshape(b.S, MAX_BUFFERS * len(_BUFFER))
 
 
 def _row_major_strides(dims: np.ndarray, ndim: np.ndarray) -> np.ndarray:

@@ -168,19 +168,27 @@ def _cache_write(prog: Program, name: str, scope: str) -> None:
 
 
 def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
-    nest = prog.nests[name]
-    spec = nest.spec
-    red = list(spec.reduce)
-    total = 1
-    for it in red:
-        total *= it.extent
+    spec = prog.nests[name].spec
+    total = math.prod(it.extent for it in spec.reduce)
     f0, f1 = decider.decide(
         f"{name}.rfactor", TileDomain(total, 2, MAX_INNERMOST_TILE if inner else total)
     )
     # The rf axis goes last when it is the vectorized one (contiguous partial sums),
     # first when it is the parallel one (each thread owns a contiguous block).
     factor_axis = len(spec.spatial) if inner else 0
-    prog.emit("rfactor", name, (f0, f1), inner, rfactor_names(name), len(red), factor_axis)
+    prog.emit("rfactor", name, (f0, f1), inner, rfactor_names(name), len(spec.reduce), factor_axis)
+    rf_spec, final_spec = _rfactor_blocks(prog, spec, inner, (f0, f1), factor_axis)
+    _rfactor_nests(prog, spec, rf_spec, final_spec, inner, (f0, f1))
+
+
+def _rfactor_blocks(
+    prog: Program, spec: BlockSpec, inner: bool, factors: tuple[int, int], factor_axis: int
+) -> tuple[BlockSpec, BlockSpec]:
+    """The rf block and the final block that replace `spec` in the DAG (which gains the
+    rf buffer): the rf block reduces (rest) into rf partial sums, the final block sums
+    them."""
+    name = spec.name
+    f0, f1 = factors
     rf_ext, rest_ext = (f1, f0) if inner else (f0, f1)
     rf_iter = IterSpec(f"{name}.rf", rf_ext, "S")
     rest_iter = IterSpec(f"{name}.rest", rest_ext, "R")
@@ -190,24 +198,20 @@ def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
         if inner
         else Affine.of({rf_iter.name: f1, rest_iter.name: 1})
     )
-    red_names = [it.name for it in red]
+    red_names = [it.name for it in spec.reduce]
     new_buffers = list(prog.dag.buffers)
-    reads = []
-    for acc in spec.reads:
-        reads.append(_fuse_reduce_dims(prog.dag, acc, red_names, k, new_buffers))
+    reads = [_fuse_reduce_dims(prog.dag, acc, red_names, k, new_buffers) for acc in spec.reads]
     rf_name = rfactor_names(name)
     sp_shape = [it.extent for it in spec.spatial]
     sp_index = [Affine.of({it.name: 1}) for it in spec.spatial]
     rf_shape = (*sp_shape[:factor_axis], rf_ext, *sp_shape[factor_axis:])
-    rf_buf = BufferSpec(rf_name, rf_shape, prog.dag.buffer(spec.write.buffer).dtype, "intermediate")
-    new_buffers.append(rf_buf)
+    new_buffers.append(BufferSpec(rf_name, rf_shape, prog.dag.buffer(spec.write.buffer).dtype, "intermediate"))
     rf_index = (*sp_index[:factor_axis], Affine.of({rf_iter.name: 1}), *sp_index[factor_axis:])
-    rf_write = AccessSpec(rf_name, rf_index)
     rf_spec = BlockSpec(
         name=rf_name,
         iters=(rf_iter, *spec.spatial, rest_iter),
         reads=tuple(reads),
-        write=rf_write,
+        write=AccessSpec(rf_name, rf_index),
         ops=spec.ops,
         has_init=True,
         has_branch=spec.has_branch,
@@ -225,12 +229,18 @@ def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
     )
     blocks = []
     for b in prog.dag.blocks:
-        if b.name == name:
-            blocks.extend([rf_spec, final_spec])
-        else:
-            blocks.append(b)
+        blocks.extend([rf_spec, final_spec] if b.name == name else [b])
     prog.dag = prog.dag.replace_blocks(blocks, new_buffers)
-    # rf block loops: (spatial..., k0, k1); final block loops: (spatial..., rf).
+    return rf_spec, final_spec
+
+
+def _rfactor_nests(
+    prog: Program, spec: BlockSpec, rf_spec: BlockSpec, final_spec: BlockSpec, inner: bool, factors: tuple[int, int]
+) -> None:
+    """The loops of the two blocks that replace `spec`: the rf block's (spatial..., k0,
+    k1), the final block's (spatial..., rf)."""
+    name = spec.name
+    f0, f1 = factors
     del prog.nests[name]
     idx = prog.order.index(name)
     prog.order.remove(name)
@@ -238,15 +248,15 @@ def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
     k0 = prog.new_loop(f0, reduce=inner)
     k1 = prog.new_loop(f1, reduce=not inner)
     binding = {it.name: Affine.of({lp.key: 1}) for it, lp in zip(spec.spatial, sp_loops)}
-    binding[rf_iter.name] = Affine.of({(k1 if inner else k0).key: 1})
-    binding[rest_iter.name] = Affine.of({(k0 if inner else k1).key: 1})
-    prog.nests[rf_name] = Nest(rf_spec, [*sp_loops, k0, k1], binding, rf_inner=inner)
+    binding[f"{name}.rf"] = Affine.of({(k1 if inner else k0).key: 1})
+    binding[f"{name}.rest"] = Affine.of({(k0 if inner else k1).key: 1})
+    prog.nests[rf_spec.name] = Nest(rf_spec, [*sp_loops, k0, k1], binding, rf_inner=inner)
     fsp = [prog.new_loop(it.extent, False) for it in spec.spatial]
-    frf = prog.new_loop(rf_ext, True)
+    frf = prog.new_loop(f1 if inner else f0, True)
     fbinding = {it.name: Affine.of({lp.key: 1}) for it, lp in zip(spec.spatial, fsp)}
-    fbinding[final_iter.name] = Affine.of({frf.key: 1})
+    fbinding[f"{name}.rf"] = Affine.of({frf.key: 1})
     prog.nests[name] = Nest(final_spec, [*fsp, frf], fbinding)
-    prog.order[idx:idx] = [rf_name, name]
+    prog.order[idx:idx] = [rf_spec.name, name]
 
 
 def _fuse_reduce_dims(dag: ComputeDag, acc: AccessSpec, red: list[str], k: Affine, new_buffers: list) -> AccessSpec:

@@ -51,10 +51,7 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
             blocks[copy_name] = sch.cache_write(rv(b), 0, scope)
         case "cache_read":
             buffer, stage, pos = ins.args
-            block = rv(b)
-            reads = [str(r.source.name) for r in sch.get(block).reads]
-            blocks[stage] = sch.cache_read(block, reads.index(buffer), "shared")
-            sch.compute_at(blocks[stage], sch.get_loops(block)[pos], preserve_unit_loops=False)
+            blocks[stage] = _shared_stage(sch, rv(b), buffer, pos)
         case "coop_fetch":
             n_own, threads, vec = ins.args
             _cooperative_fetch(sch, rv(b), n_own, threads, vec)
@@ -67,39 +64,17 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
             n_spatial, threads = ins.args
             _bind_fallback(sch, rv(b), n_spatial, threads)
         case "rfactor":
-            (f0, f1), inner, rf_name, n_reduce, factor_axis = ins.args
-            loops = sch.get_loops(rv(b))
-            red = loops[-n_reduce:]
-            k = sch.fuse(*red) if n_reduce > 1 else red[0]
-            k0, k1 = sch.split(k, [f0, f1])
-            blocks[rf_name] = sch.rfactor(k1 if inner else k0, factor_axis=factor_axis)
+            factors, inner, rf_name, n_reduce, factor_axis = ins.args
+            blocks[rf_name] = _rfactor(sch, rv(b), factors, inner, n_reduce, factor_axis)
         case "tile":
             structure, factors, inner = ins.args
-            block = rv(b)
-            loops = sch.get_loops(block)
-            kinds = _iter_kinds(sch, block)
-            parts = [sch.split(lp, list(f)) for lp, f in zip(loops, factors)]
-            level = {"S": 0, "R": 0}
-            n_s = structure.count("S")
-            last = [i for i in range(len(parts)) if i != inner] + ([inner] if inner >= 0 else [])
-            order = []
-            for ch in structure:
-                lv = level[ch]
-                level[ch] += 1
-                its = last if ch == "S" and lv == n_s - 1 else range(len(parts))
-                order.extend(parts[i][lv] for i in its if kinds[i] == ch)
-            sch.reorder(*order)
+            _tile(sch, rv(b), structure, factors, inner)
         case "acc_layout":
             (dims,) = ins.args
             sch.transform_layout(rv(b), ("write", 0), _tile_order_map(dims))
         case "layout_rewrite":
             buffer, dims = ins.args
-            block = rv(b)
-            reads = [str(r.source.name) for r in sch.get(block).reads]
-            idx = reads.index(buffer)
-            copy = sch.cache_read(block, idx, "global")
-            sch.annotate(copy, PREPROC_ATTR, 1)
-            sch.transform_layout(block, ("read", idx), _tile_order_map(dims))
+            _layout_rewrite(sch, rv(b), buffer, dims)
         case "reverse_compute_at":
             producer, pos = ins.args
             sch.reverse_compute_at(rv(b), sch.get_loops(rv(producer))[pos], preserve_unit_loops=False)
@@ -129,6 +104,52 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
             sch.decompose_reduction(rv(b), sch.get_loops(rv(b))[pos])
         case _:
             raise ValueError(f"unknown instruction {ins.op}")
+
+
+def _read_index(sch, block, buffer: str) -> int:
+    return [str(r.source.name) for r in sch.get(block).reads].index(buffer)
+
+
+def _shared_stage(sch, block, buffer: str, pos: int):
+    """A shared-memory copy of `buffer` for `block`, computed at its loop `pos`."""
+    stage = sch.cache_read(block, _read_index(sch, block, buffer), "shared")
+    sch.compute_at(stage, sch.get_loops(block)[pos], preserve_unit_loops=False)
+    return stage
+
+
+def _rfactor(sch, block, factors, inner: bool, n_reduce: int, factor_axis: int):
+    """The block's reduction loops fused, split by `factors`, factored over the inner (or
+    outer) part; the rf block."""
+    red = sch.get_loops(block)[-n_reduce:]
+    k0, k1 = sch.split(_fuse(sch, red), list(factors))
+    return sch.rfactor(k1 if inner else k0, factor_axis=factor_axis)
+
+
+def _tile(sch, block, structure: str, factors, inner: int) -> None:
+    """Split each loop by its factors and reorder the parts by `structure` ("SSRSRS"):
+    level by level, spatial and reduction parts in iterator order, except that iterator
+    `inner` (when >= 0) goes last in the innermost spatial level."""
+    kinds = _iter_kinds(sch, block)
+    parts = [sch.split(lp, list(f)) for lp, f in zip(sch.get_loops(block), factors)]
+    level = {"S": 0, "R": 0}
+    n_s = structure.count("S")
+    last = [i for i in range(len(parts)) if i != inner] + ([inner] if inner >= 0 else [])
+    order = []
+    for ch in structure:
+        lv = level[ch]
+        level[ch] += 1
+        its = last if ch == "S" and lv == n_s - 1 else range(len(parts))
+        order.extend(parts[i][lv] for i in its if kinds[i] == ch)
+    sch.reorder(*order)
+
+
+def _layout_rewrite(sch, block, buffer: str, dims) -> None:
+    """Read constant `buffer` in the tile loops' order: a copy marked for pre-processing
+    (done once, outside the kernel) and the block's read through the new layout."""
+    idx = _read_index(sch, block, buffer)
+    copy = sch.cache_read(block, idx, "global")
+    sch.annotate(copy, PREPROC_ATTR, 1)
+    sch.transform_layout(block, ("read", idx), _tile_order_map(dims))
 
 
 def _fuse(sch, loops):
