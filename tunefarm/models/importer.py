@@ -141,12 +141,12 @@ def _load_onnx(source: Any):
     )
 
 
-def read_onnx_file(path: Path, *, label: str | None = None):
+def read_onnx_file(path: Path, *, label: str | None = None, data_dir: Path | None = None):
     """(ModelProto, tensors read from external files) of an ONNX file. External data
-    (weights in side files) is read only from the model's own directory or below it
-    (`tunefarm.models.external_data`); a location outside it is a one-line `ModelError`
-    naming the tensor and the location, and nothing is read. Errors start with `label`
-    (default: the path)."""
+    (weights in side files) is read only from `data_dir` (default: the model's own
+    directory) or below it (`tunefarm.models.external_data`); a location outside it is
+    a one-line `ModelError` naming the tensor and the location, and nothing is read.
+    Errors start with `label` (default: the path)."""
     label = label or str(path)
     if not path.is_file():
         raise ModelError(f"{label}: no such file")
@@ -156,7 +156,7 @@ def read_onnx_file(path: Path, *, label: str | None = None):
         raise ModelError(f"{label}: cannot read: {exc.strerror or exc}") from None
     model = _parse_onnx(data, label)
     try:
-        inlined = inline_external_data(model, path.parent)
+        inlined = inline_external_data(model, path.parent if data_dir is None else data_dir)
     except ModelError as exc:
         raise ModelError(f"{label}: {exc}") from None
     except OSError as exc:
