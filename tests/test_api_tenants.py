@@ -22,7 +22,7 @@ from sqlalchemy import select  # noqa: E402
 from services.api import admin  # noqa: E402
 from services.api.app import create_app  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
-from services.db.models import Model  # noqa: E402
+from services.db.models import Model, Team  # noqa: E402
 from services.db.session import transaction  # noqa: E402
 
 SHAPES = json.dumps({"x": [1, 3, 8, 8]})
@@ -81,3 +81,108 @@ def test_an_external_data_part_cannot_replace_another_teams_stored_model(api, te
         data = (settings.artifact_root / path).read_bytes()
         assert (hashlib.sha256(data).hexdigest(), len(data)) == (sha256, size), path
     assert (settings.artifact_root / "models" / f"{hashlib.sha256(real).hexdigest()}.onnx").read_bytes() == real
+
+
+# -- finding 6: a few bytes declaring gigabytes; one importer for every team --------------------
+
+
+def huge_input_model() -> bytes:
+    """A Relu on a 32768 x 32768 float input: 64 bytes of ONNX, 4 GiB as a tensor."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1 << 15, 1 << 15])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="")
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def huge_constant_model(tmp_path: Path) -> bytes:
+    """tiny.onnx plus y + ConstantOfShape([32768, 32768]): every input small."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = onnx.load(str(tiny_onnx(tmp_path / "c.onnx", dynamic=False)))
+    shape = numpy_helper.from_array(__import__("numpy").array([1 << 15, 1 << 15], "int64"), "big_shape")
+    model.graph.initializer.append(shape)
+    model.graph.node.append(helper.make_node("ConstantOfShape", ["big_shape"], ["big"], name="fill",
+                                             value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])))
+    model.graph.node.append(helper.make_node("Add", ["y", "big"], ["z"], name="add_big"))
+    model.graph.output[0].name = "z"
+    return model.SerializeToString()
+
+
+def address_space_limit(pid: int) -> int | None:
+    """The soft RLIMIT_AS of a process, from /proc (None: unlimited)."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max address space"):
+            soft = line.split()[3]
+            return None if soft == "unlimited" else int(soft)
+    raise AssertionError("no address space line")
+
+
+@pytest.mark.parametrize("case", ["static input", "given input shape", "computed constant"])
+def test_a_few_bytes_declaring_a_huge_tensor_are_refused_by_shape(api, teams, tmp_path, case):
+    client, settings = api
+    data, shapes, named = {
+        "static input": (huge_input_model(), "{}", "input 'x'"),
+        "given input shape": (tiny_onnx(tmp_path / "n.onnx").read_bytes(), '{"x": [10000000, 3, 8, 8]}', "input 'x'"),
+        "computed constant": (huge_constant_model(tmp_path), "{}", "'big'"),
+    }[case]
+    if case == "static input":
+        assert len(data) < 100
+    r = client.post("/v1/models", headers=auth(teams, "a"), data={"input_shapes": shapes},
+                    files={"file": ("huge.onnx", data)})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_model"
+    assert named in error["message"] and f"{settings.max_tensor_elements:,}" in error["message"], error
+    # The importer that said so is alive, its address space capped.
+    pids = [w.pid for w in client.app.state.intake.workers if w.pid is not None]
+    assert pids
+    for pid in pids:
+        assert address_space_limit(pid) == settings.intake_memory_limit_bytes
+
+
+def reserve(n: int) -> int:
+    """Map `n` bytes of anonymous memory (never touched) and let them go: run in an importer."""
+    import mmap
+
+    mmap.mmap(-1, n).close()
+    return n
+
+
+def test_an_isolated_worker_with_a_memory_limit_cannot_map_past_it():
+    from tunefarm.isolation import CallStatus, IsolatedWorker
+
+    limit = 3 << 30
+    with IsolatedWorker(memory_limit_bytes=limit, name="capped") as worker:
+        small = worker.call(f"{__name__}:reserve", 1 << 20, timeout=60)
+        assert small.ok and address_space_limit(worker.pid) == limit
+        over = worker.call(f"{__name__}:reserve", 2 * limit, timeout=60)
+        assert over.status is CallStatus.RAISED and "Cannot allocate memory" in over.message, over
+        assert worker.call(f"{__name__}:reserve", 1 << 20, timeout=60).ok  # still alive
+
+
+def test_another_teams_upload_does_not_wait_behind_a_teams_import(api, teams, db_sessions, tmp_path):
+    """Team A has an upload being imported (it holds an importer); team B's upload is
+    taken in meanwhile, and team A's second upload is refused at once (429)."""
+    client, _ = api
+    pool = client.app.state.intake
+    with transaction(db_sessions) as s:
+        team_a = s.scalar(select(Team.id).where(Team.name == "tenants-a"))
+    real = model_bytes(tmp_path, doc="pool")
+    with pool.admit(team_a), pool.importer():
+        assert pool.in_progress(team_a) == 1
+        again = client.post("/v1/models", headers=auth(teams, "a"), data={"input_shapes": SHAPES},
+                            files={"file": ("m.onnx", real)})
+        assert again.status_code == 429, again.text
+        assert again.json()["error"]["code"] == "too_many_requests" and again.headers["retry-after"]
+        assert "being imported" in again.json()["error"]["message"]
+        b = client.post("/v1/models", headers=auth(teams, "b"), data={"input_shapes": SHAPES},
+                        files={"file": ("m.onnx", real)})
+        assert b.status_code == 201, b.text
+    assert pool.in_progress(team_a) == 0
+    r = client.post("/v1/models", headers=auth(teams, "a"), data={"input_shapes": SHAPES},
+                    files={"file": ("m.onnx", real)})
+    assert r.status_code == 201, r.text

@@ -11,6 +11,7 @@ follow them and fetch the tuned models.
 | `schemas.py` | request and response bodies (`JobCreate`, `JobPublic`, ...) |
 | `crud.py` | the database work, small keyword-only functions |
 | `intake.py` | taking in an upload: import and fuse the model in a child process |
+| `intake_pool.py` | the importer processes shared by all teams, a few per team at most |
 | `storage.py` | files under the artifact root (uploads, fused modules) |
 | `limits.py` | the request body limit (413 while streaming) |
 | `admin.py` | operator actions: teams, tokens, device classes (`tunefarm farm ...`) |

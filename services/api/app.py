@@ -24,13 +24,13 @@ from starlette.routing import Match
 
 from services.api.deps import Team
 from services.api.exceptions import ApiError
+from services.api.intake_pool import IntakePool
 from services.api.limits import BodySizeLimit
 from services.api.routers import dashboard, devices, health, jobs, metrics, models
 from services.api.settings import ApiSettings
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.revocations import RevocationListener, VerifiedTokens
 from services.db.session import make_session_factory
-from tunefarm.isolation import IsolatedWorker
 
 log = logging.getLogger("tunefarm.api")
 
@@ -46,6 +46,7 @@ _HTTP_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
+    429: "too_many_requests",
 }
 
 
@@ -61,7 +62,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         revocations = RevocationListener(app.state.sessions.kw["bind"])
         revocations.start()
         app.state.token_cache = VerifiedTokens[Team](settings.token_cache_secs, revocations)
-        app.state.intake = IsolatedWorker(preload=["services.api.intake"], name="model-intake")
+        app.state.intake = IntakePool(
+            size=settings.intake_workers,
+            per_team=settings.intake_per_team,
+            wait_secs=settings.intake_queue_secs,
+            memory_limit_bytes=settings.intake_memory_limit_bytes,
+            preload=["services.api.intake"],
+        )
         try:
             yield
         finally:

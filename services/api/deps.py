@@ -12,7 +12,7 @@
 - `TeamDep`: the team of the request's bearer token (401 without a valid team token,
   403 for an agent token);
 - `PageDep`: `limit` and `cursor` query parameters of list endpoints;
-- `IntakeDep`: the child process that imports uploaded models.
+- `IntakeDep`: the pool of child processes that import uploaded models.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from services.api.exceptions import Forbidden, Unauthorized
+from services.api.intake_pool import IntakePool
 from services.api.settings import ApiSettings
 from services.db import queries
 from services.db.models import TokenKind
 from services.db.revocations import VerifiedTokens
 from services.db.session import transaction
-from tunefarm.isolation import IsolatedWorker
 
 
 async def get_settings(request: Request) -> ApiSettings:
@@ -42,13 +42,13 @@ async def get_sessions(request: Request) -> sessionmaker[Session]:
     return request.app.state.sessions
 
 
-async def get_intake(request: Request) -> IsolatedWorker:
+async def get_intake(request: Request) -> IntakePool:
     return request.app.state.intake
 
 
 SettingsDep = Annotated[ApiSettings, Depends(get_settings)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
-IntakeDep = Annotated[IsolatedWorker, Depends(get_intake)]
+IntakeDep = Annotated[IntakePool, Depends(get_intake)]
 
 
 # -- authentication ---------------------------------------------------------------------------

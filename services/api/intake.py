@@ -9,8 +9,10 @@ staged outside it, so no part, whatever its name, can replace the model or anoth
 part. What is kept is the model with that data read into it, one self-contained ONNX
 file like any other upload, stored under the hash of the bytes kept.
 
-All of it runs in a child process (`tunefarm.isolation.IsolatedWorker`): TVM's importer
-on an arbitrary file may crash or hang, and must never take the API down. The child
+All of it runs in a child process (one of `intake_pool.IntakePool`'s importers, its
+address space capped): TVM's importer on an arbitrary file may crash, hang or ask for
+gigabytes, and must never take the API down. Tensors are capped by their shapes before
+anything is allocated (`IntakeLimits.max_tensor_elements`). The child
 writes `fused.json` into a staging directory and returns plain data (`intake_job`); the
 parent (`take_in`) turns failures into `InvalidModel` with the importer's one-line
 message, which names the operator TVM cannot convert.
@@ -26,8 +28,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from services.api.exceptions import InvalidModel, InvalidRequest, PayloadTooLarge, ServiceUnavailable
+from services.api.intake_pool import IntakePool
 from services.api.storage import StoredFile, copy_limited, keep, staging
-from tunefarm.isolation import CallStatus, IsolatedWorker, WorkerStartError
+from tunefarm.isolation import CallStatus, WorkerStartError
 from tunefarm.models.external_data import location_problem
 
 FUSED_NAME = "fused.json"
@@ -45,7 +48,9 @@ all (whether a program has sketches does not depend on the CPU)."""
 _OWN_ERRORS = ("ModelError: ", "UsageError: ", "WorkloadError: ")
 
 
-def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str, data_dir: str) -> dict[str, Any]:
+def intake_job(
+    onnx_path: str, shapes_json: str, name: str, staging_dir: str, data_dir: str, max_tensor_elements: int | None
+) -> dict[str, Any]:
     """Child side: plain arguments, plain result; raises `ModelError`/`UsageError`."""
     from tunefarm.models.importer import import_model, read_onnx_file
 
@@ -65,7 +70,7 @@ def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str, da
     from tunefarm.errors import ModelError, WorkloadError
     from tunefarm.models.tasks import extract_tasks
 
-    imported = import_model(model, shapes, name=name)
+    imported = import_model(model, shapes, name=name, max_tensor_elements=max_tensor_elements)
     tasks = extract_tasks(imported, name=name)
     if not tasks.tasks:
         raise ModelError(f"{name}: the model has no kernel to tune (every operator is a reshape)")
@@ -130,33 +135,39 @@ def _spec(t) -> dict[str, Any]:
 
 
 def take_in(
-    worker: IsolatedWorker,
+    pool: IntakePool,
     *,
     onnx_path: Path,
     input_shapes: dict[str, list[int]],
     name: str,
     staging_dir: Path,
     data_dir: Path,
-    timeout: float,
+    limits: IntakeLimits,
 ) -> dict[str, Any]:
-    """Run `intake_job` in `worker`. Raises `InvalidModel` for a model that cannot be
-    taken in (malformed, unsupported operator, crash or hang of the importer)."""
+    """Run `intake_job` in one of the pool's importers. Raises `InvalidModel` for a model
+    that cannot be taken in (malformed, unsupported operator, a tensor over the cap, the
+    importer out of memory, crashed or hung)."""
+    timeout = limits.timeout_secs
     try:
-        outcome = worker.call(
-            f"{__name__}:intake_job",
-            str(onnx_path),
-            json.dumps(input_shapes),
-            name,
-            str(staging_dir),
-            str(data_dir),
-            timeout=timeout,
-        )
+        with pool.importer() as worker:
+            outcome = worker.call(
+                f"{__name__}:intake_job",
+                str(onnx_path),
+                json.dumps(input_shapes),
+                name,
+                str(staging_dir),
+                str(data_dir),
+                limits.max_tensor_elements,
+                timeout=timeout,
+            )
     except WorkerStartError as exc:
         raise ServiceUnavailable(f"the model importer could not start: {exc}") from None
     if outcome.ok:
         return outcome.value
     if outcome.status is CallStatus.RAISED:
         message = outcome.message
+        if message.startswith("MemoryError"):
+            raise InvalidModel("importing the model needs more memory than this farm gives an import; it was abandoned")
         for prefix in _OWN_ERRORS:
             if message.startswith(prefix):
                 raise InvalidModel(_for_the_api(message[len(prefix) :]))
@@ -200,21 +211,32 @@ class TakenIn:
     intake: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class IntakeLimits:
+    """What one upload may take: bytes (the model and its external data together),
+    seconds of importing, elements of any one tensor."""
+
+    max_bytes: int
+    timeout_secs: float
+    max_tensor_elements: int | None
+
+
 def accept_upload(
-    worker: IsolatedWorker,
+    pool: IntakePool,
     *,
     upload: BinaryIO,
     filename: str | None,
     name: str | None,
     input_shapes_text: str,
     root: Path,
-    max_bytes: int,
-    timeout: float,
+    limits: IntakeLimits,
     external_data: Sequence[tuple[str | None, BinaryIO]] = (),
 ) -> TakenIn:
     """Copy the upload and its external data files (file name: the location the model
-    names) to staging (at most `max_bytes` in all), take it in, and keep its files.
-    Raises `PayloadTooLarge`, `InvalidRequest` or `InvalidModel`, having stored nothing."""
+    names) to staging (at most `limits.max_bytes` in all), take it in with one of the
+    pool's importers, and keep its files. Raises `PayloadTooLarge`, `InvalidRequest`,
+    `InvalidModel` or `ServiceUnavailable`, having stored nothing."""
+    max_bytes = limits.max_bytes
     shapes = parse_input_shapes(input_shapes_text)
     model_name = name.strip() if name and name.strip() else _name_from(filename)
     locations = [external_location(loc) for loc, _ in external_data]
@@ -231,8 +253,8 @@ def accept_upload(
             raise InvalidModel("the uploaded file is empty")
         sources = [source for _, source in external_data]
         _stage_external_data(data_dir, zip(locations, sources), budget=max_bytes - size, max_bytes=max_bytes)
-        intake = take_in(worker, onnx_path=staged, input_shapes=shapes, name=model_name, staging_dir=tmp,
-                         data_dir=data_dir, timeout=timeout)
+        intake = take_in(pool, onnx_path=staged, input_shapes=shapes, name=model_name, staging_dir=tmp,
+                         data_dir=data_dir, limits=limits)
         onnx = keep(root, Path(intake["onnx_path"]), suffix=".onnx")
         fused = keep(root, Path(intake["fused_path"]), suffix=".fused.json")
     return TakenIn(model_name, shapes, onnx, fused, intake)
