@@ -7,6 +7,7 @@ follow them and fetch the tuned models.
 | `app.py` | `create_app(settings)`, the error handlers, `main` (`tunefarm api`, uvicorn) |
 | `routers/` | one router per resource: `models`, `jobs`, `devices`, `health`; `metrics` (Prometheus), `dashboard` (HTML pages) |
 | `templates/` | the dashboard's Jinja2 pages |
+| `authentication.py` | the team of a request, from its headers, before its body is read |
 | `deps.py` | the `Annotated` dependencies: settings, database session, team, page |
 | `schemas.py` | request and response bodies (`JobCreate`, `JobPublic`, ...) |
 | `crud.py` | the database work, small keyword-only functions |

@@ -7,6 +7,10 @@ validation errors (422) and unknown routes (404) get the same body shape.
 
 from __future__ import annotations
 
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
 
 class ApiError(Exception):
     """Root of the API's errors: `status` is the HTTP status, `code` a stable word."""
@@ -103,3 +107,13 @@ class ServiceUnavailable(ApiError):
 
     def __init__(self, message: str, *, retry_after_secs: int | None = None):
         super().__init__(message, headers={"Retry-After": str(retry_after_secs)} if retry_after_secs else None)
+
+
+def error_response(
+    status: int, code: str, message: str, *, details: Any = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The JSON answer of an error: `{"error": {"code", "message"[, "details"]}}`."""
+    body: dict[str, Any] = {"code": code, "message": message}
+    if details is not None:
+        body["details"] = details
+    return JSONResponse({"error": body}, status_code=status, headers=headers)

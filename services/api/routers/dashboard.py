@@ -29,7 +29,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from services.api import crud
-from services.api.deps import SessionsDep, Team, team_of_token
+from services.api.authentication import Team, team_of_token
+from services.api.deps import SessionsDep
 from services.api.exceptions import Forbidden, NotFound, Unauthorized
 from services.db.session import transaction
 from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, format_duration, latency_curve_svg
