@@ -22,23 +22,28 @@ from sqlalchemy import select  # noqa: E402
 from services.api import admin  # noqa: E402
 from services.api.app import create_app  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
-from services.db.models import Model, Team  # noqa: E402
+from services.db.models import Job, Model, Team  # noqa: E402
 from services.db.session import transaction  # noqa: E402
 
 SHAPES = json.dumps({"x": [1, 3, 8, 8]})
 
 
+CLASS = "tenants-cpu"
+MAX_JOBS, MAX_TRIALS = 3, 1000
+
+
 @pytest.fixture(scope="module")
 def teams(db_sessions) -> dict[str, str]:
     with transaction(db_sessions) as s:
+        admin.ensure_device_class(s, name=CLASS, target={"kind": "llvm", "num-cores": 2})
         return {who: admin.issue_team_token(s, team_id=admin.ensure_team(s, name=f"tenants-{who}").id)
-                for who in ("a", "b")}
+                for who in ("a", "b", "c")}
 
 
 @pytest.fixture(scope="module")
 def api(database_url, tmp_path_factory):
     settings = ApiSettings(database_url=database_url, artifact_root=tmp_path_factory.mktemp("artifacts"),
-                           token_cache_secs=0)
+                           token_cache_secs=0, team_max_active_jobs=MAX_JOBS, team_max_active_trials=MAX_TRIALS)
     with TestClient(create_app(settings)) as client:
         yield client, settings
 
@@ -186,3 +191,55 @@ def test_another_teams_upload_does_not_wait_behind_a_teams_import(api, teams, db
     r = client.post("/v1/models", headers=auth(teams, "a"), data={"input_shapes": SHAPES},
                     files={"file": ("m.onnx", real)})
     assert r.status_code == 201, r.text
+
+
+# -- finding 6: quotas ------------------------------------------------------------------------
+
+
+def upload(client, teams, who: str, data: bytes) -> int:
+    r = client.post("/v1/models", headers=auth(teams, who), data={"input_shapes": SHAPES},
+                    files={"file": ("m.onnx", data)})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def test_a_team_is_held_to_its_quota_of_jobs_and_trials(api, teams, db_sessions, tmp_path):
+    client, _ = api
+    model_a = upload(client, teams, "a", model_bytes(tmp_path, doc="quota"))
+    model_b = upload(client, teams, "b", model_bytes(tmp_path, doc="quota"))
+
+    def job(who: str, model_id: int, trials: int):
+        return client.post("/v1/jobs", headers=auth(teams, who),
+                           json={"model_id": model_id, "device_class": CLASS, "trial_budget": trials})
+
+    def jobs_stored() -> int:
+        with transaction(db_sessions) as s:
+            return len(s.scalars(select(Job.id)).all())
+
+    started = [job("a", model_a, 300) for _ in range(MAX_JOBS)]
+    assert [r.status_code for r in started] == [201] * MAX_JOBS
+    before = jobs_stored()
+    over = job("a", model_a, 10)
+    assert over.status_code == 429 and over.json()["error"]["code"] == "quota_exceeded", over.text
+    assert f"{MAX_JOBS} jobs queued or running" in over.json()["error"]["message"]
+    other = job("b", model_b, MAX_TRIALS)  # another team's quota is its own
+    assert other.status_code == 201, other.text
+    assert client.post(f"/v1/jobs/{started[0].json()['id']}/cancel", headers=auth(teams, "a")).status_code == 200
+    too_many_trials = job("a", model_a, MAX_TRIALS - 2 * 300 + 1)
+    assert too_many_trials.status_code == 429, too_many_trials.text
+    message = too_many_trials.json()["error"]["message"]
+    assert "600" in message and f"({MAX_TRIALS} trials)" in message, message
+    assert jobs_stored() == before + 1  # the refused jobs stored nothing
+    assert job("a", model_a, MAX_TRIALS - 2 * 300).status_code == 201
+
+
+def test_jobs_created_at_once_are_counted_one_after_the_other(api, teams, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, _ = api
+    model_c = upload(client, teams, "c", model_bytes(tmp_path, doc="race"))
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: client.post(
+            "/v1/jobs", headers=auth(teams, "c"), json={"model_id": model_c, "device_class": CLASS, "trial_budget": 5}
+        ).status_code, range(8)))
+    assert sorted(answers) == [201] * MAX_JOBS + [429] * (8 - MAX_JOBS)
