@@ -14,6 +14,8 @@ follow them and fetch the tuned models.
 | `intake.py` | taking in an upload: import and fuse the model in a child process |
 | `intake_pool.py` | the importer processes shared by all teams, a few per team at most |
 | `storage.py` | files under the artifact root (uploads, fused modules) |
+| `dashboard_sessions.py` | the dashboard's server-side sessions (the cookie holds a session id, not the token) |
+| `security_headers.py` | CSP, frame, nosniff and referrer headers on every response |
 | `limits.py` | the request body limit (413 while streaming) |
 | `admin.py` | operator actions: teams, tokens, device classes (`tunefarm farm ...`) |
 | `exceptions.py` | `ApiError` and its subclasses, each with its HTTP status |

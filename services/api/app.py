@@ -7,7 +7,8 @@ Every error is a JSON body `{"error": {"code", "message"}}` (`schemas.ErrorBody`
 the API's own errors (`exceptions.py`), validation errors (422), unknown routes (404),
 an oversized body (413, `limits.BodySizeLimit`), the database unreachable (503).
 Requests under `/v1/` are authenticated from their headers before their body is read
-(`authentication.TeamAuthentication`).
+(`authentication.TeamAuthentication`); every response carries the security headers of
+`security_headers.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from services.api.exceptions import ApiError, error_response
 from services.api.intake_pool import IntakePool
 from services.api.limits import BodySizeLimit
 from services.api.routers import dashboard, devices, health, jobs, metrics, models
+from services.api.security_headers import SecurityHeaders
 from services.api.settings import ApiSettings
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.revocations import RevocationListener, VerifiedTokens
@@ -105,6 +107,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         max_body_bytes=settings.max_upload_bytes + settings.multipart_overhead_bytes,
         on_refuse=refuse,
     )
+    app.add_middleware(SecurityHeaders)  # outermost: on every answer, a refused body's too
     return app
 
 

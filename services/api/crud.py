@@ -214,9 +214,11 @@ def check_team_quota(session: Session, *, team_id: int, trial_budget: int, quota
         )
 
 
-def create_job(session: Session, *, team_id: int, body: JobCreate, max_trial_budget: int, quota: TeamQuota) -> Job:
+def create_job(
+    session: Session, *, team_id: int, body: JobCreate, max_trial_budget: int, quota: TeamQuota | None = None
+) -> Job:
     """A queued job and its tasks (the model's, keyed for the class's target), within the
-    team's quota."""
+    team's quota (the API always gives one; None: an operator's tool, unchecked)."""
     if body.trial_budget > max_trial_budget:
         raise InvalidRequest(
             f"trial_budget {body.trial_budget} is larger than this farm allows ({max_trial_budget})"
@@ -229,7 +231,8 @@ def create_job(session: Session, *, team_id: int, body: JobCreate, max_trial_bud
             "is not supported yet (single operators: tunefarm tune-op --target with the class's CUDA target, on a "
             "machine with the GPU)"
         )
-    check_team_quota(session, team_id=team_id, trial_budget=body.trial_budget, quota=quota)
+    if quota is not None:
+        check_team_quota(session, team_id=team_id, trial_budget=body.trial_budget, quota=quota)
     tasks = session.execute(
         select(ModelTask.workload_id, ModelTask.position, ModelTask.weight, Workload.key)
         .join(Workload, Workload.id == ModelTask.workload_id)

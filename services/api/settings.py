@@ -15,7 +15,9 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_INTAKE_MEMORY_LIMIT_BYTES | 8589934592 | address space of an importer process (RLIMIT_AS); unset: none |
 | TUNEFARM_MAX_TENSOR_ELEMENTS | 134217728 | elements a tensor of an uploaded model may have (422 naming it above) |
 | TUNEFARM_TEAM_MAX_ACTIVE_JOBS | 10 | a team's jobs queued or running at once (429 for one more) |
-| TUNEFARM_TEAM_MAX_ACTIVE_TRIALS | 300000 | the trial budgets of a team's jobs queued or running, together (429 above) |
+| TUNEFARM_TEAM_MAX_ACTIVE_TRIALS | 300000 | the trials a team's jobs queued or running have still to run, together (429 above) |
+| TUNEFARM_UI_SESSION_SECS | 43200 | how long a dashboard login lasts |
+| TUNEFARM_UI_TRUSTED_ORIGINS | [] | JSON list of further origins the dashboard's forms may post from (a proxy's `https://farm.example`) |
 | TUNEFARM_PAGE_SIZE_MAX | 100 | largest page of a list endpoint |
 | TUNEFARM_TOKEN_CACHE_SECS | 10 | how long a verified team token is trusted without asking the database (a revoked one is dropped at once) |
 | TUNEFARM_API_WORKERS | 1 | uvicorn worker processes |
@@ -70,6 +72,12 @@ class ApiSettings(DatabaseSettings):
     # their trial budgets. A job past either is refused (429) until some of them end.
     team_max_active_jobs: int = Field(default=10, ge=1)
     team_max_active_trials: int = Field(default=300_000, ge=1)
+    # How long a dashboard session lasts after its login (seconds).
+    ui_session_secs: float = Field(default=12 * 3600.0, gt=0)
+    # Origins besides the request's own that the dashboard's forms may post from: a
+    # reverse proxy's public origin ("https://farm.example") when it does not pass the
+    # scheme and host through. Any other origin's POST is refused (cross-site).
+    ui_trusted_origins: list[str] = []
     # Items per page of the list endpoints: the default and the most a client may ask for.
     page_size_default: int = 20
     page_size_max: int = 100
