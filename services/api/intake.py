@@ -59,10 +59,8 @@ def intake_job(
     # with it); the model kept is then self-contained. A file that is not ONNX at all
     # is refused here, before TVM is loaded.
     model, inlined = read_onnx_file(Path(onnx_path), label="the model", data_dir=Path(data_dir))
-    kept = Path(onnx_path)
     if inlined:
-        kept = Path(staging_dir) / INLINED_NAME
-        kept.write_bytes(model.SerializeToString())
+        (Path(staging_dir) / INLINED_NAME).write_bytes(model.SerializeToString())
 
     import tvm
 
@@ -87,8 +85,7 @@ def intake_job(
         "outputs": [_spec(t) for t in imported.outputs],
         "warnings": list(imported.warnings),
         "elided": list(tasks.elided),
-        "fused_path": str(fused),
-        "onnx_path": str(kept),
+        "inlined": bool(inlined),  # the model to keep is INLINED_NAME, not the upload
         "tasks": [
             {
                 "position": i,
@@ -255,9 +252,17 @@ def accept_upload(
         _stage_external_data(data_dir, zip(locations, sources), budget=max_bytes - size, max_bytes=max_bytes)
         intake = take_in(pool, onnx_path=staged, input_shapes=shapes, name=model_name, staging_dir=tmp,
                          data_dir=data_dir, limits=limits)
-        onnx = keep(root, Path(intake["onnx_path"]), suffix=".onnx")
-        fused = keep(root, Path(intake["fused_path"]), suffix=".fused.json")
+        # The files to keep are named here, not by the child (nothing it says is a path).
+        onnx = keep(root, _written(tmp / INLINED_NAME if intake["inlined"] else staged), suffix=".onnx")
+        fused = keep(root, _written(tmp / FUSED_NAME), suffix=".fused.json")
     return TakenIn(model_name, shapes, onnx, fused, intake)
+
+
+def _written(path: Path) -> Path:
+    """`path`, a regular file the import left (not a link to elsewhere)."""
+    if path.is_symlink() or not path.is_file():
+        raise InvalidModel(f"the model importer did not leave its {path.name} as a file; the model was not taken in")
+    return path
 
 
 def _stage_external_data(
