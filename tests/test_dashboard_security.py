@@ -6,6 +6,7 @@ security headers. tests/test_dashboard.py drives the same in a real browser."""
 from __future__ import annotations
 
 import hashlib
+from datetime import timedelta
 
 import pytest
 
@@ -106,6 +107,19 @@ def test_revoking_the_token_ends_its_sessions(client, token, db_sessions):
         s.execute(update(Token).where(Token.token_hash == hashlib.sha256(token.encode()).hexdigest())
                   .values(revoked_at=func.now()))
     assert client.get("/ui/jobs").status_code == 303
+
+
+def test_an_expired_session_is_over(client, token, db_sessions):
+    login(client, token, Origin=OWN)
+    session_hash = hashlib.sha256(client.cookies[COOKIE].encode()).hexdigest()
+    assert client.get("/ui/jobs").status_code == 200
+    with transaction(db_sessions) as s:
+        s.execute(update(DashboardSession).where(DashboardSession.session_hash == session_hash)
+                  .values(expires_at=func.now() - timedelta(seconds=1)))
+    assert client.get("/ui/jobs").status_code == 303
+    login(client, token, Origin=OWN)  # a new login clears the expired rows out
+    with transaction(db_sessions) as s:
+        assert s.scalar(select(func.count()).where(DashboardSession.session_hash == session_hash)) == 0
 
 
 def test_the_cookie_is_secure_over_https(database_url, tmp_path, token):
