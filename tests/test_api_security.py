@@ -80,7 +80,9 @@ class CountingBody:
             yield b"\0" * CHUNK
 
 
-def _post_in_process(settings: ApiSettings, token: str, body: CountingBody, headers: dict[str, str]) -> httpx.Response:
+def _post_in_process(
+    settings: ApiSettings, token: str | None, body: CountingBody, headers: dict[str, str]
+) -> httpx.Response:
     async def go() -> httpx.Response:
         app = create_app(settings)
         async with app.router.lifespan_context(app):
@@ -90,7 +92,7 @@ def _post_in_process(settings: ApiSettings, token: str, body: CountingBody, head
                     "/v1/models",
                     content=body,
                     headers={
-                        "Authorization": f"Bearer {token}",
+                        **({"Authorization": f"Bearer {token}"} if token else {}),
                         "Content-Type": f"multipart/form-data; boundary={BOUNDARY}",
                         **headers,
                     },
@@ -116,6 +118,26 @@ def test_a_lying_content_length_does_not_get_a_body_past_the_limit(settings, tea
     r = _post_in_process(settings, team_token, body, {"Content-Length": declared})
     _assert_413(r.status_code, r.content)
     assert body.consumed <= _limit(settings) + LINGER_BYTES + 2 * CHUNK < body.total
+
+
+@pytest.mark.parametrize("who", ["no token", "unknown token", "agent token"])
+@pytest.mark.parametrize("declared", [False, True])
+def test_an_unauthenticated_upload_is_refused_before_its_body_is_read(settings, db_sessions, who, declared):
+    """A body well within the upload limit, from someone without a team token: refused
+    from the headers, the body left unread but for the lingering close's bytes (before,
+    the whole form was read and spooled, then the token checked)."""
+    big = settings.model_copy(update={"max_upload_bytes": 64 * 1024 * 1024})
+    offered = 24 * 1024 * 1024
+    with transaction(db_sessions) as s:
+        agent = admin.issue_agent_token(s)
+    token = {"no token": None, "unknown token": "tft_" + "x" * 43, "agent token": agent}[who]
+    body = CountingBody(total=offered)
+    headers = {"Content-Length": str(len(MULTIPART_HEAD) + offered)} if declared else {}
+    r = _post_in_process(big, token, body, headers)
+    status, code = (403, "forbidden") if who == "agent token" else (401, "unauthorized")
+    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    assert r.headers["connection"] == "close"
+    assert body.consumed <= LINGER_BYTES + 2 * CHUNK < offered
 
 
 # -- over a real socket: the server stops reading ----------------------------------------------
@@ -258,12 +280,14 @@ def test_bad_external_data_parts_get_clear_errors(served, settings, team_token, 
     missing = _upload(served, team_token, path)
     assert missing.status_code == 422 and "'tiny.onnx.data'" in missing.json()["error"]["message"]
     assert "external_data part" in missing.json()["error"]["message"]
-    for name, words in (("../tiny.onnx.data", "'..'"), ("/abs/tiny.onnx.data", "absolute"), ("model.onnx", "reserved")):
+    for name, words in (("../tiny.onnx.data", "'..'"), ("/abs/tiny.onnx.data", "absolute"), ("./", "not a file name")):
         r = _upload(served, team_token, path, [("external_data", (name, data))])
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
         assert words in r.json()["error"]["message"]
-    twice = _upload(served, team_token, path, [("external_data", ("tiny.onnx.data", data))] * 2)
-    assert twice.status_code == 422 and "twice" in twice.json()["error"]["message"]
+    for second in ("tiny.onnx.data", "./tiny.onnx.data", "tiny.onnx.data/"):  # one file, however spelled
+        twice = _upload(served, team_token, path, [("external_data", ("tiny.onnx.data", data)),
+                                                   ("external_data", (second, data))])
+        assert twice.status_code == 422 and "twice" in twice.json()["error"]["message"], twice.text
     assert _stored_files(settings) == before
 
 

@@ -4,7 +4,9 @@ serving a farm in a known state (farm_state.py), driven by headless Chromium.
 Logs in with a team token, checks the numbers each page shows (jobs with their progress,
 the job's curve as an SVG with its points, the per-task table, the agents with heartbeats
 and errors), that another team's job is not there, that no token or a bad one leads to
-the login page, and writes a screenshot of every page (tunefarm-test-artifacts/screenshots/).
+the login page, that logging out ends the session (its old cookie is worthless), that
+another site's form cannot log the browser in, and writes a screenshot of every page
+(tunefarm-test-artifacts/screenshots/).
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ def test_jobs_page_shows_the_teams_jobs_with_progress(served, browser):
     state, base = served
     log_in(browser, base, state.team_a_token)
     assert browser.current_url.endswith("/ui/jobs")
-    cookie = browser.get_cookie("tunefarm_token")
+    cookie = browser.get_cookie("tunefarm_session")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/ui"
+    assert state.team_a_token not in cookie["value"]  # a session id: the token is not in the browser
     rows = by_css(browser, "tr.job")
     ids = {int(r.get_attribute("data-job-id")) for r in rows}
     assert state.job_a in ids and state.job_b not in ids  # team B's job is not shown
@@ -161,10 +164,67 @@ def test_devices_page_shows_heartbeats_and_errors(served, browser):
     screenshot(browser, "devices")
 
 
-def test_logging_out_forgets_the_token(served, browser):
+def test_logging_out_ends_the_session(served, browser):
     state, base = served
     log_in(browser, base, state.team_a_token)
+    session_id = browser.get_cookie("tunefarm_session")["value"]
     by_css(browser, "header form button")[0].click()
     wait_until(browser, lambda d: d.current_url.endswith("/ui/login"))
     browser.get(f"{base}/ui/jobs")
     assert browser.current_url.endswith("/ui/login")
+    # The old cookie, kept (copied from the browser): its session is gone on the server.
+    browser.add_cookie({"name": "tunefarm_session", "value": session_id, "path": "/ui"})
+    browser.get(f"{base}/ui/jobs")
+    assert browser.current_url.endswith("/ui/login")
+
+
+@pytest.fixture(scope="module")
+def other_site(served):
+    """A page of another site (localhost, not 127.0.0.1) with a form that posts team B's
+    token to the dashboard's login: a login CSRF."""
+    import http.server
+    import threading
+
+    state, base = served
+    page = (f'<!doctype html><form method="post" action="{base}/ui/login"><input type="hidden" name="token" '
+            f'value="{state.team_b_token}"><button id="go" type="submit">win a prize</button></form>').encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://localhost:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+
+
+def test_another_sites_form_cannot_log_the_browser_in_to_its_team(served, browser, other_site):
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    browser.get(other_site)
+    by_css(browser, "#go")[0].click()
+    wait_until(browser, lambda d: d.current_url.startswith(base))
+    assert "refused" in by_css(browser, "#error")[0].text
+    screenshot(browser, "cross-site-refused")
+    browser.get(f"{base}/ui/jobs")  # still team A's session: team B's job is not shown
+    ids = {int(r.get_attribute("data-job-id")) for r in by_css(browser, "tr.job")}
+    assert state.job_a in ids and state.job_b not in ids
+
+
+def test_pages_carry_the_security_headers(served):
+    state, base = served
+    for page in ("/ui/login", "/ui/jobs", "/v1/jobs"):
+        r = httpx.get(base + page, headers={"Authorization": f"Bearer {state.team_a_token}"}, follow_redirects=False)
+        assert "frame-ancestors 'none'" in r.headers["content-security-policy"], page
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"

@@ -98,7 +98,9 @@ class IsolatedWorker:
     `env` entries are added to the child's environment (e.g. ``TVM_NUM_THREADS``);
     `preload` modules are imported when the child starts, before any timed call. Calls
     are serialised by a lock, so one worker may be shared by threads, but it does one
-    thing at a time.
+    thing at a time. With `memory_limit_bytes`, the child's address space is capped
+    (`limit_address_space`): an allocation past it fails in the child (a `MemoryError`,
+    or a crash) and never takes the host's memory.
     """
 
     def __init__(
@@ -108,8 +110,10 @@ class IsolatedWorker:
         preload: list[str] | tuple[str, ...] = (),
         start_timeout: float = DEFAULT_START_TIMEOUT,
         name: str = "worker",
+        memory_limit_bytes: int | None = None,
     ):
         self.env = dict(env or {})
+        self.memory_limit_bytes = memory_limit_bytes
         self.preload = list(preload)
         self.start_timeout = start_timeout
         self.name = name
@@ -206,6 +210,12 @@ class IsolatedWorker:
         self._lifeline = lifeline_w
         self._conn = Connection(parent_sock.detach())
         self._ready = False
+        if self.memory_limit_bytes is not None:
+            try:
+                limit_address_space(self._proc.pid, self.memory_limit_bytes)
+            except OSError as exc:
+                self._kill()
+                raise WorkerStartError(f"{self.name}: cannot limit the child's memory: {exc}") from None
 
     def _wait_ready(self) -> None:
         assert self._conn is not None
@@ -359,6 +369,17 @@ def summarize_error(text: str, limit: int = 300) -> str:
     detail = next((ln for ln in lines[1:] if ln.startswith(("Error message:", "Check failed"))), "")
     short = f"{head} {detail}" if detail else head
     return short if len(short) <= limit else short[: limit - 3] + "..."
+
+
+def limit_address_space(pid: int, limit_bytes: int) -> None:
+    """Cap process `pid`'s address space (RLIMIT_AS, soft and hard) at `limit_bytes`,
+    from outside, right after it was spawned (before it imports anything large); its
+    own children inherit the cap. Linux only (`prlimit`); raises `OSError`."""
+    import resource
+
+    if not hasattr(resource, "prlimit"):
+        raise OSError("RLIMIT_AS of another process can only be set on Linux (prlimit)")
+    resource.prlimit(pid, resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
 
 def _last_line(path: str, offset: int, max_bytes: int = 4096) -> str:

@@ -6,16 +6,22 @@ the API's own JSON error message with its status, or why the farm could not be r
 A `TransientFarmError` (no connection, a reset or timed-out request, a 5xx answer) may
 pass: `follow` retries those with a growing pause (`RETRY_PAUSES_SECS`), saying so, and
 gives up once the farm has not answered for `follow_retry_secs`.
+
+A farm is not trusted to send sane downloads: a tuned model archive is read at most
+`fetch_max_bytes` (refused on its declared length, or cut off as it streams) and checked
+against the farm's `X-Content-SHA256`; `artifact_fetch` unpacks it within its limits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -55,6 +61,11 @@ class ClientSettings(BaseSettings):
     follow_interval_secs: float = 2.0
     # How long `--follow` keeps retrying while the farm does not answer (the --retry-secs flag).
     follow_retry_secs: float = 300.0
+    # `tunefarm fetch`'s limits: the downloaded archive, one unpacked file, and all of
+    # them together (a farm is not trusted to send a sane archive).
+    fetch_max_bytes: int = 2 * 1024**3
+    fetch_max_entry_bytes: int = 2 * 1024**3
+    fetch_max_unpacked_bytes: int = 4 * 1024**3
 
     @classmethod
     def load(
@@ -130,7 +141,22 @@ class FarmClient:
         return self._call("GET", "/v1/device-classes")
 
     def artifact(self, job_id: int) -> bytes:
-        return self._call("GET", f"/v1/jobs/{job_id}/artifact", raw=True)
+        """The job's tuned model archive, in memory (at most `fetch_max_bytes`)."""
+        sink = io.BytesIO()
+        self._download(f"/v1/jobs/{job_id}/artifact", sink, max_bytes=self.settings.fetch_max_bytes)
+        return sink.getvalue()
+
+    def download_artifact(self, job_id: int, dest: Path, *, max_bytes: int) -> int:
+        """Stream the job's tuned model archive into the file `dest`; its size. A declared
+        length over `max_bytes` is refused before reading, a longer stream as it passes
+        it; a body that does not match the farm's `X-Content-SHA256` is refused too.
+        Raises `FarmError` (`dest` then removed)."""
+        try:
+            with open(dest, "wb") as f:
+                return self._download(f"/v1/jobs/{job_id}/artifact", f, max_bytes=max_bytes)
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
 
     def records(self, job_id: int) -> Iterator[str]:
         """The job's records file, line by line."""
@@ -189,6 +215,33 @@ class FarmClient:
 
     # -- plumbing -----------------------------------------------------------------------------
 
+    def _download(self, path: str, sink: BinaryIO, *, max_bytes: int) -> int:
+        import httpx
+
+        digest, size = hashlib.sha256(), 0
+        try:
+            with self.http.stream("GET", path) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise self._error(response)
+                declared = response.headers.get("content-length")
+                if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+                    raise FarmError(_too_large(int(declared), max_bytes))
+                for chunk in response.iter_bytes():
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise FarmError(_too_large(size, max_bytes, at_least=True))
+                    digest.update(chunk)
+                    sink.write(chunk)
+                expected = response.headers.get("x-content-sha256")
+        except httpx.TransportError as exc:
+            raise TransientFarmError(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
+        except httpx.HTTPError as exc:
+            raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
+        if expected and expected != digest.hexdigest():
+            raise FarmError(f"the download is damaged: its sha256 is {digest.hexdigest()}, the farm said {expected}")
+        return size
+
     def _call(self, method: str, path: str, *, raw: bool = False, **kwargs: Any) -> Any:
         import httpx
 
@@ -210,6 +263,11 @@ class FarmClient:
             message = response.text.strip()[:300] or response.reason_phrase
         kind = TransientFarmError if response.status_code >= 500 else FarmError
         return kind(f"{message} (HTTP {response.status_code})")
+
+
+def _too_large(size: int, limit: int, *, at_least: bool = False) -> str:
+    what = f"at least {size}" if at_least else str(size)
+    return f"the archive is {what} bytes, more than tunefarm fetch downloads ({limit}; TUNEFARM_FETCH_MAX_BYTES)"
 
 
 def _describe(exc: Exception) -> str:

@@ -247,15 +247,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from tunefarm.models.finish import extract_archive
+    from tunefarm_app.artifact_fetch import FetchLimits, fetch_tuned_model
 
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out} exists and is not a directory")
     with _client(args) as client:
-        data = client.artifact(args.job)
-    files = extract_archive(data, args.out)
-    print(f"fetched    job {args.job}: {len(files)} files in {args.out} ({len(data)} bytes)")
-    for f in files:
+        s = client.settings
+        limits = FetchLimits(max_archive_bytes=s.fetch_max_bytes, max_entry_bytes=s.fetch_max_entry_bytes,
+                             max_unpacked_bytes=s.fetch_max_unpacked_bytes)
+        fetched = fetch_tuned_model(client, args.job, args.out, limits)
+    print(f"fetched    job {args.job}: {len(fetched.files)} files in {args.out} ({fetched.archive_bytes} bytes)")
+    for f in fetched.files:
         print(f"  {f.relative_to(args.out)}")
     print(f"run it     tunefarm run {args.out}")
     return 0

@@ -6,6 +6,9 @@ Routers: `/v1/models`, `/v1/jobs`, `/v1/devices` + `/v1/device-classes`, `/healt
 Every error is a JSON body `{"error": {"code", "message"}}` (`schemas.ErrorBody`):
 the API's own errors (`exceptions.py`), validation errors (422), unknown routes (404),
 an oversized body (413, `limits.BodySizeLimit`), the database unreachable (503).
+Requests under `/v1/` are authenticated from their headers before their body is read
+(`authentication.TeamAuthentication`); every response carries the security headers of
+`security_headers.py`.
 """
 
 from __future__ import annotations
@@ -22,15 +25,16 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from services.api.deps import Team
-from services.api.exceptions import ApiError
+from services.api.authentication import Team, TeamAuthentication
+from services.api.exceptions import ApiError, error_response
+from services.api.intake_pool import IntakePool
 from services.api.limits import BodySizeLimit
 from services.api.routers import dashboard, devices, health, jobs, metrics, models
+from services.api.security_headers import SecurityHeaders
 from services.api.settings import ApiSettings
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.revocations import RevocationListener, VerifiedTokens
 from services.db.session import make_session_factory
-from tunefarm.isolation import IsolatedWorker
 
 log = logging.getLogger("tunefarm.api")
 
@@ -46,6 +50,7 @@ _HTTP_CODES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
+    429: "too_many_requests",
 }
 
 
@@ -61,7 +66,13 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         revocations = RevocationListener(app.state.sessions.kw["bind"])
         revocations.start()
         app.state.token_cache = VerifiedTokens[Team](settings.token_cache_secs, revocations)
-        app.state.intake = IsolatedWorker(preload=["services.api.intake"], name="model-intake")
+        app.state.intake = IntakePool(
+            size=settings.intake_workers,
+            per_team=settings.intake_per_team,
+            wait_secs=settings.intake_queue_secs,
+            memory_limit_bytes=settings.intake_memory_limit_bytes,
+            preload=["services.api.intake"],
+        )
         try:
             yield
         finally:
@@ -90,25 +101,20 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                    f"({settings.max_upload_bytes} bytes)"}},
         status_code=413,
     )
+    app.add_middleware(TeamAuthentication)  # inside the body limit: a refusal closes the connection
     app.add_middleware(
         BodySizeLimit,
         max_body_bytes=settings.max_upload_bytes + settings.multipart_overhead_bytes,
         on_refuse=refuse,
     )
+    app.add_middleware(SecurityHeaders)  # outermost: on every answer, a refused body's too
     return app
-
-
-def _error(status: int, code: str, message: str, *, details=None, headers=None) -> JSONResponse:
-    body: dict = {"code": code, "message": message}
-    if details is not None:
-        body["details"] = details
-    return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.code, exc.message, headers=exc.headers or None)
+        return error_response(exc.status, exc.code, exc.message, headers=exc.headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -118,7 +124,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = problems[0] if problems else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid request"))
-        return _error(422, "invalid_request", message, details=problems)
+        return error_response(422, "invalid_request", message, details=problems)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -126,14 +132,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405:  # Starlette names the methods of the first route of the path only
             headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(app, request))}
-        return _error(exc.status_code, code, str(exc.detail), headers=headers)
+        return error_response(exc.status_code, code, str(exc.detail), headers=headers)
 
     @app.exception_handler(DatabaseError)
     async def database_error(request: Request, exc: DatabaseError) -> JSONResponse:
         if isinstance(exc, Unavailable):
-            return _error(503, "unavailable", "the database cannot be reached; try again shortly")
+            return error_response(503, "unavailable", "the database cannot be reached; try again shortly")
         log.exception("database error", exc_info=exc)
-        return _error(500, "internal_error", "the database refused the request")
+        return error_response(500, "internal_error", "the database refused the request")
 
 
 def _allowed_methods(app: FastAPI, request: Request) -> list[str]:

@@ -23,7 +23,7 @@ from sqlalchemy import bindparam, case, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
-from services.api.exceptions import Conflict, InvalidRequest, NotFound
+from services.api.exceptions import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from services.api.schemas import (
     ArtifactPublic,
     CostModelPublic,
@@ -54,6 +54,7 @@ from services.db.models import (
     Measurement,
     Model,
     ModelTask,
+    Team,
     Workload,
 )
 from services.db.session import transaction
@@ -179,8 +180,45 @@ def device_class_by_name(session: Session, *, name: str) -> DeviceClass:
     return found
 
 
-def create_job(session: Session, *, team_id: int, body: JobCreate, max_trial_budget: int) -> Job:
-    """A queued job and its tasks (the model's, keyed for the class's target)."""
+@dataclass(frozen=True)
+class TeamQuota:
+    """What one team may have in progress (jobs queued, running or finishing)."""
+
+    max_active_jobs: int
+    max_active_trials: int  # trials those jobs have still to run, together
+
+
+ACTIVE_JOB_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.FINISHING)
+
+
+def check_team_quota(session: Session, *, team_id: int, trial_budget: int, quota: TeamQuota) -> None:
+    """`QuotaExceeded` unless the team may start one more job of `trial_budget` trials.
+    Locks the team's row until the transaction ends, so two jobs created at once are
+    counted one after the other."""
+    session.execute(select(Team.id).where(Team.id == team_id).with_for_update())
+    jobs, trials = session.execute(
+        select(func.count(), func.coalesce(func.sum(func.greatest(Job.trial_budget - Job.trials_used, 0)), 0)).where(
+            Job.team_id == team_id, Job.state.in_(ACTIVE_JOB_STATES)
+        )
+    ).one()
+    if jobs >= quota.max_active_jobs:
+        raise QuotaExceeded(
+            f"your team has {jobs} jobs queued or running, the most this farm allows a team at once "
+            f"({quota.max_active_jobs}); start this one when one of them has ended (or cancel one)"
+        )
+    if trials + trial_budget > quota.max_active_trials:
+        raise QuotaExceeded(
+            f"this job's {trial_budget} trials and the {trials} your team's jobs in progress have still to run "
+            f"would be more than this farm allows a team at once ({quota.max_active_trials} trials); ask for fewer "
+            "or wait for a job to end"
+        )
+
+
+def create_job(
+    session: Session, *, team_id: int, body: JobCreate, max_trial_budget: int, quota: TeamQuota | None = None
+) -> Job:
+    """A queued job and its tasks (the model's, keyed for the class's target), within the
+    team's quota (the API always gives one; None: an operator's tool, unchecked)."""
     if body.trial_budget > max_trial_budget:
         raise InvalidRequest(
             f"trial_budget {body.trial_budget} is larger than this farm allows ({max_trial_budget})"
@@ -193,6 +231,8 @@ def create_job(session: Session, *, team_id: int, body: JobCreate, max_trial_bud
             "is not supported yet (single operators: tunefarm tune-op --target with the class's CUDA target, on a "
             "machine with the GPU)"
         )
+    if quota is not None:
+        check_team_quota(session, team_id=team_id, trial_budget=body.trial_budget, quota=quota)
     tasks = session.execute(
         select(ModelTask.workload_id, ModelTask.position, ModelTask.weight, Workload.key)
         .join(Workload, Workload.id == ModelTask.workload_id)

@@ -7,6 +7,10 @@ validation errors (422) and unknown routes (404) get the same body shape.
 
 from __future__ import annotations
 
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
 
 class ApiError(Exception):
     """Root of the API's errors: `status` is the HTTP status, `code` a stable word."""
@@ -75,8 +79,41 @@ class InvalidRequest(ApiError):
     code = "invalid_request"
 
 
+class TooManyRequests(ApiError):
+    """The team has as many of these requests in progress as it may (uploads being
+    imported); `Retry-After` says when to try again."""
+
+    status = 429
+    code = "too_many_requests"
+
+    def __init__(self, message: str, *, retry_after_secs: int):
+        super().__init__(message, headers={"Retry-After": str(retry_after_secs)})
+
+
+class QuotaExceeded(ApiError):
+    """The team's quota (jobs in progress, trials of those jobs) would be passed; it
+    frees up as the team's jobs end (or are cancelled)."""
+
+    status = 429
+    code = "quota_exceeded"
+
+
 class ServiceUnavailable(ApiError):
-    """The database cannot be reached, or the model importer could not start."""
+    """The database cannot be reached, the model importers could not start or stayed
+    busy."""
 
     status = 503
     code = "unavailable"
+
+    def __init__(self, message: str, *, retry_after_secs: int | None = None):
+        super().__init__(message, headers={"Retry-After": str(retry_after_secs)} if retry_after_secs else None)
+
+
+def error_response(
+    status: int, code: str, message: str, *, details: Any = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The JSON answer of an error: `{"error": {"code", "message"[, "details"]}}`."""
+    body: dict[str, Any] = {"code": code, "message": message}
+    if details is not None:
+        body["details"] = details
+    return JSONResponse({"error": body}, status_code=status, headers=headers)

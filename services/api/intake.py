@@ -3,12 +3,16 @@ tuned, and save the fused module.
 
 An upload may carry the model's external data (weights in side files): one
 `external_data` part per file, named by the location the model gives it. They are
-staged next to the model, where the importer reads them (it refuses any location
-outside that directory, naming the tensor); what is kept is the model with that data
-read into it, one self-contained ONNX file like any other upload.
+staged in a directory of their own (`DATA_DIR`), where the importer reads them (it
+refuses any location outside that directory, naming the tensor); the model itself is
+staged outside it, so no part, whatever its name, can replace the model or another
+part. What is kept is the model with that data read into it, one self-contained ONNX
+file like any other upload, stored under the hash of the bytes kept.
 
-All of it runs in a child process (`tunefarm.isolation.IsolatedWorker`): TVM's importer
-on an arbitrary file may crash or hang, and must never take the API down. The child
+All of it runs in a child process (one of `intake_pool.IntakePool`'s importers, its
+address space capped): TVM's importer on an arbitrary file may crash, hang or ask for
+gigabytes, and must never take the API down. Tensors are capped by their shapes before
+anything is allocated (`IntakeLimits.max_tensor_elements`). The child
 writes `fused.json` into a staging directory and returns plain data (`intake_job`); the
 parent (`take_in`) turns failures into `InvalidModel` with the importer's one-line
 message, which names the operator TVM cannot convert.
@@ -18,22 +22,24 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from services.api.exceptions import InvalidModel, InvalidRequest, PayloadTooLarge, ServiceUnavailable
+from services.api.intake_pool import IntakePool
 from services.api.storage import StoredFile, copy_limited, keep, staging
-from tunefarm.isolation import CallStatus, IsolatedWorker, WorkerStartError
+from tunefarm.isolation import CallStatus, WorkerStartError
 from tunefarm.models.external_data import location_problem
 
 FUSED_NAME = "fused.json"
 INLINED_NAME = "inlined.onnx"
 """The uploaded model with its external data read into it: what is kept of such an upload."""
-UPLOAD_DIR = "model"
-"""The staging subdirectory of an upload's model file and its external data files."""
-UPLOAD_NAME = "model.onnx"
+UPLOAD_NAME = "upload.onnx"
+"""The uploaded model file, in the staging directory."""
+DATA_DIR = "data"
+"""The staging subdirectory of an upload's external data files (and nothing else)."""
 
 PROBE_TARGET = {"kind": "llvm", "num-cores": 4}
 """The target a task's sketches are derived for when checking that it can be tuned at
@@ -42,19 +48,19 @@ all (whether a program has sketches does not depend on the CPU)."""
 _OWN_ERRORS = ("ModelError: ", "UsageError: ", "WorkloadError: ")
 
 
-def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str) -> dict[str, Any]:
+def intake_job(
+    onnx_path: str, shapes_json: str, name: str, staging_dir: str, data_dir: str, max_tensor_elements: int | None
+) -> dict[str, Any]:
     """Child side: plain arguments, plain result; raises `ModelError`/`UsageError`."""
     from tunefarm.models.importer import import_model, read_onnx_file
 
     shapes = json.loads(shapes_json)
-    # External data is read from the upload's own directory only (the files that came
+    # External data is read from the upload's data directory only (the files that came
     # with it); the model kept is then self-contained. A file that is not ONNX at all
     # is refused here, before TVM is loaded.
-    model, inlined = read_onnx_file(Path(onnx_path), label="the model")
-    kept = Path(onnx_path)
+    model, inlined = read_onnx_file(Path(onnx_path), label="the model", data_dir=Path(data_dir))
     if inlined:
-        kept = Path(staging_dir) / INLINED_NAME
-        kept.write_bytes(model.SerializeToString())
+        (Path(staging_dir) / INLINED_NAME).write_bytes(model.SerializeToString())
 
     import tvm
 
@@ -62,7 +68,7 @@ def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str) ->
     from tunefarm.models.tasks import extract_tasks
     from tunefarm.search.task import make_task
 
-    imported = import_model(model, shapes, name=name)
+    imported = import_model(model, shapes, name=name, max_tensor_elements=max_tensor_elements)
     tasks = extract_tasks(imported, name=name)
     if not tasks.tasks:
         raise ModelError(f"{name}: the model has no kernel to tune (every operator is a reshape)")
@@ -79,8 +85,7 @@ def intake_job(onnx_path: str, shapes_json: str, name: str, staging_dir: str) ->
         "outputs": [_spec(t) for t in imported.outputs],
         "warnings": list(imported.warnings),
         "elided": list(tasks.elided),
-        "fused_path": str(fused),
-        "onnx_path": str(kept),
+        "inlined": bool(inlined),  # the model to keep is INLINED_NAME, not the upload
         "tasks": [
             {
                 "position": i,
@@ -127,31 +132,39 @@ def _spec(t) -> dict[str, Any]:
 
 
 def take_in(
-    worker: IsolatedWorker,
+    pool: IntakePool,
     *,
     onnx_path: Path,
     input_shapes: dict[str, list[int]],
     name: str,
     staging_dir: Path,
-    timeout: float,
+    data_dir: Path,
+    limits: IntakeLimits,
 ) -> dict[str, Any]:
-    """Run `intake_job` in `worker`. Raises `InvalidModel` for a model that cannot be
-    taken in (malformed, unsupported operator, crash or hang of the importer)."""
+    """Run `intake_job` in one of the pool's importers. Raises `InvalidModel` for a model
+    that cannot be taken in (malformed, unsupported operator, a tensor over the cap, the
+    importer out of memory, crashed or hung)."""
+    timeout = limits.timeout_secs
     try:
-        outcome = worker.call(
-            f"{__name__}:intake_job",
-            str(onnx_path),
-            json.dumps(input_shapes),
-            name,
-            str(staging_dir),
-            timeout=timeout,
-        )
+        with pool.importer() as worker:
+            outcome = worker.call(
+                f"{__name__}:intake_job",
+                str(onnx_path),
+                json.dumps(input_shapes),
+                name,
+                str(staging_dir),
+                str(data_dir),
+                limits.max_tensor_elements,
+                timeout=timeout,
+            )
     except WorkerStartError as exc:
         raise ServiceUnavailable(f"the model importer could not start: {exc}") from None
     if outcome.ok:
         return outcome.value
     if outcome.status is CallStatus.RAISED:
         message = outcome.message
+        if message.startswith("MemoryError"):
+            raise InvalidModel("importing the model needs more memory than this farm gives an import; it was abandoned")
         for prefix in _OWN_ERRORS:
             if message.startswith(prefix):
                 raise InvalidModel(_for_the_api(message[len(prefix) :]))
@@ -195,21 +208,32 @@ class TakenIn:
     intake: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class IntakeLimits:
+    """What one upload may take: bytes (the model and its external data together),
+    seconds of importing, elements of any one tensor."""
+
+    max_bytes: int
+    timeout_secs: float
+    max_tensor_elements: int | None
+
+
 def accept_upload(
-    worker: IsolatedWorker,
+    pool: IntakePool,
     *,
     upload: BinaryIO,
     filename: str | None,
     name: str | None,
     input_shapes_text: str,
     root: Path,
-    max_bytes: int,
-    timeout: float,
+    limits: IntakeLimits,
     external_data: Sequence[tuple[str | None, BinaryIO]] = (),
 ) -> TakenIn:
     """Copy the upload and its external data files (file name: the location the model
-    names) to staging (at most `max_bytes` in all), take it in, and keep its files.
-    Raises `PayloadTooLarge`, `InvalidRequest` or `InvalidModel`, having stored nothing."""
+    names) to staging (at most `limits.max_bytes` in all), take it in with one of the
+    pool's importers, and keep its files. Raises `PayloadTooLarge`, `InvalidRequest`,
+    `InvalidModel` or `ServiceUnavailable`, having stored nothing."""
+    max_bytes = limits.max_bytes
     shapes = parse_input_shapes(input_shapes_text)
     model_name = name.strip() if name and name.strip() else _name_from(filename)
     locations = [external_location(loc) for loc, _ in external_data]
@@ -217,43 +241,57 @@ def accept_upload(
     if twice:
         raise InvalidRequest(f"external_data {twice[0]!r} was sent twice")
     with staging(root) as tmp:
-        model_dir = tmp / UPLOAD_DIR
-        model_dir.mkdir()
-        staged = model_dir / UPLOAD_NAME
-        copied = copy_limited(upload, staged, limit=max_bytes)
-        if copied is None:
+        staged, data_dir = tmp / UPLOAD_NAME, tmp / DATA_DIR
+        data_dir.mkdir()
+        size = copy_limited(upload, staged, limit=max_bytes)
+        if size is None:
             raise PayloadTooLarge(f"the model is larger than this farm accepts ({max_bytes} bytes)")
-        sha256, size = copied
         if size == 0:
             raise InvalidModel("the uploaded file is empty")
-        budget = max_bytes - size
-        for location, (_, source) in zip(locations, external_data):
-            dest = model_dir / location
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                copied = copy_limited(source, dest, limit=budget)
-            except OSError as exc:  # "a" and "a/b", "w/": not a set of files
-                raise InvalidRequest(f"external_data {location!r} cannot be stored as a file ({exc.strerror})") from None
-            if copied is None:
-                raise PayloadTooLarge(f"the model and its external data are larger than this farm accepts ({max_bytes} bytes)")
-            budget -= copied[1]
-        intake = take_in(worker, onnx_path=staged, input_shapes=shapes, name=model_name, staging_dir=tmp, timeout=timeout)
-        kept = Path(intake["onnx_path"])
-        onnx = keep(root, staged, suffix=".onnx", sha256=sha256) if kept == staged else keep(root, kept, suffix=".onnx")
-        fused = keep(root, Path(intake["fused_path"]), suffix=".fused.json")
+        sources = [source for _, source in external_data]
+        _stage_external_data(data_dir, zip(locations, sources), budget=max_bytes - size, max_bytes=max_bytes)
+        intake = take_in(pool, onnx_path=staged, input_shapes=shapes, name=model_name, staging_dir=tmp,
+                         data_dir=data_dir, limits=limits)
+        # The files to keep are named here, not by the child (nothing it says is a path).
+        onnx = keep(root, _written(tmp / INLINED_NAME if intake["inlined"] else staged), suffix=".onnx")
+        fused = keep(root, _written(tmp / FUSED_NAME), suffix=".fused.json")
     return TakenIn(model_name, shapes, onnx, fused, intake)
 
 
+def _written(path: Path) -> Path:
+    """`path`, a regular file the import left (not a link to elsewhere)."""
+    if path.is_symlink() or not path.is_file():
+        raise InvalidModel(f"the model importer did not leave its {path.name} as a file; the model was not taken in")
+    return path
+
+
+def _stage_external_data(
+    data_dir: Path, parts: Iterable[tuple[str, BinaryIO]], *, budget: int, max_bytes: int
+) -> None:
+    """Copy each (location, source) part below `data_dir`, at most `budget` bytes in all."""
+    for location, source in parts:
+        dest = data_dir / location
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            size = copy_limited(source, dest, limit=budget)
+        except OSError as exc:  # "a" and "a/b": not a set of files
+            raise InvalidRequest(f"external_data {location!r} cannot be stored as a file ({exc.strerror})") from None
+        if size is None:
+            raise PayloadTooLarge(f"the model and its external data are larger than this farm accepts ({max_bytes} bytes)")
+        budget -= size
+
+
 def external_location(filename: str | None) -> str:
-    """The location an `external_data` part stands for (its file name), checked: a
-    relative path below the model's directory, not the model's own name."""
+    """The location an `external_data` part stands for (its file name), checked and
+    normalized as a path ("./w.bin", "w.bin/" and "w.bin" are one file): a relative path
+    to a file below the upload's data directory."""
     location = (filename or "").strip()
     problem = location_problem(location)
+    if problem is None and not PurePosixPath(location).parts:
+        problem = "is not a file name"
     if problem is not None:
         raise InvalidRequest(f"external_data file name {location!r} {problem}; name each part by the location the model gives it")
-    if location == UPLOAD_NAME:
-        raise InvalidRequest(f"external_data file name {location!r} is reserved for the model itself")
-    return location
+    return PurePosixPath(location).as_posix()
 
 
 def _name_from(filename: str | None) -> str:

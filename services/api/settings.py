@@ -9,6 +9,15 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_MAX_UPLOAD_BYTES | 268435456 | largest ONNX upload (413 above it, nothing stored) |
 | TUNEFARM_MAX_TRIAL_BUDGET | 100000 | largest trial budget a job may ask for |
 | TUNEFARM_INTAKE_TIMEOUT_SECS | 600 | how long importing an uploaded model may take |
+| TUNEFARM_INTAKE_WORKERS | 2 | model importer processes, shared by all teams |
+| TUNEFARM_INTAKE_PER_TEAM | 1 | uploads of one team imported at once (429 for one more) |
+| TUNEFARM_INTAKE_QUEUE_SECS | 120 | how long an upload waits for an idle importer (503 after) |
+| TUNEFARM_INTAKE_MEMORY_LIMIT_BYTES | 8589934592 | address space of an importer process (RLIMIT_AS); unset: none |
+| TUNEFARM_MAX_TENSOR_ELEMENTS | 134217728 | elements a tensor of an uploaded model may have (422 naming it above) |
+| TUNEFARM_TEAM_MAX_ACTIVE_JOBS | 10 | a team's jobs queued or running at once (429 for one more) |
+| TUNEFARM_TEAM_MAX_ACTIVE_TRIALS | 300000 | the trials a team's jobs queued or running have still to run, together (429 above) |
+| TUNEFARM_UI_SESSION_SECS | 43200 | how long a dashboard login lasts |
+| TUNEFARM_UI_TRUSTED_ORIGINS | [] | JSON list of further origins the dashboard's forms may post from (a proxy's `https://farm.example`) |
 | TUNEFARM_PAGE_SIZE_MAX | 100 | largest page of a list endpoint |
 | TUNEFARM_TOKEN_CACHE_SECS | 10 | how long a verified team token is trusted without asking the database (a revoked one is dropped at once) |
 | TUNEFARM_API_WORKERS | 1 | uvicorn worker processes |
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.db.settings import DatabaseSettings
@@ -45,6 +55,29 @@ class ApiSettings(DatabaseSettings):
     # Seconds importing, simplifying and fusing one uploaded model may take (in a child
     # process: a model that crashes TVM's importer never takes the API down).
     intake_timeout_secs: float = 600.0
+    # Importer child processes, shared by every team; one team's uploads take at most
+    # `intake_per_team` of them (another upload of the team meanwhile is a 429), and an
+    # upload waits at most `intake_queue_secs` for an idle one (503 after that).
+    intake_workers: int = Field(default=2, ge=1)
+    intake_per_team: int = Field(default=1, ge=1)
+    intake_queue_secs: float = 120.0
+    # Address space of one importer process (RLIMIT_AS; its TVM and onnxruntime threads
+    # reserve some GiB of it idle); None: no limit.
+    intake_memory_limit_bytes: int | None = 8 * 1024**3
+    # Elements any tensor of an uploaded model may have (an input at its shape, an
+    # initializer, an intermediate value), checked on shapes before anything is allocated:
+    # a file of a few bytes may declare a tensor of gigabytes.
+    max_tensor_elements: int = Field(default=1 << 27, ge=1)
+    # A team's quota: its jobs queued, running or finishing at once, and the sum of
+    # their trial budgets. A job past either is refused (429) until some of them end.
+    team_max_active_jobs: int = Field(default=10, ge=1)
+    team_max_active_trials: int = Field(default=300_000, ge=1)
+    # How long a dashboard session lasts after its login (seconds).
+    ui_session_secs: float = Field(default=12 * 3600.0, gt=0)
+    # Origins besides the request's own that the dashboard's forms may post from: a
+    # reverse proxy's public origin ("https://farm.example") when it does not pass the
+    # scheme and host through. Any other origin's POST is refused (cross-site).
+    ui_trusted_origins: list[str] = []
     # Items per page of the list endpoints: the default and the most a client may ask for.
     page_size_default: int = 20
     page_size_max: int = 100

@@ -6,7 +6,9 @@
     tmp/                         staging of uploads; emptied of a request's files when it ends
 
 Files are written under a temporary name and renamed into place, so a reader never
-sees half a file, and identical content is stored once.
+sees half a file, and identical content is stored once. A file's address is the hash of
+the bytes renamed into place, computed then (never one computed earlier, of a file
+that may have changed since).
 """
 
 from __future__ import annotations
@@ -39,21 +41,20 @@ def staging(root: Path) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def copy_limited(source: BinaryIO, dest: Path, *, limit: int) -> tuple[str, int] | None:
-    """Copy `source` to `dest` with its sha256; None (and `dest` removed) as soon as more
+def copy_limited(source: BinaryIO, dest: Path, *, limit: int) -> int | None:
+    """Copy `source` to `dest`; its size, or None (and `dest` removed) as soon as more
     than `limit` bytes have come."""
-    digest, size = hashlib.sha256(), 0
+    size = 0
     with open(dest, "wb") as out:
         while chunk := source.read(COPY_CHUNK_BYTES):
             size += len(chunk)
             if size > limit:
                 break
-            digest.update(chunk)
             out.write(chunk)
     if size > limit:
         dest.unlink(missing_ok=True)
         return None
-    return digest.hexdigest(), size
+    return size
 
 
 def file_sha256(path: Path) -> tuple[str, int]:
@@ -65,16 +66,15 @@ def file_sha256(path: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def keep(root: Path, staged: Path, *, suffix: str, sha256: str | None = None) -> StoredFile:
-    """Move a staged file to `models/<sha256><suffix>` (kept once per content)."""
-    if sha256 is None:
-        sha256, size = file_sha256(staged)
-    else:
-        size = staged.stat().st_size
+def keep(root: Path, staged: Path, *, suffix: str) -> StoredFile:
+    """Move a staged file to `models/<sha256><suffix>`, its address the hash of the bytes
+    moved (kept once per content). A file already there is kept if it holds those bytes,
+    and replaced if it does not."""
+    sha256, size = file_sha256(staged)
     rel = f"{MODELS_DIR}/{sha256}{suffix}"
     dest = root / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if not dest.exists():
+    if not (dest.is_file() and file_sha256(dest) == (sha256, size)):
         os.replace(staged, dest)
     return StoredFile(rel, sha256, size)
 

@@ -2,7 +2,8 @@
 
 Map, by who writes what:
 
-- the API: `Team`, `Token` (hashed), `Model` and its `ModelTask`s, `Job` (queued);
+- the API: `Team`, `Token` (hashed), `Model` and its `ModelTask`s, `Job` (queued),
+  `DashboardSession` (hashed);
 - the scheduler: `Job` state and progress, `JobTask` (per-task best), `JobProgress`
   (the curve), `Batch` + `BatchCandidate` (a proposed round), `CostModelVersion`;
 - the build workers: `Workload` task data (`TaskData`), `BatchCandidate` builds, `Batch`
@@ -198,6 +199,22 @@ class Token(Base):
     revoked_at: Mapped[datetime | None]
 
     team: Mapped[Team | None] = relationship()
+
+
+class DashboardSession(Base):
+    """A login to the dashboard: its cookie holds a random session id, stored here as
+    its sha256 only. Logging out deletes the row; it ends at `expires_at`, and when the
+    token it was opened with is revoked (or its team deleted)."""
+
+    __tablename__ = "dashboard_sessions"
+    __table_args__ = (Index("ix_dashboard_sessions_expires_at", "expires_at"),)
+
+    id: Mapped[int] = _pk()
+    session_hash: Mapped[str] = mapped_column(String(SHA256_HEX_LEN), unique=True)
+    team_id: Mapped[int] = _fk("teams.id", ondelete="CASCADE")
+    token_id: Mapped[int] = _fk("tokens.id", ondelete="CASCADE")
+    created_at: Mapped[datetime] = _created()
+    expires_at: Mapped[datetime]
 
 
 # -- devices ----------------------------------------------------------------------------------

@@ -262,8 +262,13 @@ its expired lease was renewed by a heartbeat between the queue scan and the lock
 def lease_next_batch(
     session: Session, *, agent_id: int, lease_secs: float, now: datetime | None = None
 ) -> Lease | None:
-    """Lease the oldest batch of the agent's device class that is ready, or whose lease
+    """Lease the next batch of the agent's device class that is ready, or whose lease
     expired; None when there is none (or the agent is disabled, or its token revoked).
+
+    Fair share, team first: the next batch is one of the team that holds the fewest
+    of the class's agents now (active leases), then of that team's job that holds the
+    fewest, then the oldest (FIFO). A team with 25 jobs and a team with one get the
+    class's agents in turns, and a team's jobs share its turns.
 
     Batches are locked with `FOR UPDATE SKIP LOCKED`, so concurrent agents never get the
     same batch and never wait on each other. A re-leased batch's old lease becomes
@@ -279,17 +284,23 @@ def lease_next_batch(
     expired = exists().where(
         Lease.batch_id == Batch.id, Lease.state == LeaseState.ACTIVE, Lease.expires_at < at
     )
+    team_held, job_held = _agents_held(session, device_class_id=agent.device_class_id, at=at)
     passed_over: list[int] = []
     for _ in range(MAX_LEASE_PROBES):
-        query = select(Batch).where(
-            Batch.device_class_id == agent.device_class_id,
-            Batch.state.in_([BatchState.READY, BatchState.LEASED]),
-            or_(Batch.state == BatchState.READY, expired),
+        query = (
+            select(Batch)
+            .join(Job, Job.id == Batch.job_id)
+            .where(
+                Batch.device_class_id == agent.device_class_id,
+                Batch.state.in_([BatchState.READY, BatchState.LEASED]),
+                or_(Batch.state == BatchState.READY, expired),
+            )
         )
         if passed_over:
             query = query.where(Batch.id.not_in(passed_over))
         batch = session.scalars(
-            query.order_by(Batch.ready_at, Batch.id)
+            query.order_by(*_fewest_held_first(team_held, Job.team_id), *_fewest_held_first(job_held, Batch.job_id),
+                           Batch.ready_at, Batch.id)
             .limit(1)
             .with_for_update(of=Batch, skip_locked=True)
             .execution_options(populate_existing=True)
@@ -323,6 +334,29 @@ def lease_next_batch(
         set_committed_value(lease, "batch", batch)  # loaded, not a change to flush
         return lease
     return None
+
+
+def _agents_held(session: Session, *, device_class_id: int, at: Now) -> tuple[dict[int, int], dict[int, int]]:
+    """Active, unexpired leases of the class's batches: per team, per job."""
+    rows = session.execute(
+        select(Job.team_id, Batch.job_id, func.count())
+        .select_from(Lease)
+        .join(Batch, Batch.id == Lease.batch_id)
+        .join(Job, Job.id == Batch.job_id)
+        .where(Batch.device_class_id == device_class_id, Lease.state == LeaseState.ACTIVE, Lease.expires_at >= at)
+        .group_by(Job.team_id, Batch.job_id)
+    ).all()
+    teams: dict[int, int] = {}
+    jobs: dict[int, int] = {}
+    for team_id, job_id, n in rows:
+        teams[team_id] = teams.get(team_id, 0) + n
+        jobs[job_id] = n
+    return teams, jobs
+
+
+def _fewest_held_first(counts: dict[int, int], key: ColumnElement[Any]) -> list[ColumnElement[Any]]:
+    """Ordering terms: `counts[key]` in SQL (0 for a key not in it), none without counts."""
+    return [case(counts, value=key, else_=0)] if counts else []
 
 
 def _may_lease(session: Session, agent: Agent) -> bool:

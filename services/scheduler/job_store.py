@@ -7,7 +7,7 @@ session (`services.db.session.transaction`), none of which commits.
 - transfer: `best_records_of_class` (another class's best programs of the job's workloads);
 - progress: `write_progress` (a curve point and the job's estimate), `set_dead_reasons`,
   `note_cost_model`;
-- fairness: `live_agents_by_class`, `running_jobs_by_class`;
+- fairness: `live_agents_by_class`, `running_jobs`;
 - ending: `cancel_requests`, `fail_open_batches`, `set_job_state`, `finish_job`.
 """
 
@@ -244,12 +244,19 @@ def live_agents_by_class(session: Session, *, fresh_secs: float) -> dict[int, in
     return {int(c): int(n) for c, n in rows}
 
 
-def running_jobs_by_class(session: Session) -> dict[int, int]:
-    """Running jobs per device class, whichever scheduler runs them."""
+@dataclass(frozen=True)
+class RunningJob:
+    id: int
+    device_class_id: int
+    team_id: int
+
+
+def running_jobs(session: Session) -> list[RunningJob]:
+    """Every running job, whichever scheduler runs it."""
     rows = session.execute(
-        select(Job.device_class_id, func.count()).where(Job.state == JobState.RUNNING).group_by(Job.device_class_id)
+        select(Job.id, Job.device_class_id, Job.team_id).where(Job.state == JobState.RUNNING).order_by(Job.id)
     ).all()
-    return {int(c): int(n) for c, n in rows}
+    return [RunningJob(int(j), int(c), int(t)) for j, c, t in rows]
 
 
 def cancel_requests(session: Session, *, job_ids: Iterable[int]) -> set[int]:

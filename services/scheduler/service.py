@@ -8,10 +8,13 @@ One loop, one pass at a time (`SchedulerService.run_once`):
    claim them (queued -> running) and build their sessions (`farm_job.JobRunner`):
    after a restart a job resumes from its measurements in Postgres and adopts its
    batches still in flight, so no measurement is lost and none is repeated;
-2. fair shares: a class with A live agents and J running jobs lets each job keep
-   ceil(batches_per_agent * A / J) batches in flight (at least one). The lease service
-   hands a class's ready batches out oldest first, so equal caps give the class's jobs
-   equal shares of its agents, and a job alone on a class gets all of them;
+2. fair shares, team first: a class with A live agents and T teams running jobs on it
+   gives each team an equal part of it, shared by the team's J running jobs: each job
+   keeps ceil(batches_per_agent * A / T / J) batches in flight (at least one). The lease
+   service hands a class's ready batches to the team holding the fewest of its agents,
+   then to that team's job holding the fewest (`queries.lease_next_batch`), so a team
+   with 25 jobs and a team with one get the class's agents in turns, and a job alone on
+   a class gets all of them;
 3. step every job once, round-robin (propose under its cap, collect what landed); a
    job whose cancel was requested stops and gives its open batches up; a job whose
    budget is spent starts finishing: the tuned model is built, checked against
@@ -34,6 +37,7 @@ import math
 import signal
 import threading
 import traceback
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -48,7 +52,7 @@ from services.db.session import make_session_factory, transaction
 from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed, JobVanished
 from services.scheduler.farm_job import JobRunner, MeasurerFactory, RunnerContext
-from services.scheduler.job_store import JobSetup
+from services.scheduler.job_store import JobSetup, RunningJob
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.shared_model import ClassModels
 
@@ -61,11 +65,28 @@ LOCK_NAMESPACE = 0x74660001
 """First key of the per-job advisory locks (`pg_try_advisory_lock(LOCK_NAMESPACE, job id)`)."""
 
 
-def fair_share(batches_per_agent: int, live_agents: int, running_jobs: int) -> int:
+def fair_share(batches_per_agent: int, live_agents: int, team_jobs: int, teams: int = 1) -> int:
     """Batches in flight one job of a class may keep: ceil(batches_per_agent x agents /
-    jobs), at least one (a class without live agents still gets a batch ready per job,
-    measured as soon as an agent comes)."""
-    return max(1, math.ceil(batches_per_agent * live_agents / max(1, running_jobs)))
+    teams / its team's jobs), at least one (a class without live agents still gets a
+    batch ready per job, measured as soon as an agent comes)."""
+    return max(1, math.ceil(batches_per_agent * live_agents / max(1, teams) / max(1, team_jobs)))
+
+
+def fair_caps(batches_per_agent: int, live_agents: dict[int, int], running: list[RunningJob]) -> dict[int, int]:
+    """Each running job's `fair_share` (job id -> batches in flight): its class's agents
+    split between the teams running jobs on it, then between the team's jobs."""
+    jobs_of: dict[int, Counter[int]] = defaultdict(Counter)  # class -> team -> running jobs
+    for job in running:
+        jobs_of[job.device_class_id][job.team_id] += 1
+    return {
+        job.id: fair_share(
+            batches_per_agent,
+            live_agents.get(job.device_class_id, 0),
+            jobs_of[job.device_class_id][job.team_id],
+            teams=len(jobs_of[job.device_class_id]),
+        )
+        for job in running
+    }
 
 
 def farm_measurer_factory(
@@ -172,7 +193,7 @@ class SchedulerService:
                 self._end(job_id, runner.cancel)
                 moved = True
                 continue
-            moved |= self._step(job_id, runner, caps.get(runner.setup.device_class_id, 1))
+            moved |= self._step(job_id, runner, caps.get(job_id, 1))
         self._learn()
         return moved
 
@@ -257,12 +278,11 @@ class SchedulerService:
     # -- fairness ---------------------------------------------------------------------------
 
     def _fair_caps(self) -> dict[int, int]:
-        """Batches in flight each job of a class may keep (see the module docstring)."""
+        """Batches in flight each running job may keep (see the module docstring)."""
         with transaction(self.sessions) as db:
             live = job_store.live_agents_by_class(db, fresh_secs=self.settings.agent_fresh_secs)
-            running = job_store.running_jobs_by_class(db)
-        classes = {r.setup.device_class_id for r in self.runners.values()}
-        return {c: fair_share(self.settings.batches_per_agent, live.get(c, 0), running.get(c, 1)) for c in classes}
+            running = job_store.running_jobs(db)
+        return fair_caps(self.settings.batches_per_agent, live, running)
 
     # -- finishing --------------------------------------------------------------------------
 

@@ -16,7 +16,10 @@ The ONNX path, step by step:
    dimension (a `dim_param` or a missing `dim_value`) needs a value from `input_shapes`;
    a missing one is a `UsageError` naming the input and its dynamic dimensions and the
    `--input-shape NAME=d0,d1,...` to pass. Unknown names, wrong ranks and values that
-   contradict a static dimension are `UsageError`s too.
+   contradict a static dimension are `UsageError`s too. With `max_tensor_elements`,
+   a tensor with more elements (an input at its shape, an initializer, a value shape
+   inference sizes) is a `ModelError` naming it, before anything is allocated
+   (`tensor_limits.py`).
 3. Simplify with the fixed shapes using onnxslim. Real exports compute Reshape targets
    with Shape/Gather/Concat arithmetic that TVM's Relax frontend cannot convert
    ("Reshape requires the input new shape to be Shape", "Node ... cannot handle
@@ -58,6 +61,7 @@ import numpy as np
 from tunefarm.errors import ModelError, UsageError
 from tunefarm.models.check import random_inputs  # noqa: F401  (the import check's input; re-exported)
 from tunefarm.models.external_data import inline_external_data, refuse_external_data
+from tunefarm.models.tensor_limits import check_tensor_elements
 from tunefarm.records import TensorSpec
 
 SIMPLIFY_TOLERANCE = 1e-4
@@ -94,19 +98,22 @@ def import_model(
     *,
     name: str | None = None,
     example_inputs: Sequence[Any] | None = None,
+    max_tensor_elements: int | None = None,
 ) -> ImportedModel:
     """Import an ONNX model (path, bytes or `onnx.ModelProto`) or a `torch.nn.Module`.
 
     `input_shapes` maps input names to shapes; ONNX inputs with dynamic dimensions need
     one. A torch module needs `example_inputs` (a tuple of tensors); without them,
-    `input_shapes` gives float32 zero tensors in its order.
+    `input_shapes` gives float32 zero tensors in its order. `max_tensor_elements` caps
+    every tensor of an ONNX model, checked on its shapes before anything is allocated
+    (`tensor_limits`; None: no cap).
     """
     if _is_torch_module(source):
         return _import_torch(source, input_shapes, name=name, example_inputs=example_inputs)
     if example_inputs is not None:
         raise UsageError("example_inputs is only for torch.nn.Module sources")
     model, default_name = _load_onnx(source)
-    return _import_onnx(model, input_shapes or {}, name=name or default_name)
+    return _import_onnx(model, input_shapes or {}, name=name or default_name, max_tensor_elements=max_tensor_elements)
 
 
 # -- ONNX ----------------------------------------------------------------------------------
@@ -141,12 +148,12 @@ def _load_onnx(source: Any):
     )
 
 
-def read_onnx_file(path: Path, *, label: str | None = None):
+def read_onnx_file(path: Path, *, label: str | None = None, data_dir: Path | None = None):
     """(ModelProto, tensors read from external files) of an ONNX file. External data
-    (weights in side files) is read only from the model's own directory or below it
-    (`tunefarm.models.external_data`); a location outside it is a one-line `ModelError`
-    naming the tensor and the location, and nothing is read. Errors start with `label`
-    (default: the path)."""
+    (weights in side files) is read only from `data_dir` (default: the model's own
+    directory) or below it (`tunefarm.models.external_data`); a location outside it is
+    a one-line `ModelError` naming the tensor and the location, and nothing is read.
+    Errors start with `label` (default: the path)."""
     label = label or str(path)
     if not path.is_file():
         raise ModelError(f"{label}: no such file")
@@ -156,7 +163,7 @@ def read_onnx_file(path: Path, *, label: str | None = None):
         raise ModelError(f"{label}: cannot read: {exc.strerror or exc}") from None
     model = _parse_onnx(data, label)
     try:
-        inlined = inline_external_data(model, path.parent)
+        inlined = inline_external_data(model, path.parent if data_dir is None else data_dir)
     except ModelError as exc:
         raise ModelError(f"{label}: {exc}") from None
     except OSError as exc:
@@ -274,11 +281,15 @@ def resolve_input_shapes(
     return shapes
 
 
-def _import_onnx(model, given: Mapping[str, Sequence[int]], *, name: str) -> ImportedModel:
+def _import_onnx(
+    model, given: Mapping[str, Sequence[int]], *, name: str, max_tensor_elements: int | None = None
+) -> ImportedModel:
     inputs = onnx_graph_inputs(model)
     if not inputs:
         raise ModelError(f"{name}: the ONNX graph has no inputs (every graph input is an initializer)")
     shapes = resolve_input_shapes(inputs, given)
+    if max_tensor_elements is not None:
+        check_tensor_elements(model, shapes, max_tensor_elements)
     dtypes = {i.name: i.dtype for i in inputs}
     notes: list[str] = []
     converted = _simplify_checked(model, shapes, dtypes, notes)

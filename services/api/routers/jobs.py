@@ -20,12 +20,19 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=AUTH)
 JobId = Annotated[int, Path(ge=1, description="the job's id")]
 
 
-@router.post("", status_code=201, responses=errors(400, 404, 413), summary="Tune a model on a device class")
+@router.post("", status_code=201, responses=errors(400, 404, 413, 429), summary="Tune a model on a device class")
 def create_job(body: JobCreate, team: TeamDep, sessions: SessionsDep, settings: SettingsDep) -> JobPublic:
     """Queue a job; the scheduler picks it up. 404 for a model that is not your team's;
-    422 for an unknown device class or a budget beyond the farm's limit."""
+    422 for an unknown device class or a budget beyond the farm's limit; 429 when your
+    team's jobs in progress, or the trials they have still to run, are at the farm's
+    quota (it frees up as they end)."""
+    quota = crud.TeamQuota(
+        max_active_jobs=settings.team_max_active_jobs, max_active_trials=settings.team_max_active_trials
+    )
     with transaction(sessions) as db:
-        job = crud.create_job(db, team_id=team.id, body=body, max_trial_budget=settings.max_trial_budget)
+        job = crud.create_job(
+            db, team_id=team.id, body=body, max_trial_budget=settings.max_trial_budget, quota=quota
+        )
         return crud.job_public(db, team_id=team.id, job_id=job.id)
 
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, File, Form, Path, UploadFile
 from services.api import crud
 from services.api.deps import IntakeDep, PageDep, SessionsDep, SettingsDep, TeamDep
 from services.api.exceptions import PayloadTooLarge
-from services.api.intake import accept_upload
+from services.api.intake import IntakeLimits, accept_upload
 from services.api.routers.responses import AUTH, errors
 from services.api.schemas import ModelPage, ModelPublic
 from services.db.session import transaction
@@ -17,7 +17,7 @@ from services.db.session import transaction
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=AUTH)
 
 
-@router.post("", status_code=201, responses=errors(400, 413), summary="Upload an ONNX model")
+@router.post("", status_code=201, responses=errors(400, 413, 429), summary="Upload an ONNX model")
 def upload_model(
     team: TeamDep,
     sessions: SessionsDep,
@@ -39,21 +39,28 @@ def upload_model(
     """Import the model with fixed input shapes, fuse it and list its tuning tasks. A
     malformed or unsupported model is a 422 naming the operator; so is external data the
     model names outside its own directory (naming the tensor and the location), or that
-    did not come with it. Nothing is stored then."""
+    did not come with it, and a tensor with more elements than the farm allows (naming
+    it). Nothing is stored then. A team imports a limited number of models at once: one
+    more meanwhile is a 429 (try again after `Retry-After`)."""
     total = sum(f.size or 0 for f in (file, *external_data))
     if total > settings.max_upload_bytes:
         raise PayloadTooLarge(f"the model is larger than this farm accepts ({settings.max_upload_bytes} bytes)")
-    taken = accept_upload(
-        intake,
-        upload=file.file,
-        filename=file.filename,
-        name=name,
-        input_shapes_text=input_shapes,
-        root=settings.artifact_root,
+    limits = IntakeLimits(
         max_bytes=settings.max_upload_bytes,
-        timeout=settings.intake_timeout_secs,
-        external_data=[(f.filename, f.file) for f in external_data],
+        timeout_secs=settings.intake_timeout_secs,
+        max_tensor_elements=settings.max_tensor_elements,
     )
+    with intake.admit(team.id):
+        taken = accept_upload(
+            intake,
+            upload=file.file,
+            filename=file.filename,
+            name=name,
+            input_shapes_text=input_shapes,
+            root=settings.artifact_root,
+            limits=limits,
+            external_data=[(f.filename, f.file) for f in external_data],
+        )
     with transaction(sessions) as db:
         model = crud.store_model(
             db,

@@ -16,6 +16,7 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         409: "the resource's state does not allow this now",
         413: "the request body is larger than the farm accepts; nothing was stored",
         422: "the request is malformed or asks for something impossible",
+        429: "your team is at a limit (uploads being imported, jobs or trials in progress); the message says which",
     }
     return {s: {"model": ErrorBody, "description": descriptions[s]} for s in statuses}
 
