@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tunefarm.search.cost_model import XGBConfig, XGBCostModel
+from tunefarm.search.cost_model import XGBConfig, XGBCostModel, cache
 from tunefarm.search.features import NUM_FEATURES
-from tunefarm.search.cost_model import cache
 
 TARGET = {"kind": "llvm", "mcpu": "skylake", "num-cores": 2}
 
