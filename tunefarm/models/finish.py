@@ -397,57 +397,6 @@ def model_report(
     """`report.json`: per model its check, latency and task rows; the run's accounting.
     `tasks` maps a workload key to its outcome."""
     new = summary.trials - summary.resumed
-    out_models = []
-    for m, o in zip(models, outcomes):
-        rows = []
-        for t in m.tasks.tasks:
-            tr = tasks[t.key]
-            best = tr.best
-            rows.append(
-                {
-                    "name": t.name,
-                    "key": t.key,
-                    "shapes": t.shape_summary,
-                    "weight": t.weight,
-                    "flops": t.flops,
-                    "const_inputs": list(t.const_inputs),
-                    "trials": tr.trials,
-                    "best_seconds": best.cost if best else None,
-                    "weighted_seconds": best.cost * t.weight if best else None,
-                    "gflops": t.flops / best.cost / 1e9 if best and best.cost > 0 else None,
-                    "verified": bool(best and best.verified),
-                    "emulated": bool(best and best.emulated),  # best_seconds is an emulator's time
-                    "reference": "yes" if tr.verify_available else "none (kernels checked against each other)",
-                    "schedule": "tuned" if best else "default build (no valid measurement)",
-                    "dead_reason": tr.dead_reason,
-                    "errors": dict(tr.errors),
-                    "in_model": (o.breakdown or {}).get("tasks", {}).get(t.key),
-                }
-            )
-        estimate = sum(r["weighted_seconds"] for r in rows if r["weighted_seconds"] is not None)
-        complete = [p for p in summary.timeline if not p["unknown_tasks"] and m.name in p["estimated_seconds"]]
-        at_start = complete[0]["estimated_seconds"][m.name] if complete else None
-        out_models.append(
-            {
-                "name": m.name,
-                "directory": str(o.directory) if o.directory else None,
-                "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in m.imported.inputs],
-                "outputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in m.imported.outputs],
-                "latency": o.latency,
-                "untuned_latency": o.default_latency,
-                "onnxruntime_latency": o.onnxruntime_latency,
-                "openvino_latency": o.openvino_latency,
-                "estimated_seconds": estimate,
-                "estimated_seconds_at_start": at_start,
-                "check": o.check,
-                "measured_on": o.measured_on,
-                "breakdown": {k: v for k, v in o.breakdown.items() if k != "tasks"} if o.breakdown else None,
-                "error": o.error or None,
-                "warnings": list(m.imported.warnings),
-                "tasks": rows,
-                "elided": list(m.tasks.elided),
-            }
-        )
     tuning = summary.tuning_secs
     return {
         "version": REPORT_VERSION,
@@ -463,12 +412,63 @@ def model_report(
         "measure_seconds": round(summary.measure_secs, 3),
         "seconds_per_trial": round(tuning / max(1, new), 4),
         "search_share": round(summary.search_secs / tuning, 4) if tuning else None,
-        "models": out_models,
+        "models": [_model_entry(m, o, tasks, summary) for m, o in zip(models, outcomes)],
         "task_scheduler": {
             "strategy": summary.strategy,
             "rounds": [{**d, "task_name": summary.task_names[d["task"]]} for d in summary.decisions],
         },
         "timeline": list(summary.timeline),
+    }
+
+
+def _model_entry(m: LoadedModel, o: ModelOutcome, tasks: Mapping[str, TaskOutcome], summary: TuningSummary) -> dict:
+    """One model of the report: where it went, its latencies and check, its task rows."""
+    rows = [_task_row(t, tasks[t.key], o) for t in m.tasks.tasks]
+    estimate = sum(r["weighted_seconds"] for r in rows if r["weighted_seconds"] is not None)
+    complete = [p for p in summary.timeline if not p["unknown_tasks"] and m.name in p["estimated_seconds"]]
+    at_start = complete[0]["estimated_seconds"][m.name] if complete else None
+    return {
+        "name": m.name,
+        "directory": str(o.directory) if o.directory else None,
+        "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in m.imported.inputs],
+        "outputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in m.imported.outputs],
+        "latency": o.latency,
+        "untuned_latency": o.default_latency,
+        "onnxruntime_latency": o.onnxruntime_latency,
+        "openvino_latency": o.openvino_latency,
+        "estimated_seconds": estimate,
+        "estimated_seconds_at_start": at_start,
+        "check": o.check,
+        "measured_on": o.measured_on,
+        "breakdown": {k: v for k, v in o.breakdown.items() if k != "tasks"} if o.breakdown else None,
+        "error": o.error or None,
+        "warnings": list(m.imported.warnings),
+        "tasks": rows,
+        "elided": list(m.tasks.elided),
+    }
+
+
+def _task_row(t: Any, tr: TaskOutcome, o: ModelOutcome) -> dict:
+    """One task of a model in the report: its best, how it was found, its share in the model."""
+    best = tr.best
+    return {
+        "name": t.name,
+        "key": t.key,
+        "shapes": t.shape_summary,
+        "weight": t.weight,
+        "flops": t.flops,
+        "const_inputs": list(t.const_inputs),
+        "trials": tr.trials,
+        "best_seconds": best.cost if best else None,
+        "weighted_seconds": best.cost * t.weight if best else None,
+        "gflops": t.flops / best.cost / 1e9 if best and best.cost > 0 else None,
+        "verified": bool(best and best.verified),
+        "emulated": bool(best and best.emulated),  # best_seconds is an emulator's time
+        "reference": "yes" if tr.verify_available else "none (kernels checked against each other)",
+        "schedule": "tuned" if best else "default build (no valid measurement)",
+        "dead_reason": tr.dead_reason,
+        "errors": dict(tr.errors),
+        "in_model": (o.breakdown or {}).get("tasks", {}).get(t.key),
     }
 
 
