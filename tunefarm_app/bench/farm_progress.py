@@ -45,25 +45,34 @@ class SeededJob:
 def seed_job(sessions, *, measurements: int, tasks: int = 8, curve_points: int = 60, team_token: str | None = None) -> SeededJob:
     """A team, a model with `tasks` tasks and a running job with `measurements`
     measurements and its precomputed progress, inserted in bulk."""
-    from sqlalchemy import insert, select
+    seeded = _seed_model_and_job(sessions, measurements=measurements, tasks=tasks, team_token=team_token)
+    best = [math.inf] * tasks
+    made = 0
+    while made < measurements:
+        i = (made // BATCH) % tasks
+        n = min(BATCH, measurements - made)
+        best[i] = min(best[i], *_seed_batch(sessions, seeded, i, made, n))
+        made += n
+    _seed_totals(sessions, seeded, best, measurements, curve_points)
+    return SeededJob(seeded.job_id, seeded.token, measurements)
+
+
+@dataclass(frozen=True)
+class _Seeded:
+    job_id: int
+    class_id: int
+    token: str
+    workload_ids: list[int]
+    job_task_ids: list[int]
+    table: list[dict]
+
+
+def _seed_model_and_job(sessions, *, measurements: int, tasks: int, team_token: str | None) -> _Seeded:
+    from sqlalchemy import insert
 
     from services.api import admin
-    from services.db import codec
-    from services.db.models import (
-        Batch,
-        BatchCandidate,
-        BatchState,
-        Job,
-        JobProgress,
-        JobState,
-        JobTask,
-        Measurement,
-        Model,
-        ModelTask,
-        Workload,
-    )
+    from services.db.models import Job, JobState, JobTask, Model, ModelTask, Workload
     from services.db.session import transaction
-    from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
 
     uid = uuid.uuid4().hex[:10]
     with transaction(sessions) as s:
@@ -102,56 +111,70 @@ def seed_job(sessions, *, measurements: int, tasks: int = 8, curve_points: int =
                   "weight": 1} for i, w in enumerate(wl_ids)],
             )
         )
-        job_id, class_id = job.id, dc.id
-    timing = codec.timing_to_json(TimingConfig())
-    made = 0
-    best = [math.inf] * tasks
-    while made < measurements:
-        i = (made // BATCH) % tasks
-        n = min(BATCH, measurements - made)
-        with transaction(sessions) as s:
-            batch_id = s.scalar(
-                insert(Batch).values(job_id=job_id, job_task_id=jt_ids[i], workload_id=wl_ids[i], device_class_id=class_id,
-                                     state=BatchState.DONE, timing=timing, build_timeout_secs=60, run_timeout_secs=30)
-                .returning(Batch.id)
-            )
-            inputs = [MeasureInput(f"{table[i]['key']}@bench", Candidate.make(0, {"t": made + k}), "sig", [["trace"]])
-                      for k in range(n)]
-            cand_ids = list(
-                s.scalars(
-                    insert(BatchCandidate).returning(BatchCandidate.id),
-                    [{"batch_id": batch_id, "position": k, "candidate_key": m.key, "input": codec.input_to_json(m)}
-                     for k, m in enumerate(inputs)],
-                )
-            )
-            rows = []
-            for k, (cid, m) in enumerate(zip(cand_ids, inputs)):
-                cost = 1e-4 * (1 + ((made + k) * 7919 % 1000) / 1000)
-                best[i] = min(best[i], cost)
-                rec = MeasureRecord(task=m.task, workload=table[i]["name"], target={"kind": "llvm"}, sketch=0,
-                                    sketch_sig="sig", decisions=m.candidate.decisions, trace=m.trace, costs=(cost,),
-                                    error_kind=ErrorKind.NONE, error_msg="", build_secs=0.1, run_secs=0.01,
-                                    verified=True, timestamp=time.time())
-                rows.append({"batch_candidate_id": cid, "job_id": job_id, "job_task_id": jt_ids[i],
-                             "workload_id": wl_ids[i], "device_class_id": class_id, "candidate_key": m.key,
-                             "cost": cost, "error_kind": ErrorKind.NONE, "record": codec.record_to_json(rec),
-                             "fingerprint": {"tvm": "bench"}})
-            s.execute(insert(Measurement), rows)
-        made += n
-    with transaction(sessions) as s:
-        from sqlalchemy import func, update
+        return _Seeded(job.id, dc.id, token, wl_ids, jt_ids, table)
 
-        for i, jt in enumerate(jt_ids):
+
+def _seed_batch(sessions, seeded: _Seeded, i: int, made: int, n: int) -> list[float]:
+    """One done batch of task `i` with `n` measurements; their costs."""
+    from sqlalchemy import insert
+
+    from services.db import codec
+    from services.db.models import Batch, BatchCandidate, BatchState, Measurement
+    from services.db.session import transaction
+    from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
+
+    task = f"{seeded.table[i]['key']}@bench"
+    with transaction(sessions) as s:
+        batch_id = s.scalar(
+            insert(Batch).values(job_id=seeded.job_id, job_task_id=seeded.job_task_ids[i],
+                                 workload_id=seeded.workload_ids[i], device_class_id=seeded.class_id,
+                                 state=BatchState.DONE, timing=codec.timing_to_json(TimingConfig()),
+                                 build_timeout_secs=60, run_timeout_secs=30)
+            .returning(Batch.id)
+        )
+        inputs = [MeasureInput(task, Candidate.make(0, {"t": made + k}), "sig", [["trace"]]) for k in range(n)]
+        cand_ids = list(
+            s.scalars(
+                insert(BatchCandidate).returning(BatchCandidate.id),
+                [{"batch_id": batch_id, "position": k, "candidate_key": m.key, "input": codec.input_to_json(m)}
+                 for k, m in enumerate(inputs)],
+            )
+        )
+        rows, costs = [], []
+        for k, (cid, m) in enumerate(zip(cand_ids, inputs)):
+            cost = 1e-4 * (1 + ((made + k) * 7919 % 1000) / 1000)
+            costs.append(cost)
+            rec = MeasureRecord(task=m.task, workload=seeded.table[i]["name"], target={"kind": "llvm"}, sketch=0,
+                                sketch_sig="sig", decisions=m.candidate.decisions, trace=m.trace, costs=(cost,),
+                                error_kind=ErrorKind.NONE, error_msg="", build_secs=0.1, run_secs=0.01,
+                                verified=True, timestamp=time.time())
+            rows.append({"batch_candidate_id": cid, "job_id": seeded.job_id, "job_task_id": seeded.job_task_ids[i],
+                         "workload_id": seeded.workload_ids[i], "device_class_id": seeded.class_id,
+                         "candidate_key": m.key, "cost": cost, "error_kind": ErrorKind.NONE,
+                         "record": codec.record_to_json(rec), "fingerprint": {"tvm": "bench"}})
+        s.execute(insert(Measurement), rows)
+    return costs
+
+
+def _seed_totals(sessions, seeded: _Seeded, best: list[float], measurements: int, curve_points: int) -> None:
+    """The job's and its tasks' counts and bests, and its progress curve."""
+    from sqlalchemy import func, insert, select, update
+
+    from services.db.models import Job, JobProgress, JobTask, Measurement
+    from services.db.session import transaction
+
+    with transaction(sessions) as s:
+        for i, jt in enumerate(seeded.job_task_ids):
             trials = s.scalar(select(func.count()).where(Measurement.job_task_id == jt))
             s.execute(update(JobTask).where(JobTask.id == jt).values(
                 trials=trials, best_cost=best[i] if math.isfinite(best[i]) else None))
         est = sum(b for b in best if math.isfinite(b)) or None
-        s.execute(update(Job).where(Job.id == job_id).values(trials_used=measurements, est_latency_secs=est,
-                                                              est_latency_start_secs=est and est * 2))
-        points = [{"job_id": job_id, "trials": max(1, measurements) * (p + 1) // curve_points, "elapsed_secs": p * 1.0,
-                   "est_latency_secs": est and est * (2 - p / curve_points)} for p in range(curve_points)]
+        s.execute(update(Job).where(Job.id == seeded.job_id).values(
+            trials_used=measurements, est_latency_secs=est, est_latency_start_secs=est and est * 2))
+        points = [{"job_id": seeded.job_id, "trials": max(1, measurements) * (p + 1) // curve_points,
+                   "elapsed_secs": p * 1.0, "est_latency_secs": est and est * (2 - p / curve_points)}
+                  for p in range(curve_points)]
         s.execute(insert(JobProgress), list({p["trials"]: p for p in points}.values()))
-    return SeededJob(job_id, token, measurements)
 
 
 # -- the load ------------------------------------------------------------------------------------
