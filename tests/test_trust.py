@@ -105,3 +105,73 @@ def test_tunefarm_devices_says_a_flagged_agent_is_flagged_and_why():
     trusted = _standing({"standing": "trusted", "flag_reasons": [], "below_floor": 0, "confirmations_agreed": 4,
                          "confirmations_disputed": 0})  # fmt: skip
     assert trusted == "trusted (4 confirmed, 0 disputed, 0 below the floor)"
+
+
+# -- what the API and the dashboard show (a real PostgreSQL) ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def api(database_url, db_sessions, tmp_path_factory):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from services.api.app import create_app
+    from services.api.settings import ApiSettings
+    from tunefarm_app.bench.farm_progress import seed_job
+
+    job = seed_job(db_sessions, measurements=40, tasks=2)
+    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path_factory.mktemp("artifacts"),
+                           token_cache_secs=0)  # fmt: skip
+    with TestClient(create_app(settings)) as client:
+        yield client, job
+
+
+def test_devices_show_each_agents_standing_and_why_it_is_flagged(api, db_sessions):
+    from sqlalchemy import func
+
+    from services.api import admin
+    from services.db.models import Agent, AgentState
+    from services.db.session import transaction
+
+    client, job = api
+    with transaction(db_sessions) as s:
+        dc = admin.ensure_device_class(s, name="trust-class", target={"kind": "llvm", "num-cores": 2})
+        s.add_all([
+            Agent(device_class_id=dc.id, name="liar", below_floor=3, confirmations_disputed=2,
+                  errors_by_kind={"below_floor": 3}, last_heartbeat_at=func.now()),
+            Agent(device_class_id=dc.id, name="honest", confirmations_agreed=4, last_heartbeat_at=func.now()),
+            Agent(device_class_id=dc.id, name="benched", state=AgentState.DISABLED, quarantined_at=func.now()),
+        ])  # fmt: skip
+    headers = {"Authorization": f"Bearer {job.team_token}"}
+    devices = {d["name"]: d for d in client.get("/v1/devices", headers=headers).json()}
+    liar = devices["liar"]
+    assert liar["standing"] == "flagged" and liar["below_floor"] == 3 and liar["confirmations_disputed"] == 2
+    assert liar["flag_reasons"] == ["3 result(s) below the timing floor",
+                                    "2 timing(s) disputed by other agents, 0 confirmed"]  # fmt: skip
+    assert devices["honest"]["standing"] == "trusted" and devices["honest"]["flag_reasons"] == []
+    assert devices["benched"]["standing"] == "quarantined" and devices["benched"]["quarantined_at"]
+    page = client.get("/ui/devices", headers=headers)
+    assert page.status_code == 200
+    row = page.text.split('data-agent="liar"')[1].split("</tr>")[0]
+    assert 'class="state state-flagged">flagged' in row and "below the timing floor" in row
+    assert 'class="state state-trusted">trusted' in page.text.split('data-agent="honest"')[1].split("</tr>")[0]
+
+
+def test_a_jobs_tasks_say_whether_their_best_is_confirmed(api, db_sessions):
+    from sqlalchemy import select, update
+
+    from services.db.models import JobTask
+    from services.db.session import transaction
+
+    client, job = api
+    with transaction(db_sessions) as s:
+        first, second = s.scalars(select(JobTask.id).where(JobTask.job_id == job.job_id).order_by(JobTask.position))
+        s.execute(update(JobTask).where(JobTask.id == first).values(best_cost=2e-3, best_confirmed=True, confirmed_cost=2e-3))
+        s.execute(update(JobTask).where(JobTask.id == second).values(best_cost=1e-3, best_confirmed=False,
+                                                                     confirmed_cost=None))  # fmt: skip
+    headers = {"Authorization": f"Bearer {job.team_token}"}
+    tasks = client.get(f"/v1/jobs/{job.job_id}", headers=headers).json()["tasks"]
+    assert tasks[0]["best_confirmed"] and tasks[0]["confirmed_best_secs"] == tasks[0]["best_secs"]
+    assert not tasks[1]["best_confirmed"] and tasks[1]["confirmed_best_secs"] is None and tasks[1]["best_secs"]
+    page = client.get(f"/ui/jobs/{job.job_id}", headers=headers).text
+    assert page.count('class="muted unconfirmed"') == 1
