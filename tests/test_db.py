@@ -750,3 +750,45 @@ def test_a_quarantined_agent_gets_no_lease_until_the_quarantine_is_lifted(db_ses
     assert lease(db_sessions, a) is not None
     with pytest.raises(NotFound), transaction(db_sessions) as s:
         queries.quarantine_agent(s, name="no such agent")
+
+
+def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests_only(db_sessions, tmp_path):
+    """The scheduler's side (`JobRunner.finish`): the tuned model gets each task's fastest
+    kernel that a second measurement confirmed, never a disputed or unconfirmed one."""
+    from types import SimpleNamespace
+
+    from services.scheduler.exceptions import FinishInterrupted
+    from services.scheduler.farm_job import JobRunner, RunnerContext
+
+    farm = make_farm(db_sessions, candidates=2)
+    a, b = farm.agent_ids
+    held = lease(db_sessions, a)
+    record(db_sessions, farm, held, a, index=0, cost=0.001)  # its best: a confirmation is open
+    record(db_sessions, farm, held, a, index=1, cost=0.002)
+    with transaction(db_sessions) as s:
+        queries.finish_lease(s, lease_id=held.id, agent_id=a)
+        task_key = s.get(JobTask, farm.job_task_id).task_key
+    ctx = RunnerContext(sessions=db_sessions, artifact_root=tmp_path, measurer_factory=None, check_tuned_model=False,
+                        log=lambda msg: None, confirm_wait_secs=60.0)  # fmt: skip
+    runner = JobRunner(ctx, SimpleNamespace(job_id=farm.job_id, start_model_trained_on=None), shared=None)
+    records = [_record(_input(0), 0.001), _record(_input(1), 0.002)]
+    runner.tasks = [SimpleNamespace(key=task_key, workload=SimpleNamespace(key="w", name="w"))]
+    runner.tuners = [SimpleNamespace(state=SimpleNamespace(records=records))]
+    ctx.stop.set()  # the scheduler stops while the job waits: it finishes on the next pick
+    with pytest.raises(FinishInterrupted):
+        runner._await_confirmations()
+    ctx.stop.clear()
+    assert runner._confirmed_bests() == {"w": None}  # nothing confirmed yet: the default schedule
+
+    def confirm(agent_id: int, index: int, cost: float) -> None:
+        held = lease(db_sessions, agent_id)
+        (cand,) = queries_candidates(db_sessions, held.batch_id)
+        with transaction(db_sessions) as s:
+            queries.record_measurement(s, batch_candidate_id=cand, lease_id=held.id, agent_id=agent_id,
+                                       record=_record(_input(index), cost), fingerprint=FINGERPRINT)  # fmt: skip
+            queries.finish_lease(s, lease_id=held.id, agent_id=agent_id)
+
+    confirm(b, 0, 0.01)  # b measures the fastest 10x slower: disputed; the next one is confirmed in turn
+    confirm(b, 1, 0.0021)
+    runner._await_confirmations()  # none open: returns at once
+    assert runner._confirmed_bests() == {"w": records[1]}

@@ -1109,8 +1109,8 @@ def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(
     wl = gemm(128)
     measurer = farm.measurer()
     task = measurer.prepare(wl, make_task(wl, farm.target).key, farm.target)  # the key the class's model knows
-    inputs = gemm_inputs(wl, task.key, 4)
-    first, second = _ready_batches(farm, measurer, task, [inputs[:2], inputs[2:]])
+    inputs = gemm_inputs(wl, task.key, 5)
+    first, second = _ready_batches(farm, measurer, task, [inputs[:3], inputs[3:]])
     with transaction(farm.sessions) as s:
         _, token_h = queries.issue_token(s, kind=TokenKind.AGENT, label="honest")
         _, token_h2 = queries.issue_token(s, kind=TokenKind.AGENT, label="honest-2")
@@ -1120,7 +1120,7 @@ def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(
                                  (("liar", farm.token), ("honest", token_h), ("honest-2", token_h2)))  # fmt: skip
         leased = _lease(stub, liar, farm.token)
         assert leased.batch_id == first
-        _measure(stub, farm.token, liar, leased, [1e-6, 2e-6])  # real: ~1e-4 s
+        _measure(stub, farm.token, liar, leased, [1e-6, 2e-6, 5e-4])  # real: ~1e-4 s; the last, never a best
         fake = _task_row(farm)
         assert fake.best_cost == 1e-6 and not fake.best_confirmed and fake.confirmed_cost is None
         leased = _lease(stub, honest, token_h)
@@ -1136,7 +1136,7 @@ def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(
         _measure(stub, token_h, honest, check, [3.2e-4])
         assert _lease(stub, honest, token_h) is None  # its own best: another agent that may confirm is live
         check = _lease(stub, honest2, token_h2)
-        assert check.candidates[0].candidate_key == inputs[2].key
+        assert check.candidates[0].candidate_key == inputs[3].key
         _measure(stub, token_h2, honest2, check, [3.05e-4])
     best = _task_row(farm)
     assert best.best_cost == 3e-4 and best.best_confirmed and best.confirmed_cost == 3e-4
@@ -1149,27 +1149,27 @@ def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(
             .join(Measurement, Measurement.id == Confirmation.measurement_id)
             .where(Measurement.job_id == farm.job_id).order_by(Confirmation.id)
         ).all()  # fmt: skip
-        assert job_store.confirmed_keys(s, job_id=farm.job_id) == {task.key: {inputs[2].key}}
-        assert s.get(Job, farm.job_id).trials_used == 4  # confirmations are no trials
+        assert job_store.confirmed_keys(s, job_id=farm.job_id) == {task.key: {inputs[3].key}}
+        assert s.get(Job, farm.job_id).trials_used == 5  # confirmations are no trials
     by_key = {r.candidate_key: r for r in rows}
-    assert len(rows) == 4 == len(by_key)  # each candidate measured once
+    assert len(rows) == 5 == len(by_key)  # each candidate measured once
     assert [by_key[m.key].confirmation for m in inputs] == [
-        ConfirmationState.DISPUTED, ConfirmationState.DISPUTED, ConfirmationState.CONFIRMED, None]
+        ConfirmationState.DISPUTED, ConfirmationState.DISPUTED, None, ConfirmationState.CONFIRMED, None]
     assert checks == [(honest2, ConfirmationState.DISPUTED, 3.1e-4), (honest, ConfirmationState.DISPUTED, 3.2e-4),
                       (honest2, ConfirmationState.CONFIRMED, 3.05e-4)]  # fmt: skip
-    assert sorted(r.key for r in collect_all(measurer, 4, timeout=10)) == sorted(m.key for m in inputs)
+    assert sorted(r.key for r in collect_all(measurer, 5, timeout=10)) == sorted(m.key for m in inputs)
     liar_row, honest_row = _standing(farm, liar), _standing(farm, honest)
     assert liar_row.confirmations_disputed == 2 and liar_row.confirmations_agreed == 0
     assert any("disputed by other agents" in r for r in liar_row.flag_reasons)
     assert honest_row.standing == "trusted" and honest_row.confirmations_agreed == 1
     assert _standing(farm, honest2).standing == "unconfirmed"
-    # The class's model learns the honest agent's two measurements, none of the liar's.
+    # The class's model learns the honest agent's two measurements, none of the liar's
+    # (not even the one nobody disputed: an agent none of whose times was confirmed).
     assert _class_model_learns(farm, measurer.device_class_id) == 2
     with transaction(farm.sessions) as s:
         vouched = dict(s.execute(select(Measurement.candidate_key, Measurement.vouched_seq)
                                  .where(Measurement.job_id == farm.job_id)).all())  # fmt: skip
-    assert vouched[inputs[0].key] is None and vouched[inputs[1].key] is None
-    assert vouched[inputs[2].key] is not None and vouched[inputs[3].key] is not None
+    assert [vouched[m.key] is not None for m in inputs] == [False, False, False, True, True]
     measurer.close()
 
 
