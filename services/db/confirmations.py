@@ -16,8 +16,9 @@ normal batch path:
                             disputed or failed; the agents' counters follow
     refresh_task_best       the task's best is again its fastest measurement that is not
                             disputed, failed, or an unconfirmed one of a quarantined
-                            agent; when that one was never confirmed it is scheduled in
-                            turn. `confirmed_*` is the fastest confirmed one.
+                            agent; when that one was never confirmed (and its job has
+                            not ended) it is scheduled in turn. `confirmed_*` is the
+                            fastest confirmed one.
 
 The job's result and tuned model use confirmed bests only (`services.scheduler`).
 
@@ -282,7 +283,7 @@ def refresh_task_best(session: Session, *, job_task_id: int, now: datetime | Non
 
     best = fastest()
     confirmed = fastest(Measurement.confirmation == ConfirmationState.CONFIRMED)
-    if best is not None and best.confirmation is None:
+    if best is not None and best.confirmation is None and _job_open(session, job_task_id):
         schedule(session, measurement_id=best.id, now=now)
     session.execute(
         update(JobTask)
@@ -297,6 +298,12 @@ def refresh_task_best(session: Session, *, job_task_id: int, now: datetime | Non
         ),
         execution_options={"synchronize_session": False},
     )
+
+
+def _job_open(session: Session, job_task_id: int) -> bool:
+    """The task's job may still use a confirmation (it has not ended)."""
+    state = session.scalar(select(Job.state).join(JobTask, JobTask.job_id == Job.id).where(JobTask.id == job_task_id))
+    return state is not None and not state.is_terminal
 
 
 # -- quarantine -------------------------------------------------------------------------------

@@ -577,7 +577,7 @@ def mark_agents_offline(session: Session, *, stale_secs: float, now: datetime | 
 
 @dataclass(frozen=True)
 class Recorded:
-    measurement_id: int
+    measurement_id: int  # in a confirmation batch: the `Confirmation`'s id
     created: bool  # False: the candidate already had its measurement; nothing was written
 
 

@@ -11,7 +11,9 @@ the same team tokens as the JSON API.
   SVG of `tunefarm.display.latency_curve_svg`, the same plot as `tunefarm report --html`)
   and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors).
 - `/ui/devices`: the device classes and every agent: state, age of its last heartbeat,
-  measurements, errors by kind (what `GET /v1/devices` shows any team).
+  measurements, errors by kind, and whether its timings are believed (trusted,
+  unconfirmed, flagged and why, quarantined: `services.db.trust`) (what `GET /v1/devices`
+  shows any team).
 
 Pages of running jobs and the devices page reload themselves every few seconds (a meta
 refresh: the pages have no script). The pages are not in the OpenAPI schema: they are
