@@ -153,7 +153,6 @@ def schedule(session: Session, *, measurement_id: int, now: datetime | None = No
 def record_confirmations(
     session: Session,
     *,
-    batch_id: int,
     measurement_id: int,
     agent_id: int | None,
     lease_id: int | None,

@@ -688,7 +688,6 @@ def _store_results(
     if facts.confirms_measurement_id is not None:
         stored = confirmations.record_confirmations(
             session,
-            batch_id=batch_id,
             measurement_id=facts.confirms_measurement_id,
             agent_id=agent_id,
             lease_id=lease.id if lease is not None else None,
