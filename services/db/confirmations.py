@@ -8,8 +8,9 @@ normal batch path:
     schedule(m)             a confirmation batch: one candidate, the same built kernel
                             (its artifact, input and build copied), ready at once, with
                             `avoid_agent_id` = m's agent; m is `pending`
-    lease_next_batch        leases it to another agent of the class in good standing
-                            when one is live, else (only then) to m's own agent later
+    lease_next_batch        leases it to another agent of the class that may confirm
+                            (not flagged, not quarantined) when one is live, else (only
+                            then) to m's own agent, on a later lease
     record_confirmations    the result is a `Confirmation` row (exactly once per
                             candidate, like a measurement; never a second measurement of
                             the job), judged by `trust.verdict`: m becomes confirmed,

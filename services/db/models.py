@@ -465,7 +465,7 @@ class Batch(Base):
     A confirmation batch (`confirms_measurement_id` set) re-measures one measured kernel,
     already built: it is created ready, belongs to the measured job and task, and its
     result is a `Confirmation`, not a `Measurement`. An agent other than `avoid_agent_id`
-    (the one whose time it checks) leases it when one in good standing is live.
+    (the one whose time it checks) leases it when one that may confirm is live.
     """
 
     __tablename__ = "batches"

@@ -6,7 +6,7 @@ board). Two checks, by evidence the agent does not control:
 - the timing floor (`services.db.timing_floor`): a time faster than the class's peak
   allows is refused (`Agent.below_floor` counts them);
 - confirmations (`services.db.confirmations`): a measurement that becomes its task's best
-  is measured again, by another agent of the class when one in good standing is live
+  is measured again, by another agent of the class that is not flagged when one is live
   (else by the same agent, on a later lease), and counts as a best only when the two
   agree (`verdict`).
 
