@@ -20,6 +20,7 @@ from services.db.exceptions import (
     ConstraintViolation,
     InvalidTransition,
     LeaseNotHeld,
+    NotFound,
     SchemaOutOfDate,
 )
 from services.db.migrate import check_schema, current_revision, downgrade, head_revision, upgrade
@@ -605,3 +606,189 @@ def test_codec_round_trips():
     assert codec.record_from_json(codec.record_to_json(rec)) == rec
     timing = TimingConfig(repeat=3)
     assert codec.timing_from_json(codec.timing_to_json(timing)) == timing
+
+
+# -- measurement trust: the timing floor, confirmations, vouching, quarantine -----------------
+
+
+def _confirmation_batch(factory, measurement_id: int) -> Batch | None:
+    with transaction(factory) as s:
+        return s.scalars(select(Batch).where(Batch.confirms_measurement_id == measurement_id)).one_or_none()
+
+
+def test_a_new_best_is_confirmed_by_another_agent_in_a_row_of_its_own(db_sessions):
+    from services.db.models import Confirmation, ConfirmationState
+
+    farm = make_farm(db_sessions, candidates=2)
+    a, b = farm.agent_ids
+    held = lease(db_sessions, a)
+    best = record(db_sessions, farm, held, a, index=0, cost=0.002)
+    record(db_sessions, farm, held, a, index=1, cost=0.003)  # slower: not a new best, no confirmation
+    check = _confirmation_batch(db_sessions, best.measurement_id)
+    assert check is not None and check.state is BatchState.READY and check.avoid_agent_id == a
+    with transaction(db_sessions) as s:
+        assert s.scalar(select(func.count()).select_from(Batch).where(Batch.confirms_measurement_id.is_not(None),
+                                                                     Batch.job_id == farm.job_id)) == 1  # fmt: skip
+        assert queries.finish_lease(s, lease_id=held.id, agent_id=a) is BatchState.DONE
+        task = s.get(JobTask, farm.job_task_id)
+        assert task.best_cost == 0.002 and not task.best_confirmed and task.confirmed_cost is None
+    assert lease(db_sessions, a) is None  # its own time: b may confirm it, and is live
+    confirming = lease(db_sessions, b)
+    assert confirming.batch_id == check.id
+    (cand,) = queries_candidates(db_sessions, check.id)
+    for created in (True, False):  # written twice: one confirmation
+        with transaction(db_sessions) as s:
+            got = queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b,
+                                             record=_record(_input(0), 0.0025), fingerprint=FINGERPRINT)  # fmt: skip
+        assert got.created is created
+    with transaction(db_sessions) as s:
+        assert queries.finish_lease(s, lease_id=confirming.id, agent_id=b) is BatchState.DONE
+        conf = s.scalars(select(Confirmation).where(Confirmation.batch_candidate_id == cand)).one()
+        assert conf.outcome is ConfirmationState.CONFIRMED and conf.agent_id == b and conf.measurement_id == best.measurement_id
+        assert s.scalar(select(func.count()).where(Measurement.job_id == farm.job_id)) == 2  # no third measurement
+        assert s.get(Job, farm.job_id).trials_used == 2
+        m = s.get(Measurement, best.measurement_id)
+        assert m.confirmation is ConfirmationState.CONFIRMED and m.confirmed_by_agent_id == b
+        task = s.get(JobTask, farm.job_task_id)
+        assert task.best_confirmed and task.confirmed_cost == 0.002 and task.confirmed_measurement_id == m.id
+        assert (s.get(Agent, a).confirmations_agreed, s.get(Agent, b).confirmations_agreed) == (1, 0)
+
+
+def queries_candidates(factory, batch_id: int) -> list[int]:
+    with transaction(factory) as s:
+        return [c.id for c in queries.unmeasured_candidates(s, batch_id=batch_id)]
+
+
+def test_an_agent_alone_confirms_its_own_best_on_a_later_lease_and_cannot_dispute_it(db_sessions):
+    from services.db.models import ConfirmationState
+
+    farm = make_farm(db_sessions, candidates=2, agents=1)
+    (a,) = farm.agent_ids
+    held = lease(db_sessions, a)
+    first = record(db_sessions, farm, held, a, index=0, cost=0.002)
+    record(db_sessions, farm, held, a, index=1, cost=None)
+    with transaction(db_sessions) as s:
+        assert queries.finish_lease(s, lease_id=held.id, agent_id=a) is BatchState.DONE
+    again = lease(db_sessions, a)  # nobody else: its own confirmation, on a later lease
+    assert again.batch_id == _confirmation_batch(db_sessions, first.measurement_id).id
+    (cand,) = queries_candidates(db_sessions, again.batch_id)
+    with transaction(db_sessions) as s:  # itself, much slower this time: noise, not evidence against it
+        queries.record_measurement(s, batch_candidate_id=cand, lease_id=again.id, agent_id=a,
+                                   record=_record(_input(0), 0.01), fingerprint=FINGERPRINT)  # fmt: skip
+    with transaction(db_sessions) as s:
+        assert s.get(Measurement, first.measurement_id).confirmation is ConfirmationState.FAILED
+        row = s.get(Agent, a)
+        assert (row.confirmations_agreed, row.confirmations_disputed) == (0, 0)
+        task = s.get(JobTask, farm.job_task_id)
+        assert task.best_cost is None and task.confirmed_cost is None  # a failed confirmation is no best
+
+
+def test_times_below_the_floor_are_errors_that_count_against_the_agent(db_sessions):
+    from services.db import timing_floor, trust
+
+    farm = make_farm(db_sessions, candidates=2)
+    a = farm.agent_ids[0]
+    floor = timing_floor.floor_secs({"kind": "llvm"}, flops=1e6, io_bytes=None)
+    held = lease(db_sessions, a)
+    too_fast = record(db_sessions, farm, held, a, index=0, cost=floor / 2)
+    record(db_sessions, farm, held, a, index=1, cost=floor * 2)  # fast, but possible
+    with transaction(db_sessions) as s:
+        m = s.get(Measurement, too_fast.measurement_id)
+        assert m.error_kind is ErrorKind.BELOW_FLOOR and m.cost is None and "timing floor" in m.record["error_msg"]
+        assert _confirmation_batch(db_sessions, too_fast.measurement_id) is None
+        assert s.get(JobTask, farm.job_task_id).best_cost == floor * 2
+        row = s.get(Agent, a)
+        assert row.below_floor == 1 and row.errors_by_kind == {"below_floor": 1}
+        assert trust.standing(trust.AgentCounts.of(row)) is trust.Standing.FLAGGED
+
+
+def test_vouching_numbers_a_believed_agents_measurements_once(db_sessions):
+    from services.db import confirmations
+
+    farm = make_farm(db_sessions, candidates=2)
+    a, b = farm.agent_ids
+    held = lease(db_sessions, a)
+    best = record(db_sessions, farm, held, a, index=0, cost=0.002)
+    record(db_sessions, farm, held, a, index=1, cost=None)  # an error: learnt too (as a bad program), once believed
+    with transaction(db_sessions) as s:
+        queries.finish_lease(s, lease_id=held.id, agent_id=a)
+        assert confirmations.vouch(s, device_class_id=farm.device_class_id) == 0  # a: nothing confirmed yet
+    confirming = lease(db_sessions, b)
+    (cand,) = queries_candidates(db_sessions, confirming.batch_id)
+    with transaction(db_sessions) as s:
+        queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b,
+                                   record=_record(_input(0), 0.002), fingerprint=FINGERPRINT)  # fmt: skip
+    with transaction(db_sessions) as s:
+        assert confirmations.vouch(s, device_class_id=farm.device_class_id) == 2  # a is trusted now: both
+    with transaction(db_sessions) as s:
+        assert confirmations.vouch(s, device_class_id=farm.device_class_id) == 0  # once
+        seqs = s.scalars(select(Measurement.vouched_seq).where(Measurement.job_id == farm.job_id)).all()
+        assert len(set(seqs)) == 2 and None not in seqs
+    assert best.created
+
+
+def test_a_quarantined_agent_gets_no_lease_until_the_quarantine_is_lifted(db_sessions):
+    farm = make_farm(db_sessions, batches=2)
+    a, b = farm.agent_ids
+    held = lease(db_sessions, a)
+    record(db_sessions, farm, held, a, index=0, cost=0.002)
+    with transaction(db_sessions) as s:
+        name = s.get(Agent, a).name
+        agent = queries.quarantine_agent(s, name=name)
+        assert agent.state is AgentState.DISABLED and agent.quarantined_at is not None
+        assert s.get(Lease, held.id).state is LeaseState.EXPIRED  # its lease ended at once
+        assert s.get(JobTask, farm.job_task_id).best_cost is None  # its unconfirmed time counts for nothing
+    assert lease(db_sessions, a) is None
+    with transaction(db_sessions) as s:
+        assert queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS) == []
+        assert s.get(Agent, a).state is AgentState.DISABLED  # a heartbeat does not end it
+    assert lease(db_sessions, b).batch_id == held.batch_id  # its batch went to another agent
+    with transaction(db_sessions) as s:
+        assert queries.lift_quarantine(s, name=name).state is AgentState.OFFLINE
+        assert s.get(JobTask, farm.job_task_id).best_cost == 0.002
+        queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS)
+    assert lease(db_sessions, a) is not None
+    with pytest.raises(NotFound), transaction(db_sessions) as s:
+        queries.quarantine_agent(s, name="no such agent")
+
+
+def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests_only(db_sessions, tmp_path):
+    """The scheduler's side (`JobRunner.finish`): the tuned model gets each task's fastest
+    kernel that a second measurement confirmed, never a disputed or unconfirmed one."""
+    from types import SimpleNamespace
+
+    from services.scheduler.exceptions import FinishInterrupted
+    from services.scheduler.farm_job import JobRunner, RunnerContext
+
+    farm = make_farm(db_sessions, candidates=2)
+    a, b = farm.agent_ids
+    held = lease(db_sessions, a)
+    record(db_sessions, farm, held, a, index=0, cost=0.001)  # its best: a confirmation is open
+    record(db_sessions, farm, held, a, index=1, cost=0.002)
+    with transaction(db_sessions) as s:
+        queries.finish_lease(s, lease_id=held.id, agent_id=a)
+        task_key = s.get(JobTask, farm.job_task_id).task_key
+    ctx = RunnerContext(sessions=db_sessions, artifact_root=tmp_path, measurer_factory=None, check_tuned_model=False,
+                        log=lambda msg: None, confirm_wait_secs=60.0)  # fmt: skip
+    runner = JobRunner(ctx, SimpleNamespace(job_id=farm.job_id, start_model_trained_on=None), shared=None)
+    records = [_record(_input(0), 0.001), _record(_input(1), 0.002)]
+    runner.tasks = [SimpleNamespace(key=task_key, workload=SimpleNamespace(key="w", name="w"))]
+    runner.tuners = [SimpleNamespace(state=SimpleNamespace(records=records))]
+    ctx.stop.set()  # the scheduler stops while the job waits: it finishes on the next pick
+    with pytest.raises(FinishInterrupted):
+        runner._await_confirmations()
+    ctx.stop.clear()
+    assert runner._confirmed_bests() == {"w": None}  # nothing confirmed yet: the default schedule
+
+    def confirm(agent_id: int, index: int, cost: float) -> None:
+        held = lease(db_sessions, agent_id)
+        (cand,) = queries_candidates(db_sessions, held.batch_id)
+        with transaction(db_sessions) as s:
+            queries.record_measurement(s, batch_candidate_id=cand, lease_id=held.id, agent_id=agent_id,
+                                       record=_record(_input(index), cost), fingerprint=FINGERPRINT)  # fmt: skip
+            queries.finish_lease(s, lease_id=held.id, agent_id=agent_id)
+
+    confirm(b, 0, 0.01)  # b measures the fastest 10x slower: disputed; the next one is confirmed in turn
+    confirm(b, 1, 0.0021)
+    runner._await_confirmations()  # none open: returns at once
+    assert runner._confirmed_bests() == {"w": records[1]}

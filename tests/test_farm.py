@@ -163,8 +163,15 @@ class Farm:
         )
 
     def batch_rows(self) -> list[Batch]:
+        """The job's search batches (not the confirmations of its bests)."""
         with transaction(self.sessions) as s:
-            return list(s.scalars(select(Batch).where(Batch.job_id == self.job_id).order_by(Batch.id)))
+            return list(
+                s.scalars(
+                    select(Batch)
+                    .where(Batch.job_id == self.job_id, Batch.confirms_measurement_id.is_(None))
+                    .order_by(Batch.id)
+                )
+            )
 
 
 @pytest.fixture(scope="module")
@@ -642,7 +649,10 @@ def test_a_lease_whose_grant_never_reached_the_agent_is_leased_again_at_once(far
     assert sorted(r.key for r in results) == sorted(m.key for m in inputs)
     assert measurements_per_candidate(farm) == {m.key: 1 for m in inputs}
     with transaction(farm.sessions) as s:
-        leases = list(s.scalars(select(Lease).where(Lease.agent_id == agent.agent_id).order_by(Lease.id)))
+        leases = list(s.scalars(  # of the search batch (the agent may confirm its best too)
+            select(Lease).join(Batch, Batch.id == Lease.batch_id)
+            .where(Lease.agent_id == agent.agent_id, Batch.confirms_measurement_id.is_(None)).order_by(Lease.id)
+        ))  # fmt: skip
     assert [le.id for le in leases][0] == dropper.lost[0]
     assert [le.state for le in leases] == [LeaseState.EXPIRED, LeaseState.FINISHED]
     assert leases[0].finished_at - leases[0].granted_at < timedelta(seconds=15)
@@ -1004,3 +1014,204 @@ def test_a_lost_connection_releases_the_lock(db_sessions):
             admin.commit()
         assert build_locks_held(db_sessions, [11]) == set()
     assert build_locks_held(db_sessions, [11]) == set()  # leaving the block after the loss is quiet
+
+
+# -- measurement trust: a lying agent (timing floor, confirmations, quarantine) ---------------
+
+
+def _register(stub, farm: Farm, name: str, token: str) -> int:
+    caps = pb.Capabilities(arch=os.uname().machine, target_json=json.dumps(farm.target))
+    request = pb.RegisterRequest(name=f"{farm.device_class}-{name}", device_class=farm.device_class, capabilities=caps)
+    return stub.Register(request, metadata=wire.auth_metadata(token), timeout=10).agent_id
+
+
+def _lease(stub, agent_id: int, token: str) -> pb.LeasedBatch | None:
+    """One LeaseBatch (a long poll of the module's 0.5 s): the batch, or None."""
+    resp = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent_id), metadata=wire.auth_metadata(token), timeout=10)
+    return resp.batch if resp.HasField("batch") else None
+
+
+def _measure(stub, token: str, agent_id: int, leased: pb.LeasedBatch, costs: list[float]) -> str:
+    """Report one verified time per leased candidate and finish; the batch's state."""
+    acks = _report(stub, token, agent_id, leased.lease_id, [_ok(c, t) for c, t in zip(leased.candidates, costs)], True)
+    return acks[-1].batch_state
+
+
+def _task_row(farm: Farm):
+    from services.db.models import JobTask
+
+    with transaction(farm.sessions) as s:
+        return s.scalars(select(JobTask).where(JobTask.job_id == farm.job_id)).one()
+
+
+def _standing(farm: Farm, agent_id: int):
+    from services.api import crud
+
+    with transaction(farm.sessions) as s:
+        return next(d for d in crud.list_devices(s) if d.id == agent_id)
+
+
+def _class_model_learns(farm: Farm, device_class_id: int) -> int:
+    """Programs the class's shared cost model learns from Postgres now (a fresh scheduler's view)."""
+    from services.scheduler.shared_model import ClassModels
+
+    models = ClassModels(farm.sessions, farm.root, warmup=1, save_every=10**6, catch_up_secs=0, transfer=False)
+    return models.get(device_class_id).model.num_samples
+
+
+def test_times_below_the_timing_floor_are_refused_and_flag_the_agent(farm):
+    """Issue 22: an agent with a valid token reports 1 ns, verified, for a batch it never
+    ran. The times are below what the class's cores could do (FLOPs at peak): stored as
+    below_floor errors, never the task's best, never learnt; the agent is flagged."""
+    from services.db import timing_floor
+    from tunefarm.search.task import make_task
+
+    wl = gemm(128)
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, make_task(wl, farm.target).key, farm.target)  # the key the class's model knows
+    inputs = gemm_inputs(wl, task.key, 3)
+    _ready_batches(farm, measurer, task, [inputs])
+    floor = timing_floor.floor_secs(farm.target, flops=wl.flops, io_bytes=3 * 128 * 128 * 4)
+    assert floor > 1e-9  # the premise: 1 ns is faster than the class can multiply these matrices
+    with grpc.insecure_channel(farm.server_address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        liar = _register(stub, farm, "liar", farm.token)
+        leased = _lease(stub, liar, farm.token)
+        assert _measure(stub, farm.token, liar, leased, [1e-9] * 3) == "done"
+    results = collect_all(measurer, 3, timeout=10)
+    assert {r.error_kind for r in results} == {ErrorKind.BELOW_FLOOR}
+    assert "below the class's timing floor" in results[0].error_msg
+    task_row = _task_row(farm)
+    assert task_row.best_cost is None and task_row.best_measurement_id is None and task_row.trials == 3
+    with transaction(farm.sessions) as s:
+        stored = s.execute(select(Measurement.error_kind, Measurement.cost).where(Measurement.job_id == farm.job_id)).all()
+        confirmations = s.scalar(select(func.count()).select_from(Batch).where(
+            Batch.job_id == farm.job_id, Batch.confirms_measurement_id.is_not(None)))  # fmt: skip
+    assert sorted(stored) == [(ErrorKind.BELOW_FLOOR, None)] * 3 and confirmations == 0
+    device = _standing(farm, liar)
+    assert device.standing == "flagged" and device.below_floor == 3 and device.errors_by_kind == {"below_floor": 3}
+    assert "3 result(s) below the timing floor" in device.flag_reasons
+    assert _class_model_learns(farm, measurer.device_class_id) == 0
+    measurer.close()
+
+
+def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(farm):
+    """Issue 22: the liar's times are above the floor, but far faster than the kernels
+    run. Its best is measured again by another agent (never by itself while one is
+    live), disputed, and never counts; the agent is flagged and leased no one's
+    confirmation; an honest agent's best is confirmed by a second honest agent; the
+    class's model learns the honest measurements only. Every candidate is measured once;
+    a confirmation is a row of its own."""
+    from services.db.models import Confirmation, ConfirmationState
+    from services.scheduler import job_store
+    from tunefarm.search.task import make_task
+
+    wl = gemm(128)
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, make_task(wl, farm.target).key, farm.target)  # the key the class's model knows
+    inputs = gemm_inputs(wl, task.key, 5)
+    first, second = _ready_batches(farm, measurer, task, [inputs[:3], inputs[3:]])
+    with transaction(farm.sessions) as s:
+        _, token_h = queries.issue_token(s, kind=TokenKind.AGENT, label="honest")
+        _, token_h2 = queries.issue_token(s, kind=TokenKind.AGENT, label="honest-2")
+    with grpc.insecure_channel(farm.server_address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        liar, honest, honest2 = (_register(stub, farm, n, t) for n, t in
+                                 (("liar", farm.token), ("honest", token_h), ("honest-2", token_h2)))  # fmt: skip
+        leased = _lease(stub, liar, farm.token)
+        assert leased.batch_id == first
+        _measure(stub, farm.token, liar, leased, [1e-6, 2e-6, 5e-4])  # real: ~1e-4 s; the last, never a best
+        fake = _task_row(farm)
+        assert fake.best_cost == 1e-6 and not fake.best_confirmed and fake.confirmed_cost is None
+        leased = _lease(stub, honest, token_h)
+        assert leased.batch_id == second  # the queue's order: the confirmation came later
+        _measure(stub, token_h, honest, leased, [3e-4, 4e-4])
+        check = _lease(stub, honest2, token_h2)  # the liar's best, measured again
+        assert check.batch_id not in (first, second) and check.candidates[0].candidate_key == inputs[0].key
+        _measure(stub, token_h2, honest2, check, [3.1e-4])
+        assert _standing(farm, liar).standing == "flagged"
+        assert _lease(stub, liar, farm.token) is None  # flagged: no one's confirmation, not even its own
+        check = _lease(stub, honest, token_h)  # the liar's next-fastest time, measured again
+        assert check.candidates[0].candidate_key == inputs[1].key
+        _measure(stub, token_h, honest, check, [3.2e-4])
+        assert _lease(stub, honest, token_h) is None  # its own best: another agent that may confirm is live
+        check = _lease(stub, honest2, token_h2)
+        assert check.candidates[0].candidate_key == inputs[3].key
+        _measure(stub, token_h2, honest2, check, [3.05e-4])
+    best = _task_row(farm)
+    assert best.best_cost == 3e-4 and best.best_confirmed and best.confirmed_cost == 3e-4
+    assert best.confirmed_measurement_id == best.best_measurement_id
+    with transaction(farm.sessions) as s:
+        rows = s.execute(select(Measurement.candidate_key, Measurement.agent_id, Measurement.confirmation,
+                                Measurement.vouched_seq).where(Measurement.job_id == farm.job_id)).all()  # fmt: skip
+        checks = s.execute(
+            select(Confirmation.agent_id, Confirmation.outcome, Confirmation.cost)
+            .join(Measurement, Measurement.id == Confirmation.measurement_id)
+            .where(Measurement.job_id == farm.job_id).order_by(Confirmation.id)
+        ).all()  # fmt: skip
+        assert job_store.confirmed_keys(s, job_id=farm.job_id) == {task.key: {inputs[3].key}}
+        assert s.get(Job, farm.job_id).trials_used == 5  # confirmations are no trials
+    by_key = {r.candidate_key: r for r in rows}
+    assert len(rows) == 5 == len(by_key)  # each candidate measured once
+    assert [by_key[m.key].confirmation for m in inputs] == [
+        ConfirmationState.DISPUTED, ConfirmationState.DISPUTED, None, ConfirmationState.CONFIRMED, None]
+    assert checks == [(honest2, ConfirmationState.DISPUTED, 3.1e-4), (honest, ConfirmationState.DISPUTED, 3.2e-4),
+                      (honest2, ConfirmationState.CONFIRMED, 3.05e-4)]  # fmt: skip
+    assert sorted(r.key for r in collect_all(measurer, 5, timeout=10)) == sorted(m.key for m in inputs)
+    liar_row, honest_row = _standing(farm, liar), _standing(farm, honest)
+    assert liar_row.confirmations_disputed == 2 and liar_row.confirmations_agreed == 0
+    assert any("disputed by other agents" in r for r in liar_row.flag_reasons)
+    assert honest_row.standing == "trusted" and honest_row.confirmations_agreed == 1
+    assert _standing(farm, honest2).standing == "unconfirmed"
+    # The class's model learns the honest agent's two measurements, none of the liar's
+    # (not even the one nobody disputed: an agent none of whose times was confirmed).
+    assert _class_model_learns(farm, measurer.device_class_id) == 2
+    with transaction(farm.sessions) as s:
+        vouched = dict(s.execute(select(Measurement.candidate_key, Measurement.vouched_seq)
+                                 .where(Measurement.job_id == farm.job_id)).all())  # fmt: skip
+    assert [vouched[m.key] is not None for m in inputs] == [False, False, False, True, True]
+    measurer.close()
+
+
+def test_a_quarantined_agent_is_leased_nothing_and_its_unconfirmed_times_count_for_nothing(farm, database_url, capsys):
+    from tunefarm_app.cli import main as cli
+
+    wl = gemm(128)
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    inputs = gemm_inputs(wl, task.key, 4)
+    first, second = _ready_batches(farm, measurer, task, [inputs[:2], inputs[2:]])
+    with transaction(farm.sessions) as s:
+        _, token_h = queries.issue_token(s, kind=TokenKind.AGENT, label="honest")
+    code = grpc.StatusCode
+    with grpc.insecure_channel(farm.server_address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        suspect = _register(stub, farm, "suspect", farm.token)
+        _measure(stub, farm.token, suspect, _lease(stub, suspect, farm.token), [2e-4, 3e-4])
+        assert _task_row(farm).best_cost == 2e-4  # its best, not confirmed yet
+        held = _lease(stub, suspect, farm.token)
+        assert held.batch_id == second
+        name = f"{farm.device_class}-suspect"
+        assert cli(["farm", "agent", "quarantine", name, "--database-url", database_url]) == 0
+        assert "disabled, quarantined" in capsys.readouterr().out
+        assert cli(["farm", "agent", "quarantine", "no-such-agent", "--database-url", database_url]) == 2
+        assert "no agent named 'no-such-agent'" in capsys.readouterr().err
+        with pytest.raises(grpc.RpcError) as err:  # its lease ended with the quarantine
+            _measure(stub, farm.token, suspect, held, [1e-4, 1e-4])
+        assert err.value.code() is code.FAILED_PRECONDITION
+        assert _lease(stub, suspect, farm.token) is None  # work is waiting, but not for it
+        assert _task_row(farm).best_cost is None  # its unconfirmed times count for nothing
+        assert _standing(farm, suspect).standing == "quarantined"
+        honest = _register(stub, farm, "honest", token_h)
+        leased = _lease(stub, honest, token_h)
+        assert leased.batch_id == second
+        _measure(stub, token_h, honest, leased, [2.5e-4, 3.5e-4])
+        assert _task_row(farm).best_cost == 2.5e-4
+        assert cli(["farm", "agent", "unquarantine", name, "--database-url", database_url]) == 0
+        assert "offline" in capsys.readouterr().out
+        stub.Heartbeat(pb.HeartbeatRequest(agent_id=suspect), metadata=wire.auth_metadata(farm.token), timeout=10)
+        check = _lease(stub, suspect, farm.token)  # leased again: the honest agent's best, to confirm
+        assert check is not None and check.candidates[0].candidate_key == inputs[2].key
+    assert _task_row(farm).best_cost == 2e-4  # its times count again (still unconfirmed)
+    assert measurements_per_candidate(farm) == {m.key: 1 for m in inputs}
+    measurer.close()

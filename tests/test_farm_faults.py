@@ -139,7 +139,10 @@ def measured(sessions, job_id: int) -> int:
 
 def assert_measured_exactly_once(sessions, job: dict, trials: int = TRIALS) -> None:
     """The job succeeded; every batch is done (none given up), every candidate of every
-    batch has exactly one measurement, and no candidate was proposed twice."""
+    search batch has exactly one measurement (and of every confirmation batch, exactly
+    one confirmation: services.db.confirmations), and no candidate was proposed twice."""
+    from services.db.models import Confirmation
+
     assert job["state"] == "succeeded", job["error"]
     with transaction(sessions) as s:
         states = Counter(s.scalars(select(Batch.state).where(Batch.job_id == job["id"])))
@@ -147,11 +150,20 @@ def assert_measured_exactly_once(sessions, job: dict, trials: int = TRIALS) -> N
             select(Batch.job_task_id, BatchCandidate.candidate_key, func.count(Measurement.id))
             .join(Batch, Batch.id == BatchCandidate.batch_id)
             .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
-            .where(Batch.job_id == job["id"])
+            .where(Batch.job_id == job["id"], Batch.confirms_measurement_id.is_(None))
             .group_by(BatchCandidate.id, Batch.job_task_id)
+        ).all()
+        confirmations = s.scalars(
+            select(func.count(Confirmation.id))
+            .select_from(BatchCandidate)
+            .join(Batch, Batch.id == BatchCandidate.batch_id)
+            .outerjoin(Confirmation, Confirmation.batch_candidate_id == BatchCandidate.id)
+            .where(Batch.job_id == job["id"], Batch.confirms_measurement_id.is_not(None))
+            .group_by(BatchCandidate.id)
         ).all()
     assert set(states) == {BatchState.DONE}, states
     assert [n for _, _, n in rows] == [1] * len(rows)
+    assert confirmations and confirmations == [1] * len(confirmations)  # every best was measured again, once
     assert len({(task, key) for task, key, _ in rows}) == len(rows) == trials
     assert job["trials_used"] == trials == measured(sessions, job["id"])
 

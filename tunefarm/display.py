@@ -165,9 +165,9 @@ table.data tr:last-child td { border-bottom: none; }
 .state { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; font-weight: 600;
          background: #e4e7eb; color: #3e4c59; }
 .state-running, .state-busy, .state-finishing { background: #dbeafe; color: #1d4ed8; }
-.state-succeeded, .state-idle, .state-tuned { background: #dcfce7; color: #15803d; }
-.state-failed, .state-offline { background: #fee2e2; color: #b91c1c; }
-.state-cancelled, .state-disabled, .state-queued, .state-default { background: #f3f4f6; color: #4b5563; }
+.state-succeeded, .state-idle, .state-tuned, .state-trusted { background: #dcfce7; color: #15803d; }
+.state-failed, .state-offline, .state-flagged, .state-quarantined { background: #fee2e2; color: #b91c1c; }
+.state-cancelled, .state-disabled, .state-queued, .state-default, .state-unconfirmed { background: #f3f4f6; color: #4b5563; }
 .muted { color: #7b8794; }
 .error { color: #b91c1c; }
 .better { color: #15803d; font-weight: 600; }

@@ -33,6 +33,7 @@ class ErrorKind(StrEnum):
     RUN_ERROR = "run_error"  # the kernel raised (bad launch, load failure...)
     RUN_TIMEOUT = "run_timeout"  # the kernel did not finish within its limit
     WRONG_RESULT = "wrong_result"  # output differs from the reference
+    BELOW_FLOOR = "below_floor"  # reported faster than the device can run it (the farm's timing floor)
 
     @property
     def is_error(self) -> bool:

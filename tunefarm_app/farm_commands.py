@@ -20,6 +20,7 @@ An operator, on the farm's machines:
   tunefarm farm token list [--team T] [--kind team|agent]
   tunefarm farm token revoke ID|PREFIX|TOKEN   refused by the API and the lease service at once
   tunefarm farm device-class NAME [--target JSON]
+  tunefarm farm agent quarantine|unquarantine NAME   no leases, its unconfirmed timings ignored / back
   tunefarm db upgrade                     run the database migrations
   tunefarm api | scheduler | worker | agent | lease-service [ARGS...]   one process each
 
@@ -149,6 +150,15 @@ def add_commands(sub) -> None:
     tr = toksub.add_parser("revoke", help="revoke a token: refused at once; an agent token's agents get no more work")
     tr.add_argument("token", help="the token's id or prefix (as `farm token list` shows them), or the token itself")
     tr.add_argument("--database-url", help=DATABASE_URL_HELP)
+    fag = fsub.add_parser("agent", help="quarantine an agent whose timings are not believed, or let it back")
+    fagsub = fag.add_subparsers(dest="agent_command", required=True)
+    for name, help_text in (
+        ("quarantine", "no more leases; its unconfirmed measurements count for no best and train no model"),
+        ("unquarantine", "lease to it again (once it heartbeats); its measurements count again"),
+    ):
+        q = fagsub.add_parser(name, help=help_text)
+        q.add_argument("name", help="the agent's name (as `tunefarm devices` shows it)")
+        q.add_argument("--database-url", help=DATABASE_URL_HELP)
     fc = fsub.add_parser("device-class", help="create a device class")
     fc.add_argument("name", help="the class's name (jobs and agents name it)")
     fc.add_argument("--target", help="TVM target as a JSON dict (default: this machine)")
@@ -303,9 +313,21 @@ def cmd_devices(args: argparse.Namespace) -> int:
             machine += ", EMULATED (timings are the emulator's)"
         print(f"agent      {a['name']} ({a['device_class']}; {machine}): {a['state']}, "
               f"{a['measurements_done']} measured, {errors}; last heartbeat {seen}")
+        print(f"  timings  {_standing(a)}")
     if not classes and not agents:
         print("no device classes or agents yet")
     return 0
+
+
+def _standing(agent: dict) -> str:
+    """An agent's standing (services.db.trust) in a line: FLAGGED and why, in capitals."""
+    standing = agent.get("standing", "unconfirmed")
+    counts = (f"{agent.get('confirmations_agreed', 0)} confirmed, {agent.get('confirmations_disputed', 0)} disputed, "
+              f"{agent.get('below_floor', 0)} below the floor")
+    if standing in ("flagged", "quarantined"):
+        reasons = "; ".join(agent.get("flag_reasons") or [])
+        return f"{standing.upper()}{': ' + reasons if reasons else ''} ({counts})"
+    return f"{standing} ({counts})"
 
 
 def _print_end(job: dict) -> int:
@@ -327,8 +349,11 @@ def _print_job(job: dict) -> None:
     for t in job["tasks"]:
         dead = f"  ({t['dead_reason']})" if t["dead_reason"] else ""
         emulated = " (emulated)" if t.get("best_emulated") else ""
+        unconfirmed = ""
+        if t["best_secs"] and not t.get("best_confirmed"):
+            unconfirmed = f" (unconfirmed; confirmed {cost(t.get('confirmed_best_secs'))})"
         print(f"  task     {t['position']}: {t['name']} x{t['weight']}: {t['trials']} trials, "
-              f"best {cost(t['best_secs'])}{emulated}{dead}")
+              f"best {cost(t['best_secs'])}{emulated}{unconfirmed}{dead}")
     cm = job["cost_model"]
     src = cm.get("transferred_from")
     if src and cm.get("device_class") != job["device_class"]:
@@ -534,6 +559,24 @@ def _farm_device_class(args: argparse.Namespace) -> int:
     return 0
 
 
+def _farm_agent(args: argparse.Namespace) -> int:
+    from services.db import queries, trust
+    from services.db.exceptions import NotFound
+
+    act = queries.quarantine_agent if args.agent_command == "quarantine" else queries.lift_quarantine
+
+    def work(s):
+        try:
+            agent = act(s, name=args.name)
+        except NotFound:
+            raise UsageError(f"no agent named {args.name!r} (tunefarm devices lists them)") from None
+        return agent.name, agent.state.value, trust.standing(trust.AgentCounts.of(agent)).value
+
+    name, state, standing = _with_db(args.database_url, work)
+    print(f"agent      {name}: {state}, {standing}")
+    return 0
+
+
 def _with_db(url: str | None, work):
     from services.db.exceptions import DatabaseError
     from services.db.session import make_session_factory, transaction
@@ -569,6 +612,7 @@ FARM_COMMANDS = {
     "agent-token": _farm_agent_token,
     "token": _farm_token,
     "device-class": _farm_device_class,
+    "agent": _farm_agent,
 }
 
 COMMANDS = {

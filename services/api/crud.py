@@ -41,6 +41,7 @@ from services.api.schemas import (
     TransferPublic,
 )
 from services.api.storage import StoredFile
+from services.db import trust
 from services.db.codec import record_from_json
 from services.db.models import (
     Agent,
@@ -293,6 +294,8 @@ def _progress_statement():
                         JobTask.best_cost,
                         JobTask.dead_reason,
                         JobTask.best_emulated,
+                        JobTask.best_confirmed,
+                        JobTask.confirmed_cost,
                     ).op("ORDER BY")(JobTask.position)
                 ),
                 text("'[]'::json"),
@@ -364,7 +367,7 @@ def job_public(session: Session, *, team_id: int, job_id: int) -> JobPublic:
         tasks=[
             JobTaskPublic(
                 position=t[0], name=t[1], key=t[2], weight=t[3], trials=t[4], best_secs=t[5], dead_reason=t[6],
-                best_emulated=t[7],
+                best_emulated=t[7], best_confirmed=t[8], confirmed_best_secs=t[9],
             )
             for t in task_rows
         ],
@@ -512,20 +515,28 @@ def list_devices(session: Session) -> list[DevicePublic]:
     rows = session.execute(
         select(Agent, DeviceClass.name).join(DeviceClass, DeviceClass.id == Agent.device_class_id).order_by(Agent.id)
     ).all()
-    return [
-        DevicePublic(
-            id=a.id,
-            name=a.name,
-            device_class=class_name,
-            state=a.state.value,
-            capabilities=a.capabilities,
-            registered_at=a.registered_at,
-            last_heartbeat_at=a.last_heartbeat_at,
-            measurements_done=a.measurements_done,
-            errors_by_kind={str(k): int(v) for k, v in a.errors_by_kind.items()},
-        )
-        for a, class_name in rows
-    ]
+    return [_device(a, class_name) for a, class_name in rows]
+
+
+def _device(a: Agent, class_name: str) -> DevicePublic:
+    counts = trust.AgentCounts.of(a)
+    return DevicePublic(
+        id=a.id,
+        name=a.name,
+        device_class=class_name,
+        state=a.state.value,
+        capabilities=a.capabilities,
+        registered_at=a.registered_at,
+        last_heartbeat_at=a.last_heartbeat_at,
+        measurements_done=a.measurements_done,
+        errors_by_kind={str(k): int(v) for k, v in a.errors_by_kind.items()},
+        standing=trust.standing(counts).value,
+        flag_reasons=trust.flag_reasons(counts),
+        below_floor=counts.below_floor,
+        confirmations_agreed=counts.confirmations_agreed,
+        confirmations_disputed=counts.confirmations_disputed,
+        quarantined_at=a.quarantined_at,
+    )
 
 
 def list_device_classes(session: Session) -> list[DeviceClassPublic]:

@@ -96,9 +96,16 @@ class JobTaskPublic(BaseModel):
     key: str = Field(description="the records' task key: workload key @ target hash")
     weight: int
     trials: int = Field(description="measurements of this task so far")
-    best_secs: float | None = Field(description="its fastest valid kernel so far")
+    best_secs: float | None = Field(description="its fastest valid kernel so far (disputed times excluded)")
     best_emulated: bool = Field(
         default=False, description="that time was measured under an emulator: it is the emulator's, not the device's"
+    )
+    best_confirmed: bool = Field(
+        default=False,
+        description="a second measurement of that kernel agreed with it; an unconfirmed best awaits its confirmation",
+    )
+    confirmed_best_secs: float | None = Field(
+        default=None, description="its fastest confirmed kernel: what the tuned model uses"
     )
     dead_reason: str | None = Field(description="why the search stopped giving it trials")
 
@@ -186,6 +193,7 @@ class JobPage(BaseModel):
 # -- devices ----------------------------------------------------------------------------------
 
 AgentStateName = Literal["idle", "busy", "offline", "disabled"]
+StandingName = Literal["trusted", "unconfirmed", "flagged", "quarantined"]
 
 
 class DevicePublic(BaseModel):
@@ -198,6 +206,15 @@ class DevicePublic(BaseModel):
     last_heartbeat_at: datetime | None
     measurements_done: int
     errors_by_kind: dict[str, int]
+    standing: StandingName = Field(
+        description="whether its timings are believed: trusted (a timing confirmed), unconfirmed (none yet), flagged "
+        "(times below the class's floor, or disputed by other agents), quarantined (by an operator: no leases)"
+    )
+    flag_reasons: list[str] = Field(description="why it is flagged (empty: it is not)")
+    below_floor: int = Field(description="its results faster than the class's timing floor (refused)")
+    confirmations_agreed: int = Field(description="its timings a second measurement confirmed")
+    confirmations_disputed: int = Field(description="its timings another agent measured slower (or wrong)")
+    quarantined_at: datetime | None
 
 
 class DeviceClassPublic(BaseModel):

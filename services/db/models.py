@@ -8,7 +8,8 @@ Map, by who writes what:
   (the curve), `Batch` + `BatchCandidate` (a proposed round), `CostModelVersion`;
 - the build workers: `Workload` task data (`TaskData`), `BatchCandidate` builds, `Batch`
   building -> ready;
-- the lease service (agents): `Agent`, `Lease`, `Measurement`;
+- the lease service (agents): `Agent`, `Lease`, `Measurement`, `Confirmation`, and the
+  confirmation `Batch`es a new best calls for (`services.db.confirmations`);
 - a tuned model for a class the scheduler cannot run itself: the scheduler writes a
   `ModelRun`, an agent of the class leases it and the lease service stores its outputs.
 
@@ -22,7 +23,8 @@ the sha256 and the size in bytes (`*_path`, `*_sha256`, `*_size`).
 
 Invariants the schema itself enforces:
 - one measurement per batch candidate (`uq_measurements_batch_candidate_id`), so a result
-  written twice is stored once;
+  written twice is stored once; likewise one confirmation per candidate of a
+  confirmation batch (`uq_confirmations_batch_candidate_id`);
 - at most one active lease per batch (partial unique index `uq_leases_active_batch`);
 - token hashes are unique; a team token has a team and an agent token has none.
 """
@@ -45,6 +47,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Sequence,
     String,
     Text,
     UniqueConstraint,
@@ -115,6 +118,17 @@ class LeaseState(StrEnum):
     EXPIRED = "expired"  # heartbeats stopped before the deadline; the batch went back to the queue
 
 
+class ConfirmationState(StrEnum):
+    """Where a measurement stands with its confirmation (`services.db.confirmations`):
+    None on a measurement never asked for one (it never was a task's best)."""
+
+    PENDING = "pending"  # a confirmation batch re-measures its kernel
+    CONFIRMED = "confirmed"  # re-measured as fast (within `trust.CONFIRM_TOLERANCE`)
+    DISPUTED = "disputed"  # another agent measured it slower, or its output wrong: a false timing
+    FAILED = "failed"  # the confirmation gave no comparable time (an error, a given-up batch, or
+    # its own agent disagreeing with itself): not counted against the agent, never a best
+
+
 class ModelRunState(StrEnum):
     READY = "ready"  # waiting for an agent of its class
     LEASED = "leased"  # an agent runs it (until `expires_at`, extended by its heartbeats)
@@ -138,6 +152,7 @@ BATCH_STATE = _pg_enum(BatchState, "batch_state")
 LEASE_STATE = _pg_enum(LeaseState, "lease_state")
 ERROR_KIND = _pg_enum(ErrorKind, "error_kind")
 MODEL_RUN_STATE = _pg_enum(ModelRunState, "model_run_state")
+CONFIRMATION_STATE = _pg_enum(ConfirmationState, "confirmation_state")
 
 
 class Base(DeclarativeBase):
@@ -233,7 +248,9 @@ class DeviceClass(Base):
 
 
 class Agent(Base):
-    """A board's agent. Counters are kept up to date by `queries.record_measurement`."""
+    """A board's agent. Counters are kept up to date by `queries.record_measurement` and,
+    for its timings' confirmations, `confirmations.record_confirmations`; whether its
+    timings are believed follows from them (`services.db.trust`)."""
 
     __tablename__ = "agents"
     __table_args__ = (Index("ix_agents_device_class_id", "device_class_id"),)
@@ -249,6 +266,14 @@ class Agent(Base):
     measurements_done: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     # {error kind: count} of the agent's measurements that are errors.
     errors_by_kind: Mapped[dict[str, Any]] = mapped_column(server_default=text("'{}'::jsonb"))
+    # Its results below the timing floor (`services.db.timing_floor`), measurements and confirmations.
+    below_floor: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # Its timings another measurement confirmed / another agent found slower (or wrong).
+    confirmations_agreed: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    confirmations_disputed: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    # Set by an operator (`tunefarm farm agent quarantine`): no leases (state disabled), and its
+    # unconfirmed measurements count for nothing (no best, no training).
+    quarantined_at: Mapped[datetime | None]
 
     device_class: Mapped[DeviceClass] = relationship()
 
@@ -272,6 +297,9 @@ class Workload(Base):
     flops: Mapped[float]  # one call
     n_inputs: Mapped[int]
     n_outputs: Mapped[int]
+    # Bytes of its input and output buffers (the timing floor's memory term); None until a
+    # scheduler prepared it.
+    io_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = _created()
 
 
@@ -390,7 +418,12 @@ class Job(Base):
 
 
 class JobTask(Base):
-    """One task of a job, with its precomputed progress."""
+    """One task of a job, with its precomputed progress.
+
+    `best_*` is the task's fastest valid measurement that nothing discredited (its
+    confirmation is pending, or it was confirmed); `best_confirmed` says which.
+    `confirmed_*` is the fastest confirmed one: what the tuned model uses.
+    """
 
     __tablename__ = "job_tasks"
     __table_args__ = (
@@ -411,6 +444,11 @@ class JobTask(Base):
     )
     # The best was measured under an emulator: best_cost is the emulator's time.
     best_emulated: Mapped[bool] = mapped_column(server_default=text("false"))
+    best_confirmed: Mapped[bool] = mapped_column(server_default=text("false"))
+    confirmed_cost: Mapped[float | None]
+    confirmed_measurement_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("measurements.id", use_alter=True), nullable=True
+    )
     dead_reason: Mapped[str | None]  # why the search gave the task up (space exhausted, ...)
 
     job: Mapped[Job] = relationship(back_populates="tasks")
@@ -440,6 +478,11 @@ class Batch(Base):
     `device_class_id` and `workload_id` repeat the job's and the task's so that the lease
     query reads one table. `ready_at` orders the queue (FIFO); a batch that goes back to
     the queue keeps its place.
+
+    A confirmation batch (`confirms_measurement_id` set) re-measures one measured kernel,
+    already built: it is created ready, belongs to the measured job and task, and its
+    result is a `Confirmation`, not a `Measurement`. An agent other than `avoid_agent_id`
+    (the one whose time it checks) leases it when one that may confirm is live.
     """
 
     __tablename__ = "batches"
@@ -472,6 +515,10 @@ class Batch(Base):
     run_timeout_secs: Mapped[float]
     build_error: Mapped[str | None]  # why the whole batch failed to build (state failed)
     attempts: Mapped[int] = mapped_column(server_default=text("0"))  # leases granted so far
+    confirms_measurement_id: Mapped[int | None] = mapped_column(
+        BigInteger, ForeignKey("measurements.id", use_alter=True), nullable=True
+    )
+    avoid_agent_id: Mapped[int | None] = _fk("agents.id", nullable=True)
     created_at: Mapped[datetime] = _created()
     ready_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
@@ -527,6 +574,11 @@ class Measurement(Base):
     deleted (every class's cost model trains on them).
 
     `agent_id`/`lease_id` are None for a candidate whose build failed (measured by nobody).
+
+    Trust (`services.db.confirmations`): a measurement that became its task's best is
+    re-measured (`confirmation`, `confirmed_by_agent_id`); the class's cost model learns
+    a measurement once its agent is in good standing, in the order `vouched_seq` numbers
+    them (None: not vouched for, yet or ever).
     """
 
     __tablename__ = "measurements"
@@ -537,6 +589,14 @@ class Measurement(Base):
         Index("ix_measurements_device_class_id_id", "device_class_id", "id"),
         Index("ix_measurements_workload_id_device_class_id", "workload_id", "device_class_id"),
         Index("ix_measurements_agent_id", "agent_id"),
+        Index("ix_measurements_job_task_id_cost", "job_task_id", "cost"),
+        Index(
+            "ix_measurements_device_class_id_vouched_seq",
+            "device_class_id",
+            "vouched_seq",
+            postgresql_where=text("vouched_seq IS NOT NULL"),
+        ),
+        Index("ix_measurements_unvouched", "device_class_id", postgresql_where=text("vouched_seq IS NULL")),
     )
 
     id: Mapped[int] = _pk()
@@ -554,6 +614,39 @@ class Measurement(Base):
     error_kind: Mapped[ErrorKind] = mapped_column(ERROR_KIND)
     record: Mapped[dict[str, Any]]  # the MeasureRecord JSON line, parsed
     fingerprint: Mapped[dict[str, Any]]  # environment: TVM version, device capabilities
+    confirmation: Mapped[ConfirmationState | None] = mapped_column(CONFIRMATION_STATE)
+    confirmed_by_agent_id: Mapped[int | None] = _fk("agents.id", nullable=True)
+    vouched_seq: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = _created()
+
+
+MEASUREMENT_VOUCH_SEQ = Sequence("measurements_vouched_seq", metadata=Base.metadata)
+"""Numbers `Measurement.vouched_seq` in the order measurements are vouched for."""
+
+
+class Confirmation(Base):
+    """The result of a confirmation batch's candidate: the kernel of measurement
+    `measurement_id` measured again (by `agent_id`, None when the batch was given up), and
+    what that made of it (`outcome`). Written once per candidate, like a measurement."""
+
+    __tablename__ = "confirmations"
+    __table_args__ = (
+        CheckConstraint("cost IS NULL OR cost >= 0", name="cost_nonnegative"),
+        CheckConstraint("(error_kind = 'none') OR cost IS NULL", name="error_has_no_cost"),
+        Index("ix_confirmations_measurement_id", "measurement_id"),
+        Index("ix_confirmations_agent_id", "agent_id"),
+    )
+
+    id: Mapped[int] = _pk()
+    batch_candidate_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("batch_candidates.id"), unique=True)
+    measurement_id: Mapped[int] = _fk("measurements.id")
+    agent_id: Mapped[int | None] = _fk("agents.id", nullable=True)
+    lease_id: Mapped[int | None] = _fk("leases.id", nullable=True)
+    cost: Mapped[float | None]  # seconds per call (median); None for an error
+    error_kind: Mapped[ErrorKind] = mapped_column(ERROR_KIND)
+    outcome: Mapped[ConfirmationState] = mapped_column(CONFIRMATION_STATE)
+    record: Mapped[dict[str, Any]]
+    fingerprint: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = _created()
 
 
@@ -614,8 +707,9 @@ class CostModelVersion(Base):
     sha256: Mapped[str] = _sha256()
     size: Mapped[int] = mapped_column(BigInteger)
     trained_on: Mapped[int]  # programs (measurements) in its training set
-    # The class's highest measurement id in the training set: the next version trains on
-    # the measurements after it (plus what this one saw).
+    # The class's highest `Measurement.vouched_seq` in the training set (the id, for
+    # measurements stored before vouching existed): the next version trains on the
+    # measurements vouched for after it (plus what this one saw).
     last_measurement_id: Mapped[int | None] = mapped_column(BigInteger)
     # The other class's version this class's model started from (tunefarm.search.cost_model.transfer),
     # on every version descending from it; None for a model trained on the class's own data only.

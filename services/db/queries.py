@@ -10,10 +10,14 @@ nothing itself. Map:
   leases the agent names, only those), `expire_leases`, `finish_lease`, `mark_agents_offline`;
 - measurements: `record_measurement` (exactly once, only under the sender's active lease),
   `record_measurements` (the same for many candidates of a lease in a few statements),
-  `record_build_error` (a candidate that never reached an agent);
+  `record_build_error` (a candidate that never reached an agent). Every agent's time is
+  checked against the class's timing floor first (`timing_floor`: below it, an error of
+  kind below_floor); a measurement that becomes its task's best gets a confirmation
+  batch, whose results are `Confirmation`s (`confirmations`: the same calls store them);
 - agents and lost batches: `register_agent`, `release_agent_leases` (everything an agent
   does not say it holds: a grant lost on its way, an agent restarted), `abandon_batch`
-  (error results for what a batch that cannot be measured still lacks);
+  (error results for what a batch that cannot be measured still lacks),
+  `quarantine_agent` / `lift_quarantine` (an operator's verdict on an agent's timings);
 - cost models: `add_cost_model_version`, `latest_cost_model_version`, `latest_cost_models_of_classes` (transfer);
 - model runs (a tuned model run on an agent of its class): `create_model_run`,
   `lease_model_run`, `finish_model_run`; `heartbeat` extends them like leases.
@@ -27,8 +31,10 @@ active lease is accepted even past `expires_at`, until someone else leases the b
 are refused (`LeaseNotHeld`).
 
 Lock order, kept by every function here so that concurrent callers cannot deadlock:
-batches -> leases -> measurements -> job_tasks -> jobs -> model_runs -> agents. Code elsewhere that
-locks several of these in one transaction should keep the same order.
+batches -> leases -> measurements -> confirmations -> job_tasks -> jobs -> model_runs -> agents.
+Code elsewhere that locks several of these in one transaction should keep the same order.
+(A new best's confirmation is scheduled after its task's row is updated: it updates the
+measurement the same transaction has just inserted, which no other transaction can lock.)
 """
 
 from __future__ import annotations
@@ -42,11 +48,25 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Integer, and_, case, cast, exists, func, insert, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Integer,
+    and_,
+    case,
+    cast,
+    exists,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from services.db import confirmations, timing_floor, trust
 from services.db.codec import build_from_json, input_from_json, record_to_json
 from services.db.exceptions import Conflict, InvalidTransition, LeaseNotHeld, NotFound
 from services.db.models import (
@@ -55,6 +75,7 @@ from services.db.models import (
     Batch,
     BatchCandidate,
     BatchState,
+    Confirmation,
     CostModelVersion,
     DeviceClass,
     Job,
@@ -241,12 +262,14 @@ def mark_batch_ready(session: Session, *, batch_id: int, now: datetime | None = 
 
 
 def unmeasured_candidates(session: Session, *, batch_id: int) -> list[BatchCandidate]:
-    """The batch's candidates without a measurement, in proposal order (what an agent runs)."""
+    """The batch's candidates without a measurement (or, in a confirmation batch, a
+    confirmation), in proposal order (what an agent runs)."""
     measured = exists().where(Measurement.batch_candidate_id == BatchCandidate.id)
+    confirmed = exists().where(Confirmation.batch_candidate_id == BatchCandidate.id)
     return list(
         session.scalars(
             select(BatchCandidate)
-            .where(BatchCandidate.batch_id == batch_id, ~measured)
+            .where(BatchCandidate.batch_id == batch_id, ~measured, ~confirmed)
             .order_by(BatchCandidate.position, BatchCandidate.id)
         )
     )
@@ -264,6 +287,8 @@ def lease_next_batch(
 ) -> Lease | None:
     """Lease the next batch of the agent's device class that is ready, or whose lease
     expired; None when there is none (or the agent is disabled, or its token revoked).
+    Confirmation batches go to agents other than the one whose time they check, when
+    one that may confirm is live (`_confirmations_for`).
 
     Fair share, team first: the next batch is one of the team that holds the fewest
     of the class's agents now (active leases), then of that team's job that holds the
@@ -285,6 +310,7 @@ def lease_next_batch(
         Lease.batch_id == Batch.id, Lease.state == LeaseState.ACTIVE, Lease.expires_at < at
     )
     team_held, job_held = _agents_held(session, device_class_id=agent.device_class_id, at=at)
+    confirmable = _confirmations_for(session, agent)
     passed_over: list[int] = []
     for _ in range(MAX_LEASE_PROBES):
         query = (
@@ -294,6 +320,7 @@ def lease_next_batch(
                 Batch.device_class_id == agent.device_class_id,
                 Batch.state.in_([BatchState.READY, BatchState.LEASED]),
                 or_(Batch.state == BatchState.READY, expired),
+                confirmable,
             )
         )
         if passed_over:
@@ -357,6 +384,27 @@ def _agents_held(session: Session, *, device_class_id: int, at: Now) -> tuple[di
 def _fewest_held_first(counts: dict[int, int], key: ColumnElement[Any]) -> list[ColumnElement[Any]]:
     """Ordering terms: `counts[key]` in SQL (0 for a key not in it), none without counts."""
     return [case(counts, value=key, else_=0)] if counts else []
+
+
+def _confirmations_for(session: Session, agent: Agent) -> ColumnElement[bool]:
+    """The batches of the class the agent may take, as far as confirmations go: plain
+    batches always; another agent's confirmation when it may confirm (`trust`: not
+    flagged); its own only when no other agent of the class that may confirm is live."""
+    plain = Batch.avoid_agent_id.is_(None)
+    others = session.scalar(
+        select(
+            exists().where(
+                Agent.device_class_id == agent.device_class_id,
+                Agent.id != agent.id,
+                Agent.state.in_([AgentState.IDLE, AgentState.BUSY]),
+                trust.may_confirm_clause(),
+            )
+        )
+    )
+    may_confirm = not trust.is_flagged(trust.AgentCounts.of(agent))
+    if others:
+        return or_(plain, Batch.avoid_agent_id != agent.id) if may_confirm else plain
+    return or_(plain, Batch.avoid_agent_id == agent.id, literal(may_confirm))
 
 
 def _may_lease(session: Session, agent: Agent) -> bool:
@@ -563,7 +611,7 @@ def mark_agents_offline(session: Session, *, stale_secs: float, now: datetime | 
 
 @dataclass(frozen=True)
 class Recorded:
-    measurement_id: int
+    measurement_id: int  # in a confirmation batch: the `Confirmation`'s id
     created: bool  # False: the candidate already had its measurement; nothing was written
 
 
@@ -583,16 +631,15 @@ def record_measurement(
     changes nothing and returns the first one's id with `created=False`; the unique
     batch candidate guarantees it under any concurrency. A new measurement advances the
     job's and the task's trial counts and best, and the agent's counters, in the same
-    transaction.
+    transaction. A time below the class's timing floor is stored as a below_floor error;
+    a new best gets a confirmation batch; in a confirmation batch, the result is the
+    measurement's `Confirmation` (its id is returned).
     """
     lease = _held_lease(session, lease_id=lease_id, agent_id=agent_id, lock=False)
-    return _insert_measurement(
-        session,
-        batch_candidate_id=batch_candidate_id,
-        record=record,
-        fingerprint=fingerprint,
-        lease=lease,
-    )
+    _candidate_of(session, batch_candidate_id=batch_candidate_id, record=record, lease=lease)
+    return _store_results(
+        session, batch_id=lease.batch_id, lease=lease, items=[(batch_candidate_id, record)], fingerprint=fingerprint
+    )[0]
 
 
 def record_build_error(
@@ -602,30 +649,17 @@ def record_build_error(
     worker; no agent, no lease). Exactly once, like `record_measurement`."""
     if not record.error_kind.is_error:
         raise ValueError("record_build_error takes a failed record")
-    return _insert_measurement(
-        session, batch_candidate_id=batch_candidate_id, record=record, fingerprint=fingerprint, lease=None
-    )
+    batch_id = _candidate_of(session, batch_candidate_id=batch_candidate_id, record=record, lease=None)
+    return _store_results(
+        session, batch_id=batch_id, lease=None, items=[(batch_candidate_id, record)], fingerprint=fingerprint
+    )[0]
 
 
-def _insert_measurement(
-    session: Session,
-    *,
-    batch_candidate_id: int,
-    record: MeasureRecord,
-    fingerprint: Mapping[str, Any],
-    lease: Lease | None,
-) -> Recorded:
+def _candidate_of(session: Session, *, batch_candidate_id: int, record: MeasureRecord, lease: Lease | None) -> int:
+    """The batch of a candidate a record is given for, checked: the candidate exists
+    (`NotFound`), is on the lease's batch (`LeaseNotHeld`), and is the record's (`ValueError`)."""
     row = session.execute(
-        select(
-            BatchCandidate.batch_id,
-            BatchCandidate.candidate_key,
-            Batch.job_id,
-            Batch.job_task_id,
-            Batch.workload_id,
-            Batch.device_class_id,
-        )
-        .join(Batch, Batch.id == BatchCandidate.batch_id)
-        .where(BatchCandidate.id == batch_candidate_id)
+        select(BatchCandidate.batch_id, BatchCandidate.candidate_key).where(BatchCandidate.id == batch_candidate_id)
     ).one_or_none()
     if row is None:
         raise NotFound(f"batch candidate {batch_candidate_id}")
@@ -633,87 +667,173 @@ def _insert_measurement(
         raise LeaseNotHeld(f"lease {lease.id} is on batch {lease.batch_id}, not on batch {row.batch_id}")
     if record.candidate.key != row.candidate_key:
         raise ValueError(f"record of {record.candidate.key!r} given for candidate {row.candidate_key!r}")
-    cost = record.cost if math.isfinite(record.cost) else None
+    return int(row.batch_id)
+
+
+@dataclass(frozen=True)
+class _BatchFacts:
+    """What storing a batch's results needs to know of it."""
+
+    job_id: int
+    job_task_id: int
+    workload_id: int
+    device_class_id: int
+    confirms_measurement_id: int | None  # a confirmation batch: the measurement it re-measures
+    floor: float  # the timing floor of its task on its class (seconds; 0: none)
+
+
+def _batch_facts(session: Session, batch_id: int) -> _BatchFacts:
+    row = session.execute(
+        select(
+            Batch.job_id,
+            Batch.job_task_id,
+            Batch.workload_id,
+            Batch.device_class_id,
+            Batch.confirms_measurement_id,
+            Workload.flops,
+            Workload.io_bytes,
+            DeviceClass.target,
+        )
+        .join(Workload, Workload.id == Batch.workload_id)
+        .join(DeviceClass, DeviceClass.id == Batch.device_class_id)
+        .where(Batch.id == batch_id)
+    ).one()
+    floor = timing_floor.floor_secs(row.target or {}, flops=row.flops, io_bytes=row.io_bytes)
+    return _BatchFacts(
+        row.job_id, row.job_task_id, row.workload_id, row.device_class_id, row.confirms_measurement_id, floor
+    )
+
+
+def _store_results(
+    session: Session,
+    *,
+    batch_id: int,
+    lease: Lease | None,
+    items: Sequence[tuple[int, MeasureRecord]],
+    fingerprint: Mapping[str, Any],
+) -> list[Recorded]:
+    """Store checked results (candidate id, record) of one batch, exactly once each, in
+    a handful of statements whatever their number; one `Recorded` per item, in order.
+    An agent's times below the floor become below_floor errors first."""
+    facts = _batch_facts(session, batch_id)
     agent_id = lease.agent_id if lease is not None else None
-    new_id = session.scalar(
-        pg_insert(Measurement)
-        .values(
-            batch_candidate_id=batch_candidate_id,
-            job_id=row.job_id,
-            job_task_id=row.job_task_id,
-            workload_id=row.workload_id,
-            device_class_id=row.device_class_id,
+    if agent_id is not None:
+        items = [(bc_id, timing_floor.checked(rec, facts.floor)) for bc_id, rec in items]
+    if facts.confirms_measurement_id is not None:
+        stored = confirmations.record_confirmations(
+            session,
+            measurement_id=facts.confirms_measurement_id,
             agent_id=agent_id,
             lease_id=lease.id if lease is not None else None,
-            candidate_key=row.candidate_key,
-            cost=cost,
-            error_kind=record.error_kind,
-            record=record_to_json(record),
-            fingerprint=dict(fingerprint),
+            items=items,
+            fingerprint=fingerprint,
         )
-        .on_conflict_do_nothing(index_elements=[Measurement.batch_candidate_id])
-        .returning(Measurement.id)
+        return [Recorded(measurement_id=c.confirmation_id, created=c.created) for c in stored]
+    rows = [
+        {
+            "batch_candidate_id": bc_id,
+            "job_id": facts.job_id,
+            "job_task_id": facts.job_task_id,
+            "workload_id": facts.workload_id,
+            "device_class_id": facts.device_class_id,
+            "agent_id": agent_id,
+            "lease_id": lease.id if lease is not None else None,
+            "candidate_key": rec.candidate.key,  # the candidate's: checked by every caller
+            "cost": rec.cost if math.isfinite(rec.cost) else None,
+            "error_kind": rec.error_kind,
+            "record": record_to_json(rec),
+            "fingerprint": dict(fingerprint),
+        }
+        for bc_id, rec in items
+    ]
+    # One statement whatever the number of rows (SQLAlchemy's "insertmanyvalues"), and
+    # the same statement every time, so it is compiled once per process.
+    created = dict(
+        session.execute(
+            pg_insert(Measurement)
+            .on_conflict_do_nothing(index_elements=[Measurement.batch_candidate_id])
+            .returning(Measurement.batch_candidate_id, Measurement.id),
+            rows,
+        ).all()
     )
-    if new_id is None:
-        existing = session.scalar(
-            select(Measurement.id).where(Measurement.batch_candidate_id == batch_candidate_id)
+    ids = [bc_id for bc_id, _ in items]
+    missing = [i for i in ids if i not in created]
+    existing = (
+        dict(
+            session.execute(
+                select(Measurement.batch_candidate_id, Measurement.id).where(
+                    Measurement.batch_candidate_id.in_(missing)
+                )
+            ).all()
         )
-        assert existing is not None
-        return Recorded(measurement_id=existing, created=False)
-    _count_measurement(
-        session,
-        measurement_id=new_id,
-        job_task_id=row.job_task_id,
-        job_id=row.job_id,
-        agent_id=agent_id,
-        cost=cost,
-        error_kind=str(record.error_kind) if record.error_kind.is_error else None,
-        emulated=record.emulated,
+        if missing
+        else {}
     )
-    return Recorded(measurement_id=new_id, created=True)
+    new = [(created[bc_id], rec) for bc_id, rec in items if bc_id in created]
+    if new:
+        _count_measurements(session, facts=facts, agent_id=agent_id, new=new)
+    return [
+        Recorded(measurement_id=created[i], created=True)
+        if i in created
+        else Recorded(measurement_id=existing[i], created=False)
+        for i in ids
+    ]
 
 
 def _new_best(cost: float, measurement_id: int, emulated: bool) -> dict[str, Any]:
-    """A task's best columns after a valid measurement: it, when it is faster."""
+    """A task's best columns after a valid measurement: it, when it is faster (and
+    unconfirmed, until its confirmation comes back)."""
     better = or_(JobTask.best_cost.is_(None), JobTask.best_cost > cost)
     return {
         "best_cost": case((better, cost), else_=JobTask.best_cost),
         "best_measurement_id": case((better, measurement_id), else_=JobTask.best_measurement_id),
         "best_emulated": case((better, emulated), else_=JobTask.best_emulated),
+        "best_confirmed": case((better, False), else_=JobTask.best_confirmed),
     }
 
 
-def _count_measurement(
-    session: Session,
-    *,
-    measurement_id: int,
-    job_task_id: int,
-    job_id: int,
-    agent_id: int | None,
-    cost: float | None,
-    error_kind: str | None,
-    emulated: bool = False,
+def _count_measurements(
+    session: Session, *, facts: _BatchFacts, agent_id: int | None, new: Sequence[tuple[int, MeasureRecord]]
 ) -> None:
-    """The precomputed progress a new measurement advances (task, job, agent)."""
-    task_values: dict[str, Any] = {"trials": JobTask.trials + 1}
-    if cost is not None:
-        task_values.update(_new_best(cost, measurement_id, emulated))
+    """The precomputed progress new measurements (id, record) of one task advance (task,
+    job, agent); a new best of the task is scheduled for confirmation."""
+    valid = [(r.cost, mid, r.emulated) for mid, r in new if math.isfinite(r.cost)]
+    task_values: dict[str, Any] = {"trials": JobTask.trials + len(new)}
+    fastest = min(valid) if valid else None
+    if fastest is not None:
+        task_values.update(_new_best(*fastest))
     opts = {"synchronize_session": False}
-    session.execute(
-        update(JobTask).where(JobTask.id == job_task_id).values(**task_values), execution_options=opts
+    best_id = session.scalar(
+        update(JobTask).where(JobTask.id == facts.job_task_id).values(**task_values).returning(JobTask.best_measurement_id),
+        execution_options=opts,
     )
     session.execute(
-        update(Job).where(Job.id == job_id).values(trials_used=Job.trials_used + 1), execution_options=opts
+        update(Job).where(Job.id == facts.job_id).values(trials_used=Job.trials_used + len(new)), execution_options=opts
     )
     if agent_id is None:
         return
-    agent_values: dict[str, Any] = {"measurements_done": Agent.measurements_done + 1}
-    if error_kind is not None:
-        count = func.coalesce(cast(Agent.errors_by_kind[error_kind].astext, Integer), 0) + 1
-        agent_values["errors_by_kind"] = Agent.errors_by_kind.op("||")(
-            func.jsonb_build_object(error_kind, count)
-        )
-    session.execute(update(Agent).where(Agent.id == agent_id).values(**agent_values), execution_options=opts)
+    _count_agent(session, agent_id=agent_id, new=new)
+    if fastest is not None and best_id == fastest[1]:
+        confirmations.schedule(session, measurement_id=best_id)
+
+
+def _count_agent(session: Session, *, agent_id: int, new: Sequence[tuple[int, MeasureRecord]]) -> None:
+    agent_values: dict[str, Any] = {"measurements_done": Agent.measurements_done + len(new)}
+    errors: dict[str, int] = {}
+    for _, rec in new:
+        if rec.error_kind.is_error:
+            errors[str(rec.error_kind)] = errors.get(str(rec.error_kind), 0) + 1
+    if errors:
+        pairs: list[Any] = []
+        for kind, n in sorted(errors.items()):
+            pairs += [kind, func.coalesce(cast(Agent.errors_by_kind[kind].astext, Integer), 0) + n]
+        agent_values["errors_by_kind"] = Agent.errors_by_kind.op("||")(func.jsonb_build_object(*pairs))
+    below = errors.get(str(ErrorKind.BELOW_FLOOR), 0)
+    if below:
+        agent_values["below_floor"] = Agent.below_floor + below
+    session.execute(
+        update(Agent).where(Agent.id == agent_id).values(**agent_values), execution_options={"synchronize_session": False}
+    )
 
 
 # -- the data plane: agents, batched results, lost batches ------------------------------------
@@ -768,6 +888,52 @@ def register_agent(
         )
         .returning(Agent),
         execution_options={"populate_existing": True},
+    ).one()
+
+
+def quarantine_agent(session: Session, *, name: str, now: datetime | None = None) -> Agent:
+    """An operator's verdict on an agent's timings: it is leased nothing more (disabled,
+    its leases and model runs end now and go back to the queue), and its unconfirmed
+    measurements count for nothing: no best of an unfinished job (those are recomputed,
+    their confirmations scheduled on other agents) and no cost model. Confirmations it
+    gave are undone. Again on a quarantined agent: nothing changes. Raises `NotFound`."""
+    agent_id = _agent_id(session, name)
+    release_agent_leases(session, agent_id=agent_id, now=now)
+    session.execute(
+        update(Agent)
+        .where(Agent.id == agent_id)
+        .values(state=AgentState.DISABLED, quarantined_at=func.coalesce(Agent.quarantined_at, _now(now))),
+        execution_options={"synchronize_session": False},
+    )
+    confirmations.forget_agent(session, agent_id=agent_id, now=now)
+    return _fresh_agent(session, agent_id)
+
+
+def lift_quarantine(session: Session, *, name: str, now: datetime | None = None) -> Agent:
+    """Take an agent out of quarantine: it leases again once it heartbeats (offline until
+    then), and its measurements count again (the bests of unfinished jobs' tasks it
+    measured are recomputed). Raises `NotFound`."""
+    agent_id = _agent_id(session, name)
+    session.execute(
+        update(Agent)
+        .where(Agent.id == agent_id, Agent.quarantined_at.is_not(None))
+        .values(state=AgentState.OFFLINE, quarantined_at=None),
+        execution_options={"synchronize_session": False},
+    )
+    confirmations.refresh_agent_tasks(session, agent_id=agent_id, now=now)
+    return _fresh_agent(session, agent_id)
+
+
+def _agent_id(session: Session, name: str) -> int:
+    agent_id = session.scalar(select(Agent.id).where(Agent.name == name))
+    if agent_id is None:
+        raise NotFound(f"agent {name!r}")
+    return int(agent_id)
+
+
+def _fresh_agent(session: Session, agent_id: int) -> Agent:
+    return session.scalars(
+        select(Agent).where(Agent.id == agent_id).execution_options(populate_existing=True)
     ).one()
 
 
@@ -838,97 +1004,7 @@ def record_measurements(
     for bc_id, rec in items:
         if rec.candidate.key != keys[bc_id]:
             raise ValueError(f"record of {rec.candidate.key!r} given for candidate {keys[bc_id]!r}")
-    batch = session.execute(
-        select(Batch.job_id, Batch.job_task_id, Batch.workload_id, Batch.device_class_id).where(
-            Batch.id == lease.batch_id
-        )
-    ).one()
-    rows = []
-    for bc_id, rec in items:
-        rows.append(
-            {
-                "batch_candidate_id": bc_id,
-                "job_id": batch.job_id,
-                "job_task_id": batch.job_task_id,
-                "workload_id": batch.workload_id,
-                "device_class_id": batch.device_class_id,
-                "agent_id": agent_id,
-                "lease_id": lease.id,
-                "candidate_key": keys[bc_id],
-                "cost": rec.cost if math.isfinite(rec.cost) else None,
-                "error_kind": rec.error_kind,
-                "record": record_to_json(rec),
-                "fingerprint": dict(fingerprint),
-            }
-        )
-    # One statement whatever the number of rows (SQLAlchemy's "insertmanyvalues"), and
-    # the same statement every time, so it is compiled once per process.
-    created = dict(
-        session.execute(
-            pg_insert(Measurement)
-            .on_conflict_do_nothing(index_elements=[Measurement.batch_candidate_id])
-            .returning(Measurement.batch_candidate_id, Measurement.id),
-            rows,
-        ).all()
-    )
-    missing = [i for i in ids if i not in created]
-    existing = (
-        dict(
-            session.execute(
-                select(Measurement.batch_candidate_id, Measurement.id).where(
-                    Measurement.batch_candidate_id.in_(missing)
-                )
-            ).all()
-        )
-        if missing
-        else {}
-    )
-    new = [(created[bc_id], rec) for bc_id, rec in items if bc_id in created]
-    if new:
-        _count_measurements(
-            session, job_task_id=batch.job_task_id, job_id=batch.job_id, agent_id=agent_id, new=new
-        )
-    return [
-        Recorded(measurement_id=created[i], created=True)
-        if i in created
-        else Recorded(measurement_id=existing[i], created=False)
-        for i in ids
-    ]
-
-
-def _count_measurements(
-    session: Session,
-    *,
-    job_task_id: int,
-    job_id: int,
-    agent_id: int | None,
-    new: Sequence[tuple[int, MeasureRecord]],
-) -> None:
-    """`_count_measurement` for several new measurements (id, record) of one task at once."""
-    valid = [(r.cost, mid, r.emulated) for mid, r in new if math.isfinite(r.cost)]
-    task_values: dict[str, Any] = {"trials": JobTask.trials + len(new)}
-    if valid:
-        task_values.update(_new_best(*min(valid)))
-    opts = {"synchronize_session": False}
-    session.execute(
-        update(JobTask).where(JobTask.id == job_task_id).values(**task_values), execution_options=opts
-    )
-    session.execute(
-        update(Job).where(Job.id == job_id).values(trials_used=Job.trials_used + len(new)), execution_options=opts
-    )
-    if agent_id is None:
-        return
-    agent_values: dict[str, Any] = {"measurements_done": Agent.measurements_done + len(new)}
-    errors: dict[str, int] = {}
-    for _, rec in new:
-        if rec.error_kind.is_error:
-            errors[str(rec.error_kind)] = errors.get(str(rec.error_kind), 0) + 1
-    if errors:
-        pairs: list[Any] = []
-        for kind, n in sorted(errors.items()):
-            pairs += [kind, func.coalesce(cast(Agent.errors_by_kind[kind].astext, Integer), 0) + n]
-        agent_values["errors_by_kind"] = Agent.errors_by_kind.op("||")(func.jsonb_build_object(*pairs))
-    session.execute(update(Agent).where(Agent.id == agent_id).values(**agent_values), execution_options=opts)
+    return _store_results(session, batch_id=lease.batch_id, lease=lease, items=items, fingerprint=fingerprint)
 
 
 def abandon_batch(
@@ -941,7 +1017,8 @@ def abandon_batch(
     now: datetime | None = None,
 ) -> int:
     """Give a batch up: each unmeasured candidate gets an error measurement (`error_kind`,
-    `reason`; no agent, no lease), and the batch fails (ending its active lease). For a
+    `reason`; no agent, no lease; in a confirmation batch, an error confirmation: the
+    measurement it checks is not confirmed), and the batch fails (ending its active lease). For a
     batch that can never be measured (it was leased again and again and no agent ever
     finished it), so that every candidate still has exactly one result. Returns the
     number of candidates given up; 0 for a batch already done or failed."""
@@ -960,6 +1037,7 @@ def abandon_batch(
     ).one()
     lost = unmeasured_candidates(session, batch_id=batch_id)
     stamp = time.time()
+    items = []
     for cand in lost:
         inp = input_from_json(cand.input)
         run: RunResult | None
@@ -968,10 +1046,9 @@ def abandon_batch(
         else:
             build = build_from_json(cand.build) if cand.build else BuildResult(cand.candidate_key, None, 0.0)
             run = RunResult(cand.candidate_key, (), 0.0, error_kind, reason)
-        rec = MeasureRecord.of(MeasureResult(inp, build, run), workload=workload_name, target=target, timestamp=stamp)
-        _insert_measurement(
-            session, batch_candidate_id=cand.id, record=rec, fingerprint=dict(fingerprint or {}), lease=None
-        )
+        items.append((cand.id, MeasureRecord.of(MeasureResult(inp, build, run), workload=workload_name, target=target, timestamp=stamp)))
+    if items:
+        _store_results(session, batch_id=batch_id, lease=None, items=items, fingerprint=dict(fingerprint or {}))
     transition_batch(session, batch_id=batch_id, to=BatchState.FAILED, build_error=reason, now=now)
     return len(lost)
 

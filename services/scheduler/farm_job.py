@@ -17,7 +17,9 @@ Life cycle (driven by `service.SchedulerService`):
               tasks, resume every measurement of the job from Postgres (no candidate is
               ever proposed twice), adopt the batches still in flight, start the session
     step()    one turn of the session (propose while under the fair-share cap, collect)
-    finish()  build the tuned model with every task's best schedule, check it against
+    finish()  wait for the job's bests to be confirmed (`services.db.confirmations`: a best
+              counts once a second measurement of its kernel agrees), build the tuned
+              model with every task's fastest confirmed schedule, check it against
               onnxruntime (here, or for a class this host cannot run on one of the
               class's agents: `model_check`), write model.so, manifest.json,
               records.jsonl, report.json and pack them into jobs/<id>/tuned.tar.gz (the
@@ -42,7 +44,7 @@ from services.db.models import JobState
 from services.db.session import transaction
 from services.measurer.artifacts import file_sha256
 from services.scheduler import job_store
-from services.scheduler.exceptions import JobFailed
+from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from services.scheduler.job_store import JobSetup
 from services.scheduler.model_check import DeviceRun, check_on_device
 from services.scheduler.shared_model import ClassModel, SharedModelView
@@ -78,6 +80,9 @@ from tunefarm.search.tuner import SearchPace, TaskTuner
 JOBS_DIR = "jobs"
 ARCHIVE_NAME = "tuned.tar.gz"
 
+CONFIRM_POLL_SECS = 0.5
+"""How often a finishing job looks whether its bests' confirmations are in."""
+
 PROGRESS_POINTS = 50
 """The curve gets a point when the estimate changes, and at least every 1/PROGRESS_POINTS
 of the budget: at most ~PROGRESS_POINTS points plus one per improvement, whatever the
@@ -99,6 +104,9 @@ class RunnerContext:
     log: Callable[[str], None]
     # How long an agent of a class this host cannot run may take to run a tuned model.
     model_run_wait_secs: float = 1800.0
+    # How long a finishing job waits for its bests' confirmations (then builds with the
+    # confirmed ones it has).
+    confirm_wait_secs: float = 600.0
     # Set when the service stops: a finish waiting for a device gives up (resumed later).
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -358,11 +366,17 @@ class JobRunner:
         worker thread of the service (the build runs in isolated child processes)."""
         assert self.model is not None and self.summary is not None
         m, s = self.model, self.setup
-        schedules = {
-            t.workload.key: best.trace
+        self._await_confirmations()
+        bests = self._confirmed_bests()
+        schedules = {key: best.trace for key, best in bests.items() if best is not None}
+        self.outcomes = {key: replace(o, best=bests.get(key)) for key, o in self.outcomes.items()}
+        unconfirmed = [
+            t.workload.name
             for t, tuner in zip(self.tasks, self.tuners)
-            if (best := tuner.state.best) is not None
-        }
+            if tuner.state.best is not None and bests.get(t.workload.key) != tuner.state.best
+        ]
+        if unconfirmed:
+            self.log(f"the fastest kernels of {', '.join(unconfirmed)} were not confirmed: not used")
         root = self.ctx.artifact_root
         staging = root / "tmp"
         staging.mkdir(parents=True, exist_ok=True)
@@ -394,6 +408,9 @@ class JobRunner:
                     "measured_on": outcome.measured_on,
                     "tuned_tasks": sum(1 for r in report["models"][0]["tasks"] if r["schedule"] == "tuned"),
                     "tasks": len(report["models"][0]["tasks"]),
+                    # Tasks whose fastest measured kernel no second measurement confirmed
+                    # (the model uses their fastest confirmed one, or the default schedule).
+                    "unconfirmed_bests": unconfirmed,
                 }
             )
             with transaction(self.ctx.sessions) as db:
@@ -403,6 +420,33 @@ class JobRunner:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         self.log(f"succeeded: tuned model in {rel} ({size} bytes)")
+
+    def _await_confirmations(self) -> None:
+        """Wait until the job's bests are confirmed or disputed (no confirmation batch of
+        the job is open), at most `confirm_wait_secs`."""
+        deadline = time.monotonic() + self.ctx.confirm_wait_secs
+        while True:
+            with transaction(self.ctx.sessions) as db:
+                open_ = job_store.open_confirmations(db, job_id=self.job_id)
+            if not open_:
+                return
+            if time.monotonic() >= deadline:
+                self.log(f"{open_} confirmations still open after {self.ctx.confirm_wait_secs:g} s; building without them")
+                return
+            if self.ctx.stop.wait(CONFIRM_POLL_SECS):
+                raise FinishInterrupted("the scheduler stopped while the job's bests awaited confirmation")
+
+    def _confirmed_bests(self) -> dict[str, MeasureRecord | None]:
+        """Each task's (by workload key) fastest kernel that the search verified and a
+        second measurement confirmed; None where there is none."""
+        with transaction(self.ctx.sessions) as db:
+            confirmed = job_store.confirmed_keys(db, job_id=self.job_id)
+        out: dict[str, MeasureRecord | None] = {}
+        for t, tuner in zip(self.tasks, self.tuners):
+            keys = confirmed.get(t.key, set())
+            usable = [r for r in tuner.state.records if r.is_valid and r.verified and r.candidate.key in keys]
+            out[t.workload.key] = min(usable, key=lambda r: r.cost) if usable else None
+        return out
 
     def _build(self, m: LoadedModel, directory: Path, schedules: dict[str, Any]) -> ModelOutcome:
         """Build the tuned model; check and time it here when this host runs the class's

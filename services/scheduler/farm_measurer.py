@@ -1,6 +1,7 @@
 """The farm's measurer: a `Measurer` over PostgreSQL, RQ build workers and device agents.
 
-    prepare(workload)  -> the workload row, its task data file under the artifact root
+    prepare(workload)  -> the workload row (with its buffers' bytes, for the timing floor),
+                          its task data file under the artifact root
                           (inputs; expected outputs from the numpy reference or from the
                           unscheduled program run once on this host, within a bounded
                           time, as `LocalMeasurer` does) and the job's task row
@@ -23,6 +24,10 @@ row) is enqueued again: up to `max_requeues` times after failed jobs,
 
 After a restart of the scheduler, `in_flight_batches()` gives the batches submitted
 before and not finished, with their unmeasured inputs, for `TuningSession.adopt`.
+
+Confirmation batches (`services.db.confirmations`: a best measured again) belong to the
+job but not to its search: their results are confirmations, not measurements, so they
+never come back from `collect`, and a restart adopts none of them.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import exists, func, insert, select
+from sqlalchemy import exists, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -178,6 +183,10 @@ class FarmMeasurer(Measurer):
                 .on_conflict_do_nothing(index_elements=[Workload.key])
             )
             workload_id = s.scalar(select(Workload.id).where(Workload.key == workload.key))
+            io_bytes = sum(t.nbytes for t in (*workload.inputs, *workload.outputs))
+            s.execute(  # the timing floor's memory term (the API stores workloads without it)
+                update(Workload).where(Workload.id == workload_id, Workload.io_bytes.is_(None)).values(io_bytes=io_bytes)
+            )
             td = s.scalars(select(TaskData).where(TaskData.workload_id == workload_id)).one_or_none()
             have = td is not None and _is_file(self.artifact_root, td.path)
         assert workload_id is not None
@@ -324,7 +333,11 @@ class FarmMeasurer(Measurer):
             batches = list(
                 s.scalars(
                     select(Batch)
-                    .where(Batch.job_id == self.job_id, Batch.state.not_in([BatchState.DONE, BatchState.FAILED]))
+                    .where(
+                        Batch.job_id == self.job_id,
+                        Batch.state.not_in([BatchState.DONE, BatchState.FAILED]),
+                        Batch.confirms_measurement_id.is_(None),
+                    )
                     .order_by(Batch.id)
                 )
             )

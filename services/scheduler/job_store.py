@@ -8,7 +8,9 @@ session (`services.db.session.transaction`), none of which commits.
 - progress: `write_progress` (a curve point and the job's estimate), `set_dead_reasons`,
   `note_cost_model`;
 - fairness: `live_agents_by_class`, `running_jobs`;
-- ending: `cancel_requests`, `fail_open_batches`, `set_job_state`, `finish_job`.
+- ending: `cancel_requests`, `fail_open_batches`, `set_job_state`, `finish_job`;
+  `open_confirmations` and `confirmed_keys` (the tuned model uses confirmed bests only,
+  `services.db.confirmations`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from sqlalchemy.orm import Session
 
 from services.db import queries
 from services.db.codec import record_from_json
+from services.db.confirmations import believed_clause, counted_clause
 from services.db.exceptions import InvalidTransition
 from services.db.models import (
     Agent,
     AgentState,
     Batch,
     BatchState,
+    ConfirmationState,
     DeviceClass,
     Job,
     JobProgress,
@@ -155,7 +159,8 @@ def best_records_of_class(
 ) -> list[MeasureRecord]:
     """The `per_workload` fastest valid measurements of each workload in `workload_keys`
     made on the class named `device_class`, from any job (the programs a class that
-    starts from it tries first)."""
+    starts from it tries first): measurements vouched for (their agent is in good
+    standing, `services.db.trust`) that nothing discredited."""
     keys = list(workload_keys)
     if not keys or per_workload < 1:
         return []
@@ -173,6 +178,8 @@ def best_records_of_class(
             Workload.key.in_(keys),
             Measurement.error_kind == ErrorKind.NONE,
             Measurement.cost.is_not(None),
+            Measurement.vouched_seq.is_not(None),
+            believed_clause(),
         )
         .subquery()
     )
@@ -317,3 +324,37 @@ def finish_job(
             finished_at=func.now(),
         )
     )
+
+
+def open_confirmations(session: Session, *, job_id: int) -> int:
+    """The job's confirmation batches not finished yet (their bests are not decided)."""
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(Batch)
+            .where(
+                Batch.job_id == job_id,
+                Batch.confirms_measurement_id.is_not(None),
+                Batch.state.not_in([BatchState.DONE, BatchState.FAILED]),
+            )
+        )
+        or 0
+    )
+
+
+def confirmed_keys(session: Session, *, job_id: int) -> dict[str, set[str]]:
+    """The candidates of each of the job's tasks (by task key) whose time was confirmed,
+    and counts (not an unconfirmed one of a quarantined agent)."""
+    rows = session.execute(
+        select(JobTask.task_key, Measurement.candidate_key)
+        .join(Measurement, Measurement.job_task_id == JobTask.id)
+        .where(
+            JobTask.job_id == job_id,
+            Measurement.confirmation == ConfirmationState.CONFIRMED,
+            counted_clause(),
+        )
+    ).all()
+    out: dict[str, set[str]] = {}
+    for task_key, candidate_key in rows:
+        out.setdefault(task_key, set()).add(candidate_key)
+    return out

@@ -137,6 +137,7 @@ class SchedulerService:
             check_tuned_model=settings.check_tuned_model,
             log=self.log,
             model_run_wait_secs=settings.model_run_wait_secs,
+            confirm_wait_secs=settings.confirm_wait_secs,
         )
         self.models = ClassModels(
             self.sessions,

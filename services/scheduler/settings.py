@@ -68,6 +68,10 @@ class SchedulerSettings(DatabaseSettings):
     # unchecked and the report says so).
     check_tuned_model: bool = True
     model_run_wait_secs: float = 1800.0
+    # A finishing job waits this long for its bests' confirmations (a second measurement
+    # of each best kernel, services.db.confirmations) before it builds the tuned model
+    # with the confirmed ones it has.
+    confirm_wait_secs: float = 600.0
     # How often each job's batches in flight are checked: a batch no worker is building
     # and whose build job is not waiting in Redis (its worker was killed, Redis lost its
     # data) is enqueued again.

@@ -6,13 +6,14 @@ with it: a job on a known class starts from what earlier jobs learnt (its first 
 already ranked by a trained model) instead of from random scores.
 
 - `ClassModel`: a class's `XGBCostModel` in this process, the measurements it has
-  learnt (every measurement of the class up to `seen_through`, by id) and the saved
-  version it derives from.
+  learnt (every measurement of the class vouched for up to `seen_through`, by
+  `Measurement.vouched_seq`) and the saved version it derives from.
 - `SharedModelView`: what a job's `TuningSession` gets as its model. It predicts with
   the class's model; its `update` does nothing, because the class's model does not learn
   from sessions but from Postgres (`ClassModels.catch_up`): every measurement of the
-  class, whichever job, team or scheduler process it came from, exactly once, in id
-  order. Sessions' own retraining calls are therefore no-ops, and nothing is counted twice.
+  class vouched for, whichever job, team or scheduler process it came from, exactly
+  once, in the order it was vouched for. Sessions' own retraining calls are therefore
+  no-ops, and nothing is counted twice.
 - `ClassModels`: loads a class's latest version (`cost_model_versions`) on first use and
   catches up on the measurements after it, retrains as measurements land (after each
   finished round of any of the class's jobs, and every `catch_up_secs` for measurements
@@ -29,6 +30,16 @@ weight fades as the class's own measurements arrive. Every version the class the
 names the version it descends from (`cost_model_versions.transferred_from_id`), and a job
 that starts from such a model says so in its status (`ClassModel.transferred_from`).
 `ClassModels(transfer=False)` starts such a class fresh instead.
+
+Only believed measurements train it: one agent with a valid token could otherwise teach
+every team's model its invented timings. A measurement is vouched for
+(`services.db.confirmations.vouch`, at each catch-up) once its agent is in good standing
+(`services.db.trust`: a timing of it was confirmed, none below the timing floor, not
+more disputed than confirmed, not quarantined); until then it waits (an honest agent's
+first measurements are learnt once its first best is confirmed), and a flagged or
+quarantined agent's never are. A time below the floor or disputed never is; a
+quarantined agent's unconfirmed measurement vouched for before its quarantine is passed
+over.
 
 Emulated measurements never train it: a kernel timed by an agent under an emulator
 (`MeasureRecord.emulated`, e.g. an aarch64 agent under qemu-user) has a checked output
@@ -59,7 +70,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.db import queries
+from services.db import confirmations, queries
 from services.db.codec import record_from_json
 from services.db.exceptions import DatabaseError
 from services.db.models import CostModelVersion, DeviceClass, Measurement, Workload
@@ -95,7 +106,7 @@ class ClassModel:
     model: XGBCostModel
     version_id: int | None  # the saved version it derives from (None: a fresh model)
     version: int | None
-    seen_through: int  # every measurement of the class with an id up to this one is learnt
+    seen_through: int  # every measurement of the class vouched for up to this `vouched_seq` is learnt
     saved_samples: int  # model.num_samples when it was last saved or loaded
     dirty: bool = False  # a round of one of the class's jobs finished: catch up soon
     last_catch_up: float = field(default_factory=time.monotonic)
@@ -251,16 +262,23 @@ class ClassModels:
         return shared.dirty or time.monotonic() - shared.last_catch_up >= self.catch_up_secs
 
     def catch_up(self, shared: ClassModel, tasks: Mapping[str, SearchTask] | None = None) -> int:
-        """Learn every measurement of the class after `seen_through` but the emulated ones
-        (retraining once per chunk); returns how many were read. `tasks` are the search tasks of running
-        jobs by key (their feature caches are reused)."""
+        """Vouch for the class's measurements whose agents are in good standing, and learn
+        every measurement vouched for after `seen_through` but the emulated ones and those
+        discredited since (retraining once per chunk); returns how many were read. `tasks`
+        are the search tasks of running jobs by key (their feature caches are reused)."""
+        with transaction(self.sessions) as s:
+            confirmations.vouch(s, device_class_id=shared.device_class_id)
         learnt = 0
         while True:
             with transaction(self.sessions) as s:
                 rows = s.execute(
-                    select(Measurement.id, Measurement.workload_id, Measurement.record)
-                    .where(Measurement.device_class_id == shared.device_class_id, Measurement.id > shared.seen_through)
-                    .order_by(Measurement.id)
+                    select(Measurement.vouched_seq, Measurement.workload_id, Measurement.record)
+                    .where(
+                        Measurement.device_class_id == shared.device_class_id,
+                        Measurement.vouched_seq > shared.seen_through,
+                        confirmations.believed_clause(),
+                    )
+                    .order_by(Measurement.vouched_seq)
                     .limit(CATCH_UP_CHUNK)
                 ).all()
             if not rows:

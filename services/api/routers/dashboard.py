@@ -13,7 +13,9 @@ the same team tokens as the JSON API.
   SVG of `tunefarm.display.latency_curve_svg`, the same plot as `tunefarm report --html`)
   and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors).
 - `/ui/devices`: the device classes and every agent: state, age of its last heartbeat,
-  measurements, errors by kind (what `GET /v1/devices` shows any team).
+  measurements, errors by kind, and whether its timings are believed (trusted,
+  unconfirmed, flagged and why, quarantined: `services.db.trust`) (what `GET /v1/devices`
+  shows any team).
 
 Cross-site requests: a POST (login, logout) must come from a page of this site: its
 `Origin` header (else its `Referer`'s origin) must be the request's own origin or one of

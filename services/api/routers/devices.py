@@ -15,8 +15,8 @@ router = APIRouter(tags=["devices"], responses=AUTH)
 
 @router.get("/v1/devices", summary="The farm's agents")
 def list_devices(team: TeamDep, sessions: SessionsDep) -> list[DevicePublic]:
-    """Every agent: its class, state, capabilities, last heartbeat, measurements done and
-    errors by kind."""
+    """Every agent: its class, state, capabilities, last heartbeat, measurements done,
+    errors by kind, and its standing (whether its timings are believed, and why not)."""
     with transaction(sessions) as db:
         return crud.list_devices(db)
 
