@@ -259,6 +259,26 @@ def test_token_hash_round_trip(db_sessions):
         assert queries.verify_token(s, plain=plain, kind=TokenKind.TEAM) is None
 
 
+def test_a_heartbeat_after_its_token_was_revoked_changes_nothing(db_sessions):
+    """A service's token cache may let a heartbeat through just after the revocation
+    committed: the database refuses it, and the agent stays offline with no lease."""
+    from services.db.exceptions import TokenRevoked
+
+    farm = make_farm(db_sessions)
+    a = farm.agent_ids[0]
+    with transaction(db_sessions) as s:
+        token, _ = queries.issue_token(s, kind=TokenKind.AGENT)
+        s.get(Agent, a).token_id = token.id
+    held = lease(db_sessions, a)
+    with transaction(db_sessions) as s:
+        queries.revoke_token(s, token_id=token.id)
+    with pytest.raises(TokenRevoked), transaction(db_sessions) as s:
+        queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, lease_ids=[held.id])
+    with transaction(db_sessions) as s:
+        assert s.get(Agent, a).state is AgentState.OFFLINE
+        assert s.get(Lease, held.id).state is LeaseState.EXPIRED
+
+
 def test_agent_token_is_not_a_team_token(db_sessions):
     with transaction(db_sessions) as s:
         team = Team(name=f"team-{_uid()}")

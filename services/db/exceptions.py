@@ -56,5 +56,10 @@ class LeaseNotHeld(DatabaseError):
     lease, an expired or finished one, or a candidate of another batch)."""
 
 
+class TokenRevoked(DatabaseError):
+    """The caller's token was revoked: what it asks is not done (a service's token cache
+    may still have let the call through for a moment after the revocation committed)."""
+
+
 class InvalidTransition(DatabaseError):
     """A state change the row's current state does not allow (e.g. a done batch made ready)."""

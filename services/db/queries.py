@@ -68,7 +68,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from services.db import confirmations, timing_floor, trust
 from services.db.codec import build_from_json, input_from_json, record_to_json
-from services.db.exceptions import Conflict, InvalidTransition, LeaseNotHeld, NotFound
+from services.db.exceptions import Conflict, InvalidTransition, LeaseNotHeld, NotFound, TokenRevoked
 from services.db.models import (
     Agent,
     AgentState,
@@ -470,8 +470,12 @@ def heartbeat(
     leases and leased model runs that it names (`lease_ids`, `model_run_ids`: what it is
     working on). A lease it does not name is not renewed: its grant never reached the
     agent, and it expires at its deadline. Returns the ids of the leases extended. Raises
-    `NotFound` for an unknown agent."""
+    `NotFound` for an unknown agent, `TokenRevoked` (nothing changed: the revocation
+    left it offline, holding nothing) when its token was revoked."""
     at = _now(now)
+    token_id = session.scalar(select(Agent.token_id).where(Agent.id == agent_id))
+    if token_id is not None and _token_revoked(session, token_id):
+        raise TokenRevoked(f"agent {agent_id}: its token was revoked")
 
     def extend(entity: Any, held: Any, ids: Sequence[int]) -> list[int]:
         if not ids:

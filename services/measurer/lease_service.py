@@ -118,6 +118,7 @@ log = logging.getLogger("tunefarm.lease_service")
 T = TypeVar("T")
 
 STATUS_OF_DB_ERROR: tuple[tuple[type[db_exc.DatabaseError], grpc.StatusCode], ...] = (
+    (db_exc.TokenRevoked, grpc.StatusCode.UNAUTHENTICATED),
     (db_exc.LeaseNotHeld, grpc.StatusCode.FAILED_PRECONDITION),
     (db_exc.InvalidTransition, grpc.StatusCode.FAILED_PRECONDITION),
     (db_exc.NotFound, grpc.StatusCode.NOT_FOUND),
