@@ -28,15 +28,34 @@ Child life cycle::
 
 The start-up (spawn + preload) is not counted against a call's timeout; it has its own
 limit, `start_timeout`.
+
+A worker given a `Sandbox` (a device agent's kernel runner: it loads code that came over
+the network) starts its child with fewer rights, as far as the OS allows, and says which
+it got (`IsolatedWorker.sandbox_status`, from the child's "ready" message):
+
+- started by root: the child takes a network namespace of its own (`unshare(CLONE_NEWNET)`:
+  no interface but a loopback that is down, so no connection to anything, the host's
+  127.0.0.1 included), then drops to `Sandbox.user` (default `nobody`: setgroups([]),
+  setgid, setuid), after its preload imports and before any call. Files it reads must be
+  readable by that user: give it paths relative to `cwd`, which it enters while still
+  root (a work directory under a private one, such as /root, is then reachable), and
+  make them readable by the user's group;
+- started by another user: it stays that user, and takes a user and a network namespace
+  of its own where unprivileged user namespaces are allowed (before any thread starts);
+- either way `PR_SET_NO_NEW_PRIVS` (no setuid binary gives it rights back), and an
+  environment without the parent's secrets (`scrubbed_env`: no TUNEFARM_* variable, none
+  whose name says token, secret, password or credential).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib
 import json
 import os
 import pickle
+import pwd
 import re
 import signal
 import socket
@@ -46,7 +65,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from multiprocessing.connection import Connection
 from typing import Any
@@ -63,8 +82,50 @@ LOG_ROTATE_BYTES = 1 << 20
 _CHILD_BOOTSTRAP = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
     "from tunefarm.isolation import _child_main; "
-    "_child_main(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))"
+    "_child_main(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5]))"
 )
+
+CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+PR_SET_NO_NEW_PRIVS = 38
+
+SECRET_ENV = re.compile(r"^TUNEFARM_|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
+"""Environment variables a sandboxed child does not inherit (the agent's token among them)."""
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """What a worker's child gives up before it runs any call (see the module docstring)."""
+
+    user: str | None = "nobody"  # a child started by root runs as this user; None: it stays root
+    no_network: bool = True  # a network namespace of its own: it reaches nothing
+
+
+@dataclass(frozen=True)
+class SandboxStatus:
+    """What a sandboxed child got."""
+
+    uid: int  # the child's user id, as the host sees it
+    user: str  # its name
+    own_network: bool  # in a network namespace of its own (no network)
+    no_new_privs: bool  # PR_SET_NO_NEW_PRIVS is set
+    problems: tuple[str, ...] = ()  # why a protection asked for is missing
+
+    def describe(self) -> str:
+        """One line for a log: which protections are active."""
+        parts = [
+            f"runs as {self.user} (uid {self.uid})" + (" -- root!" if self.uid == 0 else ""),
+            "no network (a network namespace of its own)" if self.own_network else "shares the host's network",
+        ]
+        if self.no_new_privs:
+            parts.append("no new privileges")
+        text = ", ".join(parts)
+        return f"{text}; {'; '.join(self.problems)}" if self.problems else text
+
+
+def scrubbed_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the variables a sandboxed child must not see (`SECRET_ENV`)."""
+    return {k: v for k, v in env.items() if not SECRET_ENV.search(k)}
 
 
 class CallStatus(StrEnum):
@@ -108,11 +169,16 @@ class IsolatedWorker:
         preload: list[str] | tuple[str, ...] = (),
         start_timeout: float = DEFAULT_START_TIMEOUT,
         name: str = "worker",
+        sandbox: Sandbox | None = None,
+        cwd: str | os.PathLike[str] | None = None,
     ):
         self.env = dict(env or {})
         self.preload = list(preload)
         self.start_timeout = start_timeout
         self.name = name
+        self.sandbox = sandbox
+        self.cwd = os.fspath(cwd) if cwd is not None else None  # the child's working directory
+        self.sandbox_status: SandboxStatus | None = None  # what the last child got (with a sandbox)
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -175,14 +241,19 @@ class IsolatedWorker:
         parent_sock, child_sock = socket.socketpair()
         lifeline_r, lifeline_w = os.pipe()
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        if self.sandbox is not None:
+            env = scrubbed_env(env)
+        # The child starts in `cwd`: a "" entry (this process's directory) is named as such.
+        path = [p or os.getcwd() for p in sys.path]
         argv = [
             sys.executable,
             "-c",
             _CHILD_BOOTSTRAP,
-            json.dumps(sys.path),
+            json.dumps(path),
             str(child_sock.fileno()),
             str(lifeline_r),
             json.dumps(self.preload),
+            json.dumps(asdict(self.sandbox) if self.sandbox is not None else None),
         ]
         with open(self.log_path, "ab") as log:
             try:
@@ -195,6 +266,7 @@ class IsolatedWorker:
                     pass_fds=(child_sock.fileno(), lifeline_r),
                     start_new_session=True,  # own process group: killpg reaches grandchildren
                     close_fds=True,
+                    cwd=self.cwd,
                 )
             except OSError as exc:
                 parent_sock.close()
@@ -224,6 +296,8 @@ class IsolatedWorker:
         if kind != "ready":
             self._kill()
             raise WorkerStartError(f"{self.name}: the child failed to start: {detail}")
+        got = detail.get("sandbox") if isinstance(detail, dict) else None
+        self.sandbox_status = SandboxStatus(**{**got, "problems": tuple(got["problems"])}) if got else None
         self._ready = True
 
     def close(self) -> None:
@@ -408,8 +482,11 @@ def _kill_children_at_exit() -> None:
 # -- child side ---------------------------------------------------------------------------
 
 
-def _child_main(fd: int, lifeline: int, preload: list[str]) -> None:
+def _child_main(fd: int, lifeline: int, preload: list[str], sandbox: dict[str, Any] | None = None) -> None:
     """Entry point of the child process (see the module docstring for the protocol)."""
+    spec = Sandbox(**sandbox) if sandbox is not None else None
+    # A user namespace needs a process with one thread: before the lifeline thread starts.
+    entered = _enter_unprivileged_sandbox(spec) if spec is not None and os.geteuid() != 0 else None
     threading.Thread(target=_exit_on_eof, args=(lifeline,), daemon=True, name="lifeline").start()
     conn = Connection(fd)
     try:
@@ -418,7 +495,14 @@ def _child_main(fd: int, lifeline: int, preload: list[str]) -> None:
     except BaseException as exc:
         conn.send(("failed", f"importing the preload modules failed: {type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", os.getpid()))
+    status = None
+    if spec is not None:
+        # Root gives up its rights after the preload: its imports may come from places
+        # the sandbox user cannot read.
+        if entered is None:
+            entered = _enter_root_sandbox(spec)
+        status = _sandbox_status(*entered)
+    conn.send(("ready", {"pid": os.getpid(), "sandbox": asdict(status) if status is not None else None}))
     functions: dict[str, Any] = {}
     while True:
         try:
@@ -440,6 +524,64 @@ def _child_main(fd: int, lifeline: int, preload: list[str]) -> None:
             conn.send_bytes(data)
         except OSError:
             return
+
+
+def _libc_call(name: str, *args: int) -> str | None:
+    """Call a libc function that returns -1 on failure; None, or why it failed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, name)(*args) != 0:
+        return f"{name}: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
+def _enter_unprivileged_sandbox(spec: Sandbox) -> tuple[bool, tuple[str, ...]]:
+    """Not root: a user namespace (mapping this user to itself) with a network namespace
+    of its own, where the OS lets an unprivileged user make one. (Own network, problems.)"""
+    if not spec.no_network:
+        return False, ()
+    uid, gid = os.getuid(), os.getgid()
+    problem = _libc_call("unshare", CLONE_NEWUSER | CLONE_NEWNET)
+    if problem:
+        return False, (f"the network is shared ({problem}: no unprivileged user namespaces here)",)
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    except OSError as exc:
+        return True, (f"its user is not mapped in its namespace ({exc.strerror})",)
+    return True, ()
+
+
+def _enter_root_sandbox(spec: Sandbox) -> tuple[bool, tuple[str, ...]]:
+    """Root: a network namespace of its own, then `spec.user`. (Own network, problems.)"""
+    problems = []
+    own_network = False
+    if spec.no_network:
+        problem = _libc_call("unshare", CLONE_NEWNET)
+        own_network = problem is None
+        if problem:
+            problems.append(f"the network is shared ({problem})")
+    if spec.user:
+        try:
+            pw = pwd.getpwnam(spec.user)
+            os.setgroups([])
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+        except KeyError:
+            problems.append(f"it stays root: there is no user {spec.user!r}")
+        except OSError as exc:
+            problems.append(f"it stays root: cannot become {spec.user} ({exc.strerror})")
+    return own_network, tuple(problems)
+
+
+def _sandbox_status(own_network: bool, problems: tuple[str, ...]) -> SandboxStatus:
+    no_new_privs = _libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) is None
+    uid = os.getuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    return SandboxStatus(uid, user, own_network, no_new_privs, problems)
 
 
 def _resolve(func_path: str) -> Any:

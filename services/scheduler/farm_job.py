@@ -41,6 +41,7 @@ from typing import Any
 from services.db.models import JobState
 from services.db.session import transaction
 from services.measurer.artifacts import file_sha256
+from services.measurer.signing import ArtifactSigner
 from services.scheduler import job_store
 from services.scheduler.config import TuneConfig
 from services.scheduler.exceptions import JobFailed
@@ -101,6 +102,8 @@ class RunnerContext:
     model_run_wait_secs: float = 1800.0
     # Set when the service stops: a finish waiting for a device gives up (resumed later).
     stop: threading.Event = field(default_factory=threading.Event)
+    # Signs the tuned models handed to agents (None: unsigned; agents with a key refuse them).
+    signer: ArtifactSigner | None = None
 
 
 class JobProgressRows(SessionCallback):
@@ -432,6 +435,7 @@ class JobRunner:
                     device_class=s.device_class,
                     wait_secs=self.ctx.model_run_wait_secs,
                     stop=self.ctx.stop,
+                    signer=self.ctx.signer,
                 )
                 return check_on_device(m, directory, where, log=self.log)
             check = {"ok": None, "reference": "onnxruntime", "problem": "disabled"}
