@@ -36,10 +36,9 @@ it got (`IsolatedWorker.sandbox_status`, from the child's "ready" message):
 - started by root: the child takes a network namespace of its own (`unshare(CLONE_NEWNET)`:
   no interface but a loopback that is down, so no connection to anything, the host's
   127.0.0.1 included), then drops to `Sandbox.user` (default `nobody`: setgroups([]),
-  setgid, setuid), after its preload imports and before any call. Files it reads must be
-  readable by that user: give it paths relative to `cwd`, which it enters while still
-  root (a work directory under a private one, such as /root, is then reachable), and
-  make them readable by the user's group;
+  setgid, setuid), after its preload imports and before any call. What it reads must be
+  readable by that user (and reachable: no parent directory closed to it), and every
+  module it imports later too: preload what its calls import;
 - started by another user: it stays that user, and takes a user and a network namespace
   of its own where unprivileged user namespaces are allowed (before any thread starts);
 - either way `PR_SET_NO_NEW_PRIVS` (no setuid binary gives it rights back), and an

@@ -67,6 +67,8 @@ import random
 import shutil
 import signal
 import socket
+import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -309,12 +311,12 @@ class Agent:
             self.verifier = ArtifactVerifier.from_file(settings.signing_public_key) if settings.signing_public_key else None
         except KeyFileError as exc:
             raise BadRequest(str(exc)) from None
-        # The runner made here reads the files by paths relative to the work directory,
-        # as the sandbox's user, to whose group the agent gives them (`_SharedFiles`).
-        self._own_runner = runner is None
-        self.files = _SharedFiles.for_user(settings.kernel_user if self._own_runner else None)
+        # The runner made here runs kernels as the sandbox's user, who reads (and writes)
+        # what the agent puts under `files.root` (`_KernelFiles`).
+        self._work.mkdir(parents=True, exist_ok=True)
+        self.files = _KernelFiles.prepare(self._work, settings.kernel_user if runner is None else None)
         self.runner = runner or LocalRunner(
-            settings.num_threads or physical_cores(), sandbox=Sandbox(user=settings.kernel_user), cwd=self._work
+            settings.num_threads or physical_cores(), sandbox=Sandbox(user=settings.kernel_user), cwd=self.files.root
         )
         self._caps = capabilities
         self._isa_checked: dict[str, str] = {}  # class target JSON -> why this CPU cannot serve it ("" if it can)
@@ -336,8 +338,6 @@ class Agent:
 
     def run(self) -> None:
         """Until `stop`: raises one of `FATAL_ERRORS` when no retry can help."""
-        self._work.mkdir(parents=True, exist_ok=True)
-        self.files.share_dir(self._work)  # the kernel process starts in it
         self._prepare()
         self._log_protections()
         beat = threading.Thread(target=self._heartbeats, daemon=True, name="agent-heartbeat")
@@ -372,6 +372,7 @@ class Agent:
             self.runner.close()
             self._probe.close()
             self.channel.close()
+            self.files.close()
 
     def _prepare(self) -> None:
         """Start the runner (its process imports TVM) while the capabilities are probed."""
@@ -411,6 +412,7 @@ class Agent:
         else:
             log.warning("ACCEPTS UNSIGNED CODE (--accept-unsigned-code): it loads whatever the server sends")
         status = self.runner.sandbox_status
+        log.info("%s", self.files.describe())
         if status is None:
             log.warning("kernel sandbox: none (this runner is not sandboxed)")
         elif status.uid == 0 or not status.own_network or status.problems:
@@ -541,7 +543,7 @@ class Agent:
 
     def _measure(self, batch: pb.LeasedBatch) -> None:
         granted = time.monotonic()
-        lease_dir = self._work / "leases" / str(batch.lease_id)
+        lease_dir = self.files.root / "leases" / str(batch.lease_id)
         log.info(
             "lease %d: batch %d (%s), %d candidates, attempt %d",
             batch.lease_id,
@@ -568,8 +570,8 @@ class Agent:
                     result = self._run(
                         RunInput(
                             candidate_key=cand.candidate_key,
-                            artifact=self._runner_path(kernel),
-                            task_data=self._runner_path(task_data),
+                            artifact=str(kernel),
+                            task_data=str(task_data),
                             n_inputs=batch.n_inputs,
                             n_outputs=batch.n_outputs,
                             verify=batch.verify,
@@ -637,7 +639,7 @@ class Agent:
 
     def _run_model(self, run: pb.LeasedModelRun) -> None:
         """Fetch, run and report one leased model run (see the module docstring)."""
-        run_dir = self._work / "model_runs" / str(run.model_run_id)
+        run_dir = self.files.root / "model_runs" / str(run.model_run_id)
         self.files.make_dir(run_dir.parent)
         self.files.make_dir(run_dir, writable=True)  # the runner writes the outputs there
         log.info("model run %d: %d timed inferences", run.model_run_id, run.repeat)
@@ -663,7 +665,7 @@ class Agent:
             return pb.ModelRunResult(error=f"files unavailable: {'; '.join(missing)}")
         ran = self.runner.run_model(
             ModelRunInput(
-                self._runner_path(library), self._runner_path(inputs), self._runner_path(outputs),
+                str(library), str(inputs), str(outputs),
                 run.repeat, run.warmup, run.timeout_secs,
             )
         )
@@ -704,7 +706,7 @@ class Agent:
         sha256), never under a name the server sent."""
         self.files.make_dir(lease_dir.parent)
         self.files.make_dir(lease_dir, writable=True)  # a CUDA or .tar kernel unpacks next to itself
-        cache = self._work / "task_data"
+        cache = self.files.root / "task_data"
         self.files.make_dir(cache)
         out: dict[int, Path | str] = {}
         wanted: list[tuple[pb.ArtifactRef, Path]] = []
@@ -825,11 +827,6 @@ class Agent:
         self.files.share_file(path)
         return path
 
-    def _runner_path(self, path: Path) -> str:
-        """How the runner names a file: relative to the work directory (its own runner's
-        working directory, which it entered before giving up its rights)."""
-        return os.path.relpath(path, self._work) if self._own_runner else str(path)
-
 
 class _Sink:
     """One file being downloaded: written to `<dest>.part`, checked, then renamed."""
@@ -908,23 +905,41 @@ def _local_file_name(server_name: str, stem: str) -> str | None:
     return f"{stem}{suffix}" if suffix is not None else None
 
 
-class _SharedFiles:
-    """Gives the sandboxed kernel process what it reads, and where it writes, when it runs
-    as another user (an agent running as root: `--kernel-user`): the user's group gets
-    read access to the work directory's files (and write access to a lease's own
-    directory), nobody else does. A no-op when the kernels run as the agent's user."""
+class _KernelFiles:
+    """Where the agent puts what the sandboxed kernel process reads and writes (leases'
+    kernels, the task data cache, model runs), and with which rights.
 
-    def __init__(self, gid: int | None):
-        self.gid = gid
+    When kernels run as another user (an agent running as root: `--kernel-user`), that
+    user's group gets read access to these files and write access to each lease's and
+    model run's own directory; nobody else does. Its files must be reachable by that
+    user: the work directory, unless one of its parents is closed to it (/root, a
+    private temporary directory), then a private directory of the agent's own under
+    the system's temporary directory (removed when the agent stops; the task data cache
+    then lasts as long as the agent)."""
+
+    def __init__(self, root: Path, gid: int | None, temporary: bool = False):
+        self.root = root
+        self.gid = gid  # the kernel user's group; None: kernels run as the agent's user
+        self.temporary = temporary
 
     @classmethod
-    def for_user(cls, user: str | None) -> _SharedFiles:
+    def prepare(cls, work: Path, user: str | None) -> _KernelFiles:
         if user is None or os.geteuid() != 0:
-            return cls(None)
+            return cls(work, None)
         try:
-            return cls(pwd.getpwnam(user).pw_gid)
+            pw = pwd.getpwnam(user)
         except KeyError:
-            return cls(None)  # the runner stays root and says so
+            return cls(work, None)  # the runner stays root and says so
+        if _reachable(work, pw.pw_uid, pw.pw_gid):
+            files = cls(work, pw.pw_gid)
+        else:
+            files = cls(Path(tempfile.mkdtemp(prefix="tunefarm-agent-")), pw.pw_gid, temporary=True)
+        files.share_dir(files.root)
+        return files
+
+    def describe(self) -> str:
+        where = "under the work directory" if not self.temporary else f"in {self.root} (the work directory is closed to it)"
+        return f"kernel files {where}" + (", readable by the kernel user's group only" if self.gid is not None else "")
 
     def make_dir(self, path: Path, *, writable: bool = False) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -939,6 +954,26 @@ class _SharedFiles:
         if self.gid is not None:
             os.chown(path, -1, self.gid)
             os.chmod(path, 0o640)
+
+    def close(self) -> None:
+        if self.temporary:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _reachable(path: Path, uid: int, gid: int) -> bool:
+    """Whether user `uid` (group `gid`, no other groups) may pass through each parent of
+    `path` to it (by their mode bits)."""
+    for directory in path.resolve().parents:
+        st = directory.stat()
+        if st.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid == gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return False
+    return True
 
 
 def _evict(directory: Path, keep: int) -> None:

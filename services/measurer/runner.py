@@ -8,8 +8,7 @@ wrong output is a `RunResult` with an `ErrorKind` and a message.
 call the same job function, `run_kernel`. A device agent's runner is sandboxed
 (`tunefarm.isolation.Sandbox`: started by root, the process runs as `nobody` in a network
 namespace of its own); it then imports, while still privileged, every module its jobs
-use (`SANDBOX_PRELOAD`: the Python installation may sit where `nobody` cannot read) and
-reads its files by paths relative to its working directory (`cwd`).
+use (`SANDBOX_PRELOAD`: the Python installation may sit where `nobody` cannot read).
 
 What one run does (`run_kernel`), following `TimingConfig`:
 
@@ -63,17 +62,20 @@ VERIFY_ATOL = 1e-3
 
 SANDBOX_PRELOAD = (
     "tvm",
-    "tvm.relax",
-    "tvm.support.cc",
+    "tvm.relax",  # a model run's VM
+    "tvm.support.cc",  # a .tar kernel is linked at load
     "tvm.support.tar",
     "tvm.support.utils",
     "tvm_ffi",
-    "zipfile",
+    "zipfile",  # task data and inputs are .npz files ...
+    "encodings.cp437",  # ... whose member names zipfile decodes with it
+    "numpy.ma",  # comparing outputs
     "tunefarm.models.build",
     "tunefarm.models.timing",
 )
 """What a sandboxed runner imports before it gives up its rights: every module its jobs
-import later (loading a .tar kernel links it with tvm.support; a model run uses relax)."""
+import later (the sandbox's user may not read the Python installation: a module first
+imported after the drop would fail to load)."""
 
 
 @dataclass(frozen=True)
