@@ -52,8 +52,8 @@ from services.measurer.lease_service import LeaseServer, make_server
 from services.measurer.runner import LocalRunner
 from services.measurer.settings import LeaseServiceSettings
 from services.measurer.signing import ArtifactSigner, SignedKind, ensure_key_pair
-from tunefarm.isolation import Sandbox
 from tunefarm.records import ErrorKind, RunInput, TimingConfig
+from tunefarm.sandbox import Sandbox
 from tunefarm.target import host_target_dict
 
 AGENT_RUN_SECS = 180.0

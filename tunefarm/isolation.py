@@ -30,31 +30,19 @@ The start-up (spawn + preload) is not counted against a call's timeout; it has i
 limit, `start_timeout`.
 
 A worker given a `Sandbox` (a device agent's kernel runner: it loads code that came over
-the network) starts its child with fewer rights, as far as the OS allows, and says which
-it got (`IsolatedWorker.sandbox_status`, from the child's "ready" message):
-
-- started by root: the child takes a network namespace of its own (`unshare(CLONE_NEWNET)`:
-  no interface but a loopback that is down, so no connection to anything, the host's
-  127.0.0.1 included), then drops to `Sandbox.user` (default `nobody`: setgroups([]),
-  setgid, setuid), after its preload imports and before any call. What it reads must be
-  readable by that user (and reachable: no parent directory closed to it), and every
-  module it imports later too: preload what its calls import;
-- started by another user: it stays that user, and takes a user and a network namespace
-  of its own where unprivileged user namespaces are allowed (before any thread starts);
-- either way `PR_SET_NO_NEW_PRIVS` (no setuid binary gives it rights back), and an
-  environment without the parent's secrets (`scrubbed_env`: no TUNEFARM_* variable, none
-  whose name says token, secret, password or credential).
+the network) starts its child with fewer rights, as far as the OS allows
+(`tunefarm.sandbox`), and says which it got (`IsolatedWorker.sandbox_status`, from the
+child's "ready" message). Its child does not inherit the parent's secrets
+(`sandbox.scrubbed_env`).
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib
 import json
 import os
 import pickle
-import pwd
 import re
 import signal
 import socket
@@ -70,6 +58,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tunefarm.errors import TunefarmError
+from tunefarm.sandbox import (
+    Sandbox,
+    SandboxStatus,
+    enter_as_root,
+    enter_unprivileged,
+    scrubbed_env,
+    seal,
+)
 
 DEFAULT_START_TIMEOUT = 120.0
 """Seconds a child may take to start and import its preload modules (tvm takes ~2 s idle,
@@ -83,49 +79,6 @@ _CHILD_BOOTSTRAP = (
     "from tunefarm.isolation import _child_main; "
     "_child_main(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5]))"
 )
-
-CLONE_NEWNET = 0x40000000
-CLONE_NEWUSER = 0x10000000
-PR_SET_NO_NEW_PRIVS = 38
-
-SECRET_ENV = re.compile(r"^TUNEFARM_|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
-"""Environment variables a sandboxed child does not inherit (the agent's token among them)."""
-
-
-@dataclass(frozen=True)
-class Sandbox:
-    """What a worker's child gives up before it runs any call (see the module docstring)."""
-
-    user: str | None = "nobody"  # a child started by root runs as this user; None: it stays root
-    no_network: bool = True  # a network namespace of its own: it reaches nothing
-
-
-@dataclass(frozen=True)
-class SandboxStatus:
-    """What a sandboxed child got."""
-
-    uid: int  # the child's user id, as the host sees it
-    user: str  # its name
-    own_network: bool  # in a network namespace of its own (no network)
-    no_new_privs: bool  # PR_SET_NO_NEW_PRIVS is set
-    problems: tuple[str, ...] = ()  # why a protection asked for is missing
-
-    def describe(self) -> str:
-        """One line for a log: which protections are active."""
-        parts = [
-            f"runs as {self.user} (uid {self.uid})" + (" -- root!" if self.uid == 0 else ""),
-            "no network (a network namespace of its own)" if self.own_network else "shares the host's network",
-        ]
-        if self.no_new_privs:
-            parts.append("no new privileges")
-        text = ", ".join(parts)
-        return f"{text}; {'; '.join(self.problems)}" if self.problems else text
-
-
-def scrubbed_env(env: dict[str, str]) -> dict[str, str]:
-    """`env` without the variables a sandboxed child must not see (`SECRET_ENV`)."""
-    return {k: v for k, v in env.items() if not SECRET_ENV.search(k)}
-
 
 class CallStatus(StrEnum):
     """How a call in the child ended."""
@@ -485,7 +438,7 @@ def _child_main(fd: int, lifeline: int, preload: list[str], sandbox: dict[str, A
     """Entry point of the child process (see the module docstring for the protocol)."""
     spec = Sandbox(**sandbox) if sandbox is not None else None
     # A user namespace needs a process with one thread: before the lifeline thread starts.
-    entered = _enter_unprivileged_sandbox(spec) if spec is not None and os.geteuid() != 0 else None
+    entered = enter_unprivileged(spec) if spec is not None and os.geteuid() != 0 else None
     threading.Thread(target=_exit_on_eof, args=(lifeline,), daemon=True, name="lifeline").start()
     conn = Connection(fd)
     try:
@@ -499,8 +452,8 @@ def _child_main(fd: int, lifeline: int, preload: list[str], sandbox: dict[str, A
         # Root gives up its rights after the preload: its imports may come from places
         # the sandbox user cannot read.
         if entered is None:
-            entered = _enter_root_sandbox(spec)
-        status = _sandbox_status(*entered)
+            entered = enter_as_root(spec)
+        status = seal(*entered)
     conn.send(("ready", {"pid": os.getpid(), "sandbox": asdict(status) if status is not None else None}))
     functions: dict[str, Any] = {}
     while True:
@@ -523,64 +476,6 @@ def _child_main(fd: int, lifeline: int, preload: list[str], sandbox: dict[str, A
             conn.send_bytes(data)
         except OSError:
             return
-
-
-def _libc_call(name: str, *args: int) -> str | None:
-    """Call a libc function that returns -1 on failure; None, or why it failed."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if getattr(libc, name)(*args) != 0:
-        return f"{name}: {os.strerror(ctypes.get_errno())}"
-    return None
-
-
-def _enter_unprivileged_sandbox(spec: Sandbox) -> tuple[bool, tuple[str, ...]]:
-    """Not root: a user namespace (mapping this user to itself) with a network namespace
-    of its own, where the OS lets an unprivileged user make one. (Own network, problems.)"""
-    if not spec.no_network:
-        return False, ()
-    uid, gid = os.getuid(), os.getgid()
-    problem = _libc_call("unshare", CLONE_NEWUSER | CLONE_NEWNET)
-    if problem:
-        return False, (f"the network is shared ({problem}: no unprivileged user namespaces here)",)
-    try:
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-    except OSError as exc:
-        return True, (f"its user is not mapped in its namespace ({exc.strerror})",)
-    return True, ()
-
-
-def _enter_root_sandbox(spec: Sandbox) -> tuple[bool, tuple[str, ...]]:
-    """Root: a network namespace of its own, then `spec.user`. (Own network, problems.)"""
-    problems = []
-    own_network = False
-    if spec.no_network:
-        problem = _libc_call("unshare", CLONE_NEWNET)
-        own_network = problem is None
-        if problem:
-            problems.append(f"the network is shared ({problem})")
-    if spec.user:
-        try:
-            pw = pwd.getpwnam(spec.user)
-            os.setgroups([])
-            os.setgid(pw.pw_gid)
-            os.setuid(pw.pw_uid)
-        except KeyError:
-            problems.append(f"it stays root: there is no user {spec.user!r}")
-        except OSError as exc:
-            problems.append(f"it stays root: cannot become {spec.user} ({exc.strerror})")
-    return own_network, tuple(problems)
-
-
-def _sandbox_status(own_network: bool, problems: tuple[str, ...]) -> SandboxStatus:
-    no_new_privs = _libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) is None
-    uid = os.getuid()
-    try:
-        user = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        user = str(uid)
-    return SandboxStatus(uid, user, own_network, no_new_privs, problems)
 
 
 def _resolve(func_path: str) -> Any:

@@ -47,8 +47,9 @@ network):
   agent runs as root, as `--kernel-user` (default nobody) in a network namespace of its
   own; otherwise as the agent's user, without network where unprivileged user
   namespaces are allowed. The agent logs which protections are active when it starts.
-  Its work directory and files are made readable (the kernel's own directory writable)
-  by that user's group, and the child reads them relative to the work directory.
+  The files a kernel needs are readable by that user's group only (a lease's own
+  directory writable), under the work directory, or, when a parent of it is closed to
+  that user (/root), under a private temporary directory (`KernelFiles`);
 - the registration: `Register` answers with a secret for this run of the agent, kept in
   memory only and sent with every later call (`x-tunefarm-agent-secret`): another process
   with the same token cannot act as this agent. A registration under the same name
@@ -61,14 +62,11 @@ import argparse
 import ipaddress
 import logging
 import os
-import pwd
 import queue
 import random
 import shutil
 import signal
 import socket
-import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -95,11 +93,11 @@ from services.measurer.exceptions import (
 )
 from services.measurer.generated import measurer_pb2 as pb
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc
+from services.measurer.kernel_files import LOADABLE_SUFFIXES, KernelFiles, local_file_name
 from services.measurer.runner import LocalRunner, ModelRunInput, Runner
 from services.measurer.signing import SHA256_HEX, ArtifactVerifier, BadSignature, KeyFileError, SignedKind
-from tunefarm.cuda import CUDA_KERNEL_SUFFIX
-from tunefarm.isolation import Sandbox
 from tunefarm.records import ErrorKind, RunInput, RunResult
+from tunefarm.sandbox import Sandbox
 from tunefarm.target import physical_cores
 
 log = logging.getLogger("tunefarm.agent")
@@ -126,10 +124,6 @@ STOP_GRACE_SECS = 10.0
 LOCAL_TARGETS = ("localhost", "unix:", "unix-abstract:")
 """Servers on this machine besides loopback addresses: the only ones reached in
 plaintext without `--insecure-plaintext`."""
-
-LOADABLE_SUFFIXES = (CUDA_KERNEL_SUFFIX, ".tar", ".so")
-"""What a kernel or model library file may end with (the runner picks its loader by it);
-the file is saved under a name the agent makes, with this suffix."""
 
 SIGNED_KINDS = {pb.ARTIFACT_KIND_KERNEL: SignedKind.KERNEL, pb.ARTIFACT_KIND_MODEL_LIBRARY: SignedKind.MODEL_LIBRARY}
 """The files that are code: loaded only with the farm's signature."""
@@ -291,9 +285,9 @@ class Backoff:
 class Agent:
     """Registers, leases, fetches, runs and reports until `stop` is set.
 
-    `runner` defaults to a sandboxed `LocalRunner` with `num_threads` TVM threads, in the
-    work directory; `capabilities` to `capabilities.detect()`. Raises `BadRequest` for a
-    public key that cannot be read.
+    `runner` defaults to a sandboxed `LocalRunner` with `num_threads` TVM threads;
+    `capabilities` to `capabilities.detect()`. Raises `BadRequest` for a public key that
+    cannot be read.
     """
 
     def __init__(
@@ -312,9 +306,9 @@ class Agent:
         except KeyFileError as exc:
             raise BadRequest(str(exc)) from None
         # The runner made here runs kernels as the sandbox's user, who reads (and writes)
-        # what the agent puts under `files.root` (`_KernelFiles`).
+        # what the agent puts under `files.root` (`KernelFiles`).
         self._work.mkdir(parents=True, exist_ok=True)
-        self.files = _KernelFiles.prepare(self._work, settings.kernel_user if runner is None else None)
+        self.files = KernelFiles.prepare(self._work, settings.kernel_user if runner is None else None)
         self.runner = runner or LocalRunner(
             settings.num_threads or physical_cores(), sandbox=Sandbox(user=settings.kernel_user), cwd=self.files.root
         )
@@ -655,19 +649,18 @@ class Agent:
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def _model_result(self, run: pb.LeasedModelRun, run_dir: Path) -> pb.ModelRunResult:
-        name = _local_file_name(run.library.file_name, "model")
+        name = local_file_name(run.library.file_name, "model")
         if name is None:
             return pb.ModelRunResult(error=f"refused: the library's file name ends in none of {LOADABLE_SUFFIXES}")
+        if run.library.id != run.model_run_id:
+            return pb.ModelRunResult(error="refused: the library offered is another model run's")
         library, inputs, outputs = run_dir / name, run_dir / "inputs.npz", run_dir / "outputs.npz"
         got = self._fetch_files([(run.library, library), (run.inputs, inputs)], model_run_id=run.model_run_id)
         missing = [why for why in (got.get(i, "not fetched") for i in range(2)) if isinstance(why, str)]
         if missing:
             return pb.ModelRunResult(error=f"files unavailable: {'; '.join(missing)}")
         ran = self.runner.run_model(
-            ModelRunInput(
-                str(library), str(inputs), str(outputs),
-                run.repeat, run.warmup, run.timeout_secs,
-            )
+            ModelRunInput(str(library), str(inputs), str(outputs), run.repeat, run.warmup, run.timeout_secs)
         )
         return pb.ModelRunResult(
             latency_samples=ran.latency_samples,
@@ -702,7 +695,7 @@ class Agent:
         """Download the batch's kernels, and its task data unless cached: one Fetch stream
         (retried for what is missing after a transport error). Returns each candidate's
         kernel path or why it is unavailable, and the task data's path or why not. Files
-        are saved under names made here (`_local_file_name`, the task data's checked
+        are saved under names made here (`local_file_name`, the task data's checked
         sha256), never under a name the server sent."""
         self.files.make_dir(lease_dir.parent)
         self.files.make_dir(lease_dir, writable=True)  # a CUDA or .tar kernel unpacks next to itself
@@ -711,7 +704,7 @@ class Agent:
         out: dict[int, Path | str] = {}
         wanted: list[tuple[pb.ArtifactRef, Path]] = []
         for cand in batch.candidates:
-            name = _local_file_name(cand.kernel.file_name, str(cand.batch_candidate_id))
+            name = local_file_name(cand.kernel.file_name, str(cand.batch_candidate_id))
             if not cand.kernel.file_name:
                 out[cand.batch_candidate_id] = "the candidate has no built kernel"
             elif name is None:
@@ -895,85 +888,6 @@ class _Holding:
     def drop_model_run(self, run_id: int) -> None:
         with self._lock:
             self._runs.discard(run_id)
-
-
-def _local_file_name(server_name: str, stem: str) -> str | None:
-    """The name a kernel or library is saved under: `stem` (made here) and the suffix of
-    the server's name (the runner picks the loader by it); None when that suffix is none
-    of `LOADABLE_SUFFIXES`. Nothing else of the server's name is used."""
-    suffix = next((x for x in LOADABLE_SUFFIXES if server_name.endswith(x)), None)
-    return f"{stem}{suffix}" if suffix is not None else None
-
-
-class _KernelFiles:
-    """Where the agent puts what the sandboxed kernel process reads and writes (leases'
-    kernels, the task data cache, model runs), and with which rights.
-
-    When kernels run as another user (an agent running as root: `--kernel-user`), that
-    user's group gets read access to these files and write access to each lease's and
-    model run's own directory; nobody else does. Its files must be reachable by that
-    user: the work directory, unless one of its parents is closed to it (/root, a
-    private temporary directory), then a private directory of the agent's own under
-    the system's temporary directory (removed when the agent stops; the task data cache
-    then lasts as long as the agent)."""
-
-    def __init__(self, root: Path, gid: int | None, temporary: bool = False):
-        self.root = root
-        self.gid = gid  # the kernel user's group; None: kernels run as the agent's user
-        self.temporary = temporary
-
-    @classmethod
-    def prepare(cls, work: Path, user: str | None) -> _KernelFiles:
-        if user is None or os.geteuid() != 0:
-            return cls(work, None)
-        try:
-            pw = pwd.getpwnam(user)
-        except KeyError:
-            return cls(work, None)  # the runner stays root and says so
-        if _reachable(work, pw.pw_uid, pw.pw_gid):
-            files = cls(work, pw.pw_gid)
-        else:
-            files = cls(Path(tempfile.mkdtemp(prefix="tunefarm-agent-")), pw.pw_gid, temporary=True)
-        files.share_dir(files.root)
-        return files
-
-    def describe(self) -> str:
-        where = "under the work directory" if not self.temporary else f"in {self.root} (the work directory is closed to it)"
-        return f"kernel files {where}" + (", readable by the kernel user's group only" if self.gid is not None else "")
-
-    def make_dir(self, path: Path, *, writable: bool = False) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        self.share_dir(path, writable=writable)
-
-    def share_dir(self, path: Path, *, writable: bool = False) -> None:
-        if self.gid is not None:
-            os.chown(path, -1, self.gid)
-            os.chmod(path, 0o770 if writable else 0o750)
-
-    def share_file(self, path: Path) -> None:
-        if self.gid is not None:
-            os.chown(path, -1, self.gid)
-            os.chmod(path, 0o640)
-
-    def close(self) -> None:
-        if self.temporary:
-            shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _reachable(path: Path, uid: int, gid: int) -> bool:
-    """Whether user `uid` (group `gid`, no other groups) may pass through each parent of
-    `path` to it (by their mode bits)."""
-    for directory in path.resolve().parents:
-        st = directory.stat()
-        if st.st_uid == uid:
-            bit = stat.S_IXUSR
-        elif st.st_gid == gid:
-            bit = stat.S_IXGRP
-        else:
-            bit = stat.S_IXOTH
-        if not st.st_mode & bit:
-            return False
-    return True
 
 
 def _evict(directory: Path, keep: int) -> None:

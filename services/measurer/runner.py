@@ -51,8 +51,9 @@ import numpy as np
 from services.measurer.task_data import TaskData, read_task_data, save_outputs
 from tunefarm import cuda, layout
 from tunefarm.digest import digest
-from tunefarm.isolation import CallStatus, IsolatedWorker, Sandbox, SandboxStatus, summarize_error
+from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
 from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, failure_kind
+from tunefarm.sandbox import Sandbox, SandboxStatus
 
 VERIFY_RTOL = 1e-3
 """Relative tolerance of the output check."""
