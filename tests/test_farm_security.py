@@ -402,6 +402,7 @@ def test_a_false_server_cannot_make_the_agent_write_outside_its_work_directory(t
     farm, _, public_key = farm_keys
     outside = tmp_path / "outside"
     outside.mkdir()
+    (outside / "x.npz").write_bytes(b"precious")  # what a climbing name would overwrite, even for a moment
     climb = "../" * 24 + str(outside).lstrip("/")  # from any depth: up to / and down to `outside`
     data = _shared_library(tmp_path / "k.so", MARKER_SOURCE, MARKER=_c_string(str(marker_dir / "kernel")))
     task_data = _task_data()
@@ -419,7 +420,8 @@ def test_a_false_server_cannot_make_the_agent_write_outside_its_work_directory(t
     finally:
         server.stop(0)
     assert errors == []
-    assert list(outside.iterdir()) == []  # neither the task data nor the kernel landed there
+    # Nothing landed there, nothing there was replaced (not even for a moment).
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == {"x.npz": b"precious"}
     result = servicer.results[1]
     assert result.error_kind == pb.ERROR_KIND_RUN_ERROR and "task data unavailable: refused" in result.error_msg
 
@@ -444,6 +446,8 @@ def test_an_agent_refuses_plaintext_to_another_host(capsys, tmp_path):
 
 def test_an_agent_without_the_farms_public_key_does_not_start(capsys, tmp_path):
     token = "tfa_" + "x" * 40
+    with pytest.raises(BadRequest, match="no signing public key"):
+        AgentSettings(server="127.0.0.1:1", token=token)
     assert agent_main(["--server", "127.0.0.1:1", "--token", token, "--work-dir", str(tmp_path)]) == 2
     out = capsys.readouterr().out.strip()
     assert "\n" not in out and "no signing public key" in out and "--accept-unsigned-code" in out
