@@ -524,3 +524,31 @@ def test_the_kernel_process_of_a_root_agent_runs_as_nobody_without_network(monke
     finally:
         listener.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- the operator's key pair -----------------------------------------------------------------
+
+
+def test_the_operator_makes_the_farms_signing_key_pair(tmp_path, capsys):
+    from services.measurer.signing import ArtifactVerifier, BadSignature
+    from tunefarm_app.cli import main
+
+    private, public = tmp_path / "keys" / "farm-signing.key", tmp_path / "keys" / "farm-signing.pub"
+    argv = ["farm", "signing-key", "--private-key", str(private), "--public-key", str(public)]
+    assert main(argv) == 0 and "made" in capsys.readouterr().out
+    assert private.stat().st_mode & 0o777 == 0o600
+    first = private.read_bytes()
+    assert main(argv) == 0 and "kept" in capsys.readouterr().out  # run again: the same key
+    assert private.read_bytes() == first
+    sha = hashlib.sha256(b"a kernel").hexdigest()
+    signature = ArtifactSigner.from_file(private).sign(SignedKind.KERNEL, 12, sha)
+    verifier = ArtifactVerifier.from_file(public)
+    verifier.verify(SignedKind.KERNEL, 12, sha, signature)
+    for kind, bc_id, digest in ((SignedKind.KERNEL, 13, sha), (SignedKind.MODEL_LIBRARY, 12, sha),
+                                (SignedKind.KERNEL, 12, hashlib.sha256(b"another").hexdigest())):  # fmt: skip
+        with pytest.raises(BadSignature):  # bound to the file, its kind and its id
+            verifier.verify(kind, bc_id, digest, signature)
+    private.write_text("not a key")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "not a PEM private key" in err
