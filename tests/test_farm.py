@@ -130,6 +130,7 @@ class Farm:
     token: str
     prefix: str
     target: dict
+    public_key: Path  # the farm's signing key's public half: the agents check kernels with it
 
     def measurer(self, **kw) -> FarmMeasurer:
         return FarmMeasurer(
@@ -160,6 +161,7 @@ class Farm:
             reconnect_max_secs=1.0,
             rpc_timeout_secs=10.0,
             lease_wait_secs=2.0,
+            signing_public_key=self.public_key,
         )
 
     def batch_rows(self) -> list[Batch]:
@@ -203,11 +205,22 @@ def lease_server(lease_settings, db_sessions):
 
 
 @pytest.fixture(scope="module")
-def worker_context(database_url, artifact_root, db_sessions):
-    """Build jobs of this module run in this process, over two warm build processes."""
+def signing_keys(tmp_path_factory) -> tuple[Path, Path]:
+    """The farm's signing key pair: (private key, public key)."""
+    from services.measurer.signing import ensure_key_pair
+
+    d = tmp_path_factory.mktemp("signing")
+    ensure_key_pair(d / "farm-signing.key", d / "farm-signing.pub")
+    return d / "farm-signing.key", d / "farm-signing.pub"
+
+
+@pytest.fixture(scope="module")
+def worker_context(database_url, artifact_root, db_sessions, signing_keys):
+    """Build jobs of this module run in this process, over two warm build processes;
+    they sign every kernel with the farm's key."""
     builder = LocalBuilder(artifact_root / "kernels", n_workers=2)
     builder.start()
-    settings = WorkerSettings(database_url=database_url, artifact_root=artifact_root)
+    settings = WorkerSettings(database_url=database_url, artifact_root=artifact_root, signing_key_file=signing_keys[0])
     jobs.configure(settings, builder=builder, sessions=db_sessions)
     yield
     jobs.shutdown()
@@ -219,7 +232,7 @@ def agent_caps() -> dict:
 
 
 @pytest.fixture
-def farm(db_sessions, redis_conn, artifact_root, lease_server, worker_context) -> Iterator[Farm]:
+def farm(db_sessions, redis_conn, artifact_root, lease_server, worker_context, signing_keys) -> Iterator[Farm]:
     uid = uuid.uuid4().hex[:10]
     target = host_target_dict()
     with transaction(db_sessions) as s:
@@ -236,7 +249,10 @@ def farm(db_sessions, redis_conn, artifact_root, lease_server, worker_context) -
         _, token = queries.issue_token(s, kind=TokenKind.AGENT, label=uid)
         job_id = job.id
     prefix = f"test-{uid}"
-    yield Farm(db_sessions, redis_conn, artifact_root, lease_server.address, f"cls-{uid}", job_id, token, prefix, target)
+    yield Farm(
+        db_sessions, redis_conn, artifact_root, lease_server.address, f"cls-{uid}", job_id, token, prefix, target,
+        signing_keys[1],
+    )
     for key in redis_conn.scan_iter(f"*{prefix}*"):
         redis_conn.delete(key)
 
@@ -436,7 +452,7 @@ def test_cross_target_batches_are_built_for_the_board(farm):
     measurer.close()
 
 
-def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_caps):
+def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_caps, signing_keys):
     """The path a class the scheduler cannot run takes (here on this host's class, so no
     emulator is needed): the scheduler's model check queues a model run, an agent
     leases it, runs the library and sends outputs and latencies, the check compares
@@ -445,6 +461,7 @@ def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_cap
     pytest.importorskip("onnxruntime")
     from onnx_models import tiny_onnx
 
+    from services.measurer.signing import ArtifactSigner
     from services.scheduler.exceptions import JobFailed
     from services.scheduler.model_check import DeviceRun, check_on_device
     from tunefarm.models.build import build_model_library
@@ -459,6 +476,7 @@ def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_cap
     where = DeviceRun(
         farm.sessions, farm.root, job_id=farm.job_id, device_class_id=class_id, device_class=farm.device_class,
         wait_secs=0.5, stop=threading.Event(), repeat=5, warmup=1, poll_secs=0.05,
+        signer=ArtifactSigner.from_file(signing_keys[0]),
     )  # fmt: skip
     unchecked = check_on_device(m, built.directory, where)  # no agent yet
     assert unchecked.check["ok"] is None and "no agent of" in unchecked.check["problem"]
@@ -505,7 +523,7 @@ def test_a_killed_agents_batch_is_leased_again_and_measured_exactly_once(farm, t
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "services.measurer.agent", "--server", farm.server_address,
              "--device-class", farm.device_class, "--name", name, "--work-dir", str(tmp_path / name),
-             "--threads", "1"],
+             "--threads", "1", "--signing-public-key", str(farm.public_key)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -548,11 +566,12 @@ def test_a_killed_agents_batch_is_leased_again_and_measured_exactly_once(farm, t
             lease_id=first.id,
             result=pb.Result(batch_candidate_id=bc_id, candidate_key=key, costs=[1e-3], run_secs=0.1),
         )
+        # The killed agent's secret died with it: the token alone cannot send it.
         with grpc.insecure_channel(farm.server_address) as channel:
             stub = pb_grpc.AgentServiceStub(channel)
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.ReportResults(iter([late]), metadata=wire.auth_metadata(farm.token), timeout=10))
-        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -805,12 +824,34 @@ def _ready_batches(farm: Farm, measurer: FarmMeasurer, task, groups: list[list[M
     return ids
 
 
-def _report(stub, token: str, agent_id: int, lease_id: int, results: list[pb.Result], finish: bool = False) -> list:
+def _report(stub, metadata, agent_id: int, lease_id: int, results: list[pb.Result], finish: bool = False) -> list:
     """One ReportResults stream: the acks, or the stream's RpcError."""
     msgs = [pb.ResultMessage(agent_id=agent_id, lease_id=lease_id, result=r) for r in results]
     if finish:
         msgs.append(pb.ResultMessage(agent_id=agent_id, lease_id=lease_id, finish=pb.Finish()))
-    return list(stub.ReportResults(iter(msgs), metadata=wire.auth_metadata(token), timeout=10))
+    return list(stub.ReportResults(iter(msgs), metadata=metadata, timeout=10))
+
+
+class Registrar:
+    """Registers agents over raw gRPC and keeps each one's secret, as an agent does."""
+
+    def __init__(self, stub, farm: Farm):
+        self.stub = stub
+        self.farm = farm
+        self.secrets: dict[int, str] = {}
+
+    def register(self, name: str, token: str) -> int:
+        caps = pb.Capabilities(arch=os.uname().machine, target_json=json.dumps(self.farm.target))
+        request = pb.RegisterRequest(name=f"{self.farm.device_class}-{name}", device_class=self.farm.device_class,
+                                     capabilities=caps)  # fmt: skip
+        resp = self.stub.Register(request, metadata=wire.auth_metadata(token), timeout=10)
+        assert resp.agent_secret.startswith(wire.AGENT_SECRET_PREFIX)
+        self.secrets[resp.agent_id] = resp.agent_secret
+        return resp.agent_id
+
+    def meta(self, token: str, agent_id: int):
+        """A call's metadata: `token` and the secret agent `agent_id` was given."""
+        return wire.agent_metadata(token, self.secrets[agent_id])
 
 
 def _ok(candidate: pb.LeasedCandidate, cost: float) -> pb.Result:
@@ -845,24 +886,21 @@ def test_late_and_fabricated_results_are_refused_and_nothing_is_stored(farm):
     with transaction(farm.sessions) as s:
         _, token_b = queries.issue_token(s, kind=TokenKind.AGENT, label="b")
         other_batch_candidate = s.scalar(select(func.min(BatchCandidate.id)).where(BatchCandidate.batch_id == second))
-    caps = pb.Capabilities(arch=os.uname().machine, target_json=json.dumps(farm.target))
     code = grpc.StatusCode
     with grpc.insecure_channel(farm.server_address) as channel:
         stub = pb_grpc.AgentServiceStub(channel)
-
-        def register(name: str, token: str) -> int:
-            request = pb.RegisterRequest(name=f"{farm.device_class}-{name}", device_class=farm.device_class, capabilities=caps)
-            return stub.Register(request, metadata=wire.auth_metadata(token), timeout=10).agent_id
+        agents = Registrar(stub, farm)
+        register, meta = agents.register, agents.meta
 
         def lease(agent_id: int, token: str) -> pb.LeasedBatch:
-            resp = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent_id), metadata=wire.auth_metadata(token), timeout=10)
+            resp = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent_id), metadata=meta(token, agent_id), timeout=10)
             assert resp.HasField("batch")
             return resp.batch
 
         def refused(expected: grpc.StatusCode, token: str, agent_id: int, lease_id: int, results, finish=False) -> str:
             before = _stored(farm)
             with pytest.raises(grpc.RpcError) as err:
-                _report(stub, token, agent_id, lease_id, results, finish)
+                _report(stub, meta(token, agent_id), agent_id, lease_id, results, finish)
             assert err.value.code() is expected, err.value.details()
             assert _stored(farm) == before  # nothing of it was stored
             return err.value.details()
@@ -877,7 +915,8 @@ def test_late_and_fabricated_results_are_refused_and_nothing_is_stored(farm):
         of_other_batch = pb.Result(batch_candidate_id=other_batch_candidate, candidate_key=inputs[4].key, costs=[1e-3])
         refused(code.INVALID_ARGUMENT, farm.token, a, la.lease_id, [of_other_batch])
         wrong_key = pb.Result(batch_candidate_id=c1.batch_candidate_id, candidate_key=c2.candidate_key, costs=[1e-3])
-        refused(code.INVALID_ARGUMENT, farm.token, a, la.lease_id, [wrong_key])
+        details = refused(code.INVALID_ARGUMENT, farm.token, a, la.lease_id, [wrong_key])
+        assert c1.candidate_key not in details  # the key it should have had is never told
         # A lease that does not exist, for a batch never leased; and another agent's lease.
         never = pb.Result(batch_candidate_id=other_batch_candidate, candidate_key=inputs[4].key, costs=[1e-3])
         refused(code.FAILED_PRECONDITION, farm.token, a, la.lease_id + 10**6, [never])
@@ -886,13 +925,13 @@ def test_late_and_fabricated_results_are_refused_and_nothing_is_stored(farm):
 
         # A reports c1; the same result again on a new stream (a reconnect) is stored once.
         for _ in range(2):
-            acks = _report(stub, farm.token, a, la.lease_id, [_ok(c1, 2e-3)])
+            acks = _report(stub, meta(farm.token, a), a, la.lease_id, [_ok(c1, 2e-3)])
             assert [list(x.batch_candidate_ids) for x in acks] == [[c1.batch_candidate_id]]
         assert _stored(farm) == {c1.batch_candidate_id: (la.lease_id, 2e-3)}
         # The same candidate twice on one stream: refused; the second copy is never stored
         # (the first may be, when the stream stored it before the second came).
         with pytest.raises(grpc.RpcError) as err:
-            _report(stub, farm.token, a, la.lease_id, [_ok(c4, 3e-3), _ok(c4, 4e-3)])
+            _report(stub, meta(farm.token, a), a, la.lease_id, [_ok(c4, 3e-3), _ok(c4, 4e-3)])
         assert err.value.code() is code.INVALID_ARGUMENT and "twice" in err.value.details()
         c4_stored = _stored(farm).get(c4.batch_candidate_id)
         assert c4_stored in (None, (la.lease_id, 3e-3))
@@ -910,7 +949,7 @@ def test_late_and_fabricated_results_are_refused_and_nothing_is_stored(farm):
         refused(code.ALREADY_EXISTS, token_b, b, lb.lease_id, [_ok(c1, 6e-3)])
         refused(code.FAILED_PRECONDITION, farm.token, a, lb.lease_id, [_ok(c2, 5e-3)])  # B's lease, A's results
         # B's results are stored and finish the batch.
-        acks = _report(stub, token_b, b, lb.lease_id, [_ok(c, 7e-3) for c in unmeasured], finish=True)
+        acks = _report(stub, meta(token_b, b), b, lb.lease_id, [_ok(c, 7e-3) for c in unmeasured], finish=True)
         assert acks[-1].finished and acks[-1].batch_state == "done"
     assert _stored(farm) == {
         c1.batch_candidate_id: (la.lease_id, 2e-3),
@@ -936,17 +975,12 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
     batch_id = _ready_without_building(farm, measurer, task, gemm_inputs(wl, task.key, 2))
     with transaction(farm.sessions) as s:
         _, token_b = queries.issue_token(s, kind=TokenKind.AGENT, label="b")
-    caps = pb.Capabilities(arch=os.uname().machine, target_json=json.dumps(farm.target))
     code = grpc.StatusCode
     with grpc.insecure_channel(farm.server_address) as channel:
         stub = pb_grpc.AgentServiceStub(channel)
-        meta_a, meta_b = wire.auth_metadata(farm.token), wire.auth_metadata(token_b)
-
-        def register(name: str, metadata) -> int:
-            request = pb.RegisterRequest(name=f"{farm.device_class}-{name}", device_class=farm.device_class, capabilities=caps)
-            return stub.Register(request, metadata=metadata, timeout=10).agent_id
-
-        a, b = register("a", meta_a), register("b", meta_b)
+        agents = Registrar(stub, farm)
+        a, b = agents.register("a", farm.token), agents.register("b", token_b)
+        meta_a, meta_b = agents.meta(farm.token, a), agents.meta(token_b, b)
         la = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=a), metadata=meta_a, timeout=10).batch
         assert la.batch_id == batch_id
         stub.Heartbeat(pb.HeartbeatRequest(agent_id=a, held_lease_ids=[la.lease_id]), metadata=meta_a, timeout=10)  # the token is cached now
@@ -966,7 +1000,7 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
             stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=a), metadata=meta_a, timeout=10)
         assert err.value.code() is code.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as err:
-            _report(stub, farm.token, a, la.lease_id, [_ok(la.candidates[0], 1e-3)], finish=True)
+            _report(stub, meta_a, a, la.lease_id, [_ok(la.candidates[0], 1e-3)], finish=True)
         assert err.value.code() is code.UNAUTHENTICATED
         with transaction(farm.sessions) as s:
             assert s.get(Agent, a).state.value == "offline"
@@ -975,7 +1009,7 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
         # The batch went back to the queue at once: another agent leases it now.
         lb = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=b), metadata=meta_b, timeout=10).batch
         assert lb.batch_id == batch_id and len(lb.candidates) == 2
-        assert register("a", meta_b) == a  # the board, given a new token, keeps its agent name
+        assert agents.register("a", token_b) == a  # the board, given a new token, keeps its agent name
     assert _stored(farm) == {}
     measurer.close()
 # -- the build lock (services.worker.build_lock) ----------------------------------------------

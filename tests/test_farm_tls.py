@@ -115,11 +115,21 @@ def ready_batch(db_sessions):
     return farm, class_name, token
 
 
-def _register(channel: grpc.Channel, token: str, class_name: str, name: str) -> int:
+def _register_with_secret(channel: grpc.Channel, token: str, class_name: str, name: str) -> tuple[int, str]:
     stub = pb_grpc.AgentServiceStub(channel)
     caps = pb.Capabilities(arch=os.uname().machine, target_json=json.dumps({"kind": "llvm"}))
     request = pb.RegisterRequest(name=name, device_class=class_name, capabilities=caps)
-    return stub.Register(request, metadata=wire.auth_metadata(token), timeout=10).agent_id
+    resp = stub.Register(request, metadata=wire.auth_metadata(token), timeout=10)
+    return resp.agent_id, resp.agent_secret
+
+
+def _register(channel: grpc.Channel, token: str, class_name: str, name: str) -> int:
+    return _register_with_secret(channel, token, class_name, name)[0]
+
+
+def _settings(**kw) -> AgentSettings:
+    """An agent's settings for these tests, which never load a kernel."""
+    return AgentSettings(accept_unsigned_code=True, **kw)
 
 
 def _refused(channel: grpc.Channel, token: str, class_name: str, name: str) -> grpc.RpcError:
@@ -136,12 +146,13 @@ def _registered(db_sessions, name: str) -> bool:
 
 def test_an_agent_registers_and_leases_over_tls(tls_server, pki, ready_batch, db_sessions):
     farm, class_name, token = ready_batch
-    settings = AgentSettings(server=tls_server.address, token=token, tls_ca=pki.ca)
+    settings = _settings(server=tls_server.address, token=token, tls_ca=pki.ca)
     assert settings.uses_tls
     with open_channel(settings) as channel:
-        agent_id = _register(channel, token, class_name, f"{class_name}-tls")
+        agent_id, secret = _register_with_secret(channel, token, class_name, f"{class_name}-tls")
         stub = pb_grpc.AgentServiceStub(channel)
-        leased = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent_id), metadata=wire.auth_metadata(token), timeout=10)
+        metadata = wire.agent_metadata(token, secret)
+        leased = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent_id), metadata=metadata, timeout=10)
     assert leased.batch.batch_id == farm.batch_ids[0]
     assert [c.batch_candidate_id for c in leased.batch.candidates] == farm.candidate_ids[farm.batch_ids[0]]
 
@@ -150,10 +161,10 @@ def test_plaintext_and_untrusted_clients_are_refused_in_the_handshake(tls_server
     _, class_name, token = ready_batch
     with grpc.insecure_channel(tls_server.address) as channel:
         _refused(channel, token, class_name, f"{class_name}-plain")
-    other = AgentSettings(server=tls_server.address, token=token, tls_ca=pki.other_ca)
+    other = _settings(server=tls_server.address, token=token, tls_ca=pki.other_ca)
     with open_channel(other) as channel:
         _refused(channel, token, class_name, f"{class_name}-other-ca")
-    wrong_name = AgentSettings(server=tls_server.address, token=token, tls_ca=pki.ca, tls_server_name="elsewhere.example")
+    wrong_name = _settings(server=tls_server.address, token=token, tls_ca=pki.ca, tls_server_name="elsewhere.example")
     with open_channel(wrong_name) as channel:
         _refused(channel, token, class_name, f"{class_name}-wrong-name")
     assert not any(_registered(db_sessions, f"{class_name}-{n}") for n in ("plain", "other-ca", "wrong-name"))
@@ -161,7 +172,7 @@ def test_plaintext_and_untrusted_clients_are_refused_in_the_handshake(tls_server
 
 def test_an_agent_told_to_use_tls_never_speaks_plaintext(plain_server, pki, ready_batch, db_sessions):
     _, class_name, token = ready_batch
-    with open_channel(AgentSettings(server=plain_server.address, token=token, tls_ca=pki.ca)) as channel:
+    with open_channel(_settings(server=plain_server.address, token=token, tls_ca=pki.ca)) as channel:
         _refused(channel, token, class_name, f"{class_name}-tls-to-plain")
     assert not _registered(db_sessions, f"{class_name}-tls-to-plain")
     with grpc.insecure_channel(plain_server.address) as channel:  # the same server does answer plaintext
@@ -170,10 +181,10 @@ def test_an_agent_told_to_use_tls_never_speaks_plaintext(plain_server, pki, read
 
 def test_mutual_tls_wants_the_agents_certificate(mtls_server, pki, ready_batch, db_sessions):
     _, class_name, token = ready_batch
-    without = AgentSettings(server=mtls_server.address, token=token, tls_ca=pki.ca)
+    without = _settings(server=mtls_server.address, token=token, tls_ca=pki.ca)
     with open_channel(without) as channel:
         _refused(channel, token, class_name, f"{class_name}-no-cert")
-    with_cert = AgentSettings(server=mtls_server.address, token=token, tls_ca=pki.ca,
+    with_cert = _settings(server=mtls_server.address, token=token, tls_ca=pki.ca,
                               tls_cert=pki.agent_cert, tls_key=pki.agent_key)
     with open_channel(with_cert) as channel:
         assert _register(channel, token, class_name, f"{class_name}-mtls") > 0
@@ -193,7 +204,9 @@ def test_tls_settings_that_cannot_work_are_one_line(pki, tmp_path, capsys, monke
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and words in err, err
     with pytest.raises(BadRequest, match="--tls-key"):
-        AgentSettings(server="h:1", token="tfa_x", tls_cert=pki.agent_cert)
-    assert agent_main(["--server", "127.0.0.1:1", "--token", "tfa_x", "--tls-ca", str(tmp_path / "nope.pem")]) == 2
+        _settings(server="h:1", token="tfa_x", tls_cert=pki.agent_cert)
+    argv = ["--server", "127.0.0.1:1", "--token", "tfa_x", "--tls-ca", str(tmp_path / "nope.pem"), "--accept-unsigned-code",
+            "--work-dir", str(tmp_path / "agent")]  # fmt: skip
+    assert agent_main(argv) == 2
     assert "cannot read the CA certificate" in capsys.readouterr().out
     assert LeaseServiceSettings(tls_cert_file="", tls_key_file="").tls is False  # `VAR=` in a compose file: unset

@@ -28,6 +28,12 @@ Child life cycle::
 
 The start-up (spawn + preload) is not counted against a call's timeout; it has its own
 limit, `start_timeout`.
+
+A worker given a `Sandbox` (a device agent's kernel runner: it loads code that came over
+the network) starts its child with fewer rights, as far as the OS allows
+(`tunefarm.sandbox`), and says which it got (`IsolatedWorker.sandbox_status`, from the
+child's "ready" message). Its child does not inherit the parent's secrets
+(`sandbox.scrubbed_env`).
 """
 
 from __future__ import annotations
@@ -46,12 +52,20 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from multiprocessing.connection import Connection
 from typing import Any
 
 from tunefarm.errors import TunefarmError
+from tunefarm.sandbox import (
+    Sandbox,
+    SandboxStatus,
+    enter_as_root,
+    enter_unprivileged,
+    scrubbed_env,
+    seal,
+)
 
 DEFAULT_START_TIMEOUT = 120.0
 """Seconds a child may take to start and import its preload modules (tvm takes ~2 s idle,
@@ -63,7 +77,7 @@ LOG_ROTATE_BYTES = 1 << 20
 _CHILD_BOOTSTRAP = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
     "from tunefarm.isolation import _child_main; "
-    "_child_main(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))"
+    "_child_main(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5]))"
 )
 
 
@@ -111,12 +125,17 @@ class IsolatedWorker:
         start_timeout: float = DEFAULT_START_TIMEOUT,
         name: str = "worker",
         memory_limit_bytes: int | None = None,
+        sandbox: Sandbox | None = None,
+        cwd: str | os.PathLike[str] | None = None,
     ):
         self.env = dict(env or {})
         self.memory_limit_bytes = memory_limit_bytes
         self.preload = list(preload)
         self.start_timeout = start_timeout
         self.name = name
+        self.sandbox = sandbox
+        self.cwd = os.fspath(cwd) if cwd is not None else None  # the child's working directory
+        self.sandbox_status: SandboxStatus | None = None  # what the last child got (with a sandbox)
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -179,14 +198,19 @@ class IsolatedWorker:
         parent_sock, child_sock = socket.socketpair()
         lifeline_r, lifeline_w = os.pipe()
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        if self.sandbox is not None:
+            env = scrubbed_env(env)
+        # The child starts in `cwd`: a "" entry (this process's directory) is named as such.
+        path = [p or os.getcwd() for p in sys.path]
         argv = [
             sys.executable,
             "-c",
             _CHILD_BOOTSTRAP,
-            json.dumps(sys.path),
+            json.dumps(path),
             str(child_sock.fileno()),
             str(lifeline_r),
             json.dumps(self.preload),
+            json.dumps(asdict(self.sandbox) if self.sandbox is not None else None),
         ]
         with open(self.log_path, "ab") as log:
             try:
@@ -199,6 +223,7 @@ class IsolatedWorker:
                     pass_fds=(child_sock.fileno(), lifeline_r),
                     start_new_session=True,  # own process group: killpg reaches grandchildren
                     close_fds=True,
+                    cwd=self.cwd,
                 )
             except OSError as exc:
                 parent_sock.close()
@@ -234,6 +259,8 @@ class IsolatedWorker:
         if kind != "ready":
             self._kill()
             raise WorkerStartError(f"{self.name}: the child failed to start: {detail}")
+        got = detail.get("sandbox") if isinstance(detail, dict) else None
+        self.sandbox_status = SandboxStatus(**{**got, "problems": tuple(got["problems"])}) if got else None
         self._ready = True
 
     def close(self) -> None:
@@ -429,8 +456,11 @@ def _kill_children_at_exit() -> None:
 # -- child side ---------------------------------------------------------------------------
 
 
-def _child_main(fd: int, lifeline: int, preload: list[str]) -> None:
+def _child_main(fd: int, lifeline: int, preload: list[str], sandbox: dict[str, Any] | None = None) -> None:
     """Entry point of the child process (see the module docstring for the protocol)."""
+    spec = Sandbox(**sandbox) if sandbox is not None else None
+    # A user namespace needs a process with one thread: before the lifeline thread starts.
+    entered = enter_unprivileged(spec) if spec is not None and os.geteuid() != 0 else None
     threading.Thread(target=_exit_on_eof, args=(lifeline,), daemon=True, name="lifeline").start()
     conn = Connection(fd)
     try:
@@ -439,7 +469,14 @@ def _child_main(fd: int, lifeline: int, preload: list[str]) -> None:
     except BaseException as exc:
         conn.send(("failed", f"importing the preload modules failed: {type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", os.getpid()))
+    status = None
+    if spec is not None:
+        # Root gives up its rights after the preload: its imports may come from places
+        # the sandbox user cannot read.
+        if entered is None:
+            entered = enter_as_root(spec)
+        status = seal(*entered)
+    conn.send(("ready", {"pid": os.getpid(), "sandbox": asdict(status) if status is not None else None}))
     functions: dict[str, Any] = {}
     while True:
         try:

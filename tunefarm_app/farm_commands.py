@@ -21,6 +21,7 @@ An operator, on the farm's machines:
   tunefarm farm token revoke ID|PREFIX|TOKEN   refused by the API and the lease service at once
   tunefarm farm device-class NAME [--target JSON]
   tunefarm farm agent quarantine|unquarantine NAME   no leases, its unconfirmed timings ignored / back
+  tunefarm farm signing-key --private-key F --public-key F   the farm's code-signing key pair
   tunefarm db upgrade                     run the database migrations
   tunefarm api | scheduler | worker | agent | lease-service [ARGS...]   one process each
 
@@ -164,6 +165,11 @@ def add_commands(sub) -> None:
     fc.add_argument("--target", help="TVM target as a JSON dict (default: this machine)")
     fc.add_argument("--description", default="", help="a line shown with the class")
     fc.add_argument("--database-url", help=DATABASE_URL_HELP)
+    fk = fsub.add_parser("signing-key", help="make the farm's code-signing key pair (kept if it exists)")
+    fk.add_argument("--private-key", type=Path, required=True,
+                    help="the private key (PEM, made mode 0600): TUNEFARM_SIGNING_KEY_FILE of workers and the scheduler")
+    fk.add_argument("--public-key", type=Path, required=True,
+                    help="the public key (PEM, written from the private one): every agent's --signing-public-key")
 
 
 class _PassThrough(argparse.ArgumentParser):
@@ -577,6 +583,17 @@ def _farm_agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def _farm_signing_key(args: argparse.Namespace) -> int:
+    from services.measurer.signing import KeyFileError, ensure_key_pair
+
+    try:
+        made = ensure_key_pair(args.private_key, args.public_key)
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"signing key {args.private_key} ({'made' if made else 'kept'}); public key {args.public_key}")
+    return 0
+
+
 def _with_db(url: str | None, work):
     from services.db.exceptions import DatabaseError
     from services.db.session import make_session_factory, transaction
@@ -607,6 +624,7 @@ def _redis_url(given: str | None) -> str:
 
 FARM_COMMANDS = {
     "up": _farm_up,
+    "signing-key": _farm_signing_key,
     "down": _farm_down,
     "team": _farm_team,
     "agent-token": _farm_agent_token,

@@ -17,6 +17,11 @@ prefix given). The class may be another machine's (`FarmConfig.target`, e.g. an 
 board's: the workers cross-compile for it), measured by an agent started another way
 (`agent_command`, `agent_env`: e.g. the agent under qemu-user in an aarch64 root).
 
+The farm's signing key pair is made once in `D/signing` (`signing_env`; the private key
+mode 0600): build workers and the scheduler sign what agents load with it, agents check
+with the public key, `D/signing/farm-signing.pub` (copy it to remote boards:
+`tunefarm agent --signing-public-key`).
+
 `up` waits until the API answers, the lease service listens and the agent has
 registered, then writes `D/farm.json`: the API URL, the gRPC address, a
 team token and an agent token, and the processes (pid, log, command). The tokens are
@@ -53,6 +58,9 @@ from tunefarm.export import target_arch
 FARM_FILE = "farm.json"
 LOGS_DIR = "logs"
 ARTIFACTS_DIR = "artifacts"
+SIGNING_DIR = "signing"
+SIGNING_KEY = "farm-signing.key"
+SIGNING_PUBLIC_KEY = "farm-signing.pub"
 
 START_TIMEOUT_SECS = 180.0
 """How long `farm up` waits for every process to be healthy."""
@@ -183,6 +191,7 @@ class LocalFarm:
             sessions.kw["bind"].dispose()
         api_bind = _with_free_port(c.api_bind)
         lease_bind = _with_free_port(c.lease_bind)
+        signing = signing_env(c.state_dir)
         self.env = {
             "TUNEFARM_DATABASE_URL": c.database_url,
             "TUNEFARM_REDIS_URL": c.redis_url,
@@ -197,6 +206,7 @@ class LocalFarm:
             "TUNEFARM_AGENT_WORK_DIR": str((c.state_dir / "agent").resolve()),
             "TUNEFARM_BUILD_PROCESSES": str(max(1, (os.cpu_count() or 2) // 2)),
             **(c.tls.env() if c.tls else {}),
+            **signing,
             **c.extra_env,
         }
         self.info = {
@@ -213,6 +223,7 @@ class LocalFarm:
             "redis_url": c.redis_url,
             "queue_prefix": c.queue_prefix,
             "artifact_root": str(c.artifact_root.resolve()),
+            "signing_public_key": signing["TUNEFARM_AGENT_SIGNING_PUBLIC_KEY"],
         }
         return self.info
 
@@ -445,6 +456,24 @@ def read_state(state_dir: Path) -> dict[str, Any]:
         raise UsageError(f"no farm in {state_dir} (no {FARM_FILE}); start one with tunefarm farm up") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path} is not valid JSON ({exc.msg})") from None
+
+
+def signing_env(state_dir: Path) -> dict[str, str]:
+    """The farm's signing key pair, made once in `state_dir/signing` (the private key
+    mode 0600, in a directory only its owner enters): the settings that hand the private
+    key to the build workers and the scheduler, the public key to the agents."""
+    from services.measurer.signing import KeyFileError, ensure_key_pair
+
+    directory = (state_dir / SIGNING_DIR).resolve()
+    directory.mkdir(mode=0o700, exist_ok=True)
+    try:
+        ensure_key_pair(directory / SIGNING_KEY, directory / SIGNING_PUBLIC_KEY)
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from None
+    return {
+        "TUNEFARM_SIGNING_KEY_FILE": str(directory / SIGNING_KEY),
+        "TUNEFARM_AGENT_SIGNING_PUBLIC_KEY": str(directory / SIGNING_PUBLIC_KEY),
+    }
 
 
 def detected_class_name(target: dict[str, Any]) -> str:

@@ -274,6 +274,9 @@ class Agent(Base):
     # Set by an operator (`tunefarm farm agent quarantine`): no leases (state disabled), and its
     # unconfirmed measurements count for nothing (no best, no training).
     quarantined_at: Mapped[datetime | None]
+    # sha256 of the secret its last registration was given (`queries.hash_token`): every
+    # call naming the agent must carry that secret; None: none issued yet.
+    secret_hash: Mapped[str | None] = _sha256(nullable=True)
 
     device_class: Mapped[DeviceClass] = relationship()
 
@@ -538,6 +541,8 @@ class BatchCandidate(Base):
     candidate_key: Mapped[str]  # Candidate.key
     input: Mapped[dict[str, Any]]  # the MeasureInput (codec.input_to_json)
     artifact_path: Mapped[str | None]  # the built kernel, once built
+    # The farm's signature of the kernel (hex; services.measurer.signing); None: unsigned.
+    artifact_signature: Mapped[str | None]
     build: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # the BuildResult (codec.build_to_json)
 
     batch: Mapped[Batch] = relationship(back_populates="candidates")
@@ -674,6 +679,8 @@ class ModelRun(Base):
     library_path: Mapped[str]
     library_sha256: Mapped[str] = _sha256()
     library_size: Mapped[int] = mapped_column(BigInteger)
+    # The farm's signature of the library (hex; services.measurer.signing); None: unsigned.
+    library_signature: Mapped[str | None]
     inputs_path: Mapped[str]  # .npz: arr_0, arr_1, ... in the model's input order
     inputs_sha256: Mapped[str] = _sha256()
     inputs_size: Mapped[int] = mapped_column(BigInteger)

@@ -850,9 +850,12 @@ def register_agent(
     device_class_id: int,
     token_id: int | None,
     capabilities: Mapping[str, Any],
+    secret_hash: str | None = None,
     now: datetime | None = None,
 ) -> Agent:
     """Create the agent `name`, or take it over again after a restart (same name).
+    `secret_hash` is the hash of the secret this registration hands the agent; it
+    replaces the previous registration's (whose secret is refused from now on).
 
     An agent registering again holds none of its earlier leases (its process restarted):
     they end now and their batches go back to the queue, instead of waiting for the
@@ -873,6 +876,7 @@ def register_agent(
                 capabilities=dict(capabilities),
                 state=AgentState.IDLE,
                 last_heartbeat_at=at,
+                secret_hash=secret_hash,
             )
             .returning(Agent)
         ).one()
@@ -889,6 +893,7 @@ def register_agent(
             capabilities=dict(capabilities),
             state=state,
             last_heartbeat_at=at,
+            secret_hash=secret_hash,
         )
         .returning(Agent),
         execution_options={"populate_existing": True},

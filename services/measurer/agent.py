@@ -23,17 +23,43 @@ survived: every call is retried with exponential backoff, the results stream is 
 and the results it had not acknowledged are sent again (storing is idempotent).
 
 Settings come from the command line or the environment (`AgentSettings.from_env`,
-TUNEFARM_AGENT_*). The agent needs only TVM's runtime, numpy, grpcio and protobuf (the
-`agent` extra): it imports no search, build or database code.
+TUNEFARM_AGENT_*). The agent needs only TVM's runtime, numpy, grpcio, protobuf and
+cryptography (the `agent` extra): it imports no search, build or database code.
 
 An agent under an emulator (qemu-user) detects it and registers as emulated
 (`capabilities.emulation`; TUNEFARM_AGENT_EMULATED overrides): its kernels' outputs are
 checked as usual, its timings are flagged and never train a cost model.
+
+What an agent trusts, and what it does not (it loads native code that came over the
+network):
+
+- the server: TLS (`--tls`, `--tls-ca`, ...) to anything but this machine; plaintext to
+  another host is refused unless `--insecure-plaintext` says so (the token would travel
+  in clear, and anyone on the path could answer in the server's place);
+- the code: a kernel or model library is loaded only when the farm's signature on it
+  verifies with the farm's public key (`--signing-public-key`; services/measurer/signing.py),
+  over the sha256 of the bytes received: anything else is a RUN_ERROR result, deleted
+  unloaded. An agent without the key does not start unless `--accept-unsigned-code`;
+- file names: a kernel is saved as `<candidate id><suffix>` (one of `LOADABLE_SUFFIXES`),
+  task data as `<sha256>.npz` with the sha256 checked to be 64 hex digits and to be that
+  of the bytes received: nothing a server sends names a path;
+- the kernels: they run in a sandboxed child (`tunefarm.isolation.Sandbox`): when the
+  agent runs as root, as `--kernel-user` (default nobody) in a network namespace of its
+  own; otherwise as the agent's user, without network where unprivileged user
+  namespaces are allowed. The agent logs which protections are active when it starts.
+  The files a kernel needs are readable by that user's group only (a lease's own
+  directory writable), under the work directory, or, when a parent of it is closed to
+  that user (/root), under a private temporary directory (`KernelFiles`);
+- the registration: `Register` answers with a secret for this run of the agent, kept in
+  memory only and sent with every later call (`x-tunefarm-agent-secret`): another process
+  with the same token cannot act as this agent. A registration under the same name
+  elsewhere replaces it; this agent is then refused and stops (PermissionDenied).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import queue
@@ -67,8 +93,11 @@ from services.measurer.exceptions import (
 )
 from services.measurer.generated import measurer_pb2 as pb
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc
+from services.measurer.kernel_files import LOADABLE_SUFFIXES, KernelFiles, local_file_name
 from services.measurer.runner import LocalRunner, ModelRunInput, Runner
+from services.measurer.signing import SHA256_HEX, ArtifactVerifier, BadSignature, KeyFileError, SignedKind
 from tunefarm.records import ErrorKind, RunInput, RunResult
+from tunefarm.sandbox import Sandbox
 from tunefarm.target import physical_cores
 
 log = logging.getLogger("tunefarm.agent")
@@ -92,8 +121,12 @@ FETCH_ATTEMPTS = 5
 STOP_GRACE_SECS = 10.0
 """A stopping agent tries this long to deliver the results it has and finish its lease."""
 
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
-"""Servers a token may reach in plaintext without a warning."""
+LOCAL_TARGETS = ("localhost", "unix:", "unix-abstract:")
+"""Servers on this machine besides loopback addresses: the only ones reached in
+plaintext without `--insecure-plaintext`."""
+
+SIGNED_KINDS = {pb.ARTIFACT_KIND_KERNEL: SignedKind.KERNEL, pb.ARTIFACT_KIND_MODEL_LIBRARY: SignedKind.MODEL_LIBRARY}
+"""The files that are code: loaded only with the farm's signature."""
 
 CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 30_000),
@@ -113,7 +146,7 @@ def _default_work_dir() -> Path:
 class AgentSettings:
     """How an agent reaches the farm and runs kernels. The only reader of the agent's
     environment (`from_env`); a plain dataclass, not pydantic-settings, to keep the
-    agent's dependencies to TVM's runtime, numpy, grpcio and protobuf."""
+    agent's dependencies to TVM's runtime, numpy, grpcio, protobuf and cryptography."""
 
     server: str  # TUNEFARM_AGENT_SERVER: the lease service, host:port
     token: str = field(repr=False)  # TUNEFARM_AGENT_TOKEN: an agent token (tfa_...)
@@ -131,6 +164,14 @@ class AgentSettings:
     lease_wait_secs: float = 10.0  # TUNEFARM_AGENT_LEASE_WAIT_SECS: deadline of a long-polling LeaseBatch
     emulated: bool | None = None  # TUNEFARM_AGENT_EMULATED: runs under an emulator; default: detected
     gpu: bool = False  # TUNEFARM_AGENT_GPU: measure CUDA kernels on this machine's GPU (a CUDA class)
+    # TUNEFARM_AGENT_INSECURE_PLAINTEXT: allow plaintext to a server on another host
+    insecure_plaintext: bool = False
+    # TUNEFARM_AGENT_SIGNING_PUBLIC_KEY: the farm's public key (PEM); code it did not sign is never loaded
+    signing_public_key: Path | None = None
+    # TUNEFARM_AGENT_ACCEPT_UNSIGNED_CODE: without a public key, load whatever the server sends
+    accept_unsigned_code: bool = False
+    # TUNEFARM_AGENT_KERNEL_USER: an agent running as root runs kernels as this user
+    kernel_user: str = "nobody"
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> AgentSettings:
@@ -153,6 +194,10 @@ class AgentSettings:
             "lease_wait_secs": float,
             "emulated": _flag,
             "gpu": _flag,
+            "insecure_plaintext": _flag,
+            "signing_public_key": Path,
+            "accept_unsigned_code": _flag,
+            "kernel_user": str,
         }
         values: dict[str, Any] = {}
         for key, parse in kinds.items():
@@ -171,11 +216,37 @@ class AgentSettings:
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise BadRequest("a client certificate needs its key: give both --tls-cert and --tls-key")
+        if not self.uses_tls and not self.insecure_plaintext and not is_local(self.server):
+            raise BadRequest(
+                f"refusing plaintext to {self.server}: the token would travel in clear and anyone on the way "
+                "could answer as the farm; use --tls (with --tls-ca), or --insecure-plaintext on a network you trust"
+            )
+        if self.signing_public_key is None and not self.accept_unsigned_code:
+            raise BadRequest(
+                "no signing public key: pass --signing-public-key FILE (the farm's public key, e.g. "
+                "farm-signing.pub) so that only kernels the farm signed are loaded, or --accept-unsigned-code "
+                "to load whatever the server sends"
+            )
 
     @property
     def uses_tls(self) -> bool:
         """Connect with TLS, and never in plaintext."""
         return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_server_name)
+
+
+def is_local(server: str) -> bool:
+    """Whether a gRPC target is on this machine (a loopback address, localhost, a unix socket)."""
+    if server.startswith(LOCAL_TARGETS[1:]):
+        return True
+    target = server.split("///", 1)[1] if "///" in server else server
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or target.startswith("[") else target
+    host = host.strip("[]")
+    if host == LOCAL_TARGETS[0]:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def env_name(field_name: str) -> str:
@@ -214,8 +285,9 @@ class Backoff:
 class Agent:
     """Registers, leases, fetches, runs and reports until `stop` is set.
 
-    `runner` defaults to a `LocalRunner` with `num_threads` TVM threads; `capabilities`
-    to `capabilities.detect()`.
+    `runner` defaults to a sandboxed `LocalRunner` with `num_threads` TVM threads;
+    `capabilities` to `capabilities.detect()`. Raises `BadRequest` for a public key that
+    cannot be read.
     """
 
     def __init__(
@@ -228,10 +300,23 @@ class Agent:
     ):
         self.settings = settings
         self.stop = stop or threading.Event()
-        self.runner = runner or LocalRunner(settings.num_threads or physical_cores())
+        self._work = Path(settings.work_dir).absolute()
+        try:
+            self.verifier = ArtifactVerifier.from_file(settings.signing_public_key) if settings.signing_public_key else None
+        except KeyFileError as exc:
+            raise BadRequest(str(exc)) from None
+        # The runner made here runs kernels as the sandbox's user, who reads (and writes)
+        # what the agent puts under `files.root` (`KernelFiles`).
+        self._work.mkdir(parents=True, exist_ok=True)
+        self.files = KernelFiles.prepare(self._work, settings.kernel_user if runner is None else None)
+        self.runner = runner or LocalRunner(
+            settings.num_threads or physical_cores(), sandbox=Sandbox(user=settings.kernel_user), cwd=self.files.root
+        )
         self._caps = capabilities
         self._isa_checked: dict[str, str] = {}  # class target JSON -> why this CPU cannot serve it ("" if it can)
         self._probe = caps_mod.probe_worker()  # TVM in a child: the probe, then the class's ISA check
+        # The token only until Register answers; then the token and this registration's
+        # secret (in this process's memory only).
         self.metadata = wire.auth_metadata(settings.token)
         self.channel = open_channel(settings)
         self.stub = pb_grpc.AgentServiceStub(self.channel)
@@ -240,7 +325,6 @@ class Agent:
         self._held: tuple[float, frozenset[int]] = (0.0, frozenset())  # (sent at, active lease ids)
         self.holding = _Holding()  # the leases and model runs this agent works on, named to the server
         self._fatal: MeasurerError | None = None
-        self._work = Path(settings.work_dir)
         self.measured = 0  # candidates reported (for logs and tests)
         self._finisher: threading.Thread | None = None  # finishing the previous lease
 
@@ -248,8 +332,8 @@ class Agent:
 
     def run(self) -> None:
         """Until `stop`: raises one of `FATAL_ERRORS` when no retry can help."""
-        self._work.mkdir(parents=True, exist_ok=True)
         self._prepare()
+        self._log_protections()
         beat = threading.Thread(target=self._heartbeats, daemon=True, name="agent-heartbeat")
         beat.start()
         backoff = Backoff(self.settings.reconnect_max_secs)
@@ -282,6 +366,7 @@ class Agent:
             self.runner.close()
             self._probe.close()
             self.channel.close()
+            self.files.close()
 
     def _prepare(self) -> None:
         """Start the runner (its process imports TVM) while the capabilities are probed."""
@@ -314,6 +399,21 @@ class Agent:
         if self._runner_error:
             log.error("the kernel runner does not start: %s", self._runner_error)
 
+    def _log_protections(self) -> None:
+        """One line each: what code this agent loads, and how its kernels are confined."""
+        if self.verifier is not None:
+            log.info("loads only kernels and model libraries signed by the farm (%s)", self.settings.signing_public_key)
+        else:
+            log.warning("ACCEPTS UNSIGNED CODE (--accept-unsigned-code): it loads whatever the server sends")
+        status = self.runner.sandbox_status
+        log.info("%s", self.files.describe())
+        if status is None:
+            log.warning("kernel sandbox: none (this runner is not sandboxed)")
+        elif status.uid == 0 or not status.own_network or status.problems:
+            log.warning("kernel sandbox: %s", status.describe())
+        else:
+            log.info("kernel sandbox: %s", status.describe())
+
     def _register(self) -> None:
         caps = dict(self._caps or {})
         name = self.settings.name or socket.gethostname()
@@ -324,6 +424,8 @@ class Agent:
             capabilities=ParseDict(caps, pb.Capabilities(), ignore_unknown_fields=True),
         )
         resp = self._call(self.stub.Register, msg)
+        token = self.settings.token
+        self.metadata = wire.agent_metadata(token, resp.agent_secret) if resp.agent_secret else wire.auth_metadata(token)
         self.agent_id = resp.agent_id
         self.heartbeat_secs = max(0.05, resp.heartbeat_interval_secs or 5.0)
         log.info("registered as %s (agent %d) for device class %s", name, resp.agent_id, device_class)
@@ -435,7 +537,7 @@ class Agent:
 
     def _measure(self, batch: pb.LeasedBatch) -> None:
         granted = time.monotonic()
-        lease_dir = self._work / "leases" / str(batch.lease_id)
+        lease_dir = self.files.root / "leases" / str(batch.lease_id)
         log.info(
             "lease %d: batch %d (%s), %d candidates, attempt %d",
             batch.lease_id,
@@ -531,27 +633,12 @@ class Agent:
 
     def _run_model(self, run: pb.LeasedModelRun) -> None:
         """Fetch, run and report one leased model run (see the module docstring)."""
-        run_dir = self._work / "model_runs" / str(run.model_run_id)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = self.files.root / "model_runs" / str(run.model_run_id)
+        self.files.make_dir(run_dir.parent)
+        self.files.make_dir(run_dir, writable=True)  # the runner writes the outputs there
         log.info("model run %d: %d timed inferences", run.model_run_id, run.repeat)
         try:
-            library = run_dir / _safe_file_name(run.library.file_name, run.model_run_id)
-            inputs = run_dir / "inputs.npz"
-            got = self._fetch_files([(run.library, library), (run.inputs, inputs)], model_run_id=run.model_run_id)
-            outputs = run_dir / "outputs.npz"
-            missing = [why for why in (got.get(i, "not fetched") for i in range(2)) if isinstance(why, str)]
-            if missing:
-                result = pb.ModelRunResult(error=f"files unavailable: {'; '.join(missing)}")
-            else:
-                ran = self.runner.run_model(
-                    ModelRunInput(str(library), str(inputs), str(outputs), run.repeat, run.warmup, run.timeout_secs)
-                )
-                result = pb.ModelRunResult(
-                    latency_samples=ran.latency_samples,
-                    run_secs=ran.run_secs,
-                    error=ran.error,
-                    outputs_npz=b"" if ran.error else outputs.read_bytes(),
-                )
+            result = self._model_result(run, run_dir)
             result.agent_id = self.agent_id or 0
             result.model_run_id = run.model_run_id
             self._report_model_run(result)
@@ -560,6 +647,27 @@ class Agent:
         finally:
             self.holding.drop_model_run(run.model_run_id)
             shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _model_result(self, run: pb.LeasedModelRun, run_dir: Path) -> pb.ModelRunResult:
+        name = local_file_name(run.library.file_name, "model")
+        if name is None:
+            return pb.ModelRunResult(error=f"refused: the library's file name ends in none of {LOADABLE_SUFFIXES}")
+        if run.library.id != run.model_run_id:
+            return pb.ModelRunResult(error="refused: the library offered is another model run's")
+        library, inputs, outputs = run_dir / name, run_dir / "inputs.npz", run_dir / "outputs.npz"
+        got = self._fetch_files([(run.library, library), (run.inputs, inputs)], model_run_id=run.model_run_id)
+        missing = [why for why in (got.get(i, "not fetched") for i in range(2)) if isinstance(why, str)]
+        if missing:
+            return pb.ModelRunResult(error=f"files unavailable: {'; '.join(missing)}")
+        ran = self.runner.run_model(
+            ModelRunInput(str(library), str(inputs), str(outputs), run.repeat, run.warmup, run.timeout_secs)
+        )
+        return pb.ModelRunResult(
+            latency_samples=ran.latency_samples,
+            run_secs=ran.run_secs,
+            error=ran.error,
+            outputs_npz=b"" if ran.error else outputs.read_bytes(),
+        )
 
     def _report_model_run(self, result: pb.ModelRunResult) -> None:
         """Send a model run's result until the server stored it (retrying while it is
@@ -586,25 +694,36 @@ class Agent:
     def _fetch(self, batch: pb.LeasedBatch, lease_dir: Path) -> tuple[dict[int, Path | str], Path | str]:
         """Download the batch's kernels, and its task data unless cached: one Fetch stream
         (retried for what is missing after a transport error). Returns each candidate's
-        kernel path or why it is unavailable, and the task data's path or why not."""
-        lease_dir.mkdir(parents=True, exist_ok=True)
-        cache = self._work / "task_data"
-        cache.mkdir(parents=True, exist_ok=True)
+        kernel path or why it is unavailable, and the task data's path or why not. Files
+        are saved under names made here (`local_file_name`, the task data's checked
+        sha256), never under a name the server sent."""
+        self.files.make_dir(lease_dir.parent)
+        self.files.make_dir(lease_dir, writable=True)  # a CUDA or .tar kernel unpacks next to itself
+        cache = self.files.root / "task_data"
+        self.files.make_dir(cache)
         out: dict[int, Path | str] = {}
         wanted: list[tuple[pb.ArtifactRef, Path]] = []
         for cand in batch.candidates:
+            name = local_file_name(cand.kernel.file_name, str(cand.batch_candidate_id))
             if not cand.kernel.file_name:
                 out[cand.batch_candidate_id] = "the candidate has no built kernel"
+            elif name is None:
+                out[cand.batch_candidate_id] = f"refused: its file name ends in none of {LOADABLE_SUFFIXES}"
+            elif cand.kernel.id != cand.batch_candidate_id:
+                out[cand.batch_candidate_id] = "refused: the kernel offered is another candidate's"
             else:
-                wanted.append((cand.kernel, lease_dir / _safe_file_name(cand.kernel.file_name, cand.batch_candidate_id)))
+                wanted.append((cand.kernel, lease_dir / name))
         td_ref = batch.task_data
         task_data: Path | str
         if not td_ref.id:
             task_data = "the workload has no task data"
+        elif not SHA256_HEX.fullmatch(td_ref.sha256):
+            task_data = "refused: the server named it by something other than a sha256"
         else:
-            task_data = cache / f"{td_ref.sha256 or td_ref.id}.npz"
+            task_data = cache / f"{td_ref.sha256}.npz"
             if task_data.is_file() and (not td_ref.size or task_data.stat().st_size == td_ref.size):
                 task_data.touch()  # most recently used
+                self.files.share_file(task_data)
             else:
                 wanted.append((td_ref, task_data))
         done = self._fetch_files(wanted, lease_id=batch.lease_id)
@@ -660,7 +779,9 @@ class Agent:
         try:
             for chunk in self.stub.Fetch(request, metadata=self.metadata, timeout=timeout):
                 for part in chunk.parts:
-                    _, dest = files[part.index]
+                    if not 0 <= part.index < len(files):
+                        raise Transient(f"the server sent part of file {part.index}; {len(files)} were asked for")
+                    ref, dest = files[part.index]
                     sink = sinks.get(part.index)
                     if part.error:
                         if sink is not None:
@@ -671,12 +792,33 @@ class Agent:
                         sink = sinks[part.index] = _Sink(dest)
                     sink.write(part.offset, part.data)
                     if part.last:
-                        done[indices[part.index]] = sink.close(part.sha256)
+                        got = sink.close(part.sha256)
+                        done[indices[part.index]] = self._accepted(ref, got, sink.sha256) if isinstance(got, Path) else got
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         finally:
             for sink in sinks.values():
                 sink.discard()
+
+    def _accepted(self, ref: pb.ArtifactRef, path: Path, sha256: str) -> Path | str:
+        """`path` once downloaded, if it may be used: task data whose bytes are the sha256
+        it is cached under; code with the farm's signature over the bytes received (when
+        the agent has the farm's public key). Otherwise it is deleted: why, as a string."""
+        problem = ""
+        if ref.kind == pb.ARTIFACT_KIND_TASK_DATA and sha256 != ref.sha256:
+            problem = "refused: its bytes are not the sha256 it was named by"
+        kind = SIGNED_KINDS.get(ref.kind)
+        if kind is not None and self.verifier is not None:
+            try:
+                self.verifier.verify(kind, ref.id, sha256, ref.signature)
+            except BadSignature as exc:
+                problem = f"not loaded: {exc}"
+                log.warning("%s %d %s", kind, ref.id, problem)
+        if problem:
+            path.unlink(missing_ok=True)
+            return problem
+        self.files.share_file(path)
+        return path
 
 
 class _Sink:
@@ -690,6 +832,7 @@ class _Sink:
         self._file: Any = open(self.part, "wb")
         self._sha = hashlib.sha256()
         self._size = 0
+        self.sha256 = ""  # of the bytes received, once closed
 
     def write(self, offset: int, data: bytes) -> None:
         if offset != self._size:
@@ -701,7 +844,8 @@ class _Sink:
     def close(self, sha256: str) -> Path | str:
         self._file.close()
         self._file = None
-        if sha256 and sha256 != self._sha.hexdigest():
+        self.sha256 = self._sha.hexdigest()
+        if sha256 and sha256 != self.sha256:
             self.part.unlink(missing_ok=True)
             return f"{self.dest.name}: checksum mismatch"
         os.replace(self.part, self.dest)
@@ -744,11 +888,6 @@ class _Holding:
     def drop_model_run(self, run_id: int) -> None:
         with self._lock:
             self._runs.discard(run_id)
-
-
-def _safe_file_name(name: str, fallback: int) -> str:
-    base = os.path.basename(name)
-    return base if base and base not in (".", "..") else f"{fallback}.so"
 
 
 def _evict(directory: Path, keep: int) -> None:
@@ -894,12 +1033,12 @@ def open_channel(settings: AgentSettings) -> grpc.Channel:
     server's certificate checked against `tls_ca`, or the system's roots; a client
     certificate for mutual TLS), and then never plaintext: a server that does not speak
     TLS, or whose certificate does not check, answers nothing (UNAVAILABLE, retried).
-    Plaintext otherwise, with a warning when the server is not on this machine (the
-    token would travel in clear). Raises `BadRequest` for a file that cannot be read."""
+    Plaintext otherwise: to this machine, or where `insecure_plaintext` allows it (the
+    settings refuse anything else), with a warning. Raises `BadRequest` for a file that
+    cannot be read."""
     if not settings.uses_tls:
-        host = settings.server.rsplit(":", 1)[0].strip("[]")
-        if host not in LOOPBACK_HOSTS:
-            log.warning("connecting to %s in plaintext: the agent token travels in clear (use --tls)", settings.server)
+        if not is_local(settings.server):
+            log.warning("connecting to %s in plaintext (--insecure-plaintext): the token travels in clear", settings.server)
         return grpc.insecure_channel(settings.server, options=CHANNEL_OPTIONS)
 
     def read(path: Path | None, what: str) -> bytes | None:
@@ -963,6 +1102,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="measure CUDA kernels on this machine's NVIDIA GPU (its class: a CUDA target; default class: named after the GPU)",
     )
+    p.add_argument("--insecure-plaintext", action="store_true", default=None,
+                   help="allow plaintext to a server on another host (the token travels in clear; "
+                   "TUNEFARM_AGENT_INSECURE_PLAINTEXT)")
+    p.add_argument("--signing-public-key", type=Path,
+                   help="the farm's public key (PEM): only kernels and models it signed are loaded "
+                   "(TUNEFARM_AGENT_SIGNING_PUBLIC_KEY)")
+    p.add_argument("--accept-unsigned-code", action="store_true", default=None,
+                   help="without a public key, load whatever the server sends (TUNEFARM_AGENT_ACCEPT_UNSIGNED_CODE)")
+    p.add_argument("--kernel-user",
+                   help="an agent running as root runs kernels as this user (default nobody; TUNEFARM_AGENT_KERNEL_USER)")
     return p
 
 

@@ -33,8 +33,22 @@ Map:
   SIGTERM/SIGINT; `main(argv)` is the command line entry.
 
 Authentication: `authorization: Bearer <agent token>` on every call. A missing or
-unknown token is UNAUTHENTICATED; a team token is PERMISSION_DENIED, and so is an agent
-id registered under another token.
+unknown token is UNAUTHENTICATED; a team token is PERMISSION_DENIED. `Register` answers
+with a secret of its own (`RegisterResponse.agent_secret`; the agent row keeps its hash),
+and every later call naming the agent must carry it (`x-tunefarm-agent-secret`) with the
+agent's token: agents that share a token cannot act as each other. A call naming an
+agent without both is PERMISSION_DENIED, saying nothing of the agent. The same name
+registered again (a restarted agent) gets a new secret; the old one is refused from then
+on (by another replica of the service within `token_cache_secs`).
+
+Device classes are the operators' (`tunefarm farm device-class`): an agent naming a
+class that does not exist is refused (NOT_FOUND) unless `auto_create_device_classes` is
+set, which lets any agent token create a class every team sees.
+
+Kernels and model libraries are handed out with the signature their builder made
+(`ArtifactRef.signature`, services/measurer/signing.py); agents check it before loading.
+An error's message names only what the caller sent (never, e.g., the key a candidate
+should have had), and an unexpected error is INTERNAL with no detail (it is logged here).
 
 Results are stored only from the agent holding the lease, and only for what it was
 handed; everything else is refused and nothing of the refused stream's pending results
@@ -54,11 +68,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hmac
 import json
 import logging
 import math
 import platform
 import queue
+import secrets
 import signal
 import sys
 import threading
@@ -185,6 +201,7 @@ class _AgentInfo:
     device_class_id: int
     name: str
     fingerprint: dict[str, Any]
+    secret_hash: str | None = None  # of the secret its latest registration was given
     emulated: bool = False  # registered as running under an emulator: its costs are not the device's
 
 
@@ -217,20 +234,30 @@ class _Auth:
         self._tokens.put(key, token_id)
         return token_id
 
-    def agent(self, agent_id: int, token_id: int) -> _AgentInfo:
+    def agent(self, agent_id: int, token_id: int, context: grpc.ServicerContext) -> _AgentInfo:
+        """The agent a call names, if the call is that agent's: its token, and the
+        secret of its latest registration. Raises `UnknownAgent`, or `PermissionDenied`
+        that says nothing of the agent."""
+        secret = wire.agent_secret(context.invocation_metadata() or ())
         now = time.monotonic()
         with self._lock:
             hit = self._agents.get(agent_id)
         info = hit[0] if hit is not None and hit[1] > now else None
-        if info is None:
-            with transaction(self.sessions) as s:
-                row = s.get(Agent, agent_id)
-                if row is None:
-                    raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent_id}: register again")
-                info = _agent_info(row)
-            self.remember(info)
-        if info.token_id != token_id:
-            raise PermissionDenied(f"agent {agent_id} is registered under another token")
+        if info is not None and _is_agents(info, token_id, secret):
+            return info
+        # Not cached, or refused by what is: a registration elsewhere (another replica)
+        # may have changed the secret since; the database decides.
+        with transaction(self.sessions) as s:
+            row = s.get(Agent, agent_id)
+            if row is None:
+                raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent_id}: register again")
+            info = _agent_info(row)
+        self.remember(info)
+        if not _is_agents(info, token_id, secret):
+            raise PermissionDenied(
+                f"this call may not act as agent {agent_id}: it needs the agent's token and the secret "
+                f"its latest registration returned (metadata {wire.AGENT_SECRET_HEADER})"
+            )
         return info
 
     def remember(self, info: _AgentInfo) -> None:
@@ -250,8 +277,21 @@ def _agent_info(row: Agent) -> _AgentInfo:
         device_class_id=row.device_class_id,
         name=row.name,
         fingerprint={"agent": row.name, **{k: caps[k] for k in FINGERPRINT_KEYS if k in caps}},
+        secret_hash=row.secret_hash,
         emulated=bool(caps.get("emulated", False)),
     )
+
+
+def _is_agents(info: _AgentInfo, token_id: int, secret: str | None) -> bool:
+    """Whether a call with this token and secret is the agent's own."""
+    if info.token_id != token_id or info.secret_hash is None or not secret:
+        return False
+    return hmac.compare_digest(queries.hash_token(secret), info.secret_hash)
+
+
+def new_agent_secret() -> str:
+    """A registration's secret: 256 random bits (its unsalted sha256 is what is stored)."""
+    return wire.AGENT_SECRET_PREFIX + secrets.token_urlsafe(queries.TOKEN_BYTES)
 
 
 # -- the servicer -------------------------------------------------------------------------
@@ -324,9 +364,10 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     def _abort(self, context: grpc.ServicerContext, exc: Exception, rpc: str) -> None:
         code = _status(exc)
         if code is grpc.StatusCode.INTERNAL:
+            # Its text may hold anything (stored keys, paths, SQL): logged here, not sent.
             log.exception("%s failed", rpc)
-        else:
-            log.info("%s: %s: %s", rpc, code.name, exc)
+            context.abort(code, f"{rpc} failed in the lease service (see its log)")
+        log.info("%s: %s: %s", rpc, code.name, exc)
         context.abort(code, str(exc) or type(exc).__name__)
 
     def _tx(self, work: Callable[[Session], T]) -> T:
@@ -355,7 +396,10 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             dc = s.scalars(select(DeviceClass).where(DeviceClass.name == class_name)).one_or_none()
             if dc is None:
                 if not self.settings.auto_create_device_classes:
-                    raise NotFound(f"device class {class_name!r} does not exist")
+                    raise NotFound(
+                        f"device class {class_name!r} does not exist: an operator creates it "
+                        f"(tunefarm farm device-class {class_name})"
+                    )
                 if not detected.get("kind"):
                     raise BadRequest(f"device class {class_name!r} does not exist and the agent sent no target")
                 s.execute(
@@ -367,12 +411,14 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             _check_compatible(class_name, dc.target, caps)
             try:
                 agent = queries.register_agent(
-                    s, name=name, device_class_id=dc.id, token_id=token_id, capabilities=caps
+                    s, name=name, device_class_id=dc.id, token_id=token_id, capabilities=caps,
+                    secret_hash=queries.hash_token(secret),
                 )
             except db_exc.Conflict as exc:
                 raise NameTaken(str(exc)) from None
             return agent, dict(dc.target)
 
+        secret = new_agent_secret()
         agent, target = self._tx(work)
         self.auth.remember(_agent_info(agent))
         log.info("agent %s (%d) registered for %s", name, agent.id, class_name)
@@ -383,11 +429,12 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             heartbeat_interval_secs=st.heartbeat_interval_secs,
             lease_secs=st.lease_secs,
             poll_interval_secs=st.lease_recheck_secs,
+            agent_secret=secret,
         )
 
     @_unary
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any, token_id: int) -> pb.HeartbeatResponse:
-        agent = self.auth.agent(request.agent_id, token_id)
+        agent = self.auth.agent(request.agent_id, token_id, context)
         try:
             held = self._tx(
                 lambda s: queries.heartbeat(
@@ -405,7 +452,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
 
     @_unary
     def ReportHealth(self, request: pb.HealthReport, context: Any, token_id: int) -> pb.HealthResponse:
-        agent = self.auth.agent(request.agent_id, token_id)
+        agent = self.auth.agent(request.agent_id, token_id, context)
         health = MessageToDict(request, preserving_proto_field_name=True)
         health.pop("agent_id", None)
         health["reported_at"] = time.time()
@@ -426,7 +473,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
 
     @_unary
     def LeaseBatch(self, request: pb.LeaseBatchRequest, context: Any, token_id: int) -> pb.LeaseBatchResponse:
-        agent = self.auth.agent(request.agent_id, token_id)
+        agent = self.auth.agent(request.agent_id, token_id, context)
         wait = self.settings.lease_wait_secs
         remaining = context.time_remaining()
         if remaining is not None:
@@ -510,12 +557,18 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         if run is None:
             return None
         log.info("model run %d (job %d) leased to agent %s", run.id, run.job_id, agent.name)
-        def ref(kind: int, path: str, sha256: str, size: int) -> pb.ArtifactRef:
-            return pb.ArtifactRef(kind=kind, id=run.id, file_name=Path(path).name, sha256=sha256, size=size)
+        def ref(kind: int, path: str, sha256: str, size: int, signature: str | None = None) -> pb.ArtifactRef:
+            return pb.ArtifactRef(
+                kind=kind, id=run.id, file_name=Path(path).name, sha256=sha256, size=size,
+                signature=_signature(signature),
+            )
 
         return pb.LeasedModelRun(
             model_run_id=run.id,
-            library=ref(pb.ARTIFACT_KIND_MODEL_LIBRARY, run.library_path, run.library_sha256, run.library_size),
+            library=ref(
+                pb.ARTIFACT_KIND_MODEL_LIBRARY, run.library_path, run.library_sha256, run.library_size,
+                run.library_signature,
+            ),
             inputs=ref(pb.ARTIFACT_KIND_MODEL_INPUTS, run.inputs_path, run.inputs_sha256, run.inputs_size),
             repeat=run.repeat,
             warmup=run.warmup,
@@ -551,6 +604,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                         kind=pb.ARTIFACT_KIND_KERNEL,
                         id=c.id,
                         file_name=Path(c.artifact_path).name if c.artifact_path else "",
+                        signature=_signature(c.artifact_signature),
                     ),
                 )
                 for c in candidates
@@ -568,7 +622,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
 
     @_streaming
     def Fetch(self, request: pb.FetchRequest, context: Any, token_id: int) -> Iterator[pb.FetchChunk]:
-        agent = self.auth.agent(request.agent_id, token_id)
+        agent = self.auth.agent(request.agent_id, token_id, context)
         paths = self._tx(lambda s: self._fetch_paths(s, request, agent))
         limit = self.settings.fetch_chunk_bytes
         parts: list[pb.FilePart] = []
@@ -639,7 +693,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
 
     @_unary
     def ReportModelRun(self, request: pb.ModelRunResult, context: Any, token_id: int) -> pb.ModelRunAck:
-        agent = self.auth.agent(request.agent_id, token_id)
+        agent = self.auth.agent(request.agent_id, token_id, context)
         run_id = request.model_run_id
         lease_error = (db_exc.LeaseNotHeld, db_exc.NotFound)
         try:
@@ -681,7 +735,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         first = inbox.get(None)
         if not isinstance(first, pb.ResultMessage):
             return  # the agent closed the stream without a message
-        agent = self.auth.agent(first.agent_id, token_id)
+        agent = self.auth.agent(first.agent_id, token_id, context)
         lease_id = first.lease_id
         ctx = self._tx(lambda s: self._stream_context(s, lease_id, agent))
         st = self.settings
@@ -807,8 +861,8 @@ class _StreamContext:
             )
         if bc_id in self._seen:
             raise BadRequest(f"candidate {bc_id} sent twice on one results stream")
-        if run.candidate_key != inp.key:
-            raise BadRequest(f"result of {run.candidate_key!r} sent for candidate {bc_id} ({inp.key!r})")
+        if run.candidate_key != inp.key:  # the message names only what the sender sent
+            raise BadRequest(f"result of {run.candidate_key!r} sent for candidate {bc_id}, whose key is another")
         self._seen.add(bc_id)
         return run
 
@@ -871,6 +925,15 @@ def _file_parts(paths: list[Path | str], limit: int) -> Iterator[pb.FilePart]:
                 )
         except OSError as exc:
             yield pb.FilePart(index=index, last=True, error=f"cannot read {found.name}: {exc.strerror}")
+
+
+def _signature(stored: str | None) -> bytes:
+    """A row's signature (hex) as `ArtifactRef.signature` carries it; b"" when unsigned."""
+    try:
+        return bytes.fromhex(stored) if stored else b""
+    except ValueError:
+        log.error("a stored signature is not hex; the artifact goes out unsigned")
+        return b""
 
 
 def _held(s: Session, lease_id: int, agent_id: int) -> Lease:

@@ -5,7 +5,10 @@ with another one, and never raises for a bad kernel: a crash, a hang, an excepti
 wrong output is a `RunResult` with an `ErrorKind` and a message.
 
 `LocalRunner` runs in one long-lived isolated process on this machine; a device agent can
-call the same job function, `run_kernel`.
+call the same job function, `run_kernel`. A device agent's runner is sandboxed
+(`tunefarm.isolation.Sandbox`: started by root, the process runs as `nobody` in a network
+namespace of its own); it then imports, while still privileged, every module its jobs
+use (`SANDBOX_PRELOAD`: the Python installation may sit where `nobody` cannot read).
 
 What one run does (`run_kernel`), following `TimingConfig`:
 
@@ -50,12 +53,30 @@ from tunefarm import cuda, layout
 from tunefarm.digest import digest
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
 from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, failure_kind
+from tunefarm.sandbox import Sandbox, SandboxStatus
 
 VERIFY_RTOL = 1e-3
 """Relative tolerance of the output check."""
 
 VERIFY_ATOL = 1e-3
 """Absolute tolerance of the output check, relative to max(1, max |expected|)."""
+
+SANDBOX_PRELOAD = (
+    "tvm",
+    "tvm.relax",  # a model run's VM
+    "tvm.support.cc",  # a .tar kernel is linked at load
+    "tvm.support.tar",
+    "tvm.support.utils",
+    "tvm_ffi",
+    "zipfile",  # task data and inputs are .npz files ...
+    "encodings.cp437",  # ... whose member names zipfile decodes with it
+    "numpy.ma",  # comparing outputs
+    "tunefarm.models.build",
+    "tunefarm.models.timing",
+)
+"""What a sandboxed runner imports before it gives up its rights: every module its jobs
+import later (the sandbox's user may not read the Python installation: a module first
+imported after the drop would fail to load)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +123,11 @@ class Runner(ABC):
         a model that fails: the result's `error` says why."""
         return ModelRunResult((), 0.0, f"{type(self).__name__} does not run whole models")
 
+    @property
+    def sandbox_status(self) -> SandboxStatus | None:
+        """What confines the kernels, once started (None: nothing does)."""
+        return None
+
     def __enter__(self) -> Runner:
         return self
 
@@ -116,19 +142,33 @@ class LocalRunner(Runner):
     meaningful when the kernel has the cores to itself.
     """
 
-    def __init__(self, num_threads: int, *, start_timeout: float = 120.0):
+    def __init__(
+        self,
+        num_threads: int,
+        *,
+        start_timeout: float = 120.0,
+        sandbox: Sandbox | None = None,
+        cwd: str | Path | None = None,
+    ):
         if num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {num_threads}")
         self.num_threads = num_threads
         self._worker = IsolatedWorker(
             env={"TVM_NUM_THREADS": str(num_threads)},
-            preload=["tvm", __name__],
+            preload=[*SANDBOX_PRELOAD, __name__] if sandbox is not None else ["tvm", __name__],
             start_timeout=start_timeout,
             name="runner",
+            sandbox=sandbox,
+            cwd=cwd,
         )
 
     def start(self) -> None:
         self._worker.start()
+
+    @property
+    def sandbox_status(self) -> SandboxStatus | None:
+        """What the kernel process's sandbox got (once started; None without a sandbox)."""
+        return self._worker.sandbox_status
 
     def run(self, inputs: Sequence[RunInput]) -> list[RunResult]:
         return [self._run_one(inp) for inp in inputs]

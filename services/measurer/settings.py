@@ -19,7 +19,7 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_MAX_MESSAGE_BYTES | 67108864 | largest message an agent may send (a model run's outputs) |
 | TUNEFARM_GRPC_MAX_WORKERS | 256 | server threads (each agent holds one while it waits for a batch, one while it streams results); more than the agents |
 | TUNEFARM_TOKEN_CACHE_SECS | 30 | how long a verified token is trusted without asking the database (a revoked one is dropped at once) |
-| TUNEFARM_AUTO_CREATE_DEVICE_CLASSES | true | an agent may name a new device class (its detected target) |
+| TUNEFARM_AUTO_CREATE_DEVICE_CLASSES | false | an agent may name a new device class (its detected target); off: operators create classes |
 | TUNEFARM_TLS_CERT_FILE, TUNEFARM_TLS_KEY_FILE | unset | serve TLS with this certificate chain and key (PEM); unset: plaintext |
 | TUNEFARM_TLS_CLIENT_CA_FILE | unset | mutual TLS: agents must present a certificate this CA (PEM) signed |
 """
@@ -73,8 +73,10 @@ class LeaseServiceSettings(DatabaseSettings):
     # A verified token is trusted this long before the database is asked again; a
     # revoked token is dropped at once (services/db/revocations.py).
     token_cache_secs: float = 30.0
-    # Registering with an unknown device class creates it, with the agent's detected target.
-    auto_create_device_classes: bool = True
+    # Registering with an unknown device class creates it, with the agent's detected
+    # target. Off by default: every team sees every class, so classes are the operators'
+    # (`tunefarm farm device-class`), not something any agent token may add.
+    auto_create_device_classes: bool = False
     # TLS: PEM certificate chain and private key; both unset serves plaintext (loopback,
     # or behind a TLS-terminating proxy). One without the other is an error, never a
     # silent fallback to plaintext.

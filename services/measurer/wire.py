@@ -15,6 +15,13 @@ from tunefarm.records import ErrorKind, RunResult, TimingConfig
 AUTH_HEADER = "authorization"
 """gRPC metadata key of the bearer token (`authorization: Bearer <token>`)."""
 
+AGENT_SECRET_HEADER = "x-tunefarm-agent-secret"
+"""gRPC metadata key of the secret `Register` answered with; every later call naming the
+agent carries it."""
+
+AGENT_SECRET_PREFIX = "tfs_"
+"""Start of an agent secret (tells it apart from a token at a glance)."""
+
 _KIND_TO_PB = {
     ErrorKind.NONE: pb.ERROR_KIND_NONE,
     ErrorKind.BUILD_ERROR: pb.ERROR_KIND_BUILD_ERROR,
@@ -29,6 +36,20 @@ _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((AUTH_HEADER, f"Bearer {token}"),)
+
+
+def agent_metadata(token: str, secret: str) -> tuple[tuple[str, str], ...]:
+    """The metadata of a registered agent's calls: its token and its registration's secret."""
+    return (*auth_metadata(token), (AGENT_SECRET_HEADER, secret))
+
+
+def agent_secret(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+    """The value of the `x-tunefarm-agent-secret` entry, or None."""
+    for key, value in metadata:
+        if key.lower() == AGENT_SECRET_HEADER:
+            text = (value.decode() if isinstance(value, bytes) else value).strip()
+            return text or None
+    return None
 
 
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]]) -> str | None:

@@ -43,6 +43,7 @@ from typing import Any
 from services.db.models import JobState
 from services.db.session import transaction
 from services.measurer.artifacts import file_sha256
+from services.measurer.signing import ArtifactSigner
 from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from services.scheduler.job_store import JobSetup
@@ -109,6 +110,8 @@ class RunnerContext:
     confirm_wait_secs: float = 600.0
     # Set when the service stops: a finish waiting for a device gives up (resumed later).
     stop: threading.Event = field(default_factory=threading.Event)
+    # Signs the tuned models handed to agents (None: unsigned; agents with a key refuse them).
+    signer: ArtifactSigner | None = None
 
 
 class JobProgressRows(SessionCallback):
@@ -476,6 +479,7 @@ class JobRunner:
                     device_class=s.device_class,
                     wait_secs=self.ctx.model_run_wait_secs,
                     stop=self.ctx.stop,
+                    signer=self.ctx.signer,
                 )
                 return check_on_device(m, directory, where, log=self.log)
             check = {"ok": None, "reference": "onnxruntime", "problem": "disabled"}

@@ -45,6 +45,7 @@ from services.db import queries
 from services.db.models import ModelRun, ModelRunState
 from services.db.session import transaction
 from services.measurer import artifacts
+from services.measurer.signing import ArtifactSigner, SignedKind
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.models import check
 from tunefarm.models.build import LIBRARY_NAME, RUN_TIMEOUT
@@ -75,6 +76,7 @@ class DeviceRun:
     warmup: int = 3
     timeout_secs: float = RUN_TIMEOUT  # the agent's limit for one whole run
     poll_secs: float = POLL_SECS
+    signer: ArtifactSigner | None = None  # signs the library for the agent (None: unsigned)
 
 
 def check_on_device(
@@ -152,6 +154,8 @@ def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray], *, timed:
             warmup=where.warmup,
             timeout_secs=where.timeout_secs,
         )
+        if where.signer is not None:  # bound to this run: not replayable onto another
+            run.library_signature = where.signer.sign(SignedKind.MODEL_LIBRARY, run.id, lib_sha).hex()
         return run.id
 
 

@@ -35,6 +35,7 @@ import argparse
 import logging
 import math
 import signal
+import sys
 import threading
 import traceback
 from collections import Counter, defaultdict
@@ -49,6 +50,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.db.exceptions import Contention, DatabaseError, Unavailable
 from services.db.models import JobState
 from services.db.session import make_session_factory, transaction
+from services.measurer.signing import ArtifactSigner, KeyFileError
 from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed, JobVanished
 from services.scheduler.farm_job import JobRunner, MeasurerFactory, RunnerContext
@@ -138,6 +140,7 @@ class SchedulerService:
             log=self.log,
             model_run_wait_secs=settings.model_run_wait_secs,
             confirm_wait_secs=settings.confirm_wait_secs,
+            signer=ArtifactSigner.from_file(settings.signing_key_file) if settings.signing_key_file else None,
         )
         self.models = ClassModels(
             self.sessions,
@@ -449,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    SchedulerService(settings).run(stop)
+    try:
+        service = SchedulerService(settings)
+    except KeyFileError as exc:
+        print(f"tunefarm scheduler: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    service.run(stop)
     return 0
 
 

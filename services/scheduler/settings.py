@@ -19,6 +19,7 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_MODEL_RUN_WAIT_SECS | 1800 | how long an agent may take to run a tuned model this host cannot run |
 | TUNEFARM_BUILD_CHECK_SECS | 5 | how often batches in flight are checked for builds nobody is doing (a killed worker, Redis's data lost) |
 | TUNEFARM_SCHEDULER_HEARTBEAT_FILE | unset | touched after every pass (a container's health check reads its age) |
+| TUNEFARM_SIGNING_KEY_FILE | unset | the farm's Ed25519 private key (PEM): tuned models run by agents are signed with it |
 """
 
 from __future__ import annotations
@@ -79,3 +80,6 @@ class SchedulerSettings(DatabaseSettings):
     # A file touched after every pass of the loop: its age tells a health check that the
     # loop is alive (None: no file).
     scheduler_heartbeat_file: Path | None = None
+    # The farm's signing key (services/measurer/signing.py): a tuned model handed to an
+    # agent is signed with it; agents load nothing unsigned (None: unsigned).
+    signing_key_file: Path | None = None

@@ -14,6 +14,9 @@ it makes goes to the artifact root:
         a .so through <mtriple>-g++ when installed, else a .tar the board links at load)
         store each kernel's path and build, record failed builds as measurements, and
         mark the batch ready (or done when nothing built)              (one transaction)
+        with each kernel, its signature (`TUNEFARM_SIGNING_KEY_FILE`: the farm's key
+        signs the kernel's sha256 for its batch candidate, services/measurer/signing.py;
+        agents load nothing else)
 
 Both transactions are run again while the database is away (a restart), for up to
 `database_retry_secs`: a build is not lost to a moment without PostgreSQL.
@@ -48,6 +51,7 @@ from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import Batch, BatchState, DeviceClass, Workload
 from services.db.session import make_session_factory, retrying, transaction
 from services.measurer import artifacts
+from services.measurer.signing import ArtifactSigner, KeyFileError, SignedKind
 from services.worker import build_lock
 from services.worker.builder import Builder, LocalBuilder
 from services.worker.exceptions import BatchNotFound
@@ -66,6 +70,7 @@ class WorkerContext:
     settings: WorkerSettings
     sessions: sessionmaker[Session]
     builder: Builder
+    signer: ArtifactSigner | None = None  # signs each kernel (None: kernels go unsigned)
 
     @property
     def artifact_root(self) -> Path:
@@ -87,15 +92,19 @@ def configure(
     sessions: sessionmaker[Session] | None = None,
 ) -> WorkerContext:
     """Set up this process for build jobs (the previous context's builder is closed).
-    Without arguments: settings from the environment and a started `LocalBuilder`."""
+    Without arguments: settings from the environment and a started `LocalBuilder`.
+    Raises `KeyFileError` for a signing key that cannot be read."""
     global _context
     settings = settings or WorkerSettings()
     root = Path(settings.artifact_root)
+    signer = ArtifactSigner.from_file(settings.signing_key_file) if settings.signing_key_file else None
+    if signer is None:
+        log.warning("no signing key (TUNEFARM_SIGNING_KEY_FILE): kernels are unsigned, agents that check refuse them")
     if builder is None:
         n = settings.build_processes or physical_cores()
         builder = LocalBuilder(root / artifacts.KERNELS_DIR, n_workers=n)
         builder.start()
-    ctx = WorkerContext(settings, sessions or make_session_factory(settings), builder)
+    ctx = WorkerContext(settings, sessions or make_session_factory(settings), builder, signer)
     with _context_lock:
         old, _context = _context, ctx
     if old is not None and old.builder is not builder:
@@ -156,7 +165,10 @@ def build_batch(batch_id: int) -> str:
         results = ctx.builder.build(
             [BuildInput(inp.key, str(wl_path), inp.trace, plan.target, plan.build_timeout) for _, inp in plan.candidates]
         )
-        state = retrying(ctx.sessions, lambda s: _store(ctx, s, plan, results), patience_secs=patience, on_retry=waiting)
+        signatures = _signatures(ctx, plan, results)
+        state = retrying(
+            ctx.sessions, lambda s: _store(ctx, s, plan, results, signatures), patience_secs=patience, on_retry=waiting
+        )
     failed = sum(r.error_kind.is_error for r in results)
     log.info(
         "batch %d: %d built, %d failed in %.2f s -> %s",
@@ -228,14 +240,28 @@ def _workload_file(ctx: WorkerContext, plan: _Plan) -> Path:
 
 
 _SET_BUILDS = text(
-    "UPDATE batch_candidates AS bc SET artifact_path = v.path, build = CAST(v.build AS jsonb) "
-    "FROM unnest(CAST(:ids AS bigint[]), CAST(:paths AS text[]), CAST(:builds AS text[])) AS v(id, path, build) "
+    "UPDATE batch_candidates AS bc SET artifact_path = v.path, build = CAST(v.build AS jsonb), "
+    "artifact_signature = v.signature "
+    "FROM unnest(CAST(:ids AS bigint[]), CAST(:paths AS text[]), CAST(:builds AS text[]), "
+    "CAST(:signatures AS text[])) AS v(id, path, build, signature) "
     "WHERE bc.id = v.id"
 )
-"""Each candidate's kernel path and build result, for a whole batch in one statement."""
+"""Each candidate's kernel path, build result and signature, for a whole batch in one statement."""
 
 
-def _store(ctx: WorkerContext, s: Session, plan: _Plan, results: list[BuildResult]) -> BatchState:
+def _signatures(ctx: WorkerContext, plan: _Plan, results: list[BuildResult]) -> list[str | None]:
+    """Each built kernel's signature for its batch candidate (hex; None: unsigned)."""
+    if ctx.signer is None:
+        return [None] * len(results)
+    return [
+        ctx.signer.sign_file(SignedKind.KERNEL, bc_id, res.artifact).hex() if res.artifact else None
+        for (bc_id, _), res in zip(plan.candidates, results, strict=True)
+    ]
+
+
+def _store(
+    ctx: WorkerContext, s: Session, plan: _Plan, results: list[BuildResult], signatures: list[str | None]
+) -> BatchState:
     root = ctx.artifact_root
     stamp = time.time()
     fingerprint = {"builder": socket.gethostname()}
@@ -249,7 +275,7 @@ def _store(ctx: WorkerContext, s: Session, plan: _Plan, results: list[BuildResul
         paths.append(rel)
         builds.append(json.dumps(codec.build_to_json(replace(res, artifact=rel))))
     if ids:  # one statement for the whole batch
-        s.execute(_SET_BUILDS, {"ids": ids, "paths": paths, "builds": builds})
+        s.execute(_SET_BUILDS, {"ids": ids, "paths": paths, "builds": builds, "signatures": signatures})
     for (bc_id, inp), res in zip(plan.candidates, results, strict=True):
         if res.error_kind.is_error:
             record = MeasureRecord.of(
@@ -284,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         if not classes:
             print("tunefarm worker: error: no device class exists yet; pass --device-class", flush=True)
             return 2
-    configure(settings, sessions=sessions)
+    try:
+        configure(settings, sessions=sessions)
+    except KeyFileError as exc:
+        print(f"tunefarm worker: error: {exc}", flush=True)
+        return 2
     try:
         redis = Redis.from_url(settings.redis_url)
         queues = [Queue(build_queue_name(c, settings.queue_prefix), connection=redis) for c in classes]

@@ -9,6 +9,7 @@
 | TUNEFARM_BUILD_PROCESSES | 0 | isolated build processes per worker (0: one per physical core) |
 | TUNEFARM_BUILD_JOB_TIMEOUT_SECS | 1800 | RQ's limit on one build_batch job |
 | TUNEFARM_DATABASE_RETRY_SECS | 120 | how long a build job waits for a database that is away (a restart) |
+| TUNEFARM_SIGNING_KEY_FILE | unset | the farm's Ed25519 private key (PEM): every kernel built is signed with it |
 """
 
 from __future__ import annotations
@@ -39,3 +40,6 @@ class WorkerSettings(DatabaseSettings):
     # How long a build job waits for a database that went away (a restart) before it
     # fails: its claim and its results are written again until then.
     database_retry_secs: float = 120.0
+    # The farm's signing key (services/measurer/signing.py): each kernel is signed with
+    # it for its batch candidate; agents load nothing unsigned (None: unsigned).
+    signing_key_file: Path | None = None

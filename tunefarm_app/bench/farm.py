@@ -138,6 +138,7 @@ class BenchFarm:
         self.port = free_port()
         self.job_id, self.token = self._job()
         self.env["TUNEFARM_AGENT_TOKEN"] = self.token
+        self.env.update(bench_signing_env(Path(self.tmp.name) / "signing"))
         self.lease_service = self.start(
             "lease-service",
             [sys.executable, "-m", "services.measurer.lease_service", "--bind", f"127.0.0.1:{self.port}"],
@@ -515,6 +516,15 @@ def _phases(farm: BenchFarm, batch_ids: list[int]) -> dict[str, float]:
     ]
     names = ("submit_to_built", "built_to_leased", "leased_to_last_result_stored")
     return {n: statistics.median(m[i] for m in ms) for i, n in enumerate(names)} if ms else {}
+
+
+def bench_signing_env(directory: Path) -> dict[str, str]:
+    """A signing key pair of the bench's own: workers sign, agents check, as in a farm."""
+    from services.measurer.signing import ensure_key_pair
+
+    private, public = directory / "farm-signing.key", directory / "farm-signing.pub"
+    ensure_key_pair(private, public)
+    return {"TUNEFARM_SIGNING_KEY_FILE": str(private), "TUNEFARM_AGENT_SIGNING_PUBLIC_KEY": str(public)}
 
 
 def stand_in_worker(argv: list[str]) -> None:

@@ -100,6 +100,7 @@ async def simulated_agent(
     """One agent until `stop`: register, heartbeat, lease, (fetch,) report stand-in results."""
     import grpc
 
+    from services.measurer import wire
     from services.measurer.generated import measurer_pb2 as pb
 
     while True:
@@ -115,6 +116,7 @@ async def simulated_agent(
                 return
             await asyncio.sleep(0.5)
     counts.registered += 1
+    metadata = (*metadata, (wire.AGENT_SECRET_HEADER, reg.agent_secret))  # this registration's secret
     held: set[int] = set()  # the lease being reported, named in heartbeats as the agent does
     beating = asyncio.create_task(
         _heartbeats(stub, reg.agent_id, held, metadata, reg.heartbeat_interval_secs or 5.0, counts, stop)

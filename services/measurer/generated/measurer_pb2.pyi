@@ -95,18 +95,20 @@ class RegisterRequest(_message.Message):
     def __init__(self, device_class: _Optional[str] = ..., name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("agent_id", "target_json", "heartbeat_interval_secs", "lease_secs", "poll_interval_secs")
+    __slots__ = ("agent_id", "target_json", "heartbeat_interval_secs", "lease_secs", "poll_interval_secs", "agent_secret")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_JSON_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECS_FIELD_NUMBER: _ClassVar[int]
     POLL_INTERVAL_SECS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SECRET_FIELD_NUMBER: _ClassVar[int]
     agent_id: int
     target_json: str
     heartbeat_interval_secs: float
     lease_secs: float
     poll_interval_secs: float
-    def __init__(self, agent_id: _Optional[int] = ..., target_json: _Optional[str] = ..., heartbeat_interval_secs: _Optional[float] = ..., lease_secs: _Optional[float] = ..., poll_interval_secs: _Optional[float] = ...) -> None: ...
+    agent_secret: str
+    def __init__(self, agent_id: _Optional[int] = ..., target_json: _Optional[str] = ..., heartbeat_interval_secs: _Optional[float] = ..., lease_secs: _Optional[float] = ..., poll_interval_secs: _Optional[float] = ..., agent_secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("agent_id", "held_lease_ids", "held_model_run_ids")
@@ -157,18 +159,20 @@ class LeaseBatchRequest(_message.Message):
     def __init__(self, agent_id: _Optional[int] = ..., model_runs: _Optional[bool] = ..., held_lease_ids: _Optional[_Iterable[int]] = ..., held_model_run_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ArtifactRef(_message.Message):
-    __slots__ = ("kind", "id", "file_name", "sha256", "size")
+    __slots__ = ("kind", "id", "file_name", "sha256", "size", "signature")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     FILE_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     kind: ArtifactKind
     id: int
     file_name: str
     sha256: str
     size: int
-    def __init__(self, kind: _Optional[_Union[ArtifactKind, str]] = ..., id: _Optional[int] = ..., file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, kind: _Optional[_Union[ArtifactKind, str]] = ..., id: _Optional[int] = ..., file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("repeat", "min_repeat_ms", "flush_cache", "slow_cutoff_secs")
