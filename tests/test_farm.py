@@ -939,6 +939,11 @@ def test_late_and_fabricated_results_are_refused_and_nothing_is_stored(farm):
         # A goes silent: its lease expires and B leases the batch (only what is unmeasured).
         with transaction(farm.sessions) as s:
             s.execute(update(Lease).where(Lease.id == la.lease_id).values(expires_at=func.now() - timedelta(seconds=60)))
+        # The sweeper requeues it (while the sweeper holds the batch, a lease skips it).
+        deadline = time.monotonic() + 10
+        while farm.batch_rows()[0].state is not BatchState.READY:
+            assert time.monotonic() < deadline, "the expired lease was not swept"
+            time.sleep(0.05)
         lb = lease(b, token_b)
         assert lb.batch_id == first and lb.lease_id != la.lease_id
         unmeasured = [c2, c3] + ([c4] if c4_stored is None else [])
@@ -1053,21 +1058,32 @@ def test_a_lost_connection_releases_the_lock(db_sessions):
 # -- measurement trust: a lying agent (timing floor, confirmations, quarantine) ---------------
 
 
+_SECRETS: dict[int, str] = {}
+"""The secret each agent registered by `_register` was given (agent ids are unique in the module's database)."""
+
+
 def _register(stub, farm: Farm, name: str, token: str) -> int:
     caps = pb.Capabilities(arch=os.uname().machine, target_json=json.dumps(farm.target))
     request = pb.RegisterRequest(name=f"{farm.device_class}-{name}", device_class=farm.device_class, capabilities=caps)
-    return stub.Register(request, metadata=wire.auth_metadata(token), timeout=10).agent_id
+    resp = stub.Register(request, metadata=wire.auth_metadata(token), timeout=10)
+    _SECRETS[resp.agent_id] = resp.agent_secret
+    return resp.agent_id
+
+
+def _meta(token: str, agent_id: int):
+    return wire.agent_metadata(token, _SECRETS[agent_id])
 
 
 def _lease(stub, agent_id: int, token: str) -> pb.LeasedBatch | None:
     """One LeaseBatch (a long poll of the module's 0.5 s): the batch, or None."""
-    resp = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent_id), metadata=wire.auth_metadata(token), timeout=10)
+    resp = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent_id), metadata=_meta(token, agent_id), timeout=10)
     return resp.batch if resp.HasField("batch") else None
 
 
 def _measure(stub, token: str, agent_id: int, leased: pb.LeasedBatch, costs: list[float]) -> str:
     """Report one verified time per leased candidate and finish; the batch's state."""
-    acks = _report(stub, token, agent_id, leased.lease_id, [_ok(c, t) for c, t in zip(leased.candidates, costs)], True)
+    results = [_ok(c, t) for c, t in zip(leased.candidates, costs)]
+    acks = _report(stub, _meta(token, agent_id), agent_id, leased.lease_id, results, True)
     return acks[-1].batch_state
 
 
@@ -1243,7 +1259,7 @@ def test_a_quarantined_agent_is_leased_nothing_and_its_unconfirmed_times_count_f
         assert _task_row(farm).best_cost == 2.5e-4
         assert cli(["farm", "agent", "unquarantine", name, "--database-url", database_url]) == 0
         assert "offline" in capsys.readouterr().out
-        stub.Heartbeat(pb.HeartbeatRequest(agent_id=suspect), metadata=wire.auth_metadata(farm.token), timeout=10)
+        stub.Heartbeat(pb.HeartbeatRequest(agent_id=suspect), metadata=_meta(farm.token, suspect), timeout=10)
         check = _lease(stub, suspect, farm.token)  # leased again: the honest agent's best, to confirm
         assert check is not None and check.candidates[0].candidate_key == inputs[2].key
     assert _task_row(farm).best_cost == 2e-4  # its times count again (still unconfirmed)

@@ -98,6 +98,7 @@ def schedule(session: Session, *, measurement_id: int, now: datetime | None = No
             BatchCandidate.candidate_key,
             BatchCandidate.input,
             BatchCandidate.artifact_path,
+            BatchCandidate.artifact_signature,
             BatchCandidate.build,
             Batch.timing,
             Batch.build_timeout_secs,
@@ -142,6 +143,7 @@ def schedule(session: Session, *, measurement_id: int, now: datetime | None = No
             candidate_key=row.candidate_key,
             input=row.input,
             artifact_path=row.artifact_path,
+            artifact_signature=row.artifact_signature,  # made for the original candidate
             build=row.build,
         )
     )

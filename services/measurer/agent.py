@@ -810,7 +810,7 @@ class Agent:
         kind = SIGNED_KINDS.get(ref.kind)
         if kind is not None and self.verifier is not None:
             try:
-                self.verifier.verify(kind, ref.id, sha256, ref.signature)
+                self.verifier.verify(kind, ref.signed_as or ref.id, sha256, ref.signature)
             except BadSignature as exc:
                 problem = f"not loaded: {exc}"
                 log.warning("%s %d %s", kind, ref.id, problem)

@@ -592,6 +592,12 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             else pb.ArtifactRef(kind=pb.ARTIFACT_KIND_TASK_DATA, id=0)
         )
         timing = codec.timing_from_json(batch.timing)
+        # A confirmation's kernel was built and signed as the candidate it confirms.
+        signed_as = (
+            s.scalar(select(Measurement.batch_candidate_id).where(Measurement.id == batch.confirms_measurement_id))
+            if batch.confirms_measurement_id is not None
+            else None
+        )
         return pb.LeasedBatch(
             lease_id=lease.id,
             batch_id=batch.id,
@@ -605,6 +611,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                         id=c.id,
                         file_name=Path(c.artifact_path).name if c.artifact_path else "",
                         signature=_signature(c.artifact_signature),
+                        signed_as=signed_as or 0,
                     ),
                 )
                 for c in candidates

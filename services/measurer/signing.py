@@ -8,10 +8,13 @@ loads nothing whose signature does not verify with the farm's public key:
 
     signature = Ed25519(private key, "tunefarm artifact v1\\n<kind>\\n<id>\\n<sha256 hex>")
 
-`kind` and `id` name what the file is for (`SignedKind.KERNEL` and its batch candidate,
-`SignedKind.MODEL_LIBRARY` and its model run), so a signature cannot be moved onto
-another candidate or run; `sha256` is the file's, computed by the agent over the bytes
-it received. Rows keep the signature as hex (`BatchCandidate.artifact_signature`,
+`kind` and `id` name what the file is for (`SignedKind.KERNEL` and the batch candidate
+it was built as, `SignedKind.MODEL_LIBRARY` and its model run), so a signature does not
+verify for another file or kind; `sha256` is the file's, computed by the agent over the
+bytes it received. A confirmation measures a kernel built as another candidate: its
+`ArtifactRef.signed_as` names that candidate. What the check guarantees is that an agent
+runs only code the farm built; which candidate's results it reports is the lease
+service's word either way. Rows keep the signature as hex (`BatchCandidate.artifact_signature`,
 `ModelRun.library_signature`); `ArtifactRef.signature` carries it to the agent.
 
 Keys are PEM files: the private key (PKCS8, mode 0600) only where artifacts are built

@@ -159,20 +159,22 @@ class LeaseBatchRequest(_message.Message):
     def __init__(self, agent_id: _Optional[int] = ..., model_runs: _Optional[bool] = ..., held_lease_ids: _Optional[_Iterable[int]] = ..., held_model_run_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ArtifactRef(_message.Message):
-    __slots__ = ("kind", "id", "file_name", "sha256", "size", "signature")
+    __slots__ = ("kind", "id", "file_name", "sha256", "size", "signature", "signed_as")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     FILE_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_AS_FIELD_NUMBER: _ClassVar[int]
     kind: ArtifactKind
     id: int
     file_name: str
     sha256: str
     size: int
     signature: bytes
-    def __init__(self, kind: _Optional[_Union[ArtifactKind, str]] = ..., id: _Optional[int] = ..., file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    signed_as: int
+    def __init__(self, kind: _Optional[_Union[ArtifactKind, str]] = ..., id: _Optional[int] = ..., file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., signature: _Optional[bytes] = ..., signed_as: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("repeat", "min_repeat_ms", "flush_cache", "slow_cutoff_secs")
