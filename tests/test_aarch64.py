@@ -122,7 +122,7 @@ def test_kernels_are_cross_compiled_to_aarch64_libraries(tmp_path):
     in test_farm_aarch64.py.)"""
     import tvm
 
-    from services.worker.builder import build_module
+    from tunefarm.measure.builder import build_module
     from tunefarm.workloads.registry import make
 
     require_cross_compiler()

@@ -58,11 +58,11 @@ from services.measurer.generated import measurer_pb2_grpc as pb_grpc  # noqa: E4
 from services.measurer.lease_service import LeaseServiceSettings, make_server  # noqa: E402
 from services.scheduler.farm_measurer import FarmMeasurer  # noqa: E402
 from services.worker import build_lock, jobs  # noqa: E402
-from services.worker.builder import LocalBuilder  # noqa: E402
 from services.worker.queues import build_queue_name  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
 from tunefarm.export import artifact_suffix  # noqa: E402
 from tunefarm.measure import MeasureBatch  # noqa: E402
+from tunefarm.measure.builder import LocalBuilder  # noqa: E402
 from tunefarm.records import Candidate, ErrorKind, MeasureInput, TimingConfig  # noqa: E402
 from tunefarm.target import host_target_dict  # noqa: E402
 from tunefarm.workloads import workload_from_prim_func, workload_from_te  # noqa: E402

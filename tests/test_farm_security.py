@@ -49,9 +49,9 @@ from services.measurer.exceptions import BadRequest
 from services.measurer.generated import measurer_pb2 as pb
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc
 from services.measurer.lease_service import LeaseServer, make_server
-from services.measurer.runner import LocalRunner
 from services.measurer.settings import LeaseServiceSettings
 from services.measurer.signing import ArtifactSigner, SignedKind, ensure_key_pair
+from tunefarm.measure.runner import LocalRunner
 from tunefarm.records import ErrorKind, RunInput, TimingConfig
 from tunefarm.sandbox import Sandbox
 from tunefarm.target import host_target_dict

@@ -2,7 +2,7 @@
 and use the shared and local memory the model says; a conv2d and a GEMM compile to
 fatbins for sm_80 and sm_90; the running side refuses cleanly where there is no GPU.
 
-Nothing here runs a kernel: that needs an NVIDIA GPU (see services/measurer/runner.py).
+Nothing here runs a kernel: that needs an NVIDIA GPU (see tunefarm/measure/runner.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 import tvm
 import tvm_ffi
 
-from services.measurer.runner import run_kernel
-from services.measurer.task_data import write_task_data
-from services.worker.builder import BuildError, build_module
 from tunefarm import cuda
 from tunefarm.gpu import GpuLimits, gpu_compatible
+from tunefarm.measure.builder import BuildError, build_module
+from tunefarm.measure.runner import run_kernel
+from tunefarm.measure.task_data import write_task_data
 from tunefarm.records import RunInput, TimingConfig
 from tunefarm.search.space.dag import analyse
 from tunefarm.search.space.program import InvalidProgram
@@ -259,10 +259,10 @@ def test_a_gpu_task_goes_from_proposal_to_a_runner_that_has_no_gpu(tmp_path):
     with nvcc into CUDA artifacts, and the runner (no GPU here) reports each as a
     run_error naming the missing GPU; the records keep that. On a GPU machine the same
     path times the kernels (not run here)."""
-    from services.measurer.local import LocalMeasurer
-    from services.measurer.runner import LocalRunner
-    from services.worker.builder import LocalBuilder
     from tunefarm.measure import MeasureBatch
+    from tunefarm.measure.builder import LocalBuilder
+    from tunefarm.measure.local import LocalMeasurer
+    from tunefarm.measure.runner import LocalRunner
     from tunefarm.records import ErrorKind
     from tunefarm.search.config import TuneConfig
     from tunefarm.search.cost_model.random_model import RandomCostModel
@@ -308,7 +308,7 @@ def test_on_a_gpu_random_programs_run_match_the_reference_and_are_timed(op, shap
     space, built for its arch into artifacts (here, as a build worker does), run by the
     agent's runner (`LocalRunner`: `run_kernel` in an isolated process), their outputs
     checked against the numpy reference, then timed on the GPU."""
-    from services.measurer.runner import LocalRunner
+    from tunefarm.measure.runner import LocalRunner
 
     rules = GpuRules(GpuLimits.of(LOCAL_GPU))
     data = tmp_path / "data.npz"

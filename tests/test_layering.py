@@ -50,10 +50,11 @@ def test_the_services_never_import_the_app_layer():
 
 
 def test_the_measuring_side_carries_no_search_code():
-    # services/measurer/local.py is embedded mode's measurer (builds too); the rest of the
-    # package is what a device agent runs.
-    exempt = ("services/measurer/local.py",)
-    assert violations("services/measurer", ("tunefarm.search", "services.scheduler", "services.worker"), exempt) == []
+    # What a device agent runs: the agent and lease service (services/measurer) and the
+    # measuring library (tunefarm/measure: builder, runner, task data, local measurer).
+    forbidden = ("tunefarm.search", "services.scheduler", "services.worker")
+    assert violations("services/measurer", forbidden) == []
+    assert violations("tunefarm/measure", (*forbidden, "services", "tunefarm_app")) == []
 
 
 def test_the_search_engine_is_a_library_of_the_core():

@@ -18,11 +18,11 @@ import tvm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.measurer.runner import run_kernel
-from services.measurer.task_data import write_task_data
-from services.worker.builder import build_module
 from tunefarm import layout
 from tunefarm.errors import WorkloadError
+from tunefarm.measure.builder import build_module
+from tunefarm.measure.runner import run_kernel
+from tunefarm.measure.task_data import write_task_data
 from tunefarm.records import ErrorKind, RunInput, TimingConfig
 from tunefarm.search.space.dag import analyse
 from tunefarm.search.space.loopnest import build

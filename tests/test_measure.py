@@ -20,10 +20,10 @@ tvm = pytest.importorskip("tvm")
 from tvm import te  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402
 
-from services.measurer.runner import LocalRunner, compare_outputs  # noqa: E402
-from services.measurer.task_data import add_expected_from, read_task_data, write_task_data  # noqa: E402
-from services.worker.builder import LocalBuilder  # noqa: E402
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error  # noqa: E402
+from tunefarm.measure.builder import LocalBuilder  # noqa: E402
+from tunefarm.measure.runner import LocalRunner, compare_outputs  # noqa: E402
+from tunefarm.measure.task_data import add_expected_from, read_task_data, write_task_data  # noqa: E402
 from tunefarm.records import BuildInput, ErrorKind, RunInput, TimingConfig  # noqa: E402
 from tunefarm.target import host_target_dict  # noqa: E402
 from tunefarm.workloads import Workload, workload_from_prim_func, workload_from_te  # noqa: E402

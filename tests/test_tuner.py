@@ -12,9 +12,9 @@ import tvm
 from tvm import te
 from tvm.script import tirx as T
 
-from services.measurer.local import LocalMeasurer
-from services.measurer.runner import LocalRunner
-from services.worker.builder import LocalBuilder
+from tunefarm.measure.builder import LocalBuilder
+from tunefarm.measure.local import LocalMeasurer
+from tunefarm.measure.runner import LocalRunner
 from tunefarm.records import ErrorKind, TimingConfig
 from tunefarm.search.config import SearchConfig, TuneConfig
 from tunefarm.search.cost_model import XGBConfig, XGBCostModel

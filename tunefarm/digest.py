@@ -1,7 +1,7 @@
 """Output digests: a small fingerprint of a kernel's outputs.
 
 When a task has a reference, every kernel's output is compared to it in full on the device
-(`services.measurer.runner`). When it has none (the unscheduled program did not finish in
+(`tunefarm.measure.runner`). When it has none (the unscheduled program did not finish in
 time), kernels are checked against each other instead, and shipping whole outputs from a
 remote agent would cost too much: the runner returns a digest, the search compares digests.
 

@@ -65,7 +65,7 @@ def build_best(best: BestKernel, out_path: str | Path, timeout: float = 600.0) -
         workload.write_text(best.workload_json)
         with IsolatedWorker(preload=["tvm"], name="apply-best") as worker:
             outcome = worker.call(
-                "services.worker.builder:build_module",
+                "tunefarm.measure.builder:build_module",
                 str(workload),
                 best.record.trace,
                 best.record.target,

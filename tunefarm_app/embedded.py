@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.measurer.local import LocalMeasurer
-from services.measurer.runner import LocalRunner
-from services.worker.builder import LocalBuilder
 from tunefarm import target as targets
 from tunefarm.cuda import require_local_gpu
 from tunefarm.errors import UsageError
 from tunefarm.gpu import is_gpu
 from tunefarm.isa import check_runs_on_host
+from tunefarm.measure.builder import LocalBuilder
+from tunefarm.measure.local import LocalMeasurer
+from tunefarm.measure.runner import LocalRunner
 from tunefarm.records import MeasureRecord
 from tunefarm.search.config import TuneConfig
 from tunefarm.search.cost_model import cache as cost_model_cache

@@ -94,8 +94,8 @@ from services.measurer.exceptions import (
 from services.measurer.generated import measurer_pb2 as pb
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc
 from services.measurer.kernel_files import LOADABLE_SUFFIXES, KernelFiles, local_file_name
-from services.measurer.runner import LocalRunner, ModelRunInput, Runner
 from services.measurer.signing import SHA256_HEX, ArtifactVerifier, BadSignature, KeyFileError, SignedKind
+from tunefarm.measure.runner import LocalRunner, ModelRunInput, Runner
 from tunefarm.records import ErrorKind, RunInput, RunResult
 from tunefarm.sandbox import Sandbox
 from tunefarm.target import physical_cores

@@ -4,7 +4,7 @@ The artifact root is a directory shared by the farm's server-side processes (bui
 workers write kernels into it, the scheduler task data, the lease service reads both);
 rows keep paths relative to it. Agents never see it: they fetch files over gRPC.
 
-    kernels/<sha1>.so | .tar     built kernels (services.worker.builder names them)
+    kernels/<sha1>.so | .tar     built kernels (tunefarm.measure.builder names them)
     task_data/<workload id>.npz  inputs and expected outputs of a workload
     workloads/<workload id>.json the workload's IRModule, for the builders
     model_runs/<job id>/<uuid>/  a tuned model run on an agent: model.so, inputs.npz,

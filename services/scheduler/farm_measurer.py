@@ -57,10 +57,10 @@ from services.db.models import (
 )
 from services.db.session import transaction
 from services.measurer import artifacts
-from services.measurer.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
 from services.worker import build_lock
 from services.worker.queues import BUILD_JOB, build_job_id, build_queue_name
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
+from tunefarm.measure.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
 from tunefarm.records import (
     BuildResult,
     ErrorKind,
@@ -244,8 +244,8 @@ class FarmMeasurer(Measurer):
 
     def _reference_measurer(self) -> LocalMeasurer:
         if self._reference is None:
-            from services.measurer.runner import LocalRunner
-            from services.worker.builder import LocalBuilder
+            from tunefarm.measure.builder import LocalBuilder
+            from tunefarm.measure.runner import LocalRunner
             from tunefarm.target import physical_cores
 
             work = self.artifact_root / "scheduler" / str(os.getpid())

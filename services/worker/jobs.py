@@ -10,7 +10,7 @@ it makes goes to the artifact root:
         target and its candidates                                     (one transaction)
         build every candidate in the worker's isolated build processes (LocalBuilder:
         TVM imported once per process, a crash or a hang costs one build, not the worker);
-        a target for another architecture is cross-compiled (services.worker.builder:
+        a target for another architecture is cross-compiled (tunefarm.measure.builder:
         a .so through <mtriple>-g++ when installed, else a .tar the board links at load)
         store each kernel's path and build, record failed builds as measurements, and
         mark the batch ready (or done when nothing built)              (one transaction)
@@ -53,10 +53,10 @@ from services.db.session import make_session_factory, retrying, transaction
 from services.measurer import artifacts
 from services.measurer.signing import ArtifactSigner, KeyFileError, SignedKind
 from services.worker import build_lock
-from services.worker.builder import Builder, LocalBuilder
 from services.worker.exceptions import BatchNotFound
 from services.worker.queues import build_queue_name
 from services.worker.settings import WorkerSettings
+from tunefarm.measure.builder import Builder, LocalBuilder
 from tunefarm.records import BuildInput, BuildResult, MeasureInput, MeasureRecord, MeasureResult
 from tunefarm.target import physical_cores
 

@@ -534,9 +534,9 @@ def stand_in_worker(argv: list[str]) -> None:
     from rq import Queue, SimpleWorker
 
     from services.worker import jobs
-    from services.worker.builder import Builder
     from services.worker.queues import build_queue_name
     from services.worker.settings import WorkerSettings
+    from tunefarm.measure.builder import Builder
     from tunefarm.records import BuildResult
 
     device_class, kernel = argv
@@ -560,7 +560,7 @@ def stand_in_agent(argv: list[str]) -> None:
 
     from services.measurer import capabilities
     from services.measurer.agent import AgentSettings, build_parser, run_agent
-    from services.measurer.runner import Runner
+    from tunefarm.measure.runner import Runner
     from tunefarm.records import RunResult
 
     class InstantRunner(Runner):

@@ -199,7 +199,7 @@ def _header(plan: BenchPlan) -> list[str]:
 
 def bench_op(op: BenchOp, plan: BenchPlan, timer: KernelTimer, log: Log) -> OpRow:
     """Tune `op` with both tuners, run the vendor peers, time both best kernels, score the model."""
-    from services.measurer.task_data import write_task_data
+    from tunefarm.measure.task_data import write_task_data
 
     workload = op.workload()
     task_data = Path(write_task_data(plan.work_dir / "data" / f"{op.id}.npz", workload, seed=0))

@@ -238,8 +238,8 @@ def run_metaschedule_model(
 
 
 def _child_vendor(args: argparse.Namespace) -> dict[str, Any]:
-    from services.measurer.runner import compare_outputs
-    from services.measurer.task_data import read_task_data
+    from tunefarm.measure.runner import compare_outputs
+    from tunefarm.measure.task_data import read_task_data
     from tunefarm_app.bench import vendors
 
     data = read_task_data(args.task_data)

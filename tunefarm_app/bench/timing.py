@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.measurer.runner import LocalRunner
+from tunefarm.measure.runner import LocalRunner
 from tunefarm.records import RunInput, TimingConfig, median_cost
 from tunefarm.workloads import Workload
 

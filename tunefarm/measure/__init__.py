@@ -8,9 +8,18 @@ and the built artifacts travel by reference (a path, or an id a farm resolves), 
 by value, so a queue and remote agents can stand in for the local implementation
 without the search noticing.
 
-Implementations: `services.measurer.local.LocalMeasurer` (embedded mode: build in
+Implementations: `tunefarm.measure.local.LocalMeasurer` (embedded mode: build in
 parallel worker processes, then run one kernel at a time on this machine) and the farm's
-queue-backed measurer.
+queue-backed measurer (`services.scheduler.farm_measurer`).
+
+The package is the measuring library, shared by embedded mode, the farm's build workers
+and the device agents (none of it imports the search):
+
+    builder.py     `Builder`, `LocalBuilder`: programs built in isolated processes
+    runner.py      `Runner`, `LocalRunner`, `run_kernel`: kernels run, checked and timed
+                   in an isolated (on an agent, sandboxed) process
+    task_data.py   a workload's inputs and expected outputs, as one .npz file
+    local.py       `LocalMeasurer`: this contract over a builder and a runner
 """
 
 from __future__ import annotations

@@ -48,10 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from services.measurer.task_data import TaskData, read_task_data, save_outputs
 from tunefarm import cuda, layout
 from tunefarm.digest import digest
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
+from tunefarm.measure.task_data import TaskData, read_task_data, save_outputs
 from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, failure_kind
 from tunefarm.sandbox import Sandbox, SandboxStatus
 

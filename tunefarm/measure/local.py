@@ -22,11 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.measurer.runner import Runner
-from services.measurer.task_data import add_expected_from, write_task_data
-from services.worker.builder import Builder
 from tunefarm.gpu import is_gpu
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
+from tunefarm.measure.builder import Builder
+from tunefarm.measure.runner import Runner
+from tunefarm.measure.task_data import add_expected_from, write_task_data
 from tunefarm.records import BuildInput, MeasureResult, RunInput, TimingConfig
 from tunefarm.target import host_target_dict
 from tunefarm.workloads import Workload
