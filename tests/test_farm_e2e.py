@@ -121,7 +121,7 @@ def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     # the archive: the same files as `tunefarm tune --out`, and a model matching onnxruntime
     out = tmp_path / "tuned"
     files = extract_archive(client.artifact(job["id"]), out)
-    assert {f.name for f in files} == {"model.so", "manifest.json", "records.jsonl", "report.json"}
+    assert {f.name for f in files} == {"model.so", "manifest.json", "records.jsonl", "report.json", "reference.onnx"}
     feeds = random_inputs({"x": (1, 3, 8, 8)}, {"x": "float32"}, seed=7)
     got = run_model(out, feeds, repeat=0).outputs
     want = run_onnxruntime(tiny.read_bytes(), feeds)

@@ -1,5 +1,6 @@
-"""Imports run one way: `tunefarm` (the core) never imports `services` or `tunefarm_app`;
-the measuring side (what runs on a device agent) never imports the search."""
+"""Imports run one way: `tunefarm` (the core, embedded mode included) never imports
+`services` or `tunefarm_app`, not even lazily; the measuring side (what runs on a device
+agent) never imports the search."""
 
 from __future__ import annotations
 
@@ -10,10 +11,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-FACADE = ("tunefarm/__init__.py", "tunefarm_app.model_tuning")
-"""The one allowed upward reference: `tunefarm.tune_model`, resolved lazily on first use."""
-
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -34,8 +31,6 @@ def violations(package: str, forbidden: tuple[str, ...], exempt: tuple[str, ...]
         if rel in exempt:
             continue
         for line, module in imported_modules(path):
-            if (rel, module) == FACADE or (rel == FACADE[0] and module == "tunefarm_app"):
-                continue
             if any(module == f or module.startswith(f + ".") for f in forbidden):
                 bad.append(f"{rel}:{line} imports {module}")
     return bad

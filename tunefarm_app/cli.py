@@ -184,8 +184,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _tune_op(args: argparse.Namespace) -> int:
     from tunefarm.search.config import TuneConfig
     from tunefarm.target import parse_target
+    from tunefarm.tune import default_records_path, tune_workload
     from tunefarm.workloads import load_workload
-    from tunefarm_app.embedded import default_records_path, tune_workload
     from tunefarm_app.progress import ProgressView
     from tunefarm_app.report import report_dict, summary_lines
 
@@ -216,7 +216,7 @@ def _tune_op(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report_dict(result), indent=1))
         print(f"report     {args.json}")
-    return 0 if result.single.best is not None else 1
+    return 0 if result.outcomes[0].best is not None else 1
 
 
 def _apply_best(args: argparse.Namespace) -> int:

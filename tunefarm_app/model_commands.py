@@ -144,8 +144,8 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from tunefarm.models.finish import load_model, model_name
     from tunefarm.models.tasks import CONV_LAYOUT_CHOICES
-    from tunefarm_app.model_tuning import load_model, model_name
 
     _check_files(args.models)
     shapes = parse_input_shapes(args.input_shape)
@@ -168,8 +168,9 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from tunefarm.models.finish import model_name
     from tunefarm.target import parse_target
-    from tunefarm_app.model_tuning import model_name, tune_models
+    from tunefarm.tune import tune_models
     from tunefarm_app.progress import ProgressView
     from tunefarm_app.tuned_report import check_lines, latency_lines
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunefarm_app.embedded import TaskResult, TuneResult
+from tunefarm.search.run import TaskOutcome
+from tunefarm.search.task import SearchTask
+from tunefarm.tune import TuneResult
 
 
 def report_dict(result: TuneResult) -> dict[str, Any]:
-    task_result = result.single
-    task = task_result.task
-    state = task_result.state
+    task, state, outcome = result.single()
     wl = task.workload
     best = state.best
     best_secs = best.cost if best else None
@@ -41,16 +41,15 @@ def report_dict(result: TuneResult) -> dict[str, Any]:
         "stop_reason": stop_reason(result),
         "curve": [[t, s] for t, s in state.curve],
         "rounds": state.rounds,
-        "best_schedule": best_schedule(task_result),
+        "best_schedule": best_schedule(task, outcome),
         "verified": bool(best and best.verified),
-        "reference_available": task_result.verify_available,
+        "reference_available": outcome.verify_available,
     }
 
 
-def best_schedule(task_result: TaskResult) -> dict[str, Any] | None:
+def best_schedule(task: SearchTask, outcome: TaskOutcome) -> dict[str, Any] | None:
     """The best program: its sketch, decisions, our instructions and the TVM trace."""
-    task = task_result.task
-    best = task_result.best
+    best = outcome.best
     if best is None:
         return None
     sketch_ok = 0 <= best.sketch < len(task.sketches) and task.sketch_signature(best.sketch) == best.sketch_sig
@@ -71,7 +70,7 @@ def stop_reason(result: TuneResult) -> str:
     """Why the run ended: the budget, or why its (only) task stopped getting rounds."""
     if result.stats.stop_reason == "budget":
         return "budget"
-    reasons = sorted({t.dead_reason for t in result.tasks if t.dead_reason})
+    reasons = sorted({o.dead_reason for o in result.outcomes if o.dead_reason})
     if reasons == ["exhausted"]:
         return "search space exhausted"
     if reasons == ["early-stopped"]:
@@ -80,9 +79,8 @@ def stop_reason(result: TuneResult) -> str:
 
 
 def summary_lines(result: TuneResult) -> list[str]:
-    task_result = result.single
-    state = task_result.state
-    wl = task_result.task.workload
+    task, state, outcome = result.single()
+    wl = task.workload
     best = state.best
     stats = result.stats
     lines = [f"workload   {wl.name}"]
@@ -90,7 +88,7 @@ def summary_lines(result: TuneResult) -> list[str]:
         lines.append("best       no valid kernel was measured")
     else:
         check = "yes" if best.verified else "no"
-        if not task_result.verify_available:
+        if not outcome.verify_available:
             check += " (no reference: kernels checked against each other)"
         lines.append(
             f"best       {best.cost * 1e3:.4f} ms  {wl.throughput(best.cost):.2f} {wl.throughput_unit}"

@@ -1,7 +1,7 @@
 """One job inside the scheduler service: embedded mode's session over the farm.
 
 `JobRunner` builds, for a claimed job, exactly what `tunefarm tune` builds in embedded
-mode (`tunefarm_app/embedded.py`): one `SearchTask` and `TaskTuner` per task of the
+mode (`tunefarm/tune.py`): one `SearchTask` and `TaskTuner` per task of the
 model, the task scheduler of the job's strategy, one `TuningSession` with the job's
 trial budget and latency target. Three things differ, and only by what is plugged in:
 
@@ -54,13 +54,12 @@ from tunefarm.export import is_cross_target
 from tunefarm.isa import runs_on_host
 from tunefarm.measure import MeasureBatch, Measurer
 from tunefarm.models.build import build_model_library
+from tunefarm.models.check import exact_onnx_reference
 from tunefarm.models.finish import (
     RECORDS_NAME,
     REPORT_NAME,
     LoadedModel,
     ModelOutcome,
-    TaskOutcome,
-    TuningSummary,
     archive_directory,
     finish_model,
     model_report,
@@ -72,11 +71,11 @@ from tunefarm.models.importer import ImportedModel
 from tunefarm.models.tasks import extract_tasks
 from tunefarm.records import MeasureRecord, TensorSpec
 from tunefarm.search.config import TuneConfig
-from tunefarm.search.session import SessionCallback, ShareBestPrograms, TuningSession
-from tunefarm.search.similar_programs import PER_TASK, SimilarPrograms
-from tunefarm.search.task import SearchTask, make_task, structure_kind
-from tunefarm.search.task_scheduler import TaskInfo, similarity_tag
-from tunefarm.search.tuner import SearchPace, TaskTuner
+from tunefarm.search.run import TaskOutcome, Timeline, TuningSummary, build_session, summarize
+from tunefarm.search.session import SessionCallback, TuningSession
+from tunefarm.search.similar_programs import PER_TASK
+from tunefarm.search.task import SearchTask, make_task
+from tunefarm.search.tuner import TaskTuner
 
 JOBS_DIR = "jobs"
 ARCHIVE_NAME = "tuned.tar.gz"
@@ -141,17 +140,6 @@ class JobProgressRows(SessionCallback):
                 job_store.set_dead_reasons(s, job_id=runner.job_id, reasons=dead)
         if write_point:
             self.last_est, self.last_trials = est, session.trials
-        runner.timeline.append(
-            {
-                "round": summary.index,
-                "task": summary.task,
-                "trials": summary.trials,
-                "elapsed": round(summary.elapsed, 3),
-                "best_seconds": summary.best_cost if math.isfinite(summary.best_cost) else None,
-                "estimated_seconds": dict(session.scheduler.estimate().per_model),
-                "unknown_tasks": list(session.scheduler.estimate().unknown_tasks),
-            }
-        )
 
 
 class JobRunner:
@@ -166,7 +154,7 @@ class JobRunner:
         self.tuners: list[TaskTuner] = []
         self.session: TuningSession | None = None
         self.measurer: Measurer | None = None
-        self.timeline: list[dict] = []
+        self.timeline = Timeline()
         self.first_step_done = setup.start_model_trained_on is not None
         self.started = time.perf_counter()
         # Taken from the session when the search ends (`begin_finishing`), for the report.
@@ -196,7 +184,9 @@ class JobRunner:
             onnx_bytes,
             tuple(s.warnings),
         )
-        return LoadedModel(imported, tasks, onnx_reference(onnx_bytes), "onnxruntime")
+        return LoadedModel(
+            imported, tasks, onnx_reference(onnx_bytes), "onnxruntime", onnx_bytes, exact_onnx_reference(onnx_bytes)
+        )
 
     def transferred_programs(self) -> list[MeasureRecord]:
         """When the class's model descends from another class's (`ClassModel.transferred_from`),
@@ -256,42 +246,14 @@ class JobRunner:
         batches = in_flight() if in_flight is not None else []
         with transaction(self.ctx.sessions) as db:
             records = job_store.job_records(db, job_id=self.job_id)
-        by_task: dict[str, list[MeasureRecord]] = {}
-        for r in records:
-            by_task.setdefault(r.task, []).append(r)
-        measure_tasks = [measurer.prepare(t.workload, t.key, s.target) for t in self.tasks]
-        view = SharedModelView(self.shared)
-        pace = SearchPace()
-        similar = SimilarPrograms()  # each task's best, for its similar tasks to start from
-        similar.add(records)
-        similar.add(self.transferred_programs())
-        self.tuners = [
-            TaskTuner(t, config, view, verify=m.verify, pace=pace, similar=similar, log=self.log)
-            for t, m in zip(self.tasks, measure_tasks)
-        ]
         weights = {t.key: t.weight for t in model_tasks}
-        infos = [
-            TaskInfo(
-                key=t.key,
-                flops=t.workload.flops,
-                weights={s.model_name: weights[t.workload.key]},
-                similarity_tag=similarity_tag(structure_kind(t.dag), t.workload.flops),
-            )
-            for t in self.tasks
-        ]
-        targets = {s.model_name: s.latency_target_secs} if s.latency_target_secs else None
-        self.session = TuningSession(
-            self.tuners,
-            infos,
-            measure_tasks,
-            measurer,
-            config,
-            model=view,
-            callbacks=[ShareBestPrograms(similar), JobProgressRows(self)],
-            targets=targets,
-            log=self.log,
-        )
-        self.session.resume([by_task.get(t.key, []) for t in self.tasks])
+        self.session = build_session(
+            self.tasks, [{s.model_name: weights[t.workload.key]} for t in self.tasks], measurer, config,
+            SharedModelView(self.shared), records=records, seeds=self.transferred_programs(),
+            callbacks=[JobProgressRows(self), self.timeline],
+            targets={s.model_name: s.latency_target_secs} if s.latency_target_secs else None, log=self.log,
+        )  # fmt: skip
+        self.tuners = self.session.tuners
         adopted = 0
         index = {t.key: i for i, t in enumerate(self.tasks)}
         for batch in batches:
@@ -357,8 +319,8 @@ class JobRunner:
         assert self.session is not None
         final = self.session
         est = self.estimate()
-        self.summary = self._summary(final)
-        self.outcomes = self._task_outcomes(final)
+        outcomes, self.summary = summarize(final, self.timeline)
+        self.outcomes = {t.workload.key: o for t, o in zip(self.tasks, outcomes)}
         self.close()
         with transaction(self.ctx.sessions) as db:
             job_store.write_progress(db, job_id=self.job_id, trials=final.trials, est_latency_secs=est)
@@ -486,36 +448,6 @@ class JobRunner:
             return ModelOutcome(m.name, directory, None, check, None, None)
         except TunefarmError as exc:
             raise JobFailed(str(exc)) from None
-
-    def _summary(self, session: TuningSession) -> TuningSummary:
-        stats = session.stats
-        stats.wall_secs = session.elapsed
-        return TuningSummary(
-            trials=session.trials,
-            resumed=session.resumed,
-            stop_reason=stats.stop_reason,
-            tuning_secs=stats.wall_secs,
-            search_secs=stats.search_secs,
-            train_secs=stats.train_secs,
-            measure_secs=stats.measure_secs,
-            strategy=self.config().strategy,
-            task_names=[t.workload.name for t in self.tasks],
-            decisions=[
-                {"round": d.round, "task": d.task, "reason": str(d.reason), "gradient": d.gradient}
-                for d in session.scheduler.decisions
-            ],
-            timeline=list(self.timeline),
-        )
-
-    def _task_outcomes(self, session: TuningSession) -> dict[str, TaskOutcome]:
-        states = session.scheduler.states
-        return {
-            t.workload.key: TaskOutcome(
-                tuner.state.trials, tuner.state.best, tuner.verify, st.dead_reason, dict(tuner.state.errors)
-            )
-            for t, tuner, st in zip(self.tasks, self.tuners, states)
-        }
-
 
 def runs_here(target: dict[str, Any]) -> bool:
     """Whether this host can run code built for `target` (a CPU target for its own

@@ -19,8 +19,9 @@ Map:
   error: the library is kept as `model.failed-check.so` and the task to suspect is
   found by bisection, `tunefarm.models.suspects`), time it and onnxruntime on the same threads (`tunefarm.models.timing`),
   `ModelOutcome`;
-- `TaskOutcome` + `TuningSummary` -> `model_report`: the report as plain data, from
-  whatever ran the search (embedded mode's `TuneResult`, the farm's sessions);
+- `model_report`: the report as plain data, from what a run of the search came to
+  (`tunefarm.search.run`'s `TaskOutcome`s and `TuningSummary`: embedded mode's and the
+  farm's jobs' alike);
 - `write_records`, `archive_directory`: the records file and the one-file archive of a
   tuned model directory (what the farm's API hands out).
 
@@ -36,7 +37,7 @@ import re
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ from tunefarm.models.peers import ONNXRUNTIME, OPENVINO
 from tunefarm.models.suspects import Suspects, find_suspects
 from tunefarm.models.tasks import CONV_LAYOUTS, ModelTasks, extract_tasks
 from tunefarm.records import MeasureRecord
+from tunefarm.search.run import TaskOutcome, TuningSummary
 
 RECORDS_NAME = "records.jsonl"
 REPORT_NAME = "report.json"
@@ -304,7 +306,7 @@ def _failed_check(
         f" kept as {kept} (not the tuned model); suspect task(s): {named} ({suspects.reason})"
     )
     log(msg)
-    return ModelOutcome(m.name, None, None, checked, None, None, msg)
+    return ModelOutcome(m.name, None, None, checked, None, error=msg)
 
 
 def profile_breakdown(
@@ -355,34 +357,6 @@ def check_built(m: LoadedModel, directory: Path, *, worker: IsolatedWorker | Non
 
 
 # -- the report -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TaskOutcome:
-    """How one task's tuning went, as the report sees it."""
-
-    trials: int
-    best: MeasureRecord | None
-    verify_available: bool  # False: no reference; kernels were checked against each other
-    dead_reason: str | None  # why the task scheduler stopped giving it rounds
-    errors: Mapping[str, int] = field(default_factory=dict)  # error kind -> count
-
-
-@dataclass(frozen=True)
-class TuningSummary:
-    """The search's accounting for the report (a `SessionStats` and its scheduler, as data)."""
-
-    trials: int
-    resumed: int
-    stop_reason: str
-    tuning_secs: float  # the session's wall time
-    search_secs: float
-    train_secs: float
-    measure_secs: float
-    strategy: str
-    task_names: Sequence[str]  # in task-scheduler index order
-    decisions: Sequence[Mapping[str, Any]] = ()  # {"round", "task", "reason", "gradient"}
-    timeline: Sequence[Mapping[str, Any]] = ()
 
 
 def model_report(

@@ -146,8 +146,9 @@ def bench_model(
 ) -> ModelRow:
     from tunefarm.models.build import build_default_library
     from tunefarm.models.examples import export_example
+    from tunefarm.models.finish import load_model, model_inputs
+    from tunefarm.tune import tune_models
     from tunefarm_app.bench.peers import run_metaschedule_model
-    from tunefarm_app.model_tuning import load_model, model_inputs, tune_models
 
     row = ModelRow(name, trials)
     onnx = export_example(name, work / "models" / f"{name}.onnx")
@@ -204,8 +205,8 @@ def bench_model(
     threads = int(target.get("num-cores") or 2)
     for key, secs in time_builds(builds, onnx, feeds, loaded, threads, log).items():
         setattr(row, key, secs)
-    timelines = {"ours": ours.tune.timeline, "round_robin": rr.tune.timeline if rr else None,
-                 "ablation_off": off.tune.timeline if off else None}  # fmt: skip
+    timelines = {"ours": ours.tune.summary.timeline, "round_robin": rr.tune.summary.timeline if rr else None,
+                 "ablation_off": off.tune.summary.timeline if off else None}  # fmt: skip
     row.final_estimates = {k: final_estimate(t, name) for k, t in timelines.items() if t is not None}
     row.reach = reach_figures(row, timelines, name)
     row.tasks = holdbacks(ours.report, peak_gflops)

@@ -228,16 +228,15 @@ def bench_op(op: BenchOp, plan: BenchPlan, timer: KernelTimer, log: Log) -> OpRo
 
 def tune_ours(op: BenchOp, workload: Workload, plan: BenchPlan, log: Log) -> _Tuned:
     from tunefarm.search.config import TuneConfig
+    from tunefarm.tune import tune_workload
     from tunefarm_app.apply import build_best, find_best
-    from tunefarm_app.embedded import tune_workload
     from tunefarm_app.report import stop_reason
 
     records = plan.work_dir / "ours" / f"{op.id}.jsonl"
     log(f"tunefarm: tuning {workload.name}, {plan.trials} trials, records {records}")
     config = TuneConfig(trials=plan.trials, seed=plan.seed)
     result = tune_workload(workload, plan.target, config, records=records, log=log)
-    task = result.single
-    state = task.state
+    _, state, _ = result.single()
     new = state.trials - state.resumed
     errors = sum(state.errors.values())
     best = state.best

@@ -77,9 +77,9 @@ def trials_to_reach(costs: list[float], bar: float) -> int | None:
     return next((i + 1 for i, c in enumerate(costs) if c <= bar), None)
 
 
-def measured_costs(task_result) -> list[float]:
-    """A task's costs in measurement order (inf for a failed measurement)."""
-    return [r.cost if r.is_valid else math.inf for r in task_result.records]
+def measured_costs(state) -> list[float]:
+    """A task's costs in measurement order (inf for a failed measurement), from its search's state."""
+    return [r.cost if r.is_valid else math.inf for r in state.records]
 
 
 def compare(
@@ -175,8 +175,8 @@ def tune_run(
     workload's costs in measurement order. `model`: the cost model file to start from (a
     fresh model when it does not exist), saved back at the end."""
     from tunefarm.search.config import TuneConfig
+    from tunefarm.tune import TaskSpec, tune_tasks
     from tunefarm.workloads.registry import make
-    from tunefarm_app.embedded import TaskSpec, tune_tasks
 
     specs = []
     for wid in wids:
@@ -184,7 +184,7 @@ def tune_run(
         specs.append(TaskSpec(make(op, shape).with_constants(constants), {"bench": 1}))
     config = TuneConfig(trials=trials * len(specs), batch_size=batch_size, seed=seed, strategy="round-robin")
     result = tune_tasks(specs, target, config, records=records, cost_model_path=model, log=_quiet)
-    return [measured_costs(t) for t in result.tasks]
+    return [measured_costs(state) for state in result.states]
 
 
 def render(rows: list[TransferRow], source: dict, dest: dict, args: argparse.Namespace) -> str:

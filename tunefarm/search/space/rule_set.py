@@ -1,7 +1,7 @@
 """The search's rule set for a kind of device: the sketch rules, the annotation (how
 the loop-nest model fills a sketch's slots), the mutation weights and the feature
-layout. Chosen once per task from the target's kind (`rule_set_for`); nothing else in
-the search asks what the target is.
+layout. Chosen from the target's kind (`rule_set_for`, once per target and process);
+nothing else in the search asks what the target is.
 
 - `CpuRules`: Ansor's CPU rules (`sketch.py`) and annotation (parallel, vectorize,
   unroll: `loopnest.py`); the target's vector width steers half the random draws of the
@@ -12,6 +12,8 @@ the search asks what the target is.
 
 from __future__ import annotations
 
+import functools
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -91,8 +93,16 @@ class GpuRules(RuleSet):
 
 
 def rule_set_for(target: dict[str, Any]) -> RuleSet:
-    """The rule set of a target: GPU rules for a CUDA target, CPU rules otherwise.
-    Raises TargetError for a CUDA target without a usable `arch`."""
+    """The rule set of a target: GPU rules for a CUDA target, CPU rules otherwise (the
+    search's whole view of the target: cores and vector width, or the GPU's limits, and
+    the feature version). Worked out once per distinct target in a process (a run asks
+    for every task). Raises TargetError for a CUDA target without a usable `arch`."""
+    return _rule_set_of(json.dumps(target, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=64)
+def _rule_set_of(target_json: str) -> RuleSet:
+    target = json.loads(target_json)
     if is_gpu(target):
         return GpuRules(GpuLimits.of(target))
     try:

@@ -1,0 +1,301 @@
+"""Embedded mode, the default: one process tunes with local build and run worker
+processes, a JSON-lines record store and a cost model in memory (no Redis, no Postgres).
+
+Two ways in:
+- `tune_tasks`: workloads (one for `tune-op`, a model's tasks for `tune`) with their
+  weights per model, a trial budget for all of them, and a records file that makes the
+  run resumable. It builds the run of `tunefarm.search.run` (task scheduler, one
+  evolutionary search per task, one shared cost model) over a `LocalMeasurer`. With
+  `cost_model_path`, the shared cost model is loaded from that file (when it fits the
+  target) and saved back at the end (`tunefarm.search.cost_model.cache`).
+- `tune_models` (and `tune_model`, `tunefarm.tune_model`): whole models,
+  `tunefarm tune model.onnx ... --out tuned/`. One run:
+  1. import every model (ONNX through TVM's Relax frontend after simplification, or a
+     torch module through torch.export) with fixed input shapes;
+  2. fuse each into subgraphs and list its tasks; identical tasks of several models are
+     one task with a weight per model;
+  3. tune all tasks in one session (`tune_tasks`): the gradient task scheduler spends
+     the trial budget where the weighted end-to-end latency gains most, one cost model
+     learns from every task; every measurement goes to `out/records.jsonl` at once, so
+     the same command resumes an interrupted run;
+  4. build each model with its tasks' best schedules, check it, time it beside the peers
+     and write `model.so`, `manifest.json` and `report.json` (`tunefarm.models.finish`,
+     shared with the farm's scheduler service).
+
+Directory layout: one model -> `out/{model.so, manifest.json, records.jsonl, report.json}`;
+several -> `out/<model name>/{model.so, manifest.json}` with the records and the report
+shared in `out/`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tunefarm import target as targets
+from tunefarm.cuda import require_local_gpu
+from tunefarm.errors import UsageError
+from tunefarm.gpu import is_gpu
+from tunefarm.isa import check_runs_on_host
+from tunefarm.measure.builder import LocalBuilder
+from tunefarm.measure.local import LocalMeasurer
+from tunefarm.measure.runner import LocalRunner
+from tunefarm.models.finish import (
+    RECORDS_NAME,
+    REPORT_NAME,
+    ModelOutcome,
+    batch_size_for,
+    finish_model,
+    load_model,
+    model_name,
+    model_report,
+    plain,
+)
+from tunefarm.models.tasks import CONV_LAYOUT_CHOICES, merge_tasks
+from tunefarm.search.config import SearchConfig, TuneConfig
+from tunefarm.search.cost_model import cache as cost_model_cache
+from tunefarm.search.run import TaskOutcome, Timeline, TuningSummary, build_session, summarize
+from tunefarm.search.session import SessionCallback, SessionStats, StoreRecords
+from tunefarm.search.task import SearchTask, make_task
+from tunefarm.search.task_scheduler import TaskInfo
+from tunefarm.search.tuner import TaskState
+from tunefarm.store import JsonlRecordStore
+from tunefarm.target import host_target_dict
+from tunefarm.workloads import Workload
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def default_records_path(workload: Workload) -> Path:
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in workload.name)
+    return Path("tunefarm-records") / f"{safe}.jsonl"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One workload to tune and how much it weighs in each model (1 for a single op)."""
+
+    workload: Workload
+    weights: Mapping[str, int]
+
+
+@dataclass
+class TuneResult:
+    """How a tuning run went: per task (in the order given) the task, its search's state
+    (every record, counters, its curve) and its outcome; and the run's summary."""
+
+    tasks: list[SearchTask]
+    states: list[TaskState]
+    outcomes: list[TaskOutcome]
+    infos: list[TaskInfo]  # what the task scheduler knew of each task (weights per model)
+    summary: TuningSummary
+    stats: SessionStats
+
+    @property
+    def trials(self) -> int:
+        return self.summary.trials
+
+    @property
+    def resumed(self) -> int:
+        return self.summary.resumed
+
+    def single(self) -> tuple[SearchTask, TaskState, TaskOutcome]:
+        """The one task of a single-task run (`tune-op`)."""
+        if len(self.tasks) != 1:
+            raise ValueError("not a single-task run")
+        return self.tasks[0], self.states[0], self.outcomes[0]
+
+
+def tune_tasks(
+    specs: Sequence[TaskSpec],
+    target: dict[str, Any],
+    config: TuneConfig,
+    *,
+    records: Path,
+    work_dir: Path | None = None,
+    cost_model_path: Path | None = None,
+    callbacks: Sequence[SessionCallback] = (),
+    latency_targets: dict[str, float] | None = None,
+    log: Callable[[str], None] = _stderr,
+) -> TuneResult:
+    """Tune `specs` on `target` within `config.trials` measurements in all (resumed ones
+    included), in embedded mode."""
+    _check_can_measure(config, target)
+    tasks = [make_task(s.workload, target) for s in specs]
+    store = JsonlRecordStore(records)
+    for task in tasks:
+        store.put_workload(task.key, task.workload.name, task.workload.to_json())
+    all_records = store.load()
+    if store.skipped_lines:
+        log(f"warning: {store.skipped_lines} unreadable lines in the records file were skipped (left in place)")
+    log(
+        f"tuning {len(tasks)} task{'s' if len(tasks) != 1 else ''} on {targets.describe(target)}: "
+        f"{config.trials} trials, seed {config.seed}, {config.strategy} task scheduler"
+    )
+    log("config " + json.dumps(config.as_dict(), separators=(",", ":"), default=str))
+    model = cost_model_cache.load_model(cost_model_path, target, seed=config.seed, batch_size=config.batch_size, log=log)
+    learnt = cost_model_cache.learnt_programs(model)
+    cores = targets.num_cores(target)
+    timeline = Timeline()
+    with tempfile.TemporaryDirectory(prefix="tunefarm-") as tmp:
+        wd = Path(work_dir) if work_dir is not None else Path(tmp)
+        builder = LocalBuilder(wd / "build", n_workers=cores)
+        measurer = LocalMeasurer(builder, LocalRunner(num_threads=cores), wd,
+                                 reference_timeout=config.reference_timeout, log=log)  # fmt: skip
+        try:
+            session = build_session(
+                tasks, [s.weights for s in specs], measurer, config, model,
+                records=all_records,  # this run's tasks and the others of the records file
+                callbacks=[StoreRecords(store), timeline, *callbacks],
+                targets=latency_targets, learnt_programs=learnt, log=log,
+            )  # fmt: skip
+            if session.resumed:
+                log(f"resuming: {session.resumed} measurements of these tasks are in {records}")
+            stats = session.run()
+        finally:
+            measurer.close()
+            if cost_model_path is not None:  # what was learnt is kept, interrupted or not
+                cost_model_cache.save_model(model, cost_model_path, target, learnt=learnt, log=log)
+    outcomes, summary = summarize(session, timeline)
+    return TuneResult(tasks, [t.state for t in session.tuners], outcomes, session.infos, summary, stats)
+
+
+def _check_can_measure(config: TuneConfig, target: dict[str, Any]) -> None:
+    """Usage errors for a budget or batch below 1 and for a target this machine cannot run."""
+    if config.trials < 1:
+        raise UsageError("--trials must be at least 1")
+    if config.batch_size < 1:
+        raise UsageError("--batch-size must be at least 1")
+    if is_gpu(target):
+        require_local_gpu(target)
+    else:
+        check_runs_on_host(target, f"the target ({targets.describe(target)})")  # measured here
+
+
+def tune_workload(
+    workload: Workload,
+    target: dict[str, Any],
+    config: TuneConfig,
+    *,
+    records: Path,
+    work_dir: Path | None = None,
+    cost_model_path: Path | None = None,
+    callbacks: Sequence[SessionCallback] = (),
+    log: Callable[[str], None] = _stderr,
+) -> TuneResult:
+    """Tune one operator (`tunefarm tune-op`): a session with a single task."""
+    return tune_tasks(
+        [TaskSpec(workload, {workload.name: 1})], target, config, records=records, work_dir=work_dir,
+        cost_model_path=cost_model_path, callbacks=callbacks, log=log,
+    )  # fmt: skip
+
+
+# -- whole models ------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelTuneResult:
+    out: Path
+    models: list[ModelOutcome]
+    tune: TuneResult
+    report: dict
+
+
+def tune_models(
+    sources: Sequence[Any],
+    *,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    trials: int,
+    out: str | Path,
+    target: dict[str, Any] | None = None,
+    seed: int = 1,
+    strategy: str = "gradient",
+    latency_targets: Mapping[str, float] | None = None,
+    compare_default: bool = False,
+    callbacks: Sequence[SessionCallback] = (),
+    work_dir: Path | None = None,
+    cost_model: Path | None = None,
+    search: SearchConfig | None = None,
+    conv_layout: str = "nhwc",
+    log: Callable[[str], None] = _stderr,
+) -> ModelTuneResult:
+    """Tune one or several models together and write the tuned models to `out`.
+    `cost_model`: a cost model file to start from (if it is there and fits the target)
+    and to save the run's model to; None: a fresh model, not kept. `search`: the
+    evolutionary search's parameters (default `SearchConfig()`). `conv_layout`: the
+    layout convolutions compute in, a key of `CONV_LAYOUT_CHOICES` ("nhwc" or "model")."""
+    if trials < 1:
+        raise UsageError("--trials must be at least 1")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    if conv_layout not in CONV_LAYOUT_CHOICES:
+        raise UsageError(f"--conv-layout {conv_layout!r}: choose one of {', '.join(CONV_LAYOUT_CHOICES)}")
+    target = target or host_target_dict()
+    t_start = time.perf_counter()
+    models = _load_models(sources, input_shapes, example_inputs, CONV_LAYOUT_CHOICES[conv_layout], log)
+    latency_targets = dict(latency_targets or {})
+    unknown = sorted(set(latency_targets) - {m.name for m in models})
+    if unknown:
+        raise UsageError(f"--latency-target names no model: {', '.join(unknown)}")
+    shared = merge_tasks([m.tasks for m in models])
+    log(
+        f"{len(shared)} tasks in {len(models)} model{'s' if len(models) > 1 else ''}: "
+        + ", ".join(f"{m.name} ({len(m.tasks.tasks)} tasks)" for m in models)
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    config = TuneConfig(trials=trials, batch_size=batch_size_for(trials, len(shared)), seed=seed,
+                        strategy=strategy, search=search or SearchConfig())  # fmt: skip
+    result = tune_tasks(
+        [TaskSpec(t.workload, dict(t.weights)) for t in shared], target, config, records=out / RECORDS_NAME,
+        work_dir=work_dir, cost_model_path=cost_model, callbacks=callbacks,
+        latency_targets=latency_targets or None, log=log,
+    )  # fmt: skip
+    schedules = {t.workload.key: o.best.trace for t, o in zip(result.tasks, result.outcomes) if o.best is not None}
+    outcomes = [
+        finish_model(m, out if len(models) == 1 else out / m.name, target, schedules,
+                     compare_default=compare_default, log=log)  # fmt: skip
+        for m in models
+    ]
+    by_key = {t.workload.key: o for t, o in zip(result.tasks, result.outcomes)}
+    report = model_report(models, outcomes, by_key, result.summary, target, trials, time.perf_counter() - t_start)
+    report["conv_layout"] = conv_layout
+    (out / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
+    return ModelTuneResult(out, outcomes, result, report)
+
+
+def _load_models(sources, input_shapes, example_inputs, conv_layouts, log: Callable[[str], None]) -> list:
+    taken: set[str] = set()
+    models = []
+    for src in sources:
+        name = model_name(src, taken)
+        models.append(load_model(src, input_shapes, name=name, example_inputs=example_inputs, conv_layouts=conv_layouts))
+        for w in models[-1].imported.warnings:
+            log(f"{name}: {w}")
+    return models
+
+
+def tune_model(
+    model: Any,
+    *,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    example_inputs: Sequence[Any] | None = None,
+    trials: int = 2000,
+    out: str | Path = "tuned",
+    **kwargs: Any,
+) -> ModelTuneResult:
+    """Tune one model: an ONNX path or ModelProto, or a torch.nn.Module with
+    `example_inputs` (a tuple of tensors). See `tune_models` for the keyword arguments."""
+    return tune_models(
+        [model], input_shapes=input_shapes, example_inputs=example_inputs, trials=trials, out=out, **kwargs
+    )
+
