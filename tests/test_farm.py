@@ -346,10 +346,10 @@ def test_a_batch_is_built_leased_measured_and_collected(farm, tmp_path, agent_ca
     for m in inputs[:4]:
         r = by_key[m.key]
         assert r.error_kind is ErrorKind.NONE, r.error_msg
-        assert r.run is not None and r.run.verified and len(r.costs) == FAST.repeat and min(r.costs) > 0
-        assert r.input == m
+        assert r.verified and len(r.costs) == FAST.repeat and min(r.costs) > 0 and r.run_secs > 0
+        assert (r.task, r.candidate, r.sketch_sig, r.trace) == (m.task, m.candidate, m.sketch_sig, m.trace)
     bad = by_key[inputs[4].key]
-    assert bad.error_kind is ErrorKind.BUILD_ERROR and bad.run is None and "no_such_block" in bad.error_msg
+    assert bad.error_kind is ErrorKind.BUILD_ERROR and bad.run_secs == 0 and "no_such_block" in bad.error_msg
 
     assert sorted(r.key for r in collect_all(restarted, 4, timeout=10)) == sorted(m.key for m in inputs[:4])
     (batch,) = farm.batch_rows()

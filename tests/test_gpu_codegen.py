@@ -289,10 +289,9 @@ def test_a_gpu_task_goes_from_proposal_to_a_runner_that_has_no_gpu(tmp_path):
             results += measurer.collect(timeout=600)
     finally:
         measurer.close()
-    for res in results:
-        assert not res.build.error_kind.is_error, res.build.error_msg
-        assert res.build.artifact.endswith(cuda.CUDA_KERNEL_SUFFIX)
+    for res in results:  # built (a build error would be a BUILD_ERROR), refused at run time
         assert res.error_kind is ErrorKind.RUN_ERROR and "no CUDA GPU on this machine" in res.error_msg
+        assert res.build_secs > 0
     records = tuner.ingest(results)
     assert [r.error_kind for r in records] == [ErrorKind.RUN_ERROR] * 2
 

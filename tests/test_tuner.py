@@ -204,7 +204,7 @@ def test_without_a_reference_in_time_kernels_are_checked_against_each_other(tmp_
 def test_step_api_takes_results_in_any_order_once(tmp_path, host_target):
     """propose / ingest: out of order is fine, a result delivered twice is one record,
     and a lost program may be proposed again."""
-    from tunefarm.records import BuildResult, MeasureResult, RunResult
+    from tunefarm.records import BuildResult, MeasureRecord, MeasureResult, RunResult
 
     wl = gemm()
     task = make_task(wl, host_target)
@@ -212,8 +212,9 @@ def test_step_api_takes_results_in_any_order_once(tmp_path, host_target):
     proposal = tuner.propose(4)
     assert len(proposal.inputs) == 4 and all(m.trace for m in proposal.inputs)
 
-    def result(m, cost):
-        return MeasureResult(m, BuildResult(m.key, "x.so", 0.1), RunResult(m.key, (cost,), 0.2, verified=True))
+    def result(m, cost):  # the record a measurer hands back
+        res = MeasureResult(m, BuildResult(m.key, "x.so", 0.1), RunResult(m.key, (cost,), 0.2, verified=True))
+        return MeasureRecord.of(res, workload=wl.name, target=host_target, timestamp=0.0)
 
     first, second, third, lost = proposal.inputs
     records = tuner.ingest([result(third, 3e-3), result(first, 1e-3)])
@@ -232,14 +233,15 @@ def test_without_a_reference_only_kernels_others_agree_with_can_be_the_best(host
     """A fast kernel measured before a consensus, whose output no other kernel confirms,
     is never the task's best (it would go into the model unchecked); a kernel measured
     before the consensus that agrees with it is confirmed once the consensus forms."""
-    from tunefarm.records import BuildResult, MeasureResult, RunResult
+    from tunefarm.records import BuildResult, MeasureRecord, MeasureResult, RunResult
 
     tuner = TaskTuner(make_task(gemm(), host_target), FAST, XGBCostModel(XGBConfig(seed=1)), verify=False)
     wrong_fast, early, late, *_ = tuner.propose(4).inputs
     right, other = (1.0, 2.0, 0.5), (1.0, 2.0, 0.75)  # digests: sums and samples
 
-    def result(m, cost, digest):
-        return MeasureResult(m, BuildResult(m.key, "x.so", 0.1), RunResult(m.key, (cost,), 0.2, digest=digest))
+    def result(m, cost, digest):  # the record a measurer hands back
+        res = MeasureResult(m, BuildResult(m.key, "x.so", 0.1), RunResult(m.key, (cost,), 0.2, digest=digest))
+        return MeasureRecord.of(res, workload="gemm", target=host_target, timestamp=0.0)
 
     tuner.ingest([result(wrong_fast, 1e-3, other), result(early, 2e-3, right)])
     assert tuner.state.best is None  # nothing agrees yet: nothing is checked
@@ -264,13 +266,14 @@ class ShufflingMeasurer:
         raise NotImplementedError
 
     def submit(self, batch) -> None:
-        from tunefarm.records import BuildResult, MeasureResult, RunResult
+        from tunefarm.records import BuildResult, MeasureRecord, MeasureResult, RunResult
 
         self.submitted.append(batch)
         for m in batch.inputs:
             cost = 1e-3 * (1 + self.rng.random())
             run = RunResult(m.key, (cost,), 0.0, verified=True)
-            self.waiting.append(MeasureResult(m, BuildResult(m.key, "x.so", 0.0), run))
+            result = MeasureResult(m, BuildResult(m.key, "x.so", 0.0), run)
+            self.waiting.append(MeasureRecord.of(result, workload="w", target={}, timestamp=0.0))
 
     def collect(self, timeout=None):
         self.rng.shuffle(self.waiting)
@@ -294,7 +297,7 @@ def test_session_keeps_several_rounds_in_flight_and_matches_results_out_of_order
     cfg = replace(FAST, trials=20, batch_size=4)
     tuners = [TaskTuner(t, cfg, model) for t in tasks]
     infos = [TaskInfo(key=t.key, flops=t.workload.flops, weights={"m": 1}) for t in tasks]
-    mtasks = [MeasureTask(t.key, "w.json", host_target, "d.npz", 2, 1, True) for t in tasks]
+    mtasks = [MeasureTask(t.key, "w.json", t.workload.name, host_target, "d.npz", 2, 1, True) for t in tasks]
     measurer = ShufflingMeasurer()
     session = TuningSession(tuners, infos, mtasks, measurer, cfg, model=model, max_in_flight=3)
     session.start()
@@ -317,3 +320,32 @@ def _gemm_tensors(n: int, prefix: str):
     k = te.reduce_axis((0, n), name="k")
     c = te.compute((n, n), lambda i, j: te.sum(a[i, k] * b[j, k], axis=k), name="C")
     return a, b, c
+
+
+def test_a_model_that_learns_elsewhere_costs_no_features(host_target, monkeypatch):
+    """The farm's job sees its class's model through a view that learns from Postgres,
+    not from the session: the session computes no features for it (they were computed
+    for nothing before, then again by the class's model)."""
+    from tunefarm.measure import MeasureTask
+    from tunefarm.search.cost_model import RandomCostModel
+
+    class LearnsElsewhere(RandomCostModel):
+        learns_from_updates = False
+
+        def update(self, features, costs, groups):
+            raise AssertionError("a model that learns elsewhere is never given features")
+
+    computed = []
+    original = TaskTuner.features
+    monkeypatch.setattr(TaskTuner, "features", lambda self, records: computed.append(len(records)) or original(self, records))
+    task = make_task(gemm(), host_target)
+    model = LearnsElsewhere(seed=1)
+    cfg = replace(FAST, trials=8, batch_size=4)
+    info = TaskInfo(key=task.key, flops=task.workload.flops, weights={"m": 1})
+    mtask = MeasureTask(task.key, "w.json", task.workload.name, host_target, "d.npz", 2, 1, True)
+    session = TuningSession([TaskTuner(task, cfg, model)], [info], [mtask], ShufflingMeasurer(), cfg, model=model)
+    session.start()
+    while session.step(wait=0):
+        pass
+    session.close()
+    assert session.trials == 8 and computed == []

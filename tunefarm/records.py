@@ -301,6 +301,11 @@ class MeasureRecord:
         return Candidate(self.sketch, self.decisions)
 
     @property
+    def key(self) -> str:
+        """The candidate's key (as `MeasureInput.key`): which program of its task this is."""
+        return self.candidate.key
+
+    @property
     def cost(self) -> float:
         return math.inf if self.error_kind.is_error else median_cost(self.costs)
 

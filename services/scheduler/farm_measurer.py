@@ -8,8 +8,8 @@
     submit(batch)      -> one transaction (the batch and its candidates, each input as
                           JSON) and one RQ job, `build_batch(batch_id)`, on the device
                           class's build queue; build workers build, agents measure
-    collect(timeout)   -> the job's measurements newer than the last one seen, turned
-                          back into `MeasureResult`s (one query per poll)
+    collect(timeout)   -> the job's measurements newer than the last one seen: their
+                          stored records, decoded once (one query per poll)
 
 Every submitted input comes back exactly once: measured by an agent, a build error
 recorded by the build worker, an error the lease service recorded for a batch no agent
@@ -206,6 +206,7 @@ class FarmMeasurer(Measurer):
             task = MeasureTask(
                 key=task_key,
                 workload=f"{WORKLOAD_REF}{workload_id}",
+                workload_name=workload.name,
                 target=target,
                 task_data=f"{TASK_DATA_REF}{td.id}",
                 n_inputs=len(workload.inputs),
@@ -292,7 +293,7 @@ class FarmMeasurer(Measurer):
         self._flight[batch_id] = _InFlight(batch_id, {m.key for m in inputs}, inputs={m.key: m for m in inputs})
         self._enqueue(batch_id)
 
-    def collect(self, timeout: float | None = None) -> list[MeasureResult]:
+    def collect(self, timeout: float | None = None) -> list[MeasureRecord]:
         if self.pending == 0:
             return []
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -399,15 +400,17 @@ class FarmMeasurer(Measurer):
             if task.job_task_id == job_task_id:
                 return task
         row = s.execute(
-            select(JobTask.task_key, Workload.id, Workload.n_inputs, Workload.n_outputs, TaskData.id, TaskData.has_expected)
+            select(JobTask.task_key, Workload.id, Workload.name, Workload.n_inputs, Workload.n_outputs, TaskData.id,
+                   TaskData.has_expected)
             .join(Workload, Workload.id == JobTask.workload_id)
             .outerjoin(TaskData, TaskData.workload_id == Workload.id)
             .where(JobTask.id == job_task_id)
         ).one()
-        task_key, workload_id, n_in, n_out, td_id, has_expected = row
+        task_key, workload_id, workload_name, n_in, n_out, td_id, has_expected = row
         measure_task = MeasureTask(
             key=task_key,
             workload=f"{WORKLOAD_REF}{workload_id}",
+            workload_name=workload_name,
             target=self.target,
             task_data=f"{TASK_DATA_REF}{td_id}",
             n_inputs=n_in,
@@ -439,7 +442,7 @@ class FarmMeasurer(Measurer):
         except RedisError as exc:
             self.log(f"batch {batch_id}: cannot enqueue its build ({exc}); trying again later")
 
-    def _poll(self) -> list[MeasureResult]:
+    def _poll(self) -> list[MeasureRecord]:
         """The job's measurements after the last one seen, for batches in flight."""
         with transaction(self.sessions) as s:
             rows = s.execute(
@@ -457,7 +460,7 @@ class FarmMeasurer(Measurer):
                 out.append(result)
         return out
 
-    def _take(self, batch_id: int, artifact: str | None, data: dict[str, Any]) -> MeasureResult | None:
+    def _take(self, batch_id: int, artifact: str | None, data: dict[str, Any]) -> MeasureRecord | None:
         flight = self._flight.get(batch_id)
         record = codec.record_from_json(data)
         if flight is None or record.candidate.key not in flight.waiting:
@@ -465,9 +468,9 @@ class FarmMeasurer(Measurer):
         flight.waiting.discard(record.candidate.key)
         if not flight.waiting:
             del self._flight[batch_id]
-        return result_from_record(record, artifact=artifact)
+        return record
 
-    def _check_batches(self) -> list[MeasureResult]:
+    def _check_batches(self) -> list[MeasureRecord]:
         """Finished batches whose results were missed, and builds nobody is doing: a
         batch proposed or building whose build lock no worker holds (`build_lock`) and
         whose RQ job is not waiting in its queue (gone with Redis's data, left started
@@ -482,7 +485,7 @@ class FarmMeasurer(Measurer):
         with transaction(self.sessions) as s:
             states = dict(s.execute(select(Batch.id, Batch.state).where(Batch.id.in_(ids))).all())
             building = build_lock.held(s, [i for i, st in states.items() if st in unbuilt])
-        out: list[MeasureResult] = []
+        out: list[MeasureRecord] = []
         suspects: set[int] = set()
         for batch_id in ids:
             state = states.get(batch_id)
@@ -548,7 +551,18 @@ class FarmMeasurer(Measurer):
         self.log(f"{reason}; building it again ({count + 1}/{limit})")
         self._enqueue(batch_id)
 
-    def _leftovers(self, batch_id: int) -> list[MeasureResult]:
+    def _failed(self, inp: MeasureInput, reason: str, *, built: bool) -> MeasureRecord:
+        """The record of a candidate the farm will never measure (its build failed, or its
+        batch was given up)."""
+        if not built:
+            result = MeasureResult(inp, BuildResult(inp.key, None, 0.0, ErrorKind.BUILD_ERROR, reason), None)
+        else:
+            run = RunResult(inp.key, (), 0.0, ErrorKind.RUN_ERROR, reason)
+            result = MeasureResult(inp, BuildResult(inp.key, None, 0.0), run)
+        task = self._task(inp.task).measure_task
+        return MeasureRecord.of(result, workload=task.workload_name, target=task.target, timestamp=time.time())
+
+    def _leftovers(self, batch_id: int) -> list[MeasureRecord]:
         """Results of a finished batch that `_poll` did not see (measured before
         `after_measurement_id`, or never: a batch failed before its candidates got any)."""
         flight = self._flight.get(batch_id)
@@ -567,41 +581,15 @@ class FarmMeasurer(Measurer):
             reason = s.scalar(select(Batch.build_error).where(Batch.id == batch_id)) or "the batch failed"
         for key, artifact, data, record in rows:
             if record is not None:
-                out.append(result_from_record(codec.record_from_json(record), artifact=artifact))
+                out.append(codec.record_from_json(record))
             else:
                 inp = flight.inputs.get(key) or codec.input_from_json(data)
-                out.append(_failed(inp, reason, built=artifact is not None))
+                out.append(self._failed(inp, reason, built=artifact is not None))
             flight.waiting.discard(key)
         for key in list(flight.waiting):  # not in the database at all (cannot happen)
-            out.append(_failed(flight.inputs[key], reason, built=False))
+            out.append(self._failed(flight.inputs[key], reason, built=False))
         self._flight.pop(batch_id, None)
         return out
-
-
-def result_from_record(record: MeasureRecord, *, artifact: str | None = None) -> MeasureResult:
-    """The `MeasureResult` a stored measurement stands for (a failed build has no run)."""
-    inp = MeasureInput(record.task, record.candidate, record.sketch_sig, record.trace)
-    if record.error_kind in _BUILD_KINDS:
-        build = BuildResult(inp.key, None, record.build_secs, record.error_kind, record.error_msg)
-        return MeasureResult(inp, build, None)
-    build = BuildResult(inp.key, artifact, record.build_secs)
-    run = RunResult(
-        inp.key,
-        record.costs,
-        record.run_secs,
-        record.error_kind,
-        record.error_msg,
-        record.verified,
-        record.digest,
-        record.emulated,
-    )
-    return MeasureResult(inp, build, run)
-
-
-def _failed(inp: MeasureInput, reason: str, *, built: bool) -> MeasureResult:
-    if not built:
-        return MeasureResult(inp, BuildResult(inp.key, None, 0.0, ErrorKind.BUILD_ERROR, reason), None)
-    return MeasureResult(inp, BuildResult(inp.key, None, 0.0), RunResult(inp.key, (), 0.0, ErrorKind.RUN_ERROR, reason))
 
 
 def _is_file(root: Path, rel: str) -> bool:
@@ -611,4 +599,4 @@ def _is_file(root: Path, rel: str) -> bool:
         return False
 
 
-__all__ = ["FarmMeasurer", "result_from_record"]
+__all__ = ["FarmMeasurer"]

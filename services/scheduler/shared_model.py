@@ -129,6 +129,8 @@ class ClassModel:
 class SharedModelView(CostModel):
     """A job's view of its class's model: predictions from it, no updates of its own."""
 
+    learns_from_updates = False  # the class's model learns every measurement from Postgres
+
     def __init__(self, shared: ClassModel):
         self.shared = shared
 

@@ -1,9 +1,10 @@
 """The contract between the search and whatever measures its programs.
 
 The search proposes a batch (`MeasureBatch`), a `Measurer` takes it (`submit`) and hands
-back a `MeasureResult` per program as they arrive (`collect`): in any order, possibly
-across several batches in flight, and possibly never for some (a remote agent died and
-its lease expired). Everything here is plain, frozen data; the workload, the task data
+back the `MeasureRecord` of each program as they arrive (`collect`): the measurement as it
+is recorded (and, in the farm, as it was stored), in any order, possibly across several
+batches in flight, and possibly never for some (a remote agent died and its lease
+expired). Everything here is plain, frozen data; the workload, the task data
 and the built artifacts travel by reference (a path, or an id a farm resolves), never
 by value, so a queue and remote agents can stand in for the local implementation
 without the search noticing.
@@ -28,7 +29,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunefarm.records import MeasureInput, MeasureResult, TimingConfig
+from tunefarm.records import MeasureInput, MeasureRecord, TimingConfig
 from tunefarm.workloads import Workload
 
 
@@ -38,6 +39,7 @@ class MeasureTask:
 
     key: str  # the task key
     workload: str  # reference to the workload's IRModule JSON (a file in embedded mode)
+    workload_name: str  # the name its records carry
     target: dict[str, Any]
     task_data: str  # reference to the inputs and, when `verify`, the expected outputs
     n_inputs: int
@@ -72,11 +74,12 @@ class Measurer(ABC):
         measured in the background (or remotely)."""
 
     @abstractmethod
-    def collect(self, timeout: float | None = None) -> list[MeasureResult]:
-        """Called to take the results that have arrived since the last call, in arrival
-        order. Waits up to `timeout` seconds (None: no limit) for at least one result
-        when none is waiting; returns [] when the wait ends empty-handed or nothing is
-        pending. Never raises for a bad program: failures are `MeasureResult` data."""
+    def collect(self, timeout: float | None = None) -> list[MeasureRecord]:
+        """Called to take the records of the measurements that have arrived since the
+        last call, in arrival order. Waits up to `timeout` seconds (None: no limit) for at
+        least one when none is waiting; returns [] when the wait ends empty-handed or
+        nothing is pending. Never raises for a bad program: failures are records with
+        an error kind."""
 
     @property
     @abstractmethod

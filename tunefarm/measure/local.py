@@ -3,7 +3,7 @@
 `LocalMeasurer` implements `tunefarm.measure.Measurer` over a `Builder` and a `Runner`.
 A background thread takes the submitted batches in order: it builds a batch's programs in
 parallel worker processes, then runs them one at a time (nothing else uses the cores while
-a kernel is timed) and hands each `MeasureResult` over as soon as it exists.
+a kernel is timed) and hands each measurement's `MeasureRecord` over as soon as it exists.
 
 `prepare` readies a task for measurement: it writes the workload's IRModule JSON (the
 builder's input, by path) and the task data (inputs, and expected outputs from the
@@ -27,7 +27,7 @@ from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.builder import Builder
 from tunefarm.measure.runner import Runner
 from tunefarm.measure.task_data import add_expected_from, write_task_data
-from tunefarm.records import BuildInput, MeasureResult, RunInput, TimingConfig
+from tunefarm.records import BuildInput, MeasureRecord, MeasureResult, RunInput, TimingConfig
 from tunefarm.target import host_target_dict
 from tunefarm.workloads import Workload
 
@@ -60,7 +60,7 @@ class LocalMeasurer(Measurer):
         self.close_workers = close_workers  # False: the builder and runner are the caller's
         self.log = log
         self._batches: queue.SimpleQueue[MeasureBatch | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[MeasureResult] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[MeasureRecord] = queue.SimpleQueue()
         self._pending = 0
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -84,6 +84,7 @@ class LocalMeasurer(Measurer):
         return MeasureTask(
             key=task_key,
             workload=str(wl_path),
+            workload_name=workload.name,
             target=target,
             task_data=str(data_path),
             n_inputs=len(workload.inputs),
@@ -137,8 +138,8 @@ class LocalMeasurer(Measurer):
             self._pending += len(batch.inputs)
         self._batches.put(batch)
 
-    def collect(self, timeout: float | None = None) -> list[MeasureResult]:
-        out: list[MeasureResult] = []
+    def collect(self, timeout: float | None = None) -> list[MeasureRecord]:
+        out: list[MeasureRecord] = []
         if self.pending == 0:
             return out
         try:
@@ -203,7 +204,11 @@ class LocalMeasurer(Measurer):
                     ]
                 )[0]
                 Path(build.artifact).unlink(missing_ok=True)
-            self._results.put(MeasureResult(m, build, run))
+            self._results.put(
+                MeasureRecord.of(
+                    MeasureResult(m, build, run), workload=task.workload_name, target=task.target, timestamp=time.time()
+                )
+            )
 
 
 def write_text_once(path: Path, text: str) -> None:

@@ -7,7 +7,7 @@ scheduler service):
         task = scheduler.next_task()              # Ansor §6: where does time gain most?
         proposal = tuners[task].propose(n)          # the task's evolutionary search
         measurer.submit(batch)                      # build + run, elsewhere
-        as results arrive: records = tuners[task].ingest(results); on_records(...)
+        as measurements arrive: records = tuners[task].ingest(measurer.collect()); on_records(...)
         on_round(...)                               # retrain the shared cost model, progress
         scheduler.on_round_done(task, ...)
 
@@ -112,6 +112,8 @@ class RetrainCostModel(SessionCallback):
         self.learnt = learnt
 
     def on_start(self, session: TuningSession) -> None:
+        if not self.model.learns_from_updates:
+            return
         known = set(self.learnt or ())
         feats, costs, groups = [], [], []
         for tuner, records in zip(session.tuners, session.resumed_usable):
@@ -125,7 +127,7 @@ class RetrainCostModel(SessionCallback):
 
     def on_round(self, session: TuningSession, tuner: TaskTuner, summary: RoundSummary) -> None:
         records = list(summary.records)
-        if records:
+        if records and self.model.learns_from_updates:  # (no features for a model that learns elsewhere)
             self.model.update(tuner.features(records), [r.cost for r in records], [tuner.key] * len(records))
             self._note(records)
         tuner.trim_caches()
@@ -323,15 +325,15 @@ class TuningSession:
                 r.waiting.clear()
                 self._finish_round(rid)
             return
-        by_task: dict[str, list] = {}
-        for res in results:
-            by_task.setdefault(res.input.task, []).append(res)
+        by_task: dict[str, list[MeasureRecord]] = {}
+        for rec in results:
+            by_task.setdefault(rec.task, []).append(rec)
         for rid, r in list(self._rounds.items()):
             tuner = self.tuners[r.task]
-            mine = [res for res in by_task.get(tuner.key, ()) if res.key in r.waiting]
+            mine = [rec for rec in by_task.get(tuner.key, ()) if rec.key in r.waiting]
             if not mine:
                 continue
-            r.waiting.difference_update(res.key for res in mine)
+            r.waiting.difference_update(rec.key for rec in mine)
             records = tuner.ingest(mine)
             if records:
                 r.records += records

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tunefarm import digest
-from tunefarm.records import ErrorKind, MeasureInput, MeasureRecord, MeasureResult, TimingConfig
+from tunefarm.records import ErrorKind, MeasureInput, MeasureRecord, TimingConfig
 from tunefarm.search.config import TuneConfig
 from tunefarm.search.cost_model import CostModel
 from tunefarm.search.evolution import EvolutionarySearch, RoundStats
@@ -273,20 +273,19 @@ class TaskTuner:
 
     # -- ingest -----------------------------------------------------------------------------
 
-    def ingest(self, results: Iterable[MeasureResult]) -> list[MeasureRecord]:
-        """Turn arrived results into records (in arrival order) and update the search's
-        state. Results of programs this tuner did not propose, or already ingested, are
-        ignored (a result delivered twice is one measurement)."""
+    def ingest(self, records: Iterable[MeasureRecord]) -> list[MeasureRecord]:
+        """Take arrived measurements (in arrival order) into the search's state: returns
+        them as the search keeps them (checked against each other when the task has no
+        reference). Records of programs this tuner did not propose, or already ingested,
+        are ignored (a measurement delivered twice is one)."""
         out = []
-        for res in results:
-            key = res.key
+        for measured in records:
+            key = measured.key
             if key in self.measured or key not in self.in_flight:
                 continue
             self.in_flight.discard(key)
             self.measured.add(key)
-            rec = self._cross_check(
-                MeasureRecord.of(res, workload=self.task.workload.name, target=self.task.target, timestamp=time.time())
-            )
+            rec = self._cross_check(measured)
             self.state.records.append(rec)
             if rec.is_valid:
                 self.best_measured.append(rec)

@@ -24,6 +24,10 @@ INVALID_SCORE = -np.inf
 class CostModel(ABC):
     """Scores programs; a higher score means the program is predicted to run faster."""
 
+    learns_from_updates: bool = True
+    """False for a model that learns elsewhere (the farm's class model learns from
+    Postgres): `update` then does nothing, and no features are computed to call it."""
+
     @abstractmethod
     def update(self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str]) -> None:
         """Add the programs of one measured batch; called after every measured batch.
