@@ -12,7 +12,8 @@ A team, against a farm's API (`--server`/`--token`, or TUNEFARM_SERVER/TUNEFARM_
 
 An operator, on the farm's machines:
 
-  tunefarm farm up --state-dir D [--workers 2] [--agents 1] [--database-url URL] [--redis-url URL]
+  tunefarm farm up --state-dir D [--workers 2] [--agents 1] [--database-url URL]
+                   [--redis-url redis://:PASSWORD@HOST:PORT/0 [--redis-without-password]]
                    [--tls-cert F --tls-key F [--tls-ca F] [--tls-client-ca F --agent-tls-cert F --agent-tls-key F]]
   tunefarm farm down --state-dir D
   tunefarm farm team NAME                 a team and a new team token
@@ -110,7 +111,10 @@ def add_commands(sub) -> None:
     fu.add_argument("--api-bind", default="127.0.0.1:0", help="HOST:PORT of the API (port 0: a free one)")
     fu.add_argument("--lease-bind", default="127.0.0.1:0", help="HOST:PORT of the lease service")
     fu.add_argument("--database-url", help=DATABASE_URL_HELP)
-    fu.add_argument("--redis-url", help="default: TUNEFARM_REDIS_URL or the local Redis")
+    fu.add_argument("--redis-url", help="a Redis with a password, redis://:PASSWORD@HOST:PORT/0 (rediss:// for TLS; "
+                    "default: TUNEFARM_REDIS_URL, else the farm starts its own redis-server with a generated password)")
+    fu.add_argument("--redis-without-password", action="store_true",
+                    help="accept a --redis-url without a password (anyone who reaches it can write the build queues)")
     fu.add_argument("--queue-prefix", default="tunefarm", help="prefix of the farm's Redis queues")
     fu.add_argument("--team", default="local", help="the team whose token farm.json holds")
     fu.add_argument("--device-class", help="name of this CPU's class (default: arch-cpu-cores)")
@@ -402,6 +406,7 @@ def _farm_up(args: argparse.Namespace) -> int:
 
     from services.db.exceptions import DatabaseError
     from tunefarm_app.farm_local import FarmConfig, FarmTls, up
+    from tunefarm_app.farm_redis import redact
 
     if args.workers < 1 or args.agents < 1:
         raise UsageError("--workers and --agents must be at least 1")
@@ -419,6 +424,7 @@ def _farm_up(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         database_url=_database_url(args.database_url),
         redis_url=_redis_url(args.redis_url),
+        redis_without_password=args.redis_without_password,
         queue_prefix=args.queue_prefix,
         api_bind=args.api_bind,
         lease_bind=args.lease_bind,
@@ -437,12 +443,13 @@ def _farm_up(args: argparse.Namespace) -> int:
     print(f"api        {info['api_url']}")
     print(f"dashboard  {info['api_url']}/ui (log in with the team token in farm.json); metrics at /metrics")
     print(f"grpc       {info['grpc_address']}" + (" (TLS)" if info.get("grpc_tls") else " (plaintext)"))
+    print(f"redis      {redact(info['redis_url'])}" + (" (the farm's own)" if info["own_redis"] else ""))
     print(f"class      {info['device_class']}")
     for name in info["extra_classes"]:
         print(f"class      {name} (extra)")
     for p in farm.processes.values():
         print(f"process    {p.name}: pid {p.pid}, log {p.log}")
-    print(f"state      {args.state_dir / 'farm.json'} (holds the team and agent tokens)")
+    print(f"state      {args.state_dir / 'farm.json'} (holds the team and agent tokens and the Redis password)")
     return 0
 
 
@@ -554,10 +561,15 @@ def _database_url(given: str | None) -> str:
     return given or DatabaseSettings().database_url
 
 
-def _redis_url(given: str | None) -> str:
+def _redis_url(given: str | None) -> str | None:
+    """The Redis `farm up` is given (--redis-url, else TUNEFARM_REDIS_URL when set); None
+    for a Redis of the farm's own."""
     from services.worker.settings import WorkerSettings
 
-    return given or WorkerSettings().redis_url
+    if given:
+        return given
+    settings = WorkerSettings()
+    return settings.redis_url if "redis_url" in settings.model_fields_set else None
 
 
 FARM_COMMANDS = {
