@@ -142,7 +142,9 @@ def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     assert agent["measurements_done"] >= 8 and agent["state"] in ("idle", "busy")
 
     # the same through the command line
-    argv = ["--server", info["api_url"], "--token", info["team_token"]]
+    token_file = tmp_path / "team-token"
+    token_file.write_text(info["team_token"] + "\n")
+    argv = ["--server", info["api_url"], "--token-file", str(token_file)]
     assert cli(["status", str(job["id"]), *argv]) == 0
     assert "succeeded" in capsys.readouterr().out
     assert cli(["fetch", str(job["id"]), "--out", str(tmp_path / "cli"), *argv]) == 0

@@ -194,6 +194,7 @@ def test_tls_settings_that_cannot_work_are_one_line(pki, tmp_path, capsys, monke
         assert "\n" not in err and words in err, err
     with pytest.raises(BadRequest, match="--tls-key"):
         AgentSettings(server="h:1", token="tfa_x", tls_cert=pki.agent_cert)
-    assert agent_main(["--server", "127.0.0.1:1", "--token", "tfa_x", "--tls-ca", str(tmp_path / "nope.pem")]) == 2
+    monkeypatch.setenv("TUNEFARM_AGENT_TOKEN", "tfa_x")
+    assert agent_main(["--server", "127.0.0.1:1", "--tls-ca", str(tmp_path / "nope.pem")]) == 2
     assert "cannot read the CA certificate" in capsys.readouterr().out
     assert LeaseServiceSettings(tls_cert_file="", tls_key_file="").tls is False  # `VAR=` in a compose file: unset
