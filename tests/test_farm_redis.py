@@ -35,9 +35,10 @@ from services.db.models import Batch, BatchState  # noqa: E402
 from services.db.session import make_session_factory, transaction  # noqa: E402
 from services.worker.build_job import fetch_build_job  # noqa: E402
 from services.worker.queues import BUILD_JOB, build_job_id, build_queue_name  # noqa: E402
+from tunefarm.errors import UsageError  # noqa: E402
 from tunefarm_app.cli import main  # noqa: E402
 from tunefarm_app.farm_local import FarmConfig, LocalFarm, down, read_state  # noqa: E402
-from tunefarm_app.farm_redis import REDIS_PROCESS, wait_ready  # noqa: E402
+from tunefarm_app.farm_redis import REDIS_PROCESS, check_given, has_password, redact, wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -137,6 +138,19 @@ def test_farm_up_refuses_a_redis_url_without_a_password(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no password" in err and "--redis-without-password" in err, err
+
+
+def test_which_redis_urls_carry_a_password(redis_conn):
+    assert has_password("redis://:pw@127.0.0.1:6379/0") and has_password("rediss://user:pw@h:6380/0?ssl_ca_certs=/c")
+    assert not has_password("redis://127.0.0.1:6379/0") and not has_password("rediss://h:6380/0")
+    with pytest.raises(UsageError, match="--redis-url"):
+        has_password("http://127.0.0.1:6379")
+    unprotected = redis_conn.connection_pool.connection_kwargs
+    url = f"redis://{unprotected['host']}:{unprotected['port']}/0"
+    check_given(url, without_password=True)  # the operator said so: accepted
+    with pytest.raises(UsageError, match="no password"):
+        check_given(url, without_password=False)
+    assert redact("rediss://:hunter2@h:1/0") == "rediss://:***@h:1/0"
 
 
 # -- a farm over TLS Redis -------------------------------------------------------------------
