@@ -99,7 +99,7 @@ def test_farm_up_wrote_farm_json(farm):
     for key in ("api_url", "grpc_address", "team_token", "agent_token"):
         assert info[key]
     assert info["team_token"].startswith("tft_") and info["agent_token"].startswith("tfa_")
-    assert set(info["processes"]) == {"api", "lease-service", "scheduler", "worker-1", "worker-2", "agent"}
+    assert set(info["processes"]) == {"redis", "api", "lease-service", "scheduler", "worker-1", "worker-2", "agent"}
     assert oct((farm.config.state_dir / "farm.json").stat().st_mode & 0o777) == "0o600"
 
 
