@@ -5,8 +5,9 @@
 - `empty_database_url`: a throw-away database per test, not migrated (migration tests);
 - `redis_conn`: a client of the farm's Redis (WorkerSettings' URL), per module; tests keep
   to keys of their own prefix on it;
-- `running_farm(config_kwargs)`: `farm up` (tunefarm_app.farm_local) on the local Redis
-  with a queue prefix of its own, `farm down` and the prefix's keys removed after;
+- `running_farm(config_kwargs)`: `farm up` (tunefarm_app.farm_local) with its own Redis
+  (or the one at `redis_url`, whose URL has a password) under a queue prefix of its own,
+  `farm down` (and the prefix's keys removed from a given Redis) after;
   `team_client(farm)` and `wait_for_job(client, job_id)` for talking to it over REST.
 
 The server is the one `DatabaseSettings` names (TUNEFARM_DATABASE_URL); each database is
@@ -125,18 +126,21 @@ def _terminal(job: dict) -> bool:
 @contextmanager
 def running_farm(redis_url: str | None = None, **config: Any) -> Iterator[Any]:
     """A whole farm on loopback (`FarmConfig(**config)`, with `database_url` and
-    `state_dir` given), on the local Redis (or the one at `redis_url`) under a queue
-    prefix of its own."""
+    `state_dir` given) under a queue prefix of its own, on a Redis of its own (farm up
+    starts one with a password) or the one at `redis_url`."""
+    import shutil
+
     import redis
 
-    from services.worker.settings import WorkerSettings
     from tunefarm_app.farm_local import FarmConfig, down, up
 
-    redis_url = redis_url or WorkerSettings().redis_url
-    try:
-        redis.Redis.from_url(redis_url, socket_connect_timeout=2).ping()
-    except Exception as exc:
-        service_unavailable(f"Redis is not reachable at {redis_url}: {exc}")
+    if redis_url is None and shutil.which("redis-server") is None:
+        service_unavailable("farm up starts its own Redis: redis-server is not installed")
+    if redis_url is not None:
+        try:
+            redis.Redis.from_url(redis_url, socket_connect_timeout=2).ping()
+        except Exception as exc:
+            service_unavailable(f"Redis is not reachable at {redis_url}: {exc}")
     prefix = f"tftest{uuid.uuid4().hex[:10]}"
     state_dir = config["state_dir"]
     running = up(FarmConfig(redis_url=redis_url, queue_prefix=prefix, **config), log=lambda msg: None)
@@ -144,13 +148,20 @@ def running_farm(redis_url: str | None = None, **config: Any) -> Iterator[Any]:
         yield running
     finally:
         down(state_dir, grace=5.0)
-        r = redis.Redis.from_url(redis_url, socket_connect_timeout=2)
-        try:
-            keys = list(r.scan_iter(f"*{prefix}*"))
-            if keys:
-                r.delete(*keys)
-        except redis.exceptions.ConnectionError:
-            pass  # a test's own Redis, stopped already
+        if redis_url is not None:  # the farm's own Redis stopped with it
+            _remove_keys(redis_url, prefix)
+
+
+def _remove_keys(redis_url: str, prefix: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(redis_url, socket_connect_timeout=2)
+    try:
+        keys = list(r.scan_iter(f"*{prefix}*"))
+        if keys:
+            r.delete(*keys)
+    except redis.exceptions.ConnectionError:
+        pass  # a test's own Redis, stopped already
 
 
 @contextmanager

@@ -1,8 +1,10 @@
 """A Redis and a PostgreSQL of the test's own, for tests that kill or restart them (the
 machine's shared servers are never touched).
 
-- `PrivateRedis`: `redis-server` on a free loopback port with no persistence (`--save ""
-  --appendonly no`): `kill()` then `start()` is a Redis that lost all its data.
+- `PrivateRedis`: `redis-server` on a free loopback port with a password of its own and
+  no persistence (`--save "" --appendonly no`): `kill()` then `start()` is a Redis that
+  lost all its data. With `tls=True` it speaks TLS only (a CA and a certificate for
+  127.0.0.1 made with the openssl command) and its `url` is `rediss://...` naming the CA.
 - `PrivatePostgres`: a cluster made with `initdb` in a temporary directory, run with
   `pg_ctl` on a free port (trust authentication, user postgres, fsync off);
   `restart()` is an immediate shutdown (every connection dropped, crash recovery) and a
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -50,24 +53,40 @@ def _wait_port(port: int, timeout: float, alive) -> None:
 
 
 class PrivateRedis:
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, *, tls: bool = False):
         binary = shutil.which("redis-server")
         if binary is None:
             raise ServiceMissing("redis-server is not installed")
+        if tls and shutil.which("openssl") is None:
+            raise ServiceMissing("the openssl command is not installed (for a TLS Redis)")
         self.binary = binary
         self.directory = directory
         self.port = free_port()
+        self.password = secrets.token_urlsafe(24)
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
+        if tls:
+            _make_certificates(directory)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        if self.tls:
+            return f"rediss://:{self.password}@127.0.0.1:{self.port}/0?ssl_ca_certs={self.directory / 'ca.pem'}"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def _listen(self) -> list[str]:
+        if not self.tls:
+            return ["--port", str(self.port)]
+        d = self.directory
+        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(d / "redis.pem"),
+                "--tls-key-file", str(d / "redis.key"), "--tls-ca-cert-file", str(d / "ca.pem"),
+                "--tls-auth-clients", "no"]  # fmt: skip
 
     def start(self) -> None:
         log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 (the server keeps it)
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory)],
+            [self.binary, *self._listen(), "--bind", "127.0.0.1", "--requirepass", self.password, "--save", "",
+             "--appendonly", "no", "--dir", str(self.directory)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         log.close()
@@ -79,6 +98,21 @@ class PrivateRedis:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
         self.proc = None
+
+
+def _make_certificates(d: Path) -> None:
+    """ca.pem, and redis.pem/redis.key for 127.0.0.1 signed by it."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-days", "2", "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=test CA",
+            "-addext", "basicConstraints=critical,CA:TRUE")  # fmt: skip
+    openssl("req", *ec, "-keyout", "redis.key", "-out", "redis.csr", "-subj", "/CN=127.0.0.1")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("x509", "-req", "-in", "redis.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+            "-extfile", "san.ext", "-out", "redis.pem")  # fmt: skip
 
 
 class PrivatePostgres:

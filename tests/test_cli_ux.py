@@ -277,13 +277,13 @@ def test_follow_retries_transient_failures_and_not_others():
             client.follow(3, seen.append, on_retry=notes.append, sleep=pauses.append)
 
 
-def test_follow_gives_up_after_the_bound(capsys):
+def test_follow_gives_up_after_the_bound(capsys, monkeypatch):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.monotonic()
-    code = main(["status", "5", "--follow", "--server", f"http://127.0.0.1:{port}", "--token", "tft_x",
-                 "--retry-secs", "2"])
+    monkeypatch.setenv("TUNEFARM_TOKEN", "tft_x")
+    code = main(["status", "5", "--follow", "--server", f"http://127.0.0.1:{port}", "--retry-secs", "2"])
     assert code == 2 and time.monotonic() - t0 < 10
     err = capsys.readouterr().err
     assert "retrying in 1 s" in err
@@ -305,10 +305,11 @@ def test_follow_survives_the_api_going_away_and_coming_back(database_url, db_ses
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     api, base = start_api(database_url, artifact_root=tmp_path, port=port)
-    env = {**os.environ, "TUNEFARM_FOLLOW_INTERVAL_SECS": "0.3", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TUNEFARM_FOLLOW_INTERVAL_SECS": "0.3", "PYTHONPATH": str(ROOT),
+           "TUNEFARM_TOKEN": state.team_a_token}
     follower = subprocess.Popen(
         [sys.executable, "-m", "tunefarm_app.cli", "status", str(state.job_a), "--follow", "--server", base,
-         "--token", state.team_a_token, "--retry-secs", "120"],
+         "--retry-secs", "120"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     lines: list[str] = []

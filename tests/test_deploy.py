@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"
 
 LONG_RUNNING = {"postgres", "redis", "api", "lease-service", "scheduler", "worker", "agent"}
+SECRETS = ("POSTGRES_PASSWORD", "TUNEFARM_REDIS_PASSWORD", "TUNEFARM_TEAM_TOKEN", "TUNEFARM_AGENT_TOKEN",
+           "TUNEFARM_METRICS_TOKEN")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def test_every_service_has_a_health_check_volumes_and_dependencies(compose):
 
 def test_secrets_have_no_defaults_and_settings_exist(compose):
     text = COMPOSE.read_text()
-    for secret in ("POSTGRES_PASSWORD", "TUNEFARM_TEAM_TOKEN", "TUNEFARM_AGENT_TOKEN"):
+    for secret in SECRETS:
         assert re.search(rf"\$\{{{secret}:\?", text), secret  # ${X:?...}: compose refuses to start without it
         assert not re.search(rf"\$\{{{secret}:-", text), secret
     from services.api.settings import ApiSettings
@@ -86,3 +88,59 @@ def test_secrets_have_no_defaults_and_settings_exist(compose):
         for var in service.get("environment", {}):
             if var.startswith("TUNEFARM_"):
                 assert var in known, (name, var)
+
+
+def _interpolated(text: str) -> str:
+    """`text` as compose sees it with every required variable X set to `value-of-X`."""
+    return re.sub(r"\$\{(\w+):\?[^}]*\}", lambda m: f"value-of-{m.group(1)}", text)
+
+
+def _networks(service: dict) -> set[str]:
+    return set(service.get("networks", ["default"]))
+
+
+def test_redis_wants_its_password_and_the_agent_cannot_reach_it(compose):
+    from redis.connection import parse_url
+
+    services = compose["services"]
+    redis = services["redis"]
+    assert redis["environment"]["REDIS_PASSWORD"] == "${TUNEFARM_REDIS_PASSWORD:?set TUNEFARM_REDIS_PASSWORD}"
+    command = _command(redis)
+    assert "requirepass" in command and "redis-server -" in command  # the password from stdin, not argv
+    assert "--requirepass" not in command
+    assert "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])  # the health check authenticates
+    users = {name for name, service in services.items() if "TUNEFARM_REDIS_URL" in service.get("environment", {})}
+    assert users == {"setup", "api", "lease-service", "scheduler", "worker"}
+    for name in users:
+        url = _interpolated(services[name]["environment"]["TUNEFARM_REDIS_URL"])
+        assert parse_url(url)["password"] == "value-of-TUNEFARM_REDIS_PASSWORD", name
+
+    assert compose["networks"]["backend"]["internal"] is True
+    assert _networks(redis) == _networks(services["postgres"]) == {"backend"}
+    agent = services["agent"]
+    assert "backend" not in _networks(agent) and _networks(agent) & _networks(services["lease-service"])
+    assert not [v for v in agent["environment"] if v in ("TUNEFARM_REDIS_URL", "TUNEFARM_DATABASE_URL")]
+    for name in users:  # whoever needs Redis or the database is on the backend network
+        assert "backend" in _networks(services[name]), name
+    for name, service in services.items():  # nothing published sits on the internal network alone
+        if service.get("ports"):
+            assert _networks(service) - {"backend"}, name
+
+
+def test_metrics_want_a_token_and_no_secret_is_on_a_command_line(compose):
+    services = compose["services"]
+    assert services["api"]["environment"]["TUNEFARM_METRICS_TOKEN"] == "${TUNEFARM_METRICS_TOKEN:?set TUNEFARM_METRICS_TOKEN}"
+    for name, service in services.items():
+        command = _command(service)
+        for secret in SECRETS:
+            for match in re.finditer(rf"\$\$\{{?{secret}\}}?", command):  # a secret the shell expands...
+                before = command[: match.start()].rsplit("|", 1)[0].rsplit("&&", 1)[-1]
+                assert before.strip().startswith("printf"), (name, secret)  # ...only into printf's pipe
+        assert "--value " not in command and "--token " not in command, name
+
+
+def test_the_env_example_names_every_required_secret():
+    required = set(re.findall(r"\$\{(\w+):\?", COMPOSE.read_text()))
+    example = ROOT / "deploy" / "farm.env.example"
+    names = {line.split("=", 1)[0] for line in example.read_text().splitlines() if re.match(r"\w+=", line)}
+    assert required == set(SECRETS) and required <= names

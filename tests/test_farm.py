@@ -28,7 +28,7 @@ import pytest
 
 tvm = pytest.importorskip("tvm")
 redis_mod = pytest.importorskip("redis")
-rq = pytest.importorskip("rq")
+pytest.importorskip("rq")
 
 from aarch64_fixtures import ELF_MACHINE_AARCH64, elf_machine  # noqa: E402
 from farm_fixtures import placeholder_model  # noqa: E402
@@ -58,7 +58,7 @@ from services.measurer.generated import measurer_pb2_grpc as pb_grpc  # noqa: E4
 from services.measurer.lease_service import LeaseServiceSettings, make_server  # noqa: E402
 from services.scheduler.farm_measurer import FarmMeasurer  # noqa: E402
 from services.worker import build_lock, jobs  # noqa: E402
-from services.worker.queues import build_queue_name  # noqa: E402
+from services.worker.build_job import build_worker  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
 from tunefarm.export import artifact_suffix  # noqa: E402
 from tunefarm.measure import MeasureBatch  # noqa: E402
@@ -147,8 +147,7 @@ class Farm:
 
     def build(self) -> None:
         """Run the class's build queue empty in this process (RQ SimpleWorker, burst)."""
-        queue = rq.Queue(build_queue_name(self.device_class, self.prefix), connection=self.redis)
-        rq.SimpleWorker([queue], connection=self.redis).work(burst=True)
+        build_worker(self.redis, [self.device_class], self.prefix).work(burst=True)
 
     def agent_settings(self, name: str, work_dir: Path) -> AgentSettings:
         return AgentSettings(

@@ -27,19 +27,24 @@ def one_line_error(capsys, *words: str) -> str:
     ("argv", "words"),
     [
         (["status", "1"], ["no team token", "TUNEFARM_TOKEN"]),
-        (["status", "1", "--token", "tft_x", "--server", "http://127.0.0.1:1"], ["cannot reach the farm"]),
-        (["submit", "m.onnx", "--device-class", "c", "--trials", "0", "--token", "t"], ["--trials"]),
-        (["submit", "missing.onnx", "--device-class", "c", "--trials", "5", "--token", "t",
+        (["status", "1", "--token-file", "{token}", "--server", "http://127.0.0.1:1"], ["cannot reach the farm"]),
+        (["status", "1", "--token-file", "{missing}"], ["cannot read the team token file", "missing"]),
+        (["status", "1", "--token-file", "{empty}"], ["the team token file", "is empty"]),
+        (["submit", "m.onnx", "--device-class", "c", "--trials", "0", "--token-file", "{token}"], ["--trials"]),
+        (["submit", "missing.onnx", "--device-class", "c", "--trials", "5", "--token-file", "{token}",
           "--server", "http://127.0.0.1:1"], ["no such model file"]),
-        (["submit", "m.onnx", "--device-class", "c", "--trials", "5", "--latency-target", "-1", "--token", "t"],
-         ["--latency-target"]),
-        (["fetch", "1", "--token", "t"], ["--out"]),
+        (["submit", "m.onnx", "--device-class", "c", "--trials", "5", "--latency-target", "-1",
+          "--token-file", "{token}"], ["--latency-target"]),
+        (["fetch", "1", "--token-file", "{token}"], ["--out"]),
     ],
 )
-def test_client_commands_fail_in_one_line(argv, words, capsys, monkeypatch):
+def test_client_commands_fail_in_one_line(argv, words, capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("TUNEFARM_TOKEN", raising=False)
     monkeypatch.delenv("TUNEFARM_SERVER", raising=False)
-    assert main(argv) == 2
+    (tmp_path / "token").write_text("tft_x\n")
+    (tmp_path / "empty").write_text("\n")
+    files = {name: str(tmp_path / name) for name in ("token", "missing", "empty")}
+    assert main([a.format(**files) for a in argv]) == 2
     one_line_error(capsys, *words)
 
 

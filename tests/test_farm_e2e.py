@@ -99,7 +99,7 @@ def test_farm_up_wrote_farm_json(farm):
     for key in ("api_url", "grpc_address", "team_token", "agent_token"):
         assert info[key]
     assert info["team_token"].startswith("tft_") and info["agent_token"].startswith("tfa_")
-    assert set(info["processes"]) == {"api", "lease-service", "scheduler", "worker-1", "worker-2", "agent"}
+    assert set(info["processes"]) == {"redis", "api", "lease-service", "scheduler", "worker-1", "worker-2", "agent"}
     assert oct((farm.config.state_dir / "farm.json").stat().st_mode & 0o777) == "0o600"
 
 
@@ -142,7 +142,9 @@ def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     assert agent["measurements_done"] >= 8 and agent["state"] in ("idle", "busy")
 
     # the same through the command line
-    argv = ["--server", info["api_url"], "--token", info["team_token"]]
+    token_file = tmp_path / "team-token"
+    token_file.write_text(info["team_token"] + "\n")
+    argv = ["--server", info["api_url"], "--token-file", str(token_file)]
     assert cli(["status", str(job["id"]), *argv]) == 0
     assert "succeeded" in capsys.readouterr().out
     assert cli(["fetch", str(job["id"]), "--out", str(tmp_path / "cli"), *argv]) == 0

@@ -205,7 +205,8 @@ def test_tls_settings_that_cannot_work_are_one_line(pki, tmp_path, capsys, monke
         assert "\n" not in err and words in err, err
     with pytest.raises(BadRequest, match="--tls-key"):
         _settings(server="h:1", token="tfa_x", tls_cert=pki.agent_cert)
-    argv = ["--server", "127.0.0.1:1", "--token", "tfa_x", "--tls-ca", str(tmp_path / "nope.pem"), "--accept-unsigned-code",
+    monkeypatch.setenv("TUNEFARM_AGENT_TOKEN", "tfa_x")
+    argv = ["--server", "127.0.0.1:1", "--tls-ca", str(tmp_path / "nope.pem"), "--accept-unsigned-code",
             "--work-dir", str(tmp_path / "agent")]  # fmt: skip
     assert agent_main(argv) == 2
     assert "cannot read the CA certificate" in capsys.readouterr().out

@@ -100,6 +100,19 @@ def test_metrics_token_is_enforced_when_set(database_url, tmp_path):
         assert client.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
+def test_a_non_ascii_metrics_token_is_a_401_not_a_500(database_url, tmp_path):
+    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path, metrics_token="s3cret-\u00e9t\u00e9",
+                           redis_url="redis://127.0.0.1:1/0")
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        for given in ("Bearer \u00e9t\u00e9".encode("latin-1"), "Bearer s3cret-\u00e9t\u00e9".encode()[:-1] + b"\xff",
+                      b"Bearer \xc3\xa9\xe2\x82\xac"):
+            r = client.get("/metrics", headers=[(b"authorization", given)])
+            assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", (given, r.text)
+        # the right token, sent as its UTF-8 bytes, is let in
+        r = client.get("/metrics", headers=[(b"authorization", "Bearer s3cret-\u00e9t\u00e9".encode())])
+        assert r.status_code == 200, r.text
+
+
 def test_metrics_is_in_the_openapi_schema_as_text(database_url, tmp_path):
     with TestClient(create_app(ApiSettings(database_url=database_url, artifact_root=tmp_path))) as client:
         schema = client.get("/openapi.json").json()

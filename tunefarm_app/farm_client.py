@@ -79,7 +79,7 @@ class ClientSettings(BaseSettings):
         except ValidationError:
             settings = None
         if settings is None or not settings.token.strip():
-            raise UsageError("no team token: pass --token or set TUNEFARM_TOKEN")
+            raise UsageError("no team token: set TUNEFARM_TOKEN or pass --token-file PATH")
         if "://" not in settings.server:
             settings.server = f"http://{settings.server}"
         return settings

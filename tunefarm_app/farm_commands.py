@@ -1,6 +1,7 @@
 """The farm's commands of the command line.
 
-A team, against a farm's API (`--server`/`--token`, or TUNEFARM_SERVER/TUNEFARM_TOKEN):
+A team, against a farm's API (`--server` or TUNEFARM_SERVER; the team token from
+TUNEFARM_TOKEN or `--token-file PATH`, never the command line, where `ps` shows it):
 
   tunefarm submit MODEL.onnx [--input-shape x=1,3,224,224] --device-class C --trials N
                   [--latency-target MS] [--strategy gradient|round-robin] [--seed S] [--follow [--retry-secs S]]
@@ -12,11 +13,12 @@ A team, against a farm's API (`--server`/`--token`, or TUNEFARM_SERVER/TUNEFARM_
 
 An operator, on the farm's machines:
 
-  tunefarm farm up --state-dir D [--workers 2] [--agents 1] [--database-url URL] [--redis-url URL]
+  tunefarm farm up --state-dir D [--workers 2] [--agents 1] [--database-url URL]
+                   [--redis-url redis://:PASSWORD@HOST:PORT/0 [--redis-without-password]]
                    [--tls-cert F --tls-key F [--tls-ca F] [--tls-client-ca F --agent-tls-cert F --agent-tls-key F]]
   tunefarm farm down --state-dir D
-  tunefarm farm team NAME                 a team and a new team token
-  tunefarm farm agent-token               a new agent token
+  tunefarm farm team NAME [--value-file F]    a team and a new team token (or store F's, - for stdin)
+  tunefarm farm agent-token [--value-file F]  a new agent token (or store F's)
   tunefarm farm token list [--team T] [--kind team|agent]
   tunefarm farm token revoke ID|PREFIX|TOKEN   refused by the API and the lease service at once
   tunefarm farm device-class NAME [--target JSON]
@@ -25,7 +27,8 @@ An operator, on the farm's machines:
   tunefarm db upgrade                     run the database migrations
   tunefarm api | scheduler | worker | agent | lease-service [ARGS...]   one process each
 
-Errors are one line on stderr and exit status 2 (`tunefarm_app.cli`).
+Errors are one line on stderr and exit status 2 (`tunefarm_app.cli`). The processes run
+with umask 077: what they write (artifacts, uploads, logs) is their user's alone.
 """
 
 from __future__ import annotations
@@ -33,9 +36,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 from tunefarm.errors import UsageError
+from tunefarm.secret_flags import read_secret_file, refuse_on_command_line
+
+PROCESS_UMASK = 0o077
+"""Files the farm's processes create are readable by their user only."""
+
+VALUE_FILE_HELP = "store the token in this file (a deployment's secret; - reads stdin) instead of making one"
 
 DATABASE_URL_HELP = "SQLAlchemy URL of the farm database (default: TUNEFARM_DATABASE_URL, else the local PostgreSQL)"
 
@@ -112,7 +122,10 @@ def add_commands(sub) -> None:
     fu.add_argument("--api-bind", default="127.0.0.1:0", help="HOST:PORT of the API (port 0: a free one)")
     fu.add_argument("--lease-bind", default="127.0.0.1:0", help="HOST:PORT of the lease service")
     fu.add_argument("--database-url", help=DATABASE_URL_HELP)
-    fu.add_argument("--redis-url", help="default: TUNEFARM_REDIS_URL or the local Redis")
+    fu.add_argument("--redis-url", help="a Redis with a password, redis://:PASSWORD@HOST:PORT/0 (rediss:// for TLS; "
+                    "default: TUNEFARM_REDIS_URL, else the farm starts its own redis-server with a generated password)")
+    fu.add_argument("--redis-without-password", action="store_true",
+                    help="accept a --redis-url without a password (anyone who reaches it can write the build queues)")
     fu.add_argument("--queue-prefix", default="tunefarm", help="prefix of the farm's Redis queues")
     fu.add_argument("--team", default="local", help="the team whose token farm.json holds")
     fu.add_argument("--device-class", help="name of this CPU's class (default: arch-cpu-cores)")
@@ -137,11 +150,11 @@ def add_commands(sub) -> None:
     fd.add_argument("--state-dir", type=Path, required=True, help="the --state-dir given to farm up")
     ft = fsub.add_parser("team", help="create a team (if needed) and print a new token for it")
     ft.add_argument("name", help="the team's name")
-    ft.add_argument("--value", help="store this token (a deployment's secret) instead of making one")
-    ft.add_argument("--database-url", help=DATABASE_URL_HELP)
     fa = fsub.add_parser("agent-token", help="print a new agent token")
-    fa.add_argument("--value", help="store this token (a deployment's secret) instead of making one")
-    fa.add_argument("--database-url", help=DATABASE_URL_HELP)
+    for p in (ft, fa):
+        p.add_argument("--value-file", metavar="PATH", help=VALUE_FILE_HELP)
+        refuse_on_command_line(p, "--value", instead="--value-file PATH (- reads stdin)")
+        p.add_argument("--database-url", help=DATABASE_URL_HELP)
     tok = fsub.add_parser("token", help="list or revoke team and agent tokens")
     toksub = tok.add_subparsers(dest="token_command", required=True)
     tl = toksub.add_parser("list", help="every token: id, kind, team, prefix, label, created, revoked")
@@ -189,7 +202,9 @@ def _follow_args(p) -> None:
 
 def _client_args(p) -> None:
     p.add_argument("--server", help="the farm's API, http://HOST:PORT (default: TUNEFARM_SERVER)")
-    p.add_argument("--token", help="your team token (default: TUNEFARM_TOKEN)")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="a file holding your team token (- reads stdin; default: TUNEFARM_TOKEN)")
+    refuse_on_command_line(p, "--token", instead="TUNEFARM_TOKEN or --token-file PATH")
 
 
 def _client(args: argparse.Namespace):
@@ -198,7 +213,8 @@ def _client(args: argparse.Namespace):
     retry = getattr(args, "retry_secs", None)
     if retry is not None and not (math.isfinite(retry) and retry >= 0):
         raise UsageError("--retry-secs must be a number of seconds, 0 or more")
-    return FarmClient(ClientSettings.load(server=args.server, token=args.token, follow_retry_secs=retry))
+    token = read_secret_file(args.token_file, "team token") if args.token_file else None
+    return FarmClient(ClientSettings.load(server=args.server, token=token, follow_retry_secs=retry))
 
 
 def _follow(client, job_id: int) -> dict:
@@ -397,6 +413,7 @@ def cmd_service(args: argparse.Namespace) -> int:
     from services.db.exceptions import DatabaseError
 
     module = importlib.import_module(SERVICE_COMMANDS[args.command][0])
+    os.umask(PROCESS_UMASK)
     try:
         return int(module.main(list(args.args)) or 0)
     except DatabaseError as exc:  # e.g. the schema is not migrated: one line, not a traceback
@@ -435,6 +452,7 @@ def _farm_up(args: argparse.Namespace) -> int:
 
     from services.db.exceptions import DatabaseError
     from tunefarm_app.farm_local import FarmConfig, FarmTls, up
+    from tunefarm_app.farm_redis import redact
 
     if args.workers < 1 or args.agents < 1:
         raise UsageError("--workers and --agents must be at least 1")
@@ -452,6 +470,7 @@ def _farm_up(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         database_url=_database_url(args.database_url),
         redis_url=_redis_url(args.redis_url),
+        redis_without_password=args.redis_without_password,
         queue_prefix=args.queue_prefix,
         api_bind=args.api_bind,
         lease_bind=args.lease_bind,
@@ -470,12 +489,13 @@ def _farm_up(args: argparse.Namespace) -> int:
     print(f"api        {info['api_url']}")
     print(f"dashboard  {info['api_url']}/ui (log in with the team token in farm.json); metrics at /metrics")
     print(f"grpc       {info['grpc_address']}" + (" (TLS)" if info.get("grpc_tls") else " (plaintext)"))
+    print(f"redis      {redact(info['redis_url'])}" + (" (the farm's own)" if info["own_redis"] else ""))
     print(f"class      {info['device_class']}")
     for name in info["extra_classes"]:
         print(f"class      {name} (extra)")
     for p in farm.processes.values():
         print(f"process    {p.name}: pid {p.pid}, log {p.log}")
-    print(f"state      {args.state_dir / 'farm.json'} (holds the team and agent tokens)")
+    print(f"state      {args.state_dir / 'farm.json'} (holds the team and agent tokens and the Redis password)")
     return 0
 
 
@@ -507,10 +527,12 @@ def _farm_team(args: argparse.Namespace) -> int:
     from services.api import admin
     from services.db.models import TokenKind
 
+    value = read_secret_file(args.value_file) if args.value_file else None
+
     def work(s):
         team = admin.ensure_team(s, name=args.name)
-        if args.value:
-            admin.register_token(s, kind=TokenKind.TEAM, plain=args.value, team_id=team.id, label="tunefarm farm team")
+        if value:
+            admin.register_token(s, kind=TokenKind.TEAM, plain=value, team_id=team.id, label="tunefarm farm team")
             return f"team       {team.name}: token stored"
         return admin.issue_team_token(s, team_id=team.id, label="tunefarm farm team")
 
@@ -522,9 +544,11 @@ def _farm_agent_token(args: argparse.Namespace) -> int:
     from services.api import admin
     from services.db.models import TokenKind
 
+    value = read_secret_file(args.value_file) if args.value_file else None
+
     def work(s):
-        if args.value:
-            admin.register_token(s, kind=TokenKind.AGENT, plain=args.value, label="tunefarm farm agent-token")
+        if value:
+            admin.register_token(s, kind=TokenKind.AGENT, plain=value, label="tunefarm farm agent-token")
             return "agent token stored"
         return admin.issue_agent_token(s, label="tunefarm farm agent-token")
 
@@ -616,10 +640,15 @@ def _database_url(given: str | None) -> str:
     return given or DatabaseSettings().database_url
 
 
-def _redis_url(given: str | None) -> str:
+def _redis_url(given: str | None) -> str | None:
+    """The Redis `farm up` is given (--redis-url, else TUNEFARM_REDIS_URL when set); None
+    for a Redis of the farm's own."""
     from services.worker.settings import WorkerSettings
 
-    return given or WorkerSettings().redis_url
+    if given:
+        return given
+    settings = WorkerSettings()
+    return settings.redis_url if "redis_url" in settings.model_fields_set else None
 
 
 FARM_COMMANDS = {

@@ -4,6 +4,7 @@
 for this CPU, a team and tokens exist, and starts the farm's processes in the
 background, each in its own process group with its log in `D/logs/<name>.log`:
 
+    redis          redis-server             the build queues (unless given --redis-url)
     api            tunefarm api             HTTP API (uvicorn)
     lease-service  tunefarm lease-service   gRPC service the agents dial into
     scheduler      tunefarm scheduler       the searches of every job
@@ -13,7 +14,8 @@ background, each in its own process group with its log in `D/logs/<name>.log`:
     agent-C        tunefarm agent           its build worker and its agent, here
 
 They share the artifact root `D/artifacts`, the database and Redis (with the queue
-prefix given). The class may be another machine's (`FarmConfig.target`, e.g. an aarch64
+prefix given). Redis is the farm's own, with a generated password, unless a Redis URL
+with a password is given (`tunefarm_app.farm_redis`). The class may be another machine's (`FarmConfig.target`, e.g. an aarch64
 board's: the workers cross-compile for it), measured by an agent started another way
 (`agent_command`, `agent_env`: e.g. the agent under qemu-user in an aarch64 root).
 
@@ -24,8 +26,11 @@ with the public key, `D/signing/farm-signing.pub` (copy it to remote boards:
 
 `up` waits until the API answers, the lease service listens and the agent has
 registered, then writes `D/farm.json`: the API URL, the gRPC address, a
-team token and an agent token, and the processes (pid, log, command). The tokens are
-in that file only (mode 0600). `down` stops the processes (SIGTERM to each group,
+team token and an agent token, the Redis URL, and the processes (pid, log, command).
+The secrets are in that file only (mode 0600) and in the processes' environment, never
+on a command line (`ps` shows those to every user). What the farm writes under `D`
+(logs, artifacts, the agent's work) is its user's only: the processes run with umask
+077, and a new `D` and its logs/ and artifacts/ are 0700. `down` stops the processes (SIGTERM to each group,
 SIGKILL after a grace period) and marks them stopped in farm.json.
 
 Further classes (`extra_classes`, name -> target; `farm up --extra-class NAME=TARGET`)
@@ -54,6 +59,7 @@ from typing import Any
 
 from tunefarm.errors import UsageError
 from tunefarm.export import target_arch
+from tunefarm_app.farm_redis import REDIS_PROCESS, OwnRedis, check_given, wait_ready
 
 FARM_FILE = "farm.json"
 LOGS_DIR = "logs"
@@ -69,6 +75,9 @@ STOP_GRACE_SECS = 20.0
 """How long `farm down` waits after SIGTERM before SIGKILL."""
 
 DEFAULT_TEAM = "local"
+
+PRIVATE_UMASK = 0o077
+"""The farm's processes make files their user alone can read (logs, artifacts, work)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,8 @@ class FarmConfig:
 
     state_dir: Path
     database_url: str
-    redis_url: str
+    redis_url: str | None = None  # None: a Redis of the farm's own (tunefarm_app.farm_redis)
+    redis_without_password: bool = False  # accept a given redis_url without a password
     queue_prefix: str = "tunefarm"
     api_bind: str = "127.0.0.1:0"  # port 0: a free one
     lease_bind: str = "127.0.0.1:0"
@@ -145,6 +155,7 @@ class Process:
     command: list[str]
     pid: int
     log: str
+    started: str | None = None  # the kernel's start time of `pid` (a pid reused later differs)
 
 
 class LocalFarm:
@@ -158,6 +169,7 @@ class LocalFarm:
         self.env: dict[str, str] = {}
         self.info: dict[str, Any] = {}
         self._starts: dict[str, int] = {}  # times each process was started
+        self.own_redis: OwnRedis | None = None
 
     # -- setting up ---------------------------------------------------------------------------
 
@@ -169,13 +181,19 @@ class LocalFarm:
         from tunefarm.target import host_target_dict
 
         c = self.config
-        c.state_dir.mkdir(parents=True, exist_ok=True)
-        (c.state_dir / LOGS_DIR).mkdir(exist_ok=True)
-        c.artifact_root.mkdir(exist_ok=True)
+        c.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # an existing one keeps its mode
+        for directory in (c.state_dir / LOGS_DIR, c.artifact_root):
+            directory.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(directory, 0o700)  # the farm's user only, whoever made it before
+        if c.redis_url is None:
+            self.own_redis = OwnRedis.create(c.state_dir)
+            redis_url = self.own_redis.url
+        else:
+            check_given(c.redis_url, without_password=c.redis_without_password)
+            redis_url = c.redis_url
         if not database_exists(c.database_url):
             create_database(c.database_url)
         upgrade(c.database_url)
-        _check_redis(c.redis_url)
         target = c.target or host_target_dict()
         class_name = c.device_class or detected_class_name(target)
         sessions = make_session_factory(c.database_url)
@@ -194,7 +212,7 @@ class LocalFarm:
         signing = signing_env(c.state_dir)
         self.env = {
             "TUNEFARM_DATABASE_URL": c.database_url,
-            "TUNEFARM_REDIS_URL": c.redis_url,
+            "TUNEFARM_REDIS_URL": redis_url,
             "TUNEFARM_QUEUE_PREFIX": c.queue_prefix,
             "TUNEFARM_ARTIFACT_ROOT": str(c.artifact_root.resolve()),
             "TUNEFARM_API_BIND": api_bind,
@@ -220,7 +238,8 @@ class LocalFarm:
             "target": target,
             "extra_classes": dict(c.extra_classes),
             "database_url": c.database_url,
-            "redis_url": c.redis_url,
+            "redis_url": redis_url,
+            "own_redis": self.own_redis is not None,
             "queue_prefix": c.queue_prefix,
             "artifact_root": str(c.artifact_root.resolve()),
             "signing_public_key": signing["TUNEFARM_AGENT_SIGNING_PUBLIC_KEY"],
@@ -231,7 +250,8 @@ class LocalFarm:
         """Every process's command line (`python -m tunefarm_app.cli ...`)."""
         cli = [sys.executable, "-m", "tunefarm_app.cli"]
         klass = self.info["device_class"]
-        out = {
+        out = {REDIS_PROCESS: self.own_redis.command()} if self.own_redis else {}
+        out |= {
             "api": [*cli, "api"],
             "lease-service": [*cli, "lease-service"],
             "scheduler": [*cli, "scheduler"],
@@ -290,7 +310,8 @@ class LocalFarm:
         command = self.commands()[name]
         log_path = self.config.state_dir / LOGS_DIR / f"{name}.log"
         env = {**os.environ, **self.env, **(self._agent_env(name) if name in self.agent_names() else {})}
-        with open(log_path, "ab") as log_file:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "ab") as log_file:
             proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -299,8 +320,9 @@ class LocalFarm:
                 env=env,
                 cwd=self.config.state_dir,
                 start_new_session=True,  # its own process group: `down` stops its children too
+                umask=PRIVATE_UMASK,
             )
-        process = Process(name, command, proc.pid, str(log_path))
+        process = Process(name, command, proc.pid, str(log_path), _started(proc.pid))
         self.processes[name] = process
         self._popen[name] = proc
         if (self.config.state_dir / FARM_FILE).exists():  # a restart: keep farm.json's pids right
@@ -310,6 +332,12 @@ class LocalFarm:
     def start_all(self) -> None:
         for name in self.commands():
             self.start(name)
+            if name == REDIS_PROCESS:  # the others connect to it at once
+                self._wait_own_redis()
+
+    def _wait_own_redis(self) -> None:
+        log = Path(self.processes[REDIS_PROCESS].log)
+        wait_ready(self.info["redis_url"], lambda: self.alive(REDIS_PROCESS), lambda: log_tail(log))
 
     def alive(self, name: str) -> bool:
         proc = self._popen.get(name)
@@ -384,7 +412,7 @@ class LocalFarm:
         data = {
             **self.info,
             "processes": {
-                p.name: {"pid": p.pid, "log": p.log, "command": p.command, "running": True}
+                p.name: {"pid": p.pid, "started": p.started, "log": p.log, "command": p.command, "running": True}
                 for p in self.processes.values()
             },
         }
@@ -402,7 +430,7 @@ def up(config: FarmConfig, *, log: Callable[[str], None] = print) -> LocalFarm:
     existing = config.state_dir / FARM_FILE
     if existing.exists():
         procs = read_state(config.state_dir).get("processes", {})
-        running = [n for n, p in procs.items() if p.get("running") and _is_ours(p["pid"])]
+        running = [n for n, p in procs.items() if p.get("running") and _is_ours(p)]
         if running:
             raise UsageError(f"a farm is already running from {config.state_dir} ({', '.join(running)}); run farm down first")
     farm = LocalFarm(config, log=log)
@@ -424,7 +452,7 @@ def down(state_dir: Path, *, grace: float = STOP_GRACE_SECS) -> list[str]:
     stopped = []
     procs = data.get("processes", {})
     for p in procs.values():
-        if p.get("running") and not _is_ours(p["pid"]):
+        if p.get("running") and not _is_ours(p):
             p["running"] = False  # exited long ago; the pid may be another program's now
     for p in procs.values():
         if p.get("running"):
@@ -494,15 +522,6 @@ def log_tail(path: Path, lines: int = 20) -> str:
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _check_redis(url: str) -> None:
-    import redis
-
-    try:
-        redis.Redis.from_url(url, socket_connect_timeout=5).ping()
-    except Exception as exc:
-        raise UsageError(f"cannot reach Redis at {url}: {exc}") from None
-
-
 def _with_free_port(bind: str) -> str:
     host, _, port = bind.rpartition(":")
     if port not in ("", "0"):
@@ -552,8 +571,22 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _is_ours(pid: int) -> bool:
-    """Whether `pid` still runs a tunefarm command (not a later process with that pid)."""
+def _started(pid: int) -> str | None:
+    """When the process `pid` started, in clock ticks after boot (/proc/PID/stat's 22nd
+    field); None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _is_ours(process: dict[str, Any]) -> bool:
+    """Whether a process of farm.json still runs (not a later process with its pid): its
+    start time is the one recorded (a farm.json without one: it runs a tunefarm command)."""
+    pid = process["pid"]
+    if process.get("started"):
+        return _started(pid) == process["started"]
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return b"tunefarm" in f.read()

@@ -1,4 +1,5 @@
-"""The device agent: `tunefarm agent --server HOST:PORT --token T [--device-class C] [--name N]`.
+"""The device agent: `tunefarm agent --server HOST:PORT [--token-file F] [--device-class C] [--name N]`
+(the token from TUNEFARM_AGENT_TOKEN or the file, never the command line: `ps` shows it).
 
 One agent runs on each board. It opens every connection itself (a board may sit behind
 NAT) to the lease service, and loops:
@@ -95,9 +96,11 @@ from services.measurer.generated import measurer_pb2 as pb
 from services.measurer.generated import measurer_pb2_grpc as pb_grpc
 from services.measurer.kernel_files import LOADABLE_SUFFIXES, KernelFiles, local_file_name
 from services.measurer.signing import SHA256_HEX, ArtifactVerifier, BadSignature, KeyFileError, SignedKind
+from tunefarm.errors import UsageError
 from tunefarm.measure.runner import LocalRunner, ModelRunInput, Runner
 from tunefarm.records import ErrorKind, RunInput, RunResult
 from tunefarm.sandbox import Sandbox
+from tunefarm.secret_flags import read_secret_file, refuse_on_command_line
 from tunefarm.target import physical_cores
 
 log = logging.getLogger("tunefarm.agent")
@@ -208,9 +211,9 @@ class AgentSettings:
                 except ValueError:
                     raise BadRequest(f"{var}={env[var]!r} is not a valid {key}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
-        for required in ("server", "token"):
+        for required, flag in (("server", "--server"), ("token", "--token-file")):
             if not values.get(required):
-                raise BadRequest(f"no {required}: pass --{required} or set {ENV_PREFIX}{required.upper()}")
+                raise BadRequest(f"no {required}: set {ENV_PREFIX}{required.upper()} or pass {flag}")
         return cls(**values)
 
     def __post_init__(self) -> None:
@@ -1076,7 +1079,8 @@ def run_agent(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tunefarm agent", description="measure kernels for a tunefarm farm")
     p.add_argument("--server", help="the lease service, HOST:PORT (TUNEFARM_AGENT_SERVER)")
-    p.add_argument("--token", help="agent token (TUNEFARM_AGENT_TOKEN; the environment keeps it out of `ps`)")
+    p.add_argument("--token-file", type=Path, help="a file holding the agent token (default: TUNEFARM_AGENT_TOKEN)")
+    refuse_on_command_line(p, "--token", instead="TUNEFARM_AGENT_TOKEN or --token-file PATH")
     p.add_argument("--device-class", help="device class to measure for (default: detected, e.g. x86_64-znver5-2c)")
     p.add_argument("--name", help="this agent's unique name (default: the host name)")
     p.add_argument("--work-dir", type=Path, help="downloads and the task data cache")
@@ -1117,11 +1121,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The `tunefarm agent` command: 0 after SIGTERM/SIGINT, 2 for a fatal error."""
-    args = build_parser().parse_args(argv)
+    args = vars(build_parser().parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token_file = args.pop("token_file")
+    args.pop("refused_token")
     try:
-        settings = AgentSettings.from_env(**vars(args))
-    except BadRequest as exc:
+        if token_file is not None:
+            args["token"] = read_secret_file(token_file, "agent token")
+        settings = AgentSettings.from_env(**args)
+    except (BadRequest, UsageError) as exc:
         print(f"tunefarm agent: error: {exc}", flush=True)
         return 2
     stop = threading.Event()

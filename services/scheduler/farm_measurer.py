@@ -58,7 +58,7 @@ from services.db.models import (
 from services.db.session import transaction
 from services.measurer import artifacts
 from services.worker import build_lock
-from services.worker.queues import BUILD_JOB, build_job_id, build_queue_name
+from services.worker.queues import BUILD_JOB, build_job_id
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
 from tunefarm.records import (
@@ -425,9 +425,11 @@ class FarmMeasurer(Measurer):
         """The batch's build job; a Redis failure is only logged (the batch check enqueues
         it again)."""
         from redis.exceptions import RedisError
-        from rq import Queue, Retry
+        from rq import Retry
 
-        queue = Queue(build_queue_name(self.device_class, self.queue_prefix), connection=self.redis)
+        from services.worker.build_job import build_queue
+
+        queue = build_queue(self.redis, self.device_class, self.queue_prefix)
         try:
             queue.enqueue(
                 BUILD_JOB,
@@ -511,10 +513,12 @@ class FarmMeasurer(Measurer):
     def _build_job(self, batch_id: int) -> tuple[str | None, str]:
         """The batch's RQ job status (None: Redis does not have it) and why it failed."""
         from rq.exceptions import NoSuchJobError
-        from rq.job import Job, JobStatus
+        from rq.job import JobStatus
+
+        from services.worker.build_job import fetch_build_job
 
         try:
-            job = Job.fetch(build_job_id(batch_id, self.queue_prefix), connection=self.redis)
+            job = fetch_build_job(self.redis, build_job_id(batch_id, self.queue_prefix))
         except NoSuchJobError:
             return None, "its build job is gone from Redis"
         status = job.get_status(refresh=False)

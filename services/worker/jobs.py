@@ -22,6 +22,8 @@ Both transactions are run again while the database is away (a restart), for up t
 `database_retry_secs`: a build is not lost to a moment without PostgreSQL.
 
 `tunefarm worker` runs an RQ `SimpleWorker` on the build queues of the device classes.
+It runs build jobs and nothing else: a job is JSON naming `build_batch` and a batch id,
+anything else in its queues is refused unrun (`services.worker.build_job`).
 SimpleWorker executes jobs in the worker process instead of forking a work horse per job:
 the fork would cost ~3.6 ms per job here and, worse, lose the warm build processes
 (each holding an imported TVM) with every job. The isolation a fork would give is
@@ -54,7 +56,6 @@ from services.measurer import artifacts
 from services.measurer.signing import ArtifactSigner, KeyFileError, SignedKind
 from services.worker import build_lock
 from services.worker.exceptions import BatchNotFound
-from services.worker.queues import build_queue_name
 from services.worker.settings import WorkerSettings
 from tunefarm.measure.builder import Builder, LocalBuilder
 from tunefarm.records import BuildInput, BuildResult, MeasureInput, MeasureRecord, MeasureResult
@@ -293,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     the build queues of the given device classes (default: every class in the database
     when it starts)."""
     from redis import Redis
-    from rq import Queue, SimpleWorker
+
+    from services.worker.build_job import build_worker
 
     parser = argparse.ArgumentParser(prog="tunefarm worker", description="build batches for the farm's agents")
     parser.add_argument("--device-class", action="append", help="a class whose batches to build (repeat)")
@@ -317,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         redis = Redis.from_url(settings.redis_url)
-        queues = [Queue(build_queue_name(c, settings.queue_prefix), connection=redis) for c in classes]
         log.info("building for %s", ", ".join(classes))
-        SimpleWorker(queues, connection=redis, name=args.name).work(burst=args.burst, with_scheduler=False)
+        worker = build_worker(redis, classes, settings.queue_prefix, name=args.name)
+        worker.work(burst=args.burst, with_scheduler=False)
     finally:
         shutdown()
     return 0

@@ -4,7 +4,7 @@
 |---|---|---|
 | TUNEFARM_DATABASE_URL, ... | see `DatabaseSettings` | the farm database |
 | TUNEFARM_ARTIFACT_ROOT | .tunefarm/artifacts | the shared artifact directory (kernels are written under kernels/) |
-| TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the RQ broker |
+| TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the RQ broker; a farm's carries its password, redis://:PASSWORD@HOST:PORT/0 (rediss://...?ssl_ca_certs=CA for TLS) |
 | TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` |
 | TUNEFARM_BUILD_PROCESSES | 0 | isolated build processes per worker (0: one per physical core) |
 | TUNEFARM_BUILD_JOB_TIMEOUT_SECS | 1800 | RQ's limit on one build_batch job |
@@ -28,7 +28,8 @@ class WorkerSettings(DatabaseSettings):
 
     # Shared directory of built kernels and task data (rows keep paths relative to it).
     artifact_root: Path = Path(".tunefarm/artifacts")
-    # The RQ broker.
+    # The RQ broker (with its password; rediss:// for TLS). Build jobs in it are JSON,
+    # refused unless they name build_batch and a batch id (services.worker.build_job).
     redis_url: str = DEFAULT_REDIS_URL
     # First part of every queue name (tests and side-by-side farms use their own).
     queue_prefix: str = "tunefarm"

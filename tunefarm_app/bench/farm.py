@@ -531,10 +531,9 @@ def stand_in_worker(argv: list[str]) -> None:
     """An RQ SimpleWorker whose builds take no time: every candidate "builds" into the
     same 16 KB file (the agent still fetches one per candidate)."""
     from redis import Redis
-    from rq import Queue, SimpleWorker
 
     from services.worker import jobs
-    from services.worker.queues import build_queue_name
+    from services.worker.build_job import build_worker
     from services.worker.settings import WorkerSettings
     from tunefarm.measure.builder import Builder
     from tunefarm.records import BuildResult
@@ -551,7 +550,7 @@ def stand_in_worker(argv: list[str]) -> None:
     settings = WorkerSettings()
     jobs.configure(settings, builder=StandInBuilder())
     redis = Redis.from_url(settings.redis_url)
-    SimpleWorker([Queue(build_queue_name(device_class, settings.queue_prefix), connection=redis)], connection=redis).work()
+    build_worker(redis, [device_class], settings.queue_prefix).work()
 
 
 def stand_in_agent(argv: list[str]) -> None:

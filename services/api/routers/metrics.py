@@ -21,13 +21,14 @@ agent index.
 Auth: none by default — meant for an internal port or network, like most exporters; it
 shows counts per device class and no team's data. With `TUNEFARM_METRICS_TOKEN` set, a
 scrape must send `Authorization: Bearer <that token>` (Prometheus' `authorization`
-setting), else 401.
+setting), else 401 with a JSON body (whatever bytes the header holds; compared in
+constant time).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
-import secrets
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -80,10 +81,8 @@ router = APIRouter(tags=["metrics"])
 )
 def metrics(request: Request, settings: SettingsDep, sessions: SessionsDep) -> Response:
     """Open unless the farm sets TUNEFARM_METRICS_TOKEN; then that token as a bearer."""
-    if settings.metrics_token:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip(), settings.metrics_token):
-            raise Unauthorized("metrics need 'Authorization: Bearer <the farm's metrics token>'")
+    if settings.metrics_token and not bearer_matches(request.headers.get("authorization", ""), settings.metrics_token):
+        raise Unauthorized("metrics need 'Authorization: Bearer <the farm's metrics token>'")
     with transaction(sessions) as db:
         families = list(database_metrics(db, alive_secs=settings.lease_secs))
         class_names = list(db.scalars(select(DeviceClass.name).order_by(DeviceClass.name)))
@@ -91,6 +90,16 @@ def metrics(request: Request, settings: SettingsDep, sessions: SessionsDep) -> R
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def bearer_matches(header: str, token: str) -> bool:
+    """Whether an Authorization header is `Bearer <token>`, compared in constant time as
+    bytes: the header's raw bytes (HTTP headers arrive latin-1 decoded) against the
+    token's UTF-8, so any byte a client sends is a refusal, never an error."""
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode("latin-1", errors="replace"), token.encode())
 
 
 class _Families:
