@@ -165,5 +165,9 @@ def seed_farm(sessions, *, trial_budget: int = 64) -> FarmState:
         queries.heartbeat(s, agent_id=alive_id, lease_secs=30)  # holds no lease now: idle
         # The silent agent last heartbeat long ago (beyond any lease window).
         s.execute(update(Agent).where(Agent.id == silent_id).values(last_heartbeat_at=func.now() - timedelta(hours=1)))
-    assert setup.job_id == job_a
+        # Each task's best awaits its confirmation (services.db.confirmations): a ready batch too.
+        confirmations = s.scalar(select(func.count()).select_from(Batch).where(
+            Batch.job_id == job_a, Batch.confirms_measurement_id.is_not(None), Batch.state == BatchState.READY))  # fmt: skip
+    assert setup.job_id == job_a and confirmations == sum(1 for b in state.best_by_task if b is not None)
+    state.queued_batches += confirmations
     return state

@@ -52,7 +52,7 @@ DATABASE_URL_HELP = "SQLAlchemy URL of the farm database (default: TUNEFARM_DATA
 SERVICE_COMMANDS = {
     "api": ("services.api.app", "the farm's HTTP API (uvicorn)"),
     "scheduler": ("services.scheduler.service", "the scheduler service: every job's search"),
-    "worker": ("services.worker.jobs", "an RQ build worker for the farm's device classes"),
+    "worker": ("services.worker.cli", "an RQ build worker for the farm's device classes"),
     "agent": ("services.measurer.agent", "a device agent: measure kernels for a farm"),
     "lease-service": ("services.measurer.lease_service", "the gRPC service agents dial into"),
 }

@@ -32,7 +32,6 @@ already there: the builds themselves run in separate processes with timeouts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -51,9 +50,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.db import codec, queries
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import Batch, BatchState, DeviceClass, Workload
-from services.db.session import make_session_factory, retrying, transaction
+from services.db.session import make_session_factory, retrying
 from services.measurer import artifacts
-from services.measurer.signing import ArtifactSigner, KeyFileError, SignedKind
+from services.measurer.signing import ArtifactSigner, SignedKind
 from services.worker import build_lock
 from services.worker.exceptions import BatchNotFound
 from services.worker.settings import WorkerSettings
@@ -284,48 +283,3 @@ def _store(
             )
             queries.record_build_error(s, batch_candidate_id=bc_id, record=record, fingerprint=fingerprint)
     return queries.mark_batch_ready(s, batch_id=plan.batch_id)
-
-
-# -- `tunefarm worker` ----------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`tunefarm worker [--device-class C ...] [--burst] [--name N]`: an RQ SimpleWorker on
-    the build queues of the given device classes (default: every class in the database
-    when it starts)."""
-    from redis import Redis
-
-    from services.worker.build_job import build_worker
-
-    parser = argparse.ArgumentParser(prog="tunefarm worker", description="build batches for the farm's agents")
-    parser.add_argument("--device-class", action="append", help="a class whose batches to build (repeat)")
-    parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
-    parser.add_argument("--name", help="RQ worker name (default: RQ's)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = WorkerSettings()
-    sessions = make_session_factory(settings)
-    classes = args.device_class
-    if not classes:
-        with transaction(sessions) as s:
-            classes = list(s.scalars(select(DeviceClass.name).order_by(DeviceClass.id)))
-        if not classes:
-            print("tunefarm worker: error: no device class exists yet; pass --device-class", flush=True)
-            return 2
-    try:
-        configure(settings, sessions=sessions)
-    except KeyFileError as exc:
-        print(f"tunefarm worker: error: {exc}", flush=True)
-        return 2
-    try:
-        redis = Redis.from_url(settings.redis_url)
-        log.info("building for %s", ", ".join(classes))
-        worker = build_worker(redis, classes, settings.queue_prefix, name=args.name)
-        worker.work(burst=args.burst, with_scheduler=False)
-    finally:
-        shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,7 +2,7 @@
 
 Everything runs on loopback, each piece in its own process as in a deployment: the
 lease service (`python -m services.measurer.lease_service`), an RQ build worker
-(`python -m services.worker.jobs`), N agents (`python -m services.measurer.agent`); this
+(`python -m services.worker`), N agents (`python -m services.measurer.agent`); this
 process plays the scheduler (`FarmMeasurer`). It needs the farm's PostgreSQL and Redis
 (TUNEFARM_DATABASE_URL, TUNEFARM_REDIS_URL; it makes and drops a database of its own and
 uses queue names of its own).
@@ -320,7 +320,7 @@ def _throughput(farm: BenchFarm, counts: list[int], args: argparse.Namespace) ->
 
     hold = f"hold-{farm.uid}"
     farm.device_class(hold)
-    worker = farm.start("worker", [sys.executable, "-m", "services.worker.jobs", "--device-class", hold],
+    worker = farm.start("worker", [sys.executable, "-m", "services.worker", "--device-class", hold],
                         TUNEFARM_BUILD_PROCESSES="2")  # fmt: skip
     wl = tiny_workload()
     timing = TimingConfig(repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)

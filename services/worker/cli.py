@@ -1,0 +1,56 @@
+"""`tunefarm worker` (`python -m services.worker`): an RQ SimpleWorker on the build queues
+of the farm's device classes, running `services.worker.jobs.build_batch` for the JSON
+build jobs it accepts (`services.worker.build_job`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from redis import Redis
+from sqlalchemy import select
+
+from services.db.models import DeviceClass
+from services.db.session import make_session_factory, transaction
+from services.measurer.signing import KeyFileError
+from services.worker.build_job import build_worker
+from services.worker.jobs import configure, log, shutdown
+from services.worker.settings import WorkerSettings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`tunefarm worker [--device-class C ...] [--burst] [--name N]`: an RQ SimpleWorker on
+    the build queues of the given device classes (default: every class in the database
+    when it starts)."""
+    parser = argparse.ArgumentParser(prog="tunefarm worker", description="build batches for the farm's agents")
+    parser.add_argument("--device-class", action="append", help="a class whose batches to build (repeat)")
+    parser.add_argument("--burst", action="store_true", help="exit when the queues are empty")
+    parser.add_argument("--name", help="RQ worker name (default: RQ's)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = WorkerSettings()
+    sessions = make_session_factory(settings)
+    classes = args.device_class
+    if not classes:
+        with transaction(sessions) as s:
+            classes = list(s.scalars(select(DeviceClass.name).order_by(DeviceClass.id)))
+        if not classes:
+            print("tunefarm worker: error: no device class exists yet; pass --device-class", flush=True)
+            return 2
+    try:
+        configure(settings, sessions=sessions)
+    except KeyFileError as exc:
+        print(f"tunefarm worker: error: {exc}", flush=True)
+        return 2
+    try:
+        redis = Redis.from_url(settings.redis_url)
+        log.info("building for %s", ", ".join(classes))
+        worker = build_worker(redis, classes, settings.queue_prefix, name=args.name)
+        worker.work(burst=args.burst, with_scheduler=False)
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
