@@ -56,7 +56,7 @@ from tunefarm.models.build import (
     time_side_by_side,
 )
 from tunefarm.models.importer import ImportedModel, import_model
-from tunefarm.models.peers import ONNXRUNTIME, OPENVINO
+from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, available_peers
 from tunefarm.models.suspects import Suspects, find_suspects
 from tunefarm.models.tasks import CONV_LAYOUTS, ModelTasks, extract_tasks
 from tunefarm.records import MeasureRecord
@@ -327,6 +327,9 @@ def profile_breakdown(
     except ModelError as exc:
         log(f"{m.name}: no per-task breakdown: {exc}")
         return None
+    rows = in_model_breakdown(m.tasks, prof)
+    if m.reference_onnx is not None and OPENVINO in available_peers():
+        _beside_openvino(m, directory / REFERENCE_NAME, feeds, num_cores(target), rows, log)
     return {
         "latency": prof.latency,
         "threads": prof.threads,
@@ -336,8 +339,36 @@ def profile_breakdown(
         "overhead_per_call": prof.overhead_per_call,
         "copy_bandwidth": prof.copy_bandwidth,
         "cached_copy_bandwidth": prof.cached_copy_bandwidth,
-        "tasks": in_model_breakdown(m.tasks, prof),
+        "tasks": rows,
     }
+
+
+OPENVINO_WINS_BY = 1.1
+"""A task OpenVINO's matching layer runs at least this much faster is said to be held back by it."""
+
+
+def _beside_openvino(
+    m: LoadedModel, onnx_path: Path, feeds: Mapping[str, np.ndarray], threads: int, rows: dict[str, dict],
+    log: Callable[[str], None],
+) -> None:
+    """Each task's row gains OpenVINO's time per call for the same layer, where one matches
+    (`tunefarm.models.peer_layers`), and says so in `holds_back` where OpenVINO is faster."""
+    from tunefarm.models.peer_layers import match_tasks, openvino_layers
+
+    try:
+        layers = openvino_layers(onnx_path, feeds, threads)
+    except ModelError as exc:
+        log(f"{m.name}: no per-layer comparison with OpenVINO: {exc}")
+        return
+    for key, peer in match_tasks(m.tasks.tasks, layers).items():
+        row = rows.get(key)
+        if row is None:
+            continue
+        theirs, ours = peer["openvino_seconds_per_call"], row["seconds_per_call"]
+        row.update(peer, vs_openvino=theirs / ours if ours > 0 else None)
+        if theirs > 0 and ours > OPENVINO_WINS_BY * theirs:
+            row["holds_back"] = [*row["holds_back"], f"OpenVINO's layer is {ours / theirs:.1f}x as fast "
+                                 f"({theirs * 1e6:.1f} us vs {ours * 1e6:.1f} us)"]  # fmt: skip
 
 
 def check_built(m: LoadedModel, directory: Path, *, worker: IsolatedWorker | None = None) -> check.ModelCheck:
