@@ -23,8 +23,8 @@ from aarch64_fixtures import (
 )
 
 from services.measurer import capabilities
-from services.measurer.exceptions import BadRequest
 from services.measurer.lease_service import _check_compatible
+from services.protocol.errors import BadRequest
 from tunefarm.errors import TargetError
 from tunefarm.records import ErrorKind, MeasureRecord
 

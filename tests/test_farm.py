@@ -51,11 +51,12 @@ from services.db.models import (  # noqa: E402
     TokenKind,
 )
 from services.db.session import transaction  # noqa: E402
-from services.measurer import capabilities, wire  # noqa: E402
+from services.measurer import capabilities  # noqa: E402
 from services.measurer.agent import AgentSettings, run_agent  # noqa: E402
-from services.measurer.generated import measurer_pb2 as pb  # noqa: E402
-from services.measurer.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
 from services.measurer.lease_service import LeaseServiceSettings, make_server  # noqa: E402
+from services.protocol import wire  # noqa: E402
+from services.protocol.generated import measurer_pb2 as pb  # noqa: E402
+from services.protocol.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
 from services.scheduler.farm_measurer import FarmMeasurer  # noqa: E402
 from services.worker import build_lock, jobs  # noqa: E402
 from services.worker.queues import build_queue_name  # noqa: E402
@@ -207,7 +208,7 @@ def lease_server(lease_settings, db_sessions):
 @pytest.fixture(scope="module")
 def signing_keys(tmp_path_factory) -> tuple[Path, Path]:
     """The farm's signing key pair: (private key, public key)."""
-    from services.measurer.signing import ensure_key_pair
+    from services.protocol.signing import ensure_key_pair
 
     d = tmp_path_factory.mktemp("signing")
     ensure_key_pair(d / "farm-signing.key", d / "farm-signing.pub")
@@ -461,7 +462,7 @@ def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_cap
     pytest.importorskip("onnxruntime")
     from onnx_models import tiny_onnx
 
-    from services.measurer.signing import ArtifactSigner
+    from services.protocol.signing import ArtifactSigner
     from services.scheduler.exceptions import JobFailed
     from services.scheduler.model_check import DeviceRun, check_on_device
     from tunefarm.models.build import build_model_library
@@ -801,7 +802,7 @@ def test_a_batch_no_agent_finishes_is_given_up_with_error_results(farm, lease_se
 
 def test_the_generated_grpc_code_is_what_make_proto_writes(tmp_path):
     pytest.importorskip("grpc_tools")
-    from services.measurer import proto_build
+    from services.protocol import proto_build
 
     written = proto_build.build(tmp_path)
     for path in written:

@@ -238,7 +238,7 @@ def test_cli_shows_gpu_sketches_and_refuses_to_tune_without_a_gpu(capsys, tmp_pa
 
 def test_a_gpu_agent_takes_its_gpus_target():
     from services.measurer import capabilities
-    from services.measurer.exceptions import BadRequest
+    from services.protocol.errors import BadRequest
 
     with pytest.raises(BadRequest, match="no CUDA GPU"):
         capabilities.with_gpu_target({"target_json": "{}"})

@@ -584,7 +584,7 @@ def _farm_agent(args: argparse.Namespace) -> int:
 
 
 def _farm_signing_key(args: argparse.Namespace) -> int:
-    from services.measurer.signing import KeyFileError, ensure_key_pair
+    from services.protocol.signing import KeyFileError, ensure_key_pair
 
     try:
         made = ensure_key_pair(args.private_key, args.public_key)

@@ -462,7 +462,7 @@ def signing_env(state_dir: Path) -> dict[str, str]:
     """The farm's signing key pair, made once in `state_dir/signing` (the private key
     mode 0600, in a directory only its owner enters): the settings that hand the private
     key to the build workers and the scheduler, the public key to the agents."""
-    from services.measurer.signing import KeyFileError, ensure_key_pair
+    from services.protocol.signing import KeyFileError, ensure_key_pair
 
     directory = (state_dir / SIGNING_DIR).resolve()
     directory.mkdir(mode=0o700, exist_ok=True)

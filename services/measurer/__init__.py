@@ -7,12 +7,11 @@
 | `local.py` | embedded mode's `LocalMeasurer` (builds too) |
 | `agent.py` | the device agent (`tunefarm agent`): lease, fetch, run, report over gRPC |
 | `lease_service.py` | the gRPC server agents dial into (`make_server`, `serve`), its sweeper |
-| `settings.py`, `exceptions.py` | the lease service's settings; the agent service's errors and status codes |
-| `wire.py`, `generated/` | protobuf messages <-> records; protoc's output for proto/tunefarm/v1 (`make proto`) |
+| `settings.py` | the lease service's settings |
 | `capabilities.py`, `artifacts.py` | what an agent reports about its machine; files under the artifact root |
-| `signing.py` | the farm's Ed25519 signature on kernels and models (build side signs, agents check) |
 | `kernel_files.py` | where an agent keeps what its sandboxed kernel process reads, under names it makes |
 
+The wire both sides speak (messages, errors, signatures) is `services.protocol`.
 Everything here but `local.py` and the server side (`lease_service.py`, `settings.py`) is
 what a board runs: no search, build, database or queue code.
 """

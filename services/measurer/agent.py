@@ -37,7 +37,7 @@ network):
   another host is refused unless `--insecure-plaintext` says so (the token would travel
   in clear, and anyone on the path could answer in the server's place);
 - the code: a kernel or model library is loaded only when the farm's signature on it
-  verifies with the farm's public key (`--signing-public-key`; services/measurer/signing.py),
+  verifies with the farm's public key (`--signing-public-key`; services/protocol/signing.py),
   over the sha256 of the bytes received: anything else is a RUN_ERROR result, deleted
   unloaded. An agent without the key does not start unless `--accept-unsigned-code`;
 - file names: a kernel is saved as `<candidate id><suffix>` (one of `LOADABLE_SUFFIXES`),
@@ -78,8 +78,9 @@ import grpc
 from google.protobuf.json_format import ParseDict
 
 from services.measurer import capabilities as caps_mod
-from services.measurer import wire
-from services.measurer.exceptions import (
+from services.measurer.kernel_files import LOADABLE_SUFFIXES, KernelFiles, local_file_name
+from services.protocol import wire
+from services.protocol.errors import (
     BadRequest,
     LeaseLost,
     MeasurerError,
@@ -91,10 +92,9 @@ from services.measurer.exceptions import (
     UnknownAgent,
     from_rpc_error,
 )
-from services.measurer.generated import measurer_pb2 as pb
-from services.measurer.generated import measurer_pb2_grpc as pb_grpc
-from services.measurer.kernel_files import LOADABLE_SUFFIXES, KernelFiles, local_file_name
-from services.measurer.signing import SHA256_HEX, ArtifactVerifier, BadSignature, KeyFileError, SignedKind
+from services.protocol.generated import measurer_pb2 as pb
+from services.protocol.generated import measurer_pb2_grpc as pb_grpc
+from services.protocol.signing import SHA256_HEX, ArtifactVerifier, BadSignature, KeyFileError, SignedKind
 from tunefarm.measure.runner import LocalRunner, ModelRunInput, Runner
 from tunefarm.records import ErrorKind, RunInput, RunResult
 from tunefarm.sandbox import Sandbox

@@ -19,6 +19,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from services.protocol.signing import file_sha256
+
 KERNELS_DIR = "kernels"
 TASK_DATA_DIR = "task_data"
 WORKLOADS_DIR = "workloads"
@@ -63,14 +65,6 @@ def read_chunks(path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[
                 return
             offset += len(data)
             data = nxt
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def put(root: str | os.PathLike[str], relative: str, data: bytes | Path) -> tuple[str, int]:

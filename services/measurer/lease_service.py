@@ -46,7 +46,7 @@ class that does not exist is refused (NOT_FOUND) unless `auto_create_device_clas
 set, which lets any agent token create a class every team sees.
 
 Kernels and model libraries are handed out with the signature their builder made
-(`ArtifactRef.signature`, services/measurer/signing.py); agents check it before loading.
+(`ArtifactRef.signature`, services/protocol/signing.py); agents check it before loading.
 An error's message names only what the caller sent (never, e.g., the key a candidate
 should have had), and an unexpected error is INTERNAL with no detail (it is logged here).
 
@@ -109,8 +109,10 @@ from services.db.models import (
 )
 from services.db.revocations import RevocationListener, VerifiedTokens
 from services.db.session import make_session_factory, transaction
-from services.measurer import artifacts, wire
-from services.measurer.exceptions import (
+from services.measurer import artifacts
+from services.measurer.settings import LeaseServiceSettings
+from services.protocol import wire
+from services.protocol.errors import (
     UNKNOWN_AGENT_PREFIX,
     AlreadyMeasured,
     BadRequest,
@@ -122,9 +124,8 @@ from services.measurer.exceptions import (
     UnknownAgent,
     status_of,
 )
-from services.measurer.generated import measurer_pb2 as pb
-from services.measurer.generated import measurer_pb2_grpc as pb_grpc
-from services.measurer.settings import LeaseServiceSettings
+from services.protocol.generated import measurer_pb2 as pb
+from services.protocol.generated import measurer_pb2_grpc as pb_grpc
 from tunefarm.export import arch_name, target_arch
 from tunefarm.gpu import gpu_compatible, is_gpu
 from tunefarm.records import BuildResult, MeasureInput, MeasureRecord, MeasureResult, RunResult
@@ -145,7 +146,7 @@ STATUS_OF_DB_ERROR: tuple[tuple[type[db_exc.DatabaseError], grpc.StatusCode], ..
     (db_exc.DatabaseError, grpc.StatusCode.INTERNAL),
 )
 """The status code of each database error (first match wins); the agent maps them back
-with `services.measurer.exceptions.from_rpc_error`."""
+with `services.protocol.errors.from_rpc_error`."""
 
 CONTENTION_RETRIES = 3
 """Times a transaction that hit a deadlock or serialization failure is run again."""

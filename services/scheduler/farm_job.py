@@ -43,7 +43,7 @@ from typing import Any
 from services.db.models import JobState
 from services.db.session import transaction
 from services.measurer.artifacts import file_sha256
-from services.measurer.signing import ArtifactSigner
+from services.protocol.signing import ArtifactSigner
 from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from services.scheduler.job_store import JobSetup

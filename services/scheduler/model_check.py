@@ -45,7 +45,7 @@ from services.db import queries
 from services.db.models import ModelRun, ModelRunState
 from services.db.session import transaction
 from services.measurer import artifacts
-from services.measurer.signing import ArtifactSigner, SignedKind
+from services.protocol.signing import ArtifactSigner, SignedKind
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.models import check
 from tunefarm.models.build import LIBRARY_NAME, RUN_TIMEOUT

@@ -80,6 +80,6 @@ class SchedulerSettings(DatabaseSettings):
     # A file touched after every pass of the loop: its age tells a health check that the
     # loop is alive (None: no file).
     scheduler_heartbeat_file: Path | None = None
-    # The farm's signing key (services/measurer/signing.py): a tuned model handed to an
+    # The farm's signing key (services/protocol/signing.py): a tuned model handed to an
     # agent is signed with it; agents load nothing unsigned (None: unsigned).
     signing_key_file: Path | None = None

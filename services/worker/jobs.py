@@ -15,7 +15,7 @@ it makes goes to the artifact root:
         store each kernel's path and build, record failed builds as measurements, and
         mark the batch ready (or done when nothing built)              (one transaction)
         with each kernel, its signature (`TUNEFARM_SIGNING_KEY_FILE`: the farm's key
-        signs the kernel's sha256 for its batch candidate, services/measurer/signing.py;
+        signs the kernel's sha256 for its batch candidate, services/protocol/signing.py;
         agents load nothing else)
 
 Both transactions are run again while the database is away (a restart), for up to
@@ -51,7 +51,7 @@ from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import Batch, BatchState, DeviceClass, Workload
 from services.db.session import make_session_factory, retrying, transaction
 from services.measurer import artifacts
-from services.measurer.signing import ArtifactSigner, KeyFileError, SignedKind
+from services.protocol.signing import ArtifactSigner, KeyFileError, SignedKind
 from services.worker import build_lock
 from services.worker.exceptions import BatchNotFound
 from services.worker.queues import build_queue_name

@@ -40,6 +40,6 @@ class WorkerSettings(DatabaseSettings):
     # How long a build job waits for a database that went away (a restart) before it
     # fails: its claim and its results are written again until then.
     database_retry_secs: float = 120.0
-    # The farm's signing key (services/measurer/signing.py): each kernel is signed with
+    # The farm's signing key (services/protocol/signing.py): each kernel is signed with
     # it for its batch candidate; agents load nothing unsigned (None: unsigned).
     signing_key_file: Path | None = None

@@ -520,7 +520,7 @@ def _phases(farm: BenchFarm, batch_ids: list[int]) -> dict[str, float]:
 
 def bench_signing_env(directory: Path) -> dict[str, str]:
     """A signing key pair of the bench's own: workers sign, agents check, as in a farm."""
-    from services.measurer.signing import ensure_key_pair
+    from services.protocol.signing import ensure_key_pair
 
     private, public = directory / "farm-signing.key", directory / "farm-signing.pub"
     ensure_key_pair(private, public)
