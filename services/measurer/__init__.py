@@ -8,7 +8,7 @@
 | `agent.py` | the device agent (`tunefarm agent`): lease, fetch, run, report over gRPC |
 | `lease_service.py` | the gRPC server agents dial into (`make_server`, `serve`), its sweeper |
 | `settings.py` | the lease service's settings |
-| `capabilities.py`, `artifacts.py` | what an agent reports about its machine; files under the artifact root |
+| `capabilities.py` | what an agent reports about its machine |
 | `kernel_files.py` | where an agent keeps what its sandboxed kernel process reads, under names it makes |
 
 The wire both sides speak (messages, errors, signatures) is `services.protocol`.

@@ -92,6 +92,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common import artifacts
 from services.db import codec, queries
 from services.db import exceptions as db_exc
 from services.db.models import (
@@ -109,7 +110,6 @@ from services.db.models import (
 )
 from services.db.revocations import RevocationListener, VerifiedTokens
 from services.db.session import make_session_factory, transaction
-from services.measurer import artifacts
 from services.measurer.settings import LeaseServiceSettings
 from services.protocol import wire
 from services.protocol.errors import (
@@ -712,7 +712,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         if not request.error:
             if not request.outputs_npz:
                 raise BadRequest(f"model run {run_id}: no outputs and no error")
-            outputs = f"{Path(run.inputs_path).parent.as_posix()}/outputs.npz"
+            outputs = artifacts.model_run_outputs_path(run.inputs_path)
             artifacts.put(self.artifact_root, outputs, request.outputs_npz)
         result = {
             "latency_samples": list(request.latency_samples),

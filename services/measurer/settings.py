@@ -31,8 +31,8 @@ from pathlib import Path
 from pydantic import field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.artifacts import DEFAULT_CHUNK_BYTES
 from services.db.settings import DatabaseSettings
-from services.measurer.artifacts import DEFAULT_CHUNK_BYTES
 
 
 class LeaseServiceSettings(DatabaseSettings):

@@ -46,11 +46,11 @@ from typing import Any
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common import artifacts
 from services.db import codec, queries
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import Batch, BatchState, DeviceClass, Workload
 from services.db.session import make_session_factory, retrying, transaction
-from services.measurer import artifacts
 from services.protocol.signing import ArtifactSigner, KeyFileError, SignedKind
 from services.worker import build_lock
 from services.worker.exceptions import BatchNotFound
@@ -225,7 +225,7 @@ def _claim(ctx: WorkerContext, s: Session, batch_id: int) -> _Plan | BatchState:
 
 
 def _workload_path(ctx: WorkerContext, workload_id: int) -> Path:
-    return ctx.artifact_root / artifacts.WORKLOADS_DIR / f"{workload_id}.json"
+    return ctx.artifact_root / artifacts.workload_path(workload_id)
 
 
 def _workload_file(ctx: WorkerContext, plan: _Plan) -> Path:

@@ -1,0 +1,6 @@
+"""What the farm's server-side processes (API, scheduler, build workers, lease service) share.
+
+| module | what it holds |
+|---|---|
+| `artifacts.py` | the artifact root's directory layout, and reading and writing files under it |
+"""
