@@ -36,6 +36,7 @@ from sqlalchemy import func, select, update  # noqa: E402
 from tvm import te  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402
 
+from services.common.queues import build_queue_name  # noqa: E402
 from services.db import queries  # noqa: E402
 from services.db.models import (  # noqa: E402
     Agent,
@@ -59,7 +60,6 @@ from services.protocol.generated import measurer_pb2 as pb  # noqa: E402
 from services.protocol.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
 from services.scheduler.farm_measurer import FarmMeasurer  # noqa: E402
 from services.worker import build_lock, jobs  # noqa: E402
-from services.worker.queues import build_queue_name  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
 from tunefarm.export import artifact_suffix  # noqa: E402
 from tunefarm.measure import MeasureBatch  # noqa: E402

@@ -3,4 +3,5 @@
 | module | what it holds |
 |---|---|
 | `artifacts.py` | the artifact root's directory layout, and reading and writing files under it |
+| `queues.py` | the names of the build queues and jobs (the scheduler enqueues, the workers work) |
 """

@@ -45,6 +45,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
+from services.common.queues import BUILD_JOB, build_job_id, build_queue_name
 from services.db import codec, queries
 from services.db.models import (
     Batch,
@@ -58,7 +59,6 @@ from services.db.models import (
 )
 from services.db.session import transaction
 from services.worker import build_lock
-from services.worker.queues import BUILD_JOB, build_job_id, build_queue_name
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
 from tunefarm.records import (

@@ -192,9 +192,9 @@ class _Driver:
 
 
 def _run(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
+    from services.common.queues import build_queue_name
     from services.scheduler.service import fair_share
     from services.scheduler.settings import SchedulerSettings
-    from services.worker.queues import build_queue_name
 
     class_name = f"load-{farm.uid}"
     class_id = farm.device_class(class_name)
