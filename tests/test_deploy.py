@@ -78,7 +78,7 @@ def test_secrets_have_no_defaults_and_settings_exist(compose):
              for f in cls.model_fields}
     from dataclasses import fields
 
-    from services.measurer.agent import AgentSettings, env_name
+    from services.agent.settings import AgentSettings, env_name
 
     known |= {env_name(f.name) for f in fields(AgentSettings)}  # the agent's (AgentSettings.from_env)
     known |= {"TUNEFARM_DEVICE_CLASS", "TUNEFARM_TEAM", "TUNEFARM_TEAM_TOKEN"}  # read by the compose commands

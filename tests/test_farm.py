@@ -36,6 +36,9 @@ from sqlalchemy import func, select, update  # noqa: E402
 from tvm import te  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402
 
+from services.agent import capabilities  # noqa: E402
+from services.agent.agent import run_agent  # noqa: E402
+from services.agent.settings import AgentSettings  # noqa: E402
 from services.common.queues import build_queue_name  # noqa: E402
 from services.db import queries  # noqa: E402
 from services.db.models import (  # noqa: E402
@@ -52,8 +55,6 @@ from services.db.models import (  # noqa: E402
     TokenKind,
 )
 from services.db.session import transaction  # noqa: E402
-from services.measurer import capabilities  # noqa: E402
-from services.measurer.agent import AgentSettings, run_agent  # noqa: E402
 from services.measurer.lease_service import LeaseServiceSettings, make_server  # noqa: E402
 from services.protocol import wire  # noqa: E402
 from services.protocol.generated import measurer_pb2 as pb  # noqa: E402
@@ -500,9 +501,10 @@ def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_cap
 
 def test_the_agent_imports_no_server_side_packages():
     code = (
-        "import json, sys; import services.measurer.agent\n"
-        "bad = ('sqlalchemy', 'pydantic', 'pydantic_settings', 'redis', 'rq', 'xgboost', 'tvm',\n"
-        "       'services.db', 'services.scheduler', 'services.worker')\n"
+        "import json, sys; import services.agent.cli\n"
+        "bad = ('sqlalchemy', 'pydantic', 'pydantic_settings', 'redis', 'rq', 'xgboost', 'tvm', 'tunefarm.search',\n"
+        "       'services.db', 'services.scheduler', 'services.worker', 'services.lease', 'services.api',\n"
+        "       'services.common')\n"
         "print(json.dumps(sorted(m for m in sys.modules if any(m == b or m.startswith(b + '.') for b in bad))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -522,7 +524,7 @@ def test_a_killed_agents_batch_is_leased_again_and_measured_exactly_once(farm, t
     for name in names:
         log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "services.measurer.agent", "--server", farm.server_address,
+            [sys.executable, "-m", "services.agent", "--server", farm.server_address,
              "--device-class", farm.device_class, "--name", name, "--work-dir", str(tmp_path / name),
              "--threads", "1", "--signing-public-key", str(farm.public_key)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -639,7 +641,7 @@ class LoseTheFirstGrant(grpc.UnaryUnaryClientInterceptor):
 def test_a_lease_whose_grant_never_reached_the_agent_is_leased_again_at_once(farm, tmp_path, agent_caps, lease_settings, db_sessions):
     # Leases last 30 s and heartbeats come every 0.3 s: heartbeats that renewed every
     # active lease of the agent would keep the lost one alive for ever.
-    from services.measurer.agent import Agent
+    from services.agent.agent import Agent
 
     settings = lease_settings.model_copy(update={"lease_bind": f"127.0.0.1:{free_port()}", "lease_secs": 30.0})
     server = make_server(settings, sessions=db_sessions)

@@ -39,12 +39,13 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
+from services.agent import capabilities
+from services.agent.agent import run_agent
+from services.agent.cli import main as agent_main
+from services.agent.settings import AgentSettings
 from services.db import queries
 from services.db.models import Agent, DeviceClass, Lease, LeaseState, Measurement, TokenKind
 from services.db.session import transaction
-from services.measurer import capabilities
-from services.measurer.agent import AgentSettings, run_agent
-from services.measurer.agent import main as agent_main
 from services.measurer.lease_service import LeaseServer, make_server
 from services.measurer.settings import LeaseServiceSettings
 from services.protocol import wire

@@ -19,11 +19,12 @@ import grpc
 import pytest
 from sqlalchemy import select
 
+from services.agent.channel import open_channel
+from services.agent.cli import main as agent_main
+from services.agent.settings import AgentSettings
 from services.db import queries
 from services.db.models import Agent, DeviceClass, TokenKind
 from services.db.session import transaction
-from services.measurer.agent import AgentSettings, open_channel
-from services.measurer.agent import main as agent_main
 from services.measurer.lease_service import LeaseServer, make_server
 from services.measurer.lease_service import main as lease_main
 from services.measurer.settings import LeaseServiceSettings

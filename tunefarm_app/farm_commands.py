@@ -43,7 +43,7 @@ SERVICE_COMMANDS = {
     "api": ("services.api.app", "the farm's HTTP API (uvicorn)"),
     "scheduler": ("services.scheduler.service", "the scheduler service: every job's search"),
     "worker": ("services.worker.jobs", "an RQ build worker for the farm's device classes"),
-    "agent": ("services.measurer.agent", "a device agent: measure kernels for a farm"),
+    "agent": ("services.agent.cli", "a device agent: measure kernels for a farm"),
     "lease-service": ("services.measurer.lease_service", "the gRPC service agents dial into"),
 }
 """`tunefarm <name> ARGS...` runs `main(ARGS)` of the module (each parses its own flags)."""

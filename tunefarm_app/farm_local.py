@@ -478,7 +478,7 @@ def signing_env(state_dir: Path) -> dict[str, str]:
 
 def detected_class_name(target: dict[str, Any]) -> str:
     """This machine's class name, as an agent names it when given none
-    (`services.measurer.capabilities.default_device_class`): arch-cpu-cores."""
+    (`services.agent.capabilities.default_device_class`): arch-cpu-cores."""
     arch = target_arch(target) or platform.machine()
     return f"{arch}-{target.get('mcpu', 'generic')}-{target.get('num-cores', 1)}c"
 

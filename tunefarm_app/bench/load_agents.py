@@ -7,7 +7,7 @@
         -> ReportResults: one stand-in result per candidate (a fixed cost, verified),
            then Finish; the acks say what was stored
 
-A load generator for the bench only: the product's agent is `services/measurer/agent.py`.
+A load generator for the bench only: the product's agent is `services/agent/`.
 
     python -m tunefarm_app.bench.load_agents --server HOST:PORT --device-class C --agents 200
     (token in TUNEFARM_AGENT_TOKEN; runs until SIGTERM, then prints its counts as JSON)
@@ -157,7 +157,7 @@ async def run_agents(*, server: str, token: str, device_class: str, agents: int,
     import grpc
     from google.protobuf.json_format import ParseDict
 
-    from services.measurer import capabilities as caps_mod
+    from services.agent import capabilities as caps_mod
     from services.protocol import wire
     from services.protocol.generated import measurer_pb2 as pb
     from services.protocol.generated import measurer_pb2_grpc as pb_grpc
