@@ -23,7 +23,7 @@ from aarch64_fixtures import (
 )
 
 from services.agent import capabilities
-from services.measurer.lease_service import _check_compatible
+from services.lease.servicer import _check_compatible
 from services.protocol.errors import BadRequest
 from tunefarm.errors import TargetError
 from tunefarm.records import ErrorKind, MeasureRecord

@@ -70,7 +70,7 @@ def test_secrets_have_no_defaults_and_settings_exist(compose):
         assert re.search(rf"\$\{{{secret}:\?", text), secret  # ${X:?...}: compose refuses to start without it
         assert not re.search(rf"\$\{{{secret}:-", text), secret
     from services.api.settings import ApiSettings
-    from services.measurer.settings import LeaseServiceSettings
+    from services.lease.settings import LeaseServiceSettings
     from services.scheduler.settings import SchedulerSettings
     from services.worker.settings import WorkerSettings
 

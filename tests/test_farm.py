@@ -55,7 +55,8 @@ from services.db.models import (  # noqa: E402
     TokenKind,
 )
 from services.db.session import transaction  # noqa: E402
-from services.measurer.lease_service import LeaseServiceSettings, make_server  # noqa: E402
+from services.lease.server import make_server  # noqa: E402
+from services.lease.settings import LeaseServiceSettings  # noqa: E402
 from services.protocol import wire  # noqa: E402
 from services.protocol.generated import measurer_pb2 as pb  # noqa: E402
 from services.protocol.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
@@ -771,7 +772,7 @@ def test_results_of_a_lease_are_stored_in_bulk_exactly_once(farm):
 
 
 def test_a_batch_no_agent_finishes_is_given_up_with_error_results(farm, lease_settings, db_sessions):
-    from services.measurer.lease_service import Sweeper
+    from services.lease.sweeper import Sweeper
 
     wl = gemm(16)
     measurer = farm.measurer()

@@ -46,8 +46,8 @@ from services.agent.settings import AgentSettings
 from services.db import queries
 from services.db.models import Agent, DeviceClass, Lease, LeaseState, Measurement, TokenKind
 from services.db.session import transaction
-from services.measurer.lease_service import LeaseServer, make_server
-from services.measurer.settings import LeaseServiceSettings
+from services.lease.server import LeaseServer, make_server
+from services.lease.settings import LeaseServiceSettings
 from services.protocol import wire
 from services.protocol.errors import BadRequest
 from services.protocol.generated import measurer_pb2 as pb

@@ -44,7 +44,7 @@ SERVICE_COMMANDS = {
     "scheduler": ("services.scheduler.service", "the scheduler service: every job's search"),
     "worker": ("services.worker.jobs", "an RQ build worker for the farm's device classes"),
     "agent": ("services.agent.cli", "a device agent: measure kernels for a farm"),
-    "lease-service": ("services.measurer.lease_service", "the gRPC service agents dial into"),
+    "lease-service": ("services.lease.cli", "the gRPC service agents dial into"),
 }
 """`tunefarm <name> ARGS...` runs `main(ARGS)` of the module (each parses its own flags)."""
 

@@ -1,7 +1,7 @@
 """`tunefarm bench farm`: the measurement farm's data plane on this machine.
 
 Everything runs on loopback, each piece in its own process as in a deployment: the
-lease service (`python -m services.measurer.lease_service`), an RQ build worker
+lease service (`python -m services.lease`), an RQ build worker
 (`python -m services.worker.jobs`), N agents (`python -m services.agent`); this
 process plays the scheduler (`FarmMeasurer`). It needs the farm's PostgreSQL and Redis
 (TUNEFARM_DATABASE_URL, TUNEFARM_REDIS_URL; it makes and drops a database of its own and
@@ -141,7 +141,7 @@ class BenchFarm:
         self.env.update(bench_signing_env(Path(self.tmp.name) / "signing"))
         self.lease_service = self.start(
             "lease-service",
-            [sys.executable, "-m", "services.measurer.lease_service", "--bind", f"127.0.0.1:{self.port}"],
+            [sys.executable, "-m", "services.lease", "--bind", f"127.0.0.1:{self.port}"],
             **self.lease_env,
         )
         wait_port(self.port, self.lease_service)

@@ -1,7 +1,7 @@
 """`tunefarm bench farm-load`: the farm with many agents and jobs at once.
 
 Real pieces: PostgreSQL (a throw-away database), Redis (queues of the bench's own
-prefix), the lease service (`python -m services.measurer.lease_service`, its default
+prefix), the lease service (`python -m services.lease`, its default
 settings, as deployed), RQ build workers running the product's `build_batch`, the API
 (`tunefarm api`), and one `FarmMeasurer` per job (the scheduler's measurer: batches into
 Postgres and RQ, results back from Postgres), driven by this process with each job
