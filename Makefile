@@ -58,9 +58,9 @@ bench: setup
 lint: setup
 	$(BIN)/ruff check tunefarm services tests
 
-# Regenerate the gRPC code of proto/ into services/measurer/generated/ (checked in).
+# Regenerate the gRPC code of proto/ into services/protocol/generated/ (checked in).
 proto: setup
-	$(BIN)/python -m services.measurer.proto_build
+	$(BIN)/python -m services.protocol.proto_build
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -22,9 +22,9 @@ from aarch64_fixtures import (
     require_cross_compiler,
 )
 
-from services.measurer import capabilities
-from services.measurer.exceptions import BadRequest
-from services.measurer.lease_service import _check_compatible
+from services.agent import capabilities
+from services.lease.servicer import _check_compatible
+from services.protocol.errors import BadRequest
 from tunefarm.errors import TargetError
 from tunefarm.records import ErrorKind, MeasureRecord
 
@@ -91,7 +91,7 @@ def test_the_agent_under_emulation_detects_an_emulated_aarch64_cpu(aarch64_root)
     """The real detection code in the aarch64 root: the emulated CPU's features (qemu's
     cortex-a72 has NEON but neither SVE nor the dot product; its "max" CPU has both)."""
     code = (
-        "import json; from services.measurer import capabilities as c; "
+        "import json; from services.agent import capabilities as c; "
         "print(json.dumps(c.detect(probe=False)))"
     )
     seen = {}

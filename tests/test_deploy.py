@@ -72,7 +72,7 @@ def test_secrets_have_no_defaults_and_settings_exist(compose):
         assert re.search(rf"\$\{{{secret}:\?", text), secret  # ${X:?...}: compose refuses to start without it
         assert not re.search(rf"\$\{{{secret}:-", text), secret
     from services.api.settings import ApiSettings
-    from services.measurer.settings import LeaseServiceSettings
+    from services.lease.settings import LeaseServiceSettings
     from services.scheduler.settings import SchedulerSettings
     from services.worker.settings import WorkerSettings
 
@@ -80,7 +80,7 @@ def test_secrets_have_no_defaults_and_settings_exist(compose):
              for f in cls.model_fields}
     from dataclasses import fields
 
-    from services.measurer.agent import AgentSettings, env_name
+    from services.agent.settings import AgentSettings, env_name
 
     known |= {env_name(f.name) for f in fields(AgentSettings)}  # the agent's (AgentSettings.from_env)
     known |= {"TUNEFARM_DEVICE_CLASS", "TUNEFARM_TEAM", "TUNEFARM_TEAM_TOKEN"}  # read by the compose commands

@@ -36,6 +36,9 @@ from sqlalchemy import func, select, update  # noqa: E402
 from tvm import te  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402
 
+from services.agent import capabilities  # noqa: E402
+from services.agent.agent import run_agent  # noqa: E402
+from services.agent.settings import AgentSettings  # noqa: E402
 from services.db import queries  # noqa: E402
 from services.db.models import (  # noqa: E402
     Agent,
@@ -51,11 +54,11 @@ from services.db.models import (  # noqa: E402
     TokenKind,
 )
 from services.db.session import transaction  # noqa: E402
-from services.measurer import capabilities, wire  # noqa: E402
-from services.measurer.agent import AgentSettings, run_agent  # noqa: E402
-from services.measurer.generated import measurer_pb2 as pb  # noqa: E402
-from services.measurer.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
-from services.measurer.lease_service import LeaseServiceSettings, make_server  # noqa: E402
+from services.lease.server import make_server  # noqa: E402
+from services.lease.settings import LeaseServiceSettings  # noqa: E402
+from services.protocol import wire  # noqa: E402
+from services.protocol.generated import measurer_pb2 as pb  # noqa: E402
+from services.protocol.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
 from services.scheduler.farm_measurer import FarmMeasurer  # noqa: E402
 from services.worker import build_lock, jobs  # noqa: E402
 from services.worker.build_job import build_worker  # noqa: E402
@@ -206,7 +209,7 @@ def lease_server(lease_settings, db_sessions):
 @pytest.fixture(scope="module")
 def signing_keys(tmp_path_factory) -> tuple[Path, Path]:
     """The farm's signing key pair: (private key, public key)."""
-    from services.measurer.signing import ensure_key_pair
+    from services.protocol.signing import ensure_key_pair
 
     d = tmp_path_factory.mktemp("signing")
     ensure_key_pair(d / "farm-signing.key", d / "farm-signing.pub")
@@ -460,7 +463,7 @@ def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_cap
     pytest.importorskip("onnxruntime")
     from onnx_models import tiny_onnx
 
-    from services.measurer.signing import ArtifactSigner
+    from services.protocol.signing import ArtifactSigner
     from services.scheduler.exceptions import JobFailed
     from services.scheduler.model_check import DeviceRun, check_on_device
     from tunefarm.models.build import build_model_library
@@ -498,9 +501,10 @@ def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_cap
 
 def test_the_agent_imports_no_server_side_packages():
     code = (
-        "import json, sys; import services.measurer.agent\n"
-        "bad = ('sqlalchemy', 'pydantic', 'pydantic_settings', 'redis', 'rq', 'xgboost', 'tvm',\n"
-        "       'services.db', 'services.scheduler', 'services.worker')\n"
+        "import json, sys; import services.agent.cli\n"
+        "bad = ('sqlalchemy', 'pydantic', 'pydantic_settings', 'redis', 'rq', 'xgboost', 'tvm', 'tunefarm.search',\n"
+        "       'services.db', 'services.scheduler', 'services.worker', 'services.lease', 'services.api',\n"
+        "       'services.common')\n"
         "print(json.dumps(sorted(m for m in sys.modules if any(m == b or m.startswith(b + '.') for b in bad))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -520,7 +524,7 @@ def test_a_killed_agents_batch_is_leased_again_and_measured_exactly_once(farm, t
     for name in names:
         log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "services.measurer.agent", "--server", farm.server_address,
+            [sys.executable, "-m", "services.agent", "--server", farm.server_address,
              "--device-class", farm.device_class, "--name", name, "--work-dir", str(tmp_path / name),
              "--threads", "1", "--signing-public-key", str(farm.public_key)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -637,7 +641,7 @@ class LoseTheFirstGrant(grpc.UnaryUnaryClientInterceptor):
 def test_a_lease_whose_grant_never_reached_the_agent_is_leased_again_at_once(farm, tmp_path, agent_caps, lease_settings, db_sessions):
     # Leases last 30 s and heartbeats come every 0.3 s: heartbeats that renewed every
     # active lease of the agent would keep the lost one alive for ever.
-    from services.measurer.agent import Agent
+    from services.agent.agent import Agent
 
     settings = lease_settings.model_copy(update={"lease_bind": f"127.0.0.1:{free_port()}", "lease_secs": 30.0})
     server = make_server(settings, sessions=db_sessions)
@@ -767,7 +771,7 @@ def test_results_of_a_lease_are_stored_in_bulk_exactly_once(farm):
 
 
 def test_a_batch_no_agent_finishes_is_given_up_with_error_results(farm, lease_settings, db_sessions):
-    from services.measurer.lease_service import Sweeper
+    from services.lease.sweeper import Sweeper
 
     wl = gemm(16)
     measurer = farm.measurer()
@@ -800,7 +804,7 @@ def test_a_batch_no_agent_finishes_is_given_up_with_error_results(farm, lease_se
 
 def test_the_generated_grpc_code_is_what_make_proto_writes(tmp_path):
     pytest.importorskip("grpc_tools")
-    from services.measurer import proto_build
+    from services.protocol import proto_build
 
     written = proto_build.build(tmp_path)
     for path in written:

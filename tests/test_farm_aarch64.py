@@ -67,7 +67,7 @@ def farm(database_url, tmp_path_factory, aarch64_root):  # noqa: F811
         workers=1,
         device_class=CLASS,
         target=TARGET,
-        agent_command=[*emulated_python(aarch64_root), "-m", "services.measurer.agent"],
+        agent_command=[*emulated_python(aarch64_root), "-m", "services.agent"],
         agent_env=emulated_env(aarch64_root, cpu=QEMU_CPU),
         extra_env={"TUNEFARM_COST_MODEL_WARMUP": "4", "TUNEFARM_POLL_INTERVAL_SECS": "0.1"},
     ) as running:

@@ -235,8 +235,8 @@ def test_a_running_job_is_cancelled(farm, client, tiny):
 def test_a_team_token_is_refused_by_the_agent_service(farm):
     import grpc
 
-    from services.measurer.generated import measurer_pb2 as pb
-    from services.measurer.generated import measurer_pb2_grpc as pb_grpc
+    from services.protocol.generated import measurer_pb2 as pb
+    from services.protocol.generated import measurer_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(farm.info["grpc_address"]) as channel:
         stub = pb_grpc.AgentServiceStub(channel)

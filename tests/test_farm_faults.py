@@ -219,7 +219,7 @@ def test_postgres_restarted(farm, servers, client, model_id, sessions):
 def test_a_build_worker_killed_mid_build(farm, servers, client, model_id, sessions):
     from rq.job import Job
 
-    from services.worker.queues import build_job_id
+    from services.common.queues import build_job_id
 
     _, redis = servers
     workers = {farm.worker_name(name): name for name in workers_of(farm)}

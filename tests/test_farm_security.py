@@ -39,18 +39,20 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
+from services.agent import capabilities
+from services.agent.agent import run_agent
+from services.agent.cli import main as agent_main
+from services.agent.settings import AgentSettings
 from services.db import queries
 from services.db.models import Agent, DeviceClass, Lease, LeaseState, Measurement, TokenKind
 from services.db.session import transaction
-from services.measurer import capabilities, wire
-from services.measurer.agent import AgentSettings, run_agent
-from services.measurer.agent import main as agent_main
-from services.measurer.exceptions import BadRequest
-from services.measurer.generated import measurer_pb2 as pb
-from services.measurer.generated import measurer_pb2_grpc as pb_grpc
-from services.measurer.lease_service import LeaseServer, make_server
-from services.measurer.settings import LeaseServiceSettings
-from services.measurer.signing import ArtifactSigner, SignedKind, ensure_key_pair
+from services.lease.server import LeaseServer, make_server
+from services.lease.settings import LeaseServiceSettings
+from services.protocol import wire
+from services.protocol.errors import BadRequest
+from services.protocol.generated import measurer_pb2 as pb
+from services.protocol.generated import measurer_pb2_grpc as pb_grpc
+from services.protocol.signing import ArtifactSigner, SignedKind, ensure_key_pair
 from tunefarm.measure.runner import LocalRunner
 from tunefarm.records import ErrorKind, RunInput, TimingConfig
 from tunefarm.sandbox import Sandbox
@@ -530,7 +532,7 @@ def test_the_kernel_process_of_a_root_agent_runs_as_nobody_without_network(monke
 
 
 def test_the_operator_makes_the_farms_signing_key_pair(tmp_path, capsys):
-    from services.measurer.signing import ArtifactVerifier, BadSignature
+    from services.protocol.signing import ArtifactVerifier, BadSignature
     from tunefarm_app.cli import main
 
     private, public = tmp_path / "keys" / "farm-signing.key", tmp_path / "keys" / "farm-signing.pub"

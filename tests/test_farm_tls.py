@@ -19,18 +19,19 @@ import grpc
 import pytest
 from sqlalchemy import select
 
+from services.agent.channel import open_channel
+from services.agent.cli import main as agent_main
+from services.agent.settings import AgentSettings
 from services.db import queries
 from services.db.models import Agent, DeviceClass, TokenKind
 from services.db.session import transaction
-from services.measurer import wire
-from services.measurer.agent import AgentSettings, open_channel
-from services.measurer.agent import main as agent_main
-from services.measurer.exceptions import BadRequest
-from services.measurer.generated import measurer_pb2 as pb
-from services.measurer.generated import measurer_pb2_grpc as pb_grpc
-from services.measurer.lease_service import LeaseServer, make_server
-from services.measurer.lease_service import main as lease_main
-from services.measurer.settings import LeaseServiceSettings
+from services.lease.cli import main as lease_main
+from services.lease.server import LeaseServer, make_server
+from services.lease.settings import LeaseServiceSettings
+from services.protocol import wire
+from services.protocol.errors import BadRequest
+from services.protocol.generated import measurer_pb2 as pb
+from services.protocol.generated import measurer_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

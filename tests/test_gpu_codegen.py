@@ -237,8 +237,8 @@ def test_cli_shows_gpu_sketches_and_refuses_to_tune_without_a_gpu(capsys, tmp_pa
 
 
 def test_a_gpu_agent_takes_its_gpus_target():
-    from services.measurer import capabilities
-    from services.measurer.exceptions import BadRequest
+    from services.agent import capabilities
+    from services.protocol.errors import BadRequest
 
     with pytest.raises(BadRequest, match="no CUDA GPU"):
         capabilities.with_gpu_target({"target_json": "{}"})
@@ -333,7 +333,7 @@ def test_on_a_gpu_random_programs_run_match_the_reference_and_are_timed(op, shap
 
 @needs_gpu
 def test_on_a_gpu_the_agent_probe_reports_it_and_takes_its_class():
-    from services.measurer import capabilities
+    from services.agent import capabilities
 
     caps = capabilities.with_gpu_target(capabilities.probe_tvm())
     assert json.loads(caps["target_json"])["arch"] == LOCAL_GPU["arch"]

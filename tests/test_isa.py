@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from services.measurer import capabilities
+from services.agent import capabilities
 from tunefarm import isa
 from tunefarm.errors import TargetError
 from tunefarm.search.cost_model import transfer
@@ -106,7 +106,7 @@ def test_an_agent_refuses_a_class_whose_extensions_its_cpu_lacks():
     assert capabilities.class_missing_extensions(skx, []) is None  # no flags reported: cannot tell
     # the agent asks in a child process when it has not imported TVM itself
     code = (
-        "import json, sys; from services.measurer import capabilities as c; "
+        "import json, sys; from services.agent import capabilities as c; "
         "print(json.dumps(c.class_missing_extensions(sys.argv[1], sys.argv[2].split()))); "
         "print('tvm' in sys.modules)"
     )

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from services.api.app import create_app  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
-from services.worker.queues import BUILD_JOB, build_queue_name  # noqa: E402
+from services.common.queues import BUILD_JOB, build_queue_name  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from services.measurer.agent import main as agent_main
+from services.agent.cli import main as agent_main
 from tunefarm_app.cli import main
 
 

@@ -158,7 +158,7 @@ class RunInput:
 
 
 OutputDigest = tuple[float, ...]
-"""A small fingerprint of a kernel's outputs (`services.measurer.digest`): enough to tell
+"""A small fingerprint of a kernel's outputs (`tunefarm.digest`): enough to tell
 whether two kernels computed the same thing without shipping their outputs."""
 
 

@@ -53,8 +53,8 @@ SERVICE_COMMANDS = {
     "api": ("services.api.app", "the farm's HTTP API (uvicorn)"),
     "scheduler": ("services.scheduler.service", "the scheduler service: every job's search"),
     "worker": ("services.worker.cli", "an RQ build worker for the farm's device classes"),
-    "agent": ("services.measurer.agent", "a device agent: measure kernels for a farm"),
-    "lease-service": ("services.measurer.lease_service", "the gRPC service agents dial into"),
+    "agent": ("services.agent.cli", "a device agent: measure kernels for a farm"),
+    "lease-service": ("services.lease.cli", "the gRPC service agents dial into"),
 }
 """`tunefarm <name> ARGS...` runs `main(ARGS)` of the module (each parses its own flags)."""
 
@@ -608,7 +608,7 @@ def _farm_agent(args: argparse.Namespace) -> int:
 
 
 def _farm_signing_key(args: argparse.Namespace) -> int:
-    from services.measurer.signing import KeyFileError, ensure_key_pair
+    from services.protocol.signing import KeyFileError, ensure_key_pair
 
     try:
         made = ensure_key_pair(args.private_key, args.public_key)

@@ -490,7 +490,7 @@ def signing_env(state_dir: Path) -> dict[str, str]:
     """The farm's signing key pair, made once in `state_dir/signing` (the private key
     mode 0600, in a directory only its owner enters): the settings that hand the private
     key to the build workers and the scheduler, the public key to the agents."""
-    from services.measurer.signing import KeyFileError, ensure_key_pair
+    from services.protocol.signing import KeyFileError, ensure_key_pair
 
     directory = (state_dir / SIGNING_DIR).resolve()
     directory.mkdir(mode=0o700, exist_ok=True)
@@ -506,7 +506,7 @@ def signing_env(state_dir: Path) -> dict[str, str]:
 
 def detected_class_name(target: dict[str, Any]) -> str:
     """This machine's class name, as an agent names it when given none
-    (`services.measurer.capabilities.default_device_class`): arch-cpu-cores."""
+    (`services.agent.capabilities.default_device_class`): arch-cpu-cores."""
     arch = target_arch(target) or platform.machine()
     return f"{arch}-{target.get('mcpu', 'generic')}-{target.get('num-cores', 1)}c"
 

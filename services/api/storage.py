@@ -1,4 +1,5 @@
-"""The API's files under the artifact root (rows keep paths relative to it):
+"""The API's files under the artifact root (rows keep paths relative to it; the layout is
+services/common/artifacts.py's):
 
     models/<sha256>.onnx         an uploaded model, by content
     models/<sha256>.fused.json   its fused Relax module (weights included), by content
@@ -22,17 +23,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from services.common import artifacts
 from services.db.queries import StoredFile
 
-MODELS_DIR = "models"
-STAGING_DIR = "tmp"
 COPY_CHUNK_BYTES = 1 << 20
 
 
 @contextmanager
 def staging(root: Path) -> Iterator[Path]:
     """A private directory under the artifact root, removed with what is left in it."""
-    base = root / STAGING_DIR
+    base = root / artifacts.STAGING_DIR
     base.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(prefix="upload-", dir=base))
     try:
@@ -71,18 +71,9 @@ def keep(root: Path, staged: Path, *, suffix: str) -> StoredFile:
     moved (kept once per content). A file already there is kept if it holds those bytes,
     and replaced if it does not."""
     sha256, size = file_sha256(staged)
-    rel = f"{MODELS_DIR}/{sha256}{suffix}"
+    rel = artifacts.uploaded_model_path(sha256, suffix)
     dest = root / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
     if not (dest.is_file() and file_sha256(dest) == (sha256, size)):
         os.replace(staged, dest)
     return StoredFile(rel, sha256, size)
-
-
-def resolve(root: Path, relative: str) -> Path:
-    """The file a stored relative path names; never one outside the root."""
-    base = root.resolve()
-    path = (base / relative).resolve()
-    if base not in path.parents:
-        raise ValueError(f"{relative!r} is outside the artifact root")
-    return path

@@ -541,7 +541,7 @@ class BatchCandidate(Base):
     candidate_key: Mapped[str]  # Candidate.key
     input: Mapped[dict[str, Any]]  # the MeasureInput (codec.input_to_json)
     artifact_path: Mapped[str | None]  # the built kernel, once built
-    # The farm's signature of the kernel (hex; services.measurer.signing); None: unsigned.
+    # The farm's signature of the kernel (hex; services.protocol.signing); None: unsigned.
     artifact_signature: Mapped[str | None]
     build: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # the BuildResult (codec.build_to_json)
 
@@ -679,7 +679,7 @@ class ModelRun(Base):
     library_path: Mapped[str]
     library_sha256: Mapped[str] = _sha256()
     library_size: Mapped[int] = mapped_column(BigInteger)
-    # The farm's signature of the library (hex; services.measurer.signing); None: unsigned.
+    # The farm's signature of the library (hex; services.protocol.signing); None: unsigned.
     library_signature: Mapped[str | None]
     inputs_path: Mapped[str]  # .npz: arr_0, arr_1, ... in the model's input order
     inputs_sha256: Mapped[str] = _sha256()

@@ -1,18 +1,10 @@
-"""Measuring built kernels: on this machine (embedded mode) and on the farm's device agents.
+"""Shims, kept for one release, of the entry points that lived here.
 
-| module | what it holds |
-|---|---|
-| `runner.py` | `run_kernel` (load, check, time one kernel) and `LocalRunner` (an isolated process) |
-| `task_data.py` | the inputs / expected outputs file every kernel of a task runs on |
-| `local.py` | embedded mode's `LocalMeasurer` (builds too) |
-| `agent.py` | the device agent (`tunefarm agent`): lease, fetch, run, report over gRPC |
-| `lease_service.py` | the gRPC server agents dial into (`make_server`, `serve`), its sweeper |
-| `settings.py`, `exceptions.py` | the lease service's settings; the agent service's errors and status codes |
-| `wire.py`, `generated/` | protobuf messages <-> records; protoc's output for proto/tunefarm/v1 (`make proto`) |
-| `capabilities.py`, `artifacts.py` | what an agent reports about its machine; files under the artifact root |
-| `signing.py` | the farm's Ed25519 signature on kernels and models (build side signs, agents check) |
-| `kernel_files.py` | where an agent keeps what its sandboxed kernel process reads, under names it makes |
+| module | runs | the code now lives in |
+|---|---|---|
+| `agent.py` | `python -m services.measurer.agent` | services/agent/ (`python -m services.agent`) |
+| `lease_service.py` | `python -m services.measurer.lease_service` | services/lease/ (`python -m services.lease`) |
 
-Everything here but `local.py` and the server side (`lease_service.py`, `settings.py`) is
-what a board runs: no search, build, database or queue code.
+The wire both sides speak (generated gRPC code, messages, errors, signatures) is
+services/protocol/; the artifact root's layout is services/common/artifacts.py.
 """

@@ -40,10 +40,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from services.common import artifacts
 from services.db.models import JobState
 from services.db.session import transaction
-from services.measurer.artifacts import file_sha256
-from services.measurer.signing import ArtifactSigner
+from services.protocol.signing import ArtifactSigner
 from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from services.scheduler.job_store import JobSetup
@@ -76,9 +76,6 @@ from tunefarm.search.session import SessionCallback, TuningSession
 from tunefarm.search.similar_programs import PER_TASK
 from tunefarm.search.task import SearchTask, make_task
 from tunefarm.search.tuner import TaskTuner
-
-JOBS_DIR = "jobs"
-ARCHIVE_NAME = "tuned.tar.gz"
 
 CONFIRM_POLL_SECS = 0.5
 """How often a finishing job looks whether its bests' confirmations are in."""
@@ -343,7 +340,7 @@ class JobRunner:
         if unconfirmed:
             self.log(f"the fastest kernels of {', '.join(unconfirmed)} were not confirmed: not used")
         root = self.ctx.artifact_root
-        staging = root / "tmp"
+        staging = root / artifacts.STAGING_DIR
         staging.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f"job-{self.job_id}-", dir=staging))
         try:
@@ -360,9 +357,9 @@ class JobRunner:
             report["models"][0]["directory"] = "."
             report["farm"] = {"job": self.job_id, "device_class": s.device_class, "model_id": s.model_id}
             (directory / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
-            rel = f"{JOBS_DIR}/{self.job_id}/{ARCHIVE_NAME}"
+            rel = artifacts.job_archive_path(self.job_id)
             archive = archive_directory(directory, root / rel)
-            sha, size = file_sha256(archive), archive.stat().st_size
+            sha, size = artifacts.file_sha256(archive), archive.stat().st_size
             result = plain(
                 {
                     "stop_reason": self.summary.stop_reason,

@@ -44,6 +44,8 @@ from sqlalchemy import exists, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common import artifacts
+from services.common.queues import BUILD_JOB, build_job_id
 from services.db import codec, queries
 from services.db.models import (
     Batch,
@@ -56,9 +58,7 @@ from services.db.models import (
     Workload,
 )
 from services.db.session import transaction
-from services.measurer import artifacts
 from services.worker import build_lock
-from services.worker.queues import BUILD_JOB, build_job_id
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
 from tunefarm.records import (
@@ -224,7 +224,7 @@ class FarmMeasurer(Measurer):
         from tunefarm.target import host_target_dict
 
         local = self._reference_measurer().prepare(workload, task_key, host_target_dict())
-        rel = f"{artifacts.TASK_DATA_DIR}/{workload_id}.npz"
+        rel = artifacts.task_data_path(workload_id)
         dest = self.artifact_root / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
@@ -249,9 +249,9 @@ class FarmMeasurer(Measurer):
             from tunefarm.measure.runner import LocalRunner
             from tunefarm.target import physical_cores
 
-            work = self.artifact_root / "scheduler" / str(os.getpid())
+            work = self.artifact_root / artifacts.scheduler_work_dir(os.getpid())
             self._reference = LocalMeasurer(
-                LocalBuilder(work / "kernels", n_workers=1),
+                LocalBuilder(work / artifacts.KERNELS_DIR, n_workers=1),
                 LocalRunner(physical_cores()),
                 work,
                 reference_timeout=self.reference_timeout,

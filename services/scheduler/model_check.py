@@ -41,18 +41,16 @@ from typing import Any
 import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common import artifacts
 from services.db import queries
 from services.db.models import ModelRun, ModelRunState
 from services.db.session import transaction
-from services.measurer import artifacts
-from services.measurer.signing import ArtifactSigner, SignedKind
+from services.protocol.signing import ArtifactSigner, SignedKind
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.models import check
 from tunefarm.models.build import LIBRARY_NAME, RUN_TIMEOUT
 from tunefarm.models.finish import FAILED_LIBRARY_NAME, LoadedModel, ModelOutcome, check_inputs
 from tunefarm.models.timing import Latency
-
-INPUTS_NAME = "inputs.npz"
 
 POLL_SECS = 0.5
 """How often the model run's row is read while waiting for an agent."""
@@ -138,18 +136,18 @@ def check_on_device(
 
 
 def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray], *, timed: bool) -> int:
-    rel = f"{artifacts.MODEL_RUNS_DIR}/{where.job_id}/{uuid.uuid4().hex}"
+    rel = artifacts.model_run_dir(where.job_id, uuid.uuid4().hex)
     buffer = io.BytesIO()
     np.savez(buffer, *inputs)
     lib_sha, lib_size = artifacts.put(where.artifact_root, f"{rel}/{LIBRARY_NAME}", library)
-    in_sha, in_size = artifacts.put(where.artifact_root, f"{rel}/{INPUTS_NAME}", buffer.getvalue())
+    in_sha, in_size = artifacts.put(where.artifact_root, f"{rel}/{artifacts.MODEL_RUN_INPUTS_NAME}", buffer.getvalue())
     with transaction(where.sessions) as s:
         run = queries.create_model_run(
             s,
             job_id=where.job_id,
             device_class_id=where.device_class_id,
             library=queries.StoredFile(f"{rel}/{LIBRARY_NAME}", lib_sha, lib_size),
-            inputs=queries.StoredFile(f"{rel}/{INPUTS_NAME}", in_sha, in_size),
+            inputs=queries.StoredFile(f"{rel}/{artifacts.MODEL_RUN_INPUTS_NAME}", in_sha, in_size),
             repeat=where.repeat if timed else 0,
             warmup=where.warmup,
             timeout_secs=where.timeout_secs,

@@ -50,7 +50,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.db.exceptions import Contention, DatabaseError, Unavailable
 from services.db.models import JobState
 from services.db.session import make_session_factory, transaction
-from services.measurer.signing import ArtifactSigner, KeyFileError
+from services.protocol.signing import ArtifactSigner, KeyFileError
 from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed, JobVanished
 from services.scheduler.farm_job import JobRunner, MeasurerFactory, RunnerContext

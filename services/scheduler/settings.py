@@ -1,12 +1,11 @@
 """The scheduler service's settings: the only place it reads the environment.
 
-Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSettings`):
+Environment variables (prefix TUNEFARM_), besides the shared ones (`ServiceSettings`: the
+database, TUNEFARM_ARTIFACT_ROOT, TUNEFARM_REDIS_URL the build jobs go through,
+TUNEFARM_QUEUE_PREFIX):
 
 | variable | default | meaning |
 |---|---|---|
-| TUNEFARM_ARTIFACT_ROOT | .tunefarm/artifacts | the shared artifact directory (models, task data, archives, cost models) |
-| TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the RQ broker the build jobs go through |
-| TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` |
 | TUNEFARM_MAX_JOBS | 16 | jobs this process tunes at the same time |
 | TUNEFARM_BATCHES_PER_AGENT | 2 | batches in flight per live agent of a class, shared by its jobs |
 | TUNEFARM_AGENT_FRESH_SECS | 60 | an agent counts as live if it heartbeated this recently |
@@ -28,20 +27,12 @@ from pathlib import Path
 
 from pydantic_settings import SettingsConfigDict
 
-from services.db.settings import DatabaseSettings
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from services.common.settings import ServiceSettings
 
 
-class SchedulerSettings(DatabaseSettings):
+class SchedulerSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
 
-    # Shared directory (rows keep paths relative to it): uploaded models, task data, tuned
-    # model archives (jobs/), cost model versions (cost_models/).
-    artifact_root: Path = Path(".tunefarm/artifacts")
-    # The RQ broker and the first part of every queue name (as the build workers').
-    redis_url: str = DEFAULT_REDIS_URL
-    queue_prefix: str = "tunefarm"
     # Jobs tuned at the same time by this process (more wait, queued, in id order).
     max_jobs: int = 16
     # Fair share: a class with A live agents and J running jobs lets each job keep
@@ -80,6 +71,6 @@ class SchedulerSettings(DatabaseSettings):
     # A file touched after every pass of the loop: its age tells a health check that the
     # loop is alive (None: no file).
     scheduler_heartbeat_file: Path | None = None
-    # The farm's signing key (services/measurer/signing.py): a tuned model handed to an
+    # The farm's signing key (services/protocol/signing.py): a tuned model handed to an
     # agent is signed with it; agents load nothing unsigned (None: unsigned).
     signing_key_file: Path | None = None

@@ -70,6 +70,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common import artifacts
 from services.db import confirmations, queries
 from services.db.codec import record_from_json
 from services.db.exceptions import DatabaseError
@@ -80,8 +81,6 @@ from tunefarm.records import MeasureRecord
 from tunefarm.search.cost_model import CostModel, XGBConfig, XGBCostModel, transfer
 from tunefarm.search.space.rule_set import rule_set_for
 from tunefarm.search.task import SearchTask, make_task
-
-COST_MODELS_DIR = "cost_models"
 
 CATCH_UP_CHUNK = 2000
 """Measurements read per query while catching up."""
@@ -345,7 +344,7 @@ class ClassModels:
         return self.save(shared)
 
     def save(self, shared: ClassModel) -> int:
-        directory = self.root / COST_MODELS_DIR / str(shared.device_class_id)
+        directory = self.root / artifacts.cost_model_dir(shared.device_class_id)
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix="model.", suffix=".npz", dir=directory)
         os.close(fd)

@@ -31,7 +31,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
 from services.worker.exceptions import RefusedJob
-from services.worker.queues import BUILD_JOB, build_queue_name
+from services.common.queues import BUILD_JOB, build_queue_name
 
 log = logging.getLogger("tunefarm.worker")
 

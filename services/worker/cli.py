@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from services.db.models import DeviceClass
 from services.db.session import make_session_factory, transaction
-from services.measurer.signing import KeyFileError
+from services.protocol.signing import KeyFileError
 from services.worker.build_job import build_worker
 from services.worker.jobs import configure, log, shutdown
 from services.worker.settings import WorkerSettings

@@ -15,7 +15,7 @@ it makes goes to the artifact root:
         store each kernel's path and build, record failed builds as measurements, and
         mark the batch ready (or done when nothing built)              (one transaction)
         with each kernel, its signature (`TUNEFARM_SIGNING_KEY_FILE`: the farm's key
-        signs the kernel's sha256 for its batch candidate, services/measurer/signing.py;
+        signs the kernel's sha256 for its batch candidate, services/protocol/signing.py;
         agents load nothing else)
 
 Both transactions are run again while the database is away (a restart), for up to
@@ -47,12 +47,12 @@ from typing import Any
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common import artifacts
 from services.db import codec, queries
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import Batch, BatchState, DeviceClass, Workload
 from services.db.session import make_session_factory, retrying
-from services.measurer import artifacts
-from services.measurer.signing import ArtifactSigner, SignedKind
+from services.protocol.signing import ArtifactSigner, SignedKind
 from services.worker import build_lock
 from services.worker.exceptions import BatchNotFound
 from services.worker.settings import WorkerSettings
@@ -225,7 +225,7 @@ def _claim(ctx: WorkerContext, s: Session, batch_id: int) -> _Plan | BatchState:
 
 
 def _workload_path(ctx: WorkerContext, workload_id: int) -> Path:
-    return ctx.artifact_root / artifacts.WORKLOADS_DIR / f"{workload_id}.json"
+    return ctx.artifact_root / artifacts.workload_path(workload_id)
 
 
 def _workload_file(ctx: WorkerContext, plan: _Plan) -> Path:

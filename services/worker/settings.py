@@ -2,10 +2,7 @@
 
 | variable | default | meaning |
 |---|---|---|
-| TUNEFARM_DATABASE_URL, ... | see `DatabaseSettings` | the farm database |
-| TUNEFARM_ARTIFACT_ROOT | .tunefarm/artifacts | the shared artifact directory (kernels are written under kernels/) |
-| TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the RQ broker; a farm's carries its password, redis://:PASSWORD@HOST:PORT/0 (rediss://...?ssl_ca_certs=CA for TLS) |
-| TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` |
+| TUNEFARM_DATABASE_URL, TUNEFARM_ARTIFACT_ROOT, TUNEFARM_REDIS_URL, TUNEFARM_QUEUE_PREFIX, ... | see `ServiceSettings` | the farm database, the shared artifact directory (kernels are written under kernels/), the RQ broker and its queue names |
 | TUNEFARM_BUILD_PROCESSES | 0 | isolated build processes per worker (0: one per physical core) |
 | TUNEFARM_BUILD_JOB_TIMEOUT_SECS | 1800 | RQ's limit on one build_batch job |
 | TUNEFARM_DATABASE_RETRY_SECS | 120 | how long a build job waits for a database that is away (a restart) |
@@ -18,21 +15,12 @@ from pathlib import Path
 
 from pydantic_settings import SettingsConfigDict
 
-from services.db.settings import DatabaseSettings
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from services.common.settings import ServiceSettings
 
 
-class WorkerSettings(DatabaseSettings):
+class WorkerSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
 
-    # Shared directory of built kernels and task data (rows keep paths relative to it).
-    artifact_root: Path = Path(".tunefarm/artifacts")
-    # The RQ broker (with its password; rediss:// for TLS). Build jobs in it are JSON,
-    # refused unless they name build_batch and a batch id (services.worker.build_job).
-    redis_url: str = DEFAULT_REDIS_URL
-    # First part of every queue name (tests and side-by-side farms use their own).
-    queue_prefix: str = "tunefarm"
     # Isolated build processes (TVM imported once each; a crashing build kills only its
     # process); 0 means one per physical core.
     build_processes: int = 0
@@ -41,6 +29,6 @@ class WorkerSettings(DatabaseSettings):
     # How long a build job waits for a database that went away (a restart) before it
     # fails: its claim and its results are written again until then.
     database_retry_secs: float = 120.0
-    # The farm's signing key (services/measurer/signing.py): each kernel is signed with
+    # The farm's signing key (services/protocol/signing.py): each kernel is signed with
     # it for its batch candidate; agents load nothing unsigned (None: unsigned).
     signing_key_file: Path | None = None

@@ -1,8 +1,8 @@
 """`tunefarm bench farm`: the measurement farm's data plane on this machine.
 
 Everything runs on loopback, each piece in its own process as in a deployment: the
-lease service (`python -m services.measurer.lease_service`), an RQ build worker
-(`python -m services.worker`), N agents (`python -m services.measurer.agent`); this
+lease service (`python -m services.lease`), an RQ build worker
+(`python -m services.worker`), N agents (`python -m services.agent`); this
 process plays the scheduler (`FarmMeasurer`). It needs the farm's PostgreSQL and Redis
 (TUNEFARM_DATABASE_URL, TUNEFARM_REDIS_URL; it makes and drops a database of its own and
 uses queue names of its own).
@@ -141,7 +141,7 @@ class BenchFarm:
         self.env.update(bench_signing_env(Path(self.tmp.name) / "signing"))
         self.lease_service = self.start(
             "lease-service",
-            [sys.executable, "-m", "services.measurer.lease_service", "--bind", f"127.0.0.1:{self.port}"],
+            [sys.executable, "-m", "services.lease", "--bind", f"127.0.0.1:{self.port}"],
             **self.lease_env,
         )
         wait_port(self.port, self.lease_service)
@@ -233,7 +233,7 @@ class BenchFarm:
 
     def agent_argv(self, name: str, device_class: str) -> list[str]:
         return [
-            sys.executable, "-m", "services.measurer.agent", "--server", f"127.0.0.1:{self.port}",
+            sys.executable, "-m", "services.agent", "--server", f"127.0.0.1:{self.port}",
             "--device-class", device_class, "--name", name, "--threads", "1",
             "--work-dir", str(Path(self.tmp.name) / "agents" / name),
         ]  # fmt: skip
@@ -520,7 +520,7 @@ def _phases(farm: BenchFarm, batch_ids: list[int]) -> dict[str, float]:
 
 def bench_signing_env(directory: Path) -> dict[str, str]:
     """A signing key pair of the bench's own: workers sign, agents check, as in a farm."""
-    from services.measurer.signing import ensure_key_pair
+    from services.protocol.signing import ensure_key_pair
 
     private, public = directory / "farm-signing.key", directory / "farm-signing.pub"
     ensure_key_pair(private, public)
@@ -557,8 +557,10 @@ def stand_in_agent(argv: list[str]) -> None:
     """An agent whose runner answers at once (no TVM: nothing is loaded or run)."""
     import threading
 
-    from services.measurer import capabilities
-    from services.measurer.agent import AgentSettings, build_parser, run_agent
+    from services.agent import capabilities
+    from services.agent.agent import run_agent
+    from services.agent.cli import build_parser
+    from services.agent.settings import AgentSettings
     from tunefarm.measure.runner import Runner
     from tunefarm.records import RunResult
 

@@ -1,7 +1,7 @@
 """`tunefarm bench farm-load`: the farm with many agents and jobs at once.
 
 Real pieces: PostgreSQL (a throw-away database), Redis (queues of the bench's own
-prefix), the lease service (`python -m services.measurer.lease_service`, its default
+prefix), the lease service (`python -m services.lease`, its default
 settings, as deployed), RQ build workers running the product's `build_batch`, the API
 (`tunefarm api`), and one `FarmMeasurer` per job (the scheduler's measurer: batches into
 Postgres and RQ, results back from Postgres), driven by this process with each job
@@ -192,9 +192,9 @@ class _Driver:
 
 
 def _run(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
+    from services.common.queues import build_queue_name
     from services.scheduler.service import fair_share
     from services.scheduler.settings import SchedulerSettings
-    from services.worker.queues import build_queue_name
 
     class_name = f"load-{farm.uid}"
     class_id = farm.device_class(class_name)

@@ -7,7 +7,7 @@
         -> ReportResults: one stand-in result per candidate (a fixed cost, verified),
            then Finish; the acks say what was stored
 
-A load generator for the bench only: the product's agent is `services/measurer/agent.py`.
+A load generator for the bench only: the product's agent is `services/agent/`.
 
     python -m tunefarm_app.bench.load_agents --server HOST:PORT --device-class C --agents 200
     (token in TUNEFARM_AGENT_TOKEN; runs until SIGTERM, then prints its counts as JSON)
@@ -44,7 +44,7 @@ class LoadCounts:
 async def _heartbeats(
     stub, agent_id: int, held: set[int], metadata, interval: float, counts: LoadCounts, stop: asyncio.Event
 ) -> None:
-    from services.measurer.generated import measurer_pb2 as pb
+    from services.protocol.generated import measurer_pb2 as pb
 
     while not stop.is_set():
         try:
@@ -61,7 +61,7 @@ async def _heartbeats(
 
 
 async def _fetch(stub, agent_id: int, batch, metadata, counts: LoadCounts) -> None:
-    from services.measurer.generated import measurer_pb2 as pb
+    from services.protocol.generated import measurer_pb2 as pb
 
     refs = [c.kernel for c in batch.candidates]
     if batch.task_data.id:
@@ -72,8 +72,8 @@ async def _fetch(stub, agent_id: int, batch, metadata, counts: LoadCounts) -> No
 
 
 async def _report(stub, agent_id: int, batch, metadata, counts: LoadCounts) -> None:
-    from services.measurer import wire
-    from services.measurer.generated import measurer_pb2 as pb
+    from services.protocol import wire
+    from services.protocol.generated import measurer_pb2 as pb
     from tunefarm.records import RunResult
 
     messages = [
@@ -100,8 +100,8 @@ async def simulated_agent(
     """One agent until `stop`: register, heartbeat, lease, (fetch,) report stand-in results."""
     import grpc
 
-    from services.measurer import wire
-    from services.measurer.generated import measurer_pb2 as pb
+    from services.protocol import wire
+    from services.protocol.generated import measurer_pb2 as pb
 
     while True:
         try:
@@ -157,10 +157,10 @@ async def run_agents(*, server: str, token: str, device_class: str, agents: int,
     import grpc
     from google.protobuf.json_format import ParseDict
 
-    from services.measurer import capabilities as caps_mod
-    from services.measurer import wire
-    from services.measurer.generated import measurer_pb2 as pb
-    from services.measurer.generated import measurer_pb2_grpc as pb_grpc
+    from services.agent import capabilities as caps_mod
+    from services.protocol import wire
+    from services.protocol.generated import measurer_pb2 as pb
+    from services.protocol.generated import measurer_pb2_grpc as pb_grpc
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -12,7 +12,7 @@ from services.api import crud
 from services.api.deps import PageDep, SessionsDep, SettingsDep, TeamDep
 from services.api.routers.responses import AUTH, errors
 from services.api.schemas import JobCreate, JobPage, JobPublic
-from services.api.storage import resolve
+from services.common import artifacts
 from services.db.session import transaction
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=AUTH)
@@ -78,7 +78,7 @@ def get_artifact(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: 
         job = crud.job_artifact(db, team_id=team.id, job_id=job_id)
     assert job.artifact_path is not None
     return FileResponse(
-        resolve(settings.artifact_root, job.artifact_path),
+        artifacts.resolve(settings.artifact_root, job.artifact_path),
         media_type="application/gzip",
         filename=f"job-{job_id}-tuned.tar.gz",
         headers={"X-Content-SHA256": job.artifact_sha256 or ""},

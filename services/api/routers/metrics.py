@@ -44,6 +44,7 @@ from services.api.deps import SessionsDep, SettingsDep
 from services.api.exceptions import Unauthorized
 from services.api.routers.responses import errors
 from services.api.schemas import ErrorBody
+from services.common.queues import build_queue_name
 from services.db.models import (
     Agent,
     AgentState,
@@ -57,7 +58,6 @@ from services.db.models import (
     Measurement,
 )
 from services.db.session import transaction
-from services.worker.queues import build_queue_name
 
 log = logging.getLogger("tunefarm.api.metrics")
 

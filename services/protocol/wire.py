@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.measurer.generated import measurer_pb2 as pb
+from services.protocol.generated import measurer_pb2 as pb
 from tunefarm.records import ErrorKind, RunResult, TimingConfig
 
 AUTH_HEADER = "authorization"

@@ -1,10 +1,10 @@
 """Errors of the measurement farm's agent service, and their gRPC status codes both ways.
 
-The lease service raises these (its database errors are mapped in
-`lease_service.STATUS_OF_DB_ERROR`); `status_of` gives the status code an error is sent
-as. The agent turns a failed call back into one of these with `from_rpc_error`, and
-acts on the class: retry later (`Transient`), register again (`UnknownAgent`), drop the
-batch (`LeaseLost`), or stop (`Unauthenticated`, `PermissionDenied`).
+The lease service raises these (it maps its database errors with
+`services.lease.servicer.STATUS_OF_DB_ERROR`); `status_of` gives the status code an error
+is sent as. The agent turns a failed call back into one of these with `from_rpc_error`,
+and acts on the class: retry later (`Transient`), register again (`UnknownAgent`), drop
+the batch (`LeaseLost`), or stop (`Unauthenticated`, `PermissionDenied`).
 
 Imports grpc only: the agent, which has no database packages, uses this module too.
 """

@@ -1,11 +1,11 @@
 """The lease service's settings: the only place it reads the environment.
 
-Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSettings`):
+Environment variables (prefix TUNEFARM_), besides the shared ones (`ServiceSettings`: the
+database, TUNEFARM_ARTIFACT_ROOT where the kernels, task data and model runs it serves are):
 
 | variable | default | meaning |
 |---|---|---|
 | TUNEFARM_LEASE_BIND | 127.0.0.1:50051 | host:port the gRPC server listens on (0.0.0.0:50051 for remote agents) |
-| TUNEFARM_ARTIFACT_ROOT | .tunefarm/artifacts | the shared artifact directory (kernels, task data) |
 | TUNEFARM_LEASE_SECS | 30 | a lease lives this long past the agent's last heartbeat |
 | TUNEFARM_HEARTBEAT_INTERVAL_SECS | 5 | how often agents are told to heartbeat |
 | TUNEFARM_AGENT_STALE_SECS | 60 | an agent silent this long is marked offline |
@@ -31,17 +31,15 @@ from pathlib import Path
 from pydantic import field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.db.settings import DatabaseSettings
-from services.measurer.artifacts import DEFAULT_CHUNK_BYTES
+from services.common.artifacts import DEFAULT_CHUNK_BYTES
+from services.common.settings import ServiceSettings
 
 
-class LeaseServiceSettings(DatabaseSettings):
+class LeaseServiceSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
 
     # host:port to listen on; port 0 picks a free port (tests).
     lease_bind: str = "127.0.0.1:50051"
-    # Shared directory of built kernels and task data (rows keep paths relative to it).
-    artifact_root: Path = Path(".tunefarm/artifacts")
     # A lease expires this long after the last heartbeat of its agent.
     lease_secs: float = 30.0
     # The heartbeat period agents are told at registration (well under lease_secs).

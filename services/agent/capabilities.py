@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from services.measurer.exceptions import BadRequest
+from services.protocol.errors import BadRequest
 from tunefarm.isa import AARCH64_EXTENSIONS, X86_EXTENSIONS, arch_family
 from tunefarm.isolation import IsolatedWorker
 from tunefarm.target import physical_cores

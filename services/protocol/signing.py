@@ -31,6 +31,7 @@ pickle (`allow_pickle=False`), never code.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -40,8 +41,6 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-
-from services.measurer.artifacts import file_sha256
 
 MESSAGE_HEADER = b"tunefarm artifact v1"
 """First line of every signed message (a signature made for anything else never verifies)."""
@@ -67,6 +66,15 @@ class KeyFileError(SigningError):
 
 class BadSignature(SigningError):
     """A file without a signature, or whose signature does not verify: never load it."""
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The sha256 (hex) of a file's bytes: what a signature covers."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def signed_message(kind: SignedKind, artifact_id: int, sha256: str) -> bytes:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.measurer.generated import measurer_pb2 as tunefarm_dot_v1_dot_measurer__pb2
+from services.protocol.generated import measurer_pb2 as tunefarm_dot_v1_dot_measurer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -2,7 +2,7 @@
 
 A server names nothing on the agent's disk: a kernel or model library is saved under a
 name the agent makes (`local_file_name`: an id and a known suffix), task data under its
-checked sha256 (services/measurer/agent.py). `KernelFiles` puts them where the kernel
+checked sha256 (services/agent/files.py). `KernelFiles` puts them where the kernel
 process's user can reach them, readable by that user's group only.
 """
 

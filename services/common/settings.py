@@ -1,0 +1,39 @@
+"""The settings every server-side farm process shares (API, scheduler, build workers,
+lease service): each process's own settings class inherits `ServiceSettings`.
+
+Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSettings`):
+
+| variable | default | meaning |
+|---|---|---|
+| TUNEFARM_ARTIFACT_ROOT | .tunefarm/artifacts | the shared artifact directory (its layout: services/common/artifacts.py) |
+| TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the RQ broker of the build queues |
+| TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` (services/common/queues.py) |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import SettingsConfigDict
+
+from services.db.settings import DatabaseSettings
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+"""A local Redis without a password (development and tests)."""
+
+
+class ServiceSettings(DatabaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
+
+    # Shared directory of the farm's files (uploaded models, task data, kernels, model
+    # runs, cost models, tuned model archives); rows keep paths relative to it. Every
+    # server-side process must see the same directory.
+    artifact_root: Path = Path(".tunefarm/artifacts")
+    # The RQ broker: the scheduler enqueues build jobs, the workers take them, the API
+    # reports the queues' depth. A farm's carries its password
+    # (redis://:PASSWORD@HOST:PORT/0; rediss://...?ssl_ca_certs=CA for TLS). Build jobs in
+    # it are JSON, refused unless they name build_batch and a batch id
+    # (services.worker.build_job).
+    redis_url: str = DEFAULT_REDIS_URL
+    # First part of every queue name (tests and side-by-side farms use their own).
+    queue_prefix: str = "tunefarm"
