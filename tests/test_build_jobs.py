@@ -24,9 +24,9 @@ rq = pytest.importorskip("rq")
 from rq.job import JobStatus  # noqa: E402
 from rq.serializers import JSONSerializer  # noqa: E402
 
+from services.common.queues import BUILD_JOB, build_job_id, build_queue_name  # noqa: E402
 from services.worker import jobs  # noqa: E402
 from services.worker.build_job import BuildJob, build_queue, build_worker, fetch_build_job  # noqa: E402
-from services.common.queues import BUILD_JOB, build_job_id, build_queue_name  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
 from tunefarm.measure.builder import Builder  # noqa: E402
 

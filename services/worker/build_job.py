@@ -30,8 +30,8 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 
-from services.worker.exceptions import RefusedJob
 from services.common.queues import BUILD_JOB, build_queue_name
+from services.worker.exceptions import RefusedJob
 
 log = logging.getLogger("tunefarm.worker")
 
