@@ -696,11 +696,12 @@ def test_an_agent_alone_confirms_its_own_best_on_a_later_lease_and_cannot_disput
         queries.record_measurement(s, batch_candidate_id=cand, lease_id=again.id, agent_id=a,
                                    record=_record(_input(0), 0.01), fingerprint=FINGERPRINT)  # fmt: skip
     with transaction(db_sessions) as s:
-        assert s.get(Measurement, first.measurement_id).confirmation is ConfirmationState.FAILED
+        # Its kernel stays the task's best (its output checked; only the only agent could time it again).
+        assert s.get(Measurement, first.measurement_id).confirmation is ConfirmationState.CONFIRMED
         row = s.get(Agent, a)
-        assert (row.confirmations_agreed, row.confirmations_disputed) == (0, 0)
+        assert row.confirmations_disputed == 0  # it cannot dispute itself
         task = s.get(JobTask, farm.job_task_id)
-        assert task.best_cost is None and task.confirmed_cost is None  # a failed confirmation is no best
+        assert task.best_cost == 0.002 and task.confirmed_cost == 0.002
 
 
 def test_times_below_the_floor_are_errors_that_count_against_the_agent(db_sessions):

@@ -431,11 +431,12 @@ def test_a_false_server_cannot_make_the_agent_write_outside_its_work_directory(t
 # -- the agent's own refusals --------------------------------------------------------------------
 
 
-def test_an_agent_refuses_plaintext_to_another_host(capsys, tmp_path):
+def test_an_agent_refuses_plaintext_to_another_host(capsys, tmp_path, monkeypatch):
     token = "tfa_" + "x" * 40
+    monkeypatch.setenv("TUNEFARM_AGENT_TOKEN", token)  # never on the command line
     with pytest.raises(BadRequest, match="refusing plaintext to 10.20.30.40:50051"):
         AgentSettings(server="10.20.30.40:50051", token=token, accept_unsigned_code=True)
-    assert agent_main(["--server", "farm.example:50051", "--token", token, "--accept-unsigned-code"]) == 2
+    assert agent_main(["--server", "farm.example:50051", "--accept-unsigned-code"]) == 2
     out = capsys.readouterr().out.strip()
     assert "\n" not in out and "refusing plaintext to farm.example:50051" in out and "--insecure-plaintext" in out
     for local in ("127.0.0.1:1", "localhost:1", "[::1]:1"):
@@ -446,16 +447,17 @@ def test_an_agent_refuses_plaintext_to_another_host(capsys, tmp_path):
     assert told.insecure_plaintext and not told.uses_tls
 
 
-def test_an_agent_without_the_farms_public_key_does_not_start(capsys, tmp_path):
+def test_an_agent_without_the_farms_public_key_does_not_start(capsys, tmp_path, monkeypatch):
     token = "tfa_" + "x" * 40
+    monkeypatch.setenv("TUNEFARM_AGENT_TOKEN", token)  # never on the command line
     with pytest.raises(BadRequest, match="no signing public key"):
         AgentSettings(server="127.0.0.1:1", token=token)
-    assert agent_main(["--server", "127.0.0.1:1", "--token", token, "--work-dir", str(tmp_path)]) == 2
+    assert agent_main(["--server", "127.0.0.1:1", "--work-dir", str(tmp_path)]) == 2
     out = capsys.readouterr().out.strip()
     assert "\n" not in out and "no signing public key" in out and "--accept-unsigned-code" in out
     garbage = tmp_path / "farm.pub"
     garbage.write_text("not a key")
-    argv = ["--server", "127.0.0.1:1", "--token", token, "--work-dir", str(tmp_path), "--signing-public-key", str(garbage)]
+    argv = ["--server", "127.0.0.1:1", "--work-dir", str(tmp_path), "--signing-public-key", str(garbage)]
     assert agent_main(argv) == 2
     out = capsys.readouterr().out.strip()
     assert "\n" not in out and "not a PEM public key" in out

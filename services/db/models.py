@@ -123,10 +123,10 @@ class ConfirmationState(StrEnum):
     None on a measurement never asked for one (it never was a task's best)."""
 
     PENDING = "pending"  # a confirmation batch re-measures its kernel
-    CONFIRMED = "confirmed"  # re-measured as fast (within `trust.CONFIRM_TOLERANCE`)
+    CONFIRMED = "confirmed"  # re-measured as fast (within `trust.CONFIRM_TOLERANCE`), or by its own agent
     DISPUTED = "disputed"  # another agent measured it slower, or its output wrong: a false timing
-    FAILED = "failed"  # the confirmation gave no comparable time (an error, a given-up batch, or
-    # its own agent disagreeing with itself): not counted against the agent, never a best
+    FAILED = "failed"  # the confirmation gave no comparable time (an error, a given-up batch):
+    # not counted against the agent, never a best
 
 
 class ModelRunState(StrEnum):

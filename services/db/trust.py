@@ -67,13 +67,15 @@ class AgentCounts:
 
 def verdict(claimed: float, confirmation: MeasureRecord, *, same_agent: bool) -> ConfirmationState:
     """What a confirmation makes of a measured time `claimed` (seconds): confirmed when
-    it agrees; disputed when another agent timed it slower or found its output wrong;
-    failed when it gave no comparable time (an error, or its own agent disagreeing with
-    itself: noise, not evidence against it)."""
+    it agrees, or when its own agent ran the kernel again (the only agent of its class):
+    a second time of its own is no evidence either way, and one slower than the first
+    is noise on a loaded board, not a reason to drop a kernel whose output checked;
+    disputed when another agent timed it slower or found its output wrong; failed when
+    it gave no comparable time (an error)."""
     if confirmation.is_valid:
-        if min(confirmation.costs) <= (1.0 + CONFIRM_TOLERANCE) * claimed:
+        if same_agent or min(confirmation.costs) <= (1.0 + CONFIRM_TOLERANCE) * claimed:
             return ConfirmationState.CONFIRMED
-        return ConfirmationState.FAILED if same_agent else ConfirmationState.DISPUTED
+        return ConfirmationState.DISPUTED
     if confirmation.error_kind is ErrorKind.WRONG_RESULT and not same_agent:
         return ConfirmationState.DISPUTED
     return ConfirmationState.FAILED
