@@ -22,7 +22,7 @@ from tvm.script import tirx as T  # noqa: E402
 
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error  # noqa: E402
 from tunefarm.measure.builder import LocalBuilder  # noqa: E402
-from tunefarm.measure.runner import LocalRunner, compare_outputs  # noqa: E402
+from tunefarm.measure.runner import LocalRunner, kernel_output_mismatch  # noqa: E402
 from tunefarm.measure.task_data import add_expected_from, read_task_data, write_task_data  # noqa: E402
 from tunefarm.records import BuildInput, ErrorKind, RunInput, TimingConfig  # noqa: E402
 from tunefarm.target import host_target_dict  # noqa: E402
@@ -294,16 +294,16 @@ def test_add_expected_checks_shapes(work):
 
 def test_compare_outputs():
     exp = np.array([[0.0, 1000.0], [2.0, 3.0]], np.float32)
-    assert compare_outputs([exp.copy()], [exp]) == ""
-    assert compare_outputs([exp + 0.5], [exp]) == ""  # atol scales with max |expected| = 1000
+    assert kernel_output_mismatch([exp.copy()], [exp]) == ""
+    assert kernel_output_mismatch([exp + 0.5], [exp]) == ""  # atol scales with max |expected| = 1000
     off = exp.copy()
     off[1, 0] = 5.0
-    msg = compare_outputs([off], [exp])
+    msg = kernel_output_mismatch([off], [exp])
     assert "max abs error 3" in msg and "(1, 0)" in msg and "1 of 4" in msg
     nan = exp.copy()
     nan[0, 1] = np.nan
-    assert "NaN at (0, 1)" in compare_outputs([nan], [exp])
-    assert "shape" in compare_outputs([exp[:1]], [exp])
+    assert "NaN at (0, 1)" in kernel_output_mismatch([nan], [exp])
+    assert "shape" in kernel_output_mismatch([exp[:1]], [exp])
 
 
 def test_summarize_error():

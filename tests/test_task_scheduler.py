@@ -23,9 +23,9 @@ from tunefarm.search.task_scheduler import (
     GradientScheduler,
     Objective,
     RoundRobinScheduler,
-    SchedulerConfig,
     TaskInfo,
     TaskScheduler,
+    TaskSchedulerConfig,
     make_scheduler,
     similarity_tag,
     task_gradient,
@@ -139,7 +139,7 @@ def test_exhausted_task_is_dead(strategy):
 
 @strategies
 def test_early_stopping_kills_a_stalled_task(strategy):
-    config = SchedulerConfig(per_task_early_stopping=3 * TRIALS, eps_greedy=0)
+    config = TaskSchedulerConfig(per_task_early_stopping=3 * TRIALS, eps_greedy=0)
     sched = make_scheduler(strategy, infos(FOUR), config=config)
     for _ in range(40):
         task = sched.next_task()
@@ -206,7 +206,7 @@ def test_latency_targets(strategy):
         TaskInfo("b", 1e9, {"big": 4}),
     ]
     sims = [SimTask(1, 1 * MS, 0.1 * MS, 3), SimTask(1, 1 * MS, 0.1 * MS, 3), SimTask(4, 5 * MS, 1 * MS, 3)]
-    config = SchedulerConfig(eps_greedy=0)
+    config = TaskSchedulerConfig(eps_greedy=0)
     sched = make_scheduler(strategy, tasks, config=config, targets={"small": 1.5 * MS, "big": 1e-9})
     for _ in range(3):
         step(sched, sims)
@@ -271,14 +271,14 @@ def test_similarity_tag_and_factory():
     with pytest.raises(ValueError, match="unknown task-scheduler strategy"):
         make_scheduler("greedy", infos(FOUR))
     with pytest.raises(ValueError):
-        SchedulerConfig(eps_greedy=1.5)
+        TaskSchedulerConfig(eps_greedy=1.5)
 
 
 # --- the gradient ----------------------------------------------------------------------------
 
 
 def test_gradient_terms_by_hand():
-    config = SchedulerConfig(alpha=0.2, beta=2.0, backward_window=3)
+    config = TaskSchedulerConfig(alpha=0.2, beta=2.0, backward_window=3)
     history = [8.0, 6.0, 5.0, 4.5, 4.0]
     assert backward_slope(history, 3) == pytest.approx((4.0 - 6.0) / 3)
     assert backward_slope(history[:3], 3) == 0.0  # too short
@@ -300,7 +300,7 @@ def test_similar_fast_task_pulls_a_slow_one():
     # expected to reach half of task 1's speed, so it keeps getting rounds; without, it does not.
     def counts(tag: str) -> tuple[Counter, GradientScheduler]:
         tasks = [TaskInfo(f"t{i}", 1e9, {"net": 1}, tag) for i in range(2)]
-        sched = GradientScheduler(tasks, config=SchedulerConfig(eps_greedy=0))
+        sched = GradientScheduler(tasks, config=TaskSchedulerConfig(eps_greedy=0))
         for _ in range(8):
             task = sched.next_task()
             sched.on_round_done(task, best_latency=(4 * MS, 1 * MS)[task], trials=TRIALS, new_candidates=True)
@@ -329,7 +329,7 @@ def test_heavy_far_task_gets_more_rounds_than_light_converged_one():
 
 
 def test_epsilon_greedy_rate_and_record():
-    config = SchedulerConfig(eps_greedy=0.2, seed=7)
+    config = TaskSchedulerConfig(eps_greedy=0.2, seed=7)
     sched = GradientScheduler(infos(FOUR), config=config)
     run(sched, FOUR, 1500)
     after_warm_up = sched.decisions[len(FOUR) :]
@@ -338,7 +338,7 @@ def test_epsilon_greedy_rate_and_record():
     assert len({d.task for d in eps}) == len(FOUR)  # uniform over the tasks
     assert all(d.gradients is not None and d.gradient == d.gradients[d.task] for d in eps)
     # no epsilon at all when it is 0
-    quiet = GradientScheduler(infos(FOUR), config=SchedulerConfig(eps_greedy=0))
+    quiet = GradientScheduler(infos(FOUR), config=TaskSchedulerConfig(eps_greedy=0))
     run(quiet, FOUR, 100)
     assert DecisionReason.EPSILON not in {d.reason for d in quiet.decisions}
 
@@ -347,7 +347,7 @@ def test_ties_are_broken_by_the_seeded_rng():
     twins = [SimTask(weight=1, start=1 * MS, floor=0.5 * MS, tau=5)] * 3
 
     def picks(seed: int) -> list[int]:
-        sched = GradientScheduler(infos(twins), config=SchedulerConfig(eps_greedy=0, seed=seed))
+        sched = GradientScheduler(infos(twins), config=TaskSchedulerConfig(eps_greedy=0, seed=seed))
         for _ in range(3):  # warm-up; nothing comes back, so the estimates stay equal
             sched.next_task()
         for task in range(3):
@@ -363,7 +363,7 @@ def test_rounds_in_flight_count_as_time_spent():
         SimTask(weight=2, start=2 * MS, floor=1 * MS, tau=10),
         SimTask(weight=1, start=1.5 * MS, floor=0.5 * MS, tau=10),
     ]
-    sched = GradientScheduler(infos(sims), config=SchedulerConfig(eps_greedy=0))
+    sched = GradientScheduler(infos(sims), config=TaskSchedulerConfig(eps_greedy=0))
     run(sched, sims, 2)
     issued = [sched.next_task() for _ in range(6)]  # a farm with six free slots
     # The heavier task gets most, not all: its −g/t shrinks with every round handed out.
@@ -426,7 +426,7 @@ events = st.lists(
     invalid_rounds=st.sampled_from([1, 2]),
 )
 def test_never_nan_never_a_dead_task(tasks, events, strategy, eps, invalid_rounds):
-    config = SchedulerConfig(eps_greedy=eps, per_task_early_stopping=4, rounds_without_valid=invalid_rounds)
+    config = TaskSchedulerConfig(eps_greedy=eps, per_task_early_stopping=4, rounds_without_valid=invalid_rounds)
     sched = make_scheduler(
         strategy,
         tasks,

@@ -197,7 +197,7 @@ class LocalRunner(Runner):
         return RunResult(inp.candidate_key, (), outcome.secs, kind, msg)
 
 
-def compare_outputs(
+def kernel_output_mismatch(
     outputs: Sequence[np.ndarray], expected: Sequence[np.ndarray], *, rtol: float = VERIFY_RTOL
 ) -> str:
     """What differs between the outputs and the expected ones, and where ("" if nothing).
@@ -239,7 +239,7 @@ def _index(flat: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
 # -- the job, run inside the worker process -----------------------------------------------
 
 _RUN_JOB = f"{__name__}:run_kernel"
-_RUN_MODEL_JOB = f"{__name__}:run_model"
+_RUN_MODEL_JOB = f"{__name__}:run_model_job"
 
 _TASK_DATA_CACHE_SIZE = 4
 """Task data files kept in memory per worker process (keyed by path, mtime and size)."""
@@ -290,7 +290,7 @@ def run_kernel(inp: RunInput) -> RunResult:
         save_outputs(inp.save_outputs, outputs)
     if check:
         assert data.expected is not None
-        problem = compare_outputs(outputs, data.expected)
+        problem = kernel_output_mismatch(outputs, data.expected)
         if problem:
             return RunResult(
                 inp.candidate_key, (), time.perf_counter() - t0, ErrorKind.WRONG_RESULT, problem, digest=fingerprint
@@ -314,7 +314,7 @@ def run_kernel(inp: RunInput) -> RunResult:
     return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint)
 
 
-def run_model(inp: ModelRunInput) -> list[float]:
+def run_model_job(inp: ModelRunInput) -> list[float]:
     """Run a whole model in this process (see `ModelRunInput`); its latency samples.
     Exceptions (a library that does not load, wrong inputs) propagate."""
     from tunefarm.models.build import run_job

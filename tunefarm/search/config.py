@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from tunefarm.records import TimingConfig
-from tunefarm.search.task_scheduler import SchedulerConfig
+from tunefarm.search.task_scheduler import TaskSchedulerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,11 +86,11 @@ class TuneConfig:
     # Which task gets the next round: "gradient" (Ansor §6) or "round-robin".
     strategy: str = "gradient"
     # The task scheduler's parameters (alpha, beta, window, epsilon); its seed is `seed`.
-    scheduler: SchedulerConfig | None = None
+    scheduler: TaskSchedulerConfig | None = None
     search: SearchConfig = field(default_factory=SearchConfig)
 
-    def scheduler_config(self) -> SchedulerConfig:
-        base = self.scheduler or SchedulerConfig()
+    def scheduler_config(self) -> TaskSchedulerConfig:
+        base = self.scheduler or TaskSchedulerConfig()
         return replace(base, seed=self.seed, per_task_early_stopping=self.early_stopping)
 
     def as_dict(self) -> dict:

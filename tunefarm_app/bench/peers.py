@@ -238,7 +238,7 @@ def run_metaschedule_model(
 
 
 def _child_vendor(args: argparse.Namespace) -> dict[str, Any]:
-    from tunefarm.measure.runner import compare_outputs
+    from tunefarm.measure.runner import kernel_output_mismatch
     from tunefarm.measure.task_data import read_task_data
     from tunefarm_app.bench import vendors
 
@@ -251,7 +251,7 @@ def _child_vendor(args: argparse.Namespace) -> dict[str, Any]:
     if call is None:
         return {"error": f"{args.lib} has no implementation of {args.registry}"}
     if data.expected is not None:
-        problem = compare_outputs(call.outputs(), data.expected)
+        problem = kernel_output_mismatch(call.outputs(), data.expected)
         if problem:
             return {"error": f"{args.lib}'s output is wrong: {problem}"}
     timing = vendors.time_call(call)

@@ -14,10 +14,10 @@ from .base import (
     DecisionReason,
     LatencyEstimate,
     Objective,
-    SchedulerConfig,
     TaskInfo,
+    TaskProgress,
     TaskScheduler,
-    TaskState,
+    TaskSchedulerConfig,
     similarity_tag,
 )
 from .gradient import GradientScheduler, task_gradient
@@ -34,7 +34,7 @@ def make_scheduler(
     strategy: str,
     tasks: Sequence[TaskInfo],
     *,
-    config: SchedulerConfig | None = None,
+    config: TaskSchedulerConfig | None = None,
     targets: Mapping[str, float] | None = None,
 ) -> TaskScheduler:
     """A scheduler of the named strategy ("gradient" or "round-robin") over ``tasks``."""
@@ -56,10 +56,10 @@ __all__ = [
     "LatencyEstimate",
     "Objective",
     "RoundRobinScheduler",
-    "SchedulerConfig",
+    "TaskSchedulerConfig",
     "TaskInfo",
     "TaskScheduler",
-    "TaskState",
+    "TaskProgress",
     "make_scheduler",
     "similarity_tag",
     "task_gradient",

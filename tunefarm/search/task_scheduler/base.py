@@ -4,8 +4,8 @@ A model is split into tasks (fused subgraphs), each tuned by its own search. Tun
 rounds: a round is one batch of measurements of one task. A `TaskScheduler` decides which task
 gets the next round so that time goes where the models' end-to-end latency gains most.
 
-Plain data here: `TaskInfo` (what the caller knows about a task), `SchedulerConfig`, `Objective`
-(the models' estimated latency, with optional per-model targets), `TaskState` and `Decision`
+Plain data here: `TaskInfo` (what the caller knows about a task), `TaskSchedulerConfig`, `Objective`
+(the models' estimated latency, with optional per-model targets), `TaskProgress` and `Decision`
 (snapshots for reports), and the `TaskScheduler` interface. The interface keeps the per-task
 bookkeeping (rounds, trials, best latency, dead tasks, rounds in flight); a strategy only says
 which of the tasks that still want time gets the next round (`_choose`).
@@ -63,7 +63,7 @@ class TaskInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
+class TaskSchedulerConfig:
     # Share of the backward (observed) slope in the gradient; the rest is the forward
     # (predicted) term (Ansor: 0.2).
     alpha: float = 0.2
@@ -216,7 +216,7 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class TaskState:
+class TaskProgress:
     """A snapshot of one task's bookkeeping."""
 
     key: str
@@ -244,7 +244,7 @@ class TaskState:
 
 @dataclass
 class _Book:
-    """Mutable per-task bookkeeping behind `TaskState`."""
+    """Mutable per-task bookkeeping behind `TaskProgress`."""
 
     dead_reason: str | None = None
     rounds: int = 0
@@ -264,7 +264,7 @@ class TaskScheduler(ABC):
 
     Rounds may be in flight concurrently (a farm measures asynchronously): `next_task` may be
     called again before earlier rounds, of any task, are done. Every estimate uses what has been
-    ingested so far; a strategy may also look at the rounds still in flight (`TaskState.in_flight`).
+    ingested so far; a strategy may also look at the rounds still in flight (`TaskProgress.in_flight`).
     Not thread-safe: call it from the one loop that drives the tuning.
 
     ``tasks`` are numbered by position; ``targets`` maps a model to its latency target in seconds
@@ -275,12 +275,12 @@ class TaskScheduler(ABC):
         self,
         tasks: Sequence[TaskInfo],
         *,
-        config: SchedulerConfig | None = None,
+        config: TaskSchedulerConfig | None = None,
         targets: Mapping[str, float] | None = None,
     ) -> None:
         if not tasks:
             raise ValueError("a task scheduler needs at least one task")
-        self.config = config or SchedulerConfig()
+        self.config = config or TaskSchedulerConfig()
         self.objective = Objective(tasks, targets)
         self._books = [_Book() for _ in tasks]
         self._decisions: list[Decision] = []
@@ -354,11 +354,11 @@ class TaskScheduler(ABC):
         return self.objective.tasks
 
     @property
-    def states(self) -> tuple[TaskState, ...]:
+    def states(self) -> tuple[TaskProgress, ...]:
         """A snapshot of every task's bookkeeping, in task order."""
         chain = self.objective.chain_gradient(self._best())
         return tuple(
-            TaskState(
+            TaskProgress(
                 key=info.key,
                 dead_reason=book.dead_reason,
                 rounds=book.rounds,

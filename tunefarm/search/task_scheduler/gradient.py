@@ -15,7 +15,7 @@ Differences from TVM's implementation, on purpose:
 - the objective's chain term comes from `Objective.chain_gradient` (exact for a weighted sum),
   not from a finite difference;
 - tasks without a valid latency are never given a gradient: they are in warm-up, or dead after
-  `SchedulerConfig.rounds_without_valid` rounds (the bug TVM fixed in PR #16739);
+  `TaskSchedulerConfig.rounds_without_valid` rounds (the bug TVM fixed in PR #16739);
 - rounds in flight count as time already spent in the forward term (t_i), so that concurrent
   rounds spread over tasks instead of all going to the one whose estimate has not moved yet.
 
@@ -29,7 +29,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 
-from .base import Decision, DecisionReason, SchedulerConfig, TaskInfo, TaskScheduler
+from .base import Decision, DecisionReason, TaskInfo, TaskScheduler, TaskSchedulerConfig
 
 TIE_TOLERANCE = 1e-12
 """Relative difference below which two gradients are a tie (broken by the seeded rng)."""
@@ -74,7 +74,7 @@ def task_gradient(
     rounds: int,
     flops: float,
     best_similar_speed: float | None,
-    config: SchedulerConfig,
+    config: TaskSchedulerConfig,
 ) -> float:
     """∂f/∂t_i of a task with a valid latency (``history[-1]`` finite); ≤ 0, never NaN.
 
@@ -96,7 +96,7 @@ class GradientScheduler(TaskScheduler):
         self,
         tasks: Sequence[TaskInfo],
         *,
-        config: SchedulerConfig | None = None,
+        config: TaskSchedulerConfig | None = None,
         targets: Mapping[str, float] | None = None,
     ) -> None:
         super().__init__(tasks, config=config, targets=targets)
