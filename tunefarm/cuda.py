@@ -83,10 +83,14 @@ def verify(mod: Any, target: dict[str, Any]) -> list[str]:
 
 
 def source_of(executable: Any) -> str:
-    """The CUDA C source of a compiled module's kernels."""
-    for m in executable.mod.imports:
+    """The CUDA C source of a compiled module's kernels (a kernel's, or a whole model's:
+    there the CUDA module sits below the Relax VM's host library)."""
+    pending = list(executable.mod.imports)
+    while pending:
+        m = pending.pop(0)
         if m.kind == "cuda":
             return str(m.inspect_source("cuda"))
+        pending.extend(m.imports)
     raise CudaBuildError("the compiled module has no CUDA kernels (is every loop nest bound to GPU threads?)")
 
 
@@ -239,6 +243,17 @@ def cuda_device(index: int = 0) -> Any:
     if not present:
         raise NoGpuError("no CUDA GPU on this machine (TVM's CUDA runtime finds no device: no GPU, or no NVIDIA driver)")
     return dev
+
+
+def describe_gpu(index: int = 0) -> dict[str, Any]:
+    """What a result measured on this machine's GPU says of it: its name, compute
+    capability and multiprocessor count. Raises NoGpuError."""
+    dev = cuda_device(index)
+    return {
+        "gpu": str(dev.device_name),
+        "compute_capability": str(dev.compute_version),
+        "multiprocessors": int(dev.multi_processor_count),
+    }
 
 
 def require_local_gpu(target: dict[str, Any]) -> None:

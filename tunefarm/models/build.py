@@ -41,15 +41,17 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tunefarm.cuda import CUDA_KERNEL_SUFFIX
 from tunefarm.errors import ModelError
 from tunefarm.export import export_library
+from tunefarm.gpu import is_gpu
 from tunefarm.isolation import IsolatedWorker, summarize_error
 from tunefarm.models import check
 from tunefarm.models.check import ModelCheck
@@ -58,6 +60,10 @@ from tunefarm.models.timing import ROUNDS, WARMUP_CALLS, Latency, time_calls, ti
 from tunefarm.records import TensorSpec, TraceJSON
 
 LIBRARY_NAME = "model.so"
+CUDA_LIBRARY_NAME = f"model{CUDA_KERNEL_SUFFIX}"
+"""The library of a model built for a CUDA target: a `tunefarm.cuda` artifact (TVM's
+library with the kernels' source, nvcc's fatbin of it for the target's arch, the source
+and their digests), the same one file as a CUDA kernel."""
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 
@@ -71,14 +77,30 @@ RUN_TIMEOUT = 300.0
 _JOBS = "tunefarm.models.build"
 
 
-def usage_lines(inputs: Sequence[TensorSpec]) -> list[str]:
-    """The three lines of Python that load and call a built model (in manifest.json)."""
+def library_name(target: dict[str, Any]) -> str:
+    """The file name of a model's library built for `target`."""
+    return CUDA_LIBRARY_NAME if is_gpu(target) else LIBRARY_NAME
+
+
+def usage_lines(inputs: Sequence[TensorSpec], target: dict[str, Any] | None = None) -> list[str]:
+    """The three lines of Python that load and call a built model (in manifest.json).
+    A CUDA model's artifact is unpacked first; TVM then compiles the kernels' source
+    for the GPU at load time (NVRTC), where tunefarm's own loader uses the fatbin built
+    with the model (`tunefarm.cuda.load_kernel`)."""
     names = [_identifier(t.name, i) for i, t in enumerate(inputs)]
+    outs = f'# {", ".join(names)}: numpy arrays; out: a Tensor (.numpy()) or an Array of them'
+    if target is not None and is_gpu(target):
+        args = ", ".join(f"tvm.runtime.tensor({n}, tvm.cuda())" for n in names)
+        return [
+            f'import tarfile, tvm; from tvm import relax; tarfile.open("{CUDA_LIBRARY_NAME}").extractall("model.cuda", filter="data")',
+            'vm = relax.VirtualMachine(tvm.runtime.load_module("model.cuda/kernel.so"), tvm.cuda())',
+            f'out = vm["main"]({args})  {outs}',
+        ]
     args = ", ".join(f"tvm.runtime.tensor({n})" for n in names)
     return [
         "import tvm; from tvm import relax",
         f'vm = relax.VirtualMachine(tvm.runtime.load_module("{LIBRARY_NAME}"), tvm.cpu())',
-        f'out = vm["main"]({args})  # {", ".join(names)}: numpy arrays; out: a Tensor (.numpy()) or an Array of them',
+        f'out = vm["main"]({args})  {outs}',
     ]
 
 
@@ -153,7 +175,8 @@ def build_model_library(
     worker: IsolatedWorker | None = None,
 ) -> BuiltModel:
     """Apply `schedules` to `fused_mod`, compile it for `target` and write
-    `out_dir/model.so` and `out_dir/manifest.json`. Runs in an isolated child process
+    `out_dir/model.so` (`model.cuda.tar` for a CUDA target: `library_name`) and
+    `out_dir/manifest.json`. Runs in an isolated child process
     (`worker`, or a fresh one closed afterwards); every failure is a `ModelError`."""
     import tvm
 
@@ -173,7 +196,7 @@ def build_model_library(
             mod_path,
             json.dumps(schedules),
             json.dumps(target),
-            str(out / LIBRARY_NAME),
+            str(out / library_name(target)),
             timeout=timeout,
         )
     finally:
@@ -186,7 +209,7 @@ def build_model_library(
     )
     return BuiltModel(
         out,
-        out / LIBRARY_NAME,
+        out / library_name(target),
         manifest_path,
         result["secs"],
         tuple(result["scheduled"]),
@@ -203,16 +226,16 @@ def write_manifest(
     outputs: Sequence[TensorSpec],
     scheduled: Sequence[str],
 ) -> Path:
-    """Write `out/manifest.json` for the library `out/model.so`."""
+    """Write `out/manifest.json` for the library `out/model.so` (`library_name`)."""
     manifest = {
         "version": MANIFEST_VERSION,
         "name": name,
-        "library": LIBRARY_NAME,
+        "library": library_name(target),
         "target": target,
         "inputs": [_spec_json(t) for t in inputs],
         "outputs": [_spec_json(t) for t in outputs],
         "scheduled_tasks": list(scheduled),
-        "usage": usage_lines(inputs),
+        "usage": usage_lines(inputs, target),
     }
     path = Path(out) / MANIFEST_NAME
     path.write_text(json.dumps(manifest, indent=2) + "\n")
@@ -236,6 +259,11 @@ def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: st
     with open(mod_path) as f:
         fused = tvm.ir.load_json(f.read())
     schedules = json.loads(schedules_json)
+    target_dict = json.loads(target_json)
+    if is_gpu(target_dict):
+        from tunefarm import cuda
+
+        cuda.use_nvcc(target_dict)  # the binary tvm.compile embeds where TVM's CUDA runtime is present
     mod, keys = fused, []
     if schedules:
         from tunefarm.models.tasks import extract_tasks
@@ -246,19 +274,29 @@ def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: st
         # Weights the schedules store in a rewritten layout: the transforms are split off
         # and folded into the constants now, never run per inference.
         mod = _fold_layouts(mod)
-    target = tvm.target.Target(json.loads(target_json))
+    target = _tvm_target(target_dict)
     try:
         ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
     except Exception as exc:
         raise ModelError(f"compiling failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
     try:
         # A board's target is linked by its cross compiler (tunefarm.export).
-        export_library(ex, lib_path, json.loads(target_json))
+        export_library(ex, lib_path, target_dict)
     except Exception as exc:
         raise ModelError(
             f"exporting the library failed: {summarize_error(f'{type(exc).__name__}: {exc}')}"
         ) from None
     return {"secs": time.perf_counter() - t0, "scheduled": keys}
+
+
+def _tvm_target(target: dict[str, Any]):
+    if is_gpu(target):
+        from tunefarm.cuda import tvm_target
+
+        return tvm_target(target)  # this machine's LLVM as the host
+    import tvm
+
+    return tvm.target.Target(target)
 
 
 def relax_pipeline(target) -> Any:
@@ -385,25 +423,44 @@ def run_job(
     threads of TVM's pool."""
     import tvm
 
-    main, args = _loaded_model(lib_path, inputs_npz)
-    outputs = [t.numpy() for t in _flatten(main(*args))]
+    call = _loaded_model(lib_path, inputs_npz)
+    outputs = [t.numpy() for t in _flatten(call())]
     samples: list[float] = []
     if repeat != 0:
-        samples = time_calls(lambda: main(*args), runs=repeat, warmup_calls=warmup)
+        samples = time_calls(call, runs=repeat, warmup_calls=warmup)
     return outputs, samples, int(tvm.runtime.num_threads())
 
 
-def _loaded_model(lib_path: str, inputs_npz: str):
-    """In a child: the built model's Relax VM `main` and its inputs (the .npz's arrays in
-    order) as TVM tensors on the CPU."""
+def _loaded_model(lib_path: str, inputs_npz: str) -> Callable[[], Any]:
+    """In a child: one inference of the built model on its inputs (the .npz's arrays in
+    order), as a call that returns the Relax VM's result. A CUDA model
+    (`CUDA_LIBRARY_NAME`) runs on the GPU with the fatbin built with it, its inputs
+    copied there once; the call waits for the GPU (a launch returns before the kernels
+    end), so that a timed call is the inference's whole time."""
     import tvm
     from tvm import relax
 
-    dev = tvm.cpu(0)
-    vm = relax.VirtualMachine(tvm.runtime.load_module(lib_path), dev)
+    on_gpu = lib_path.endswith(CUDA_KERNEL_SUFFIX)
+    if on_gpu:
+        from tunefarm import cuda
+
+        dev = cuda.cuda_device()
+        module = cuda.load_kernel(lib_path, Path(lib_path).with_suffix(".unpacked"))
+    else:
+        dev = tvm.cpu(0)
+        module = tvm.runtime.load_module(lib_path)
+    main = relax.VirtualMachine(module, dev)["main"]
     with np.load(inputs_npz) as data:
         args = [tvm.runtime.tensor(data[f"arr_{i}"], dev) for i in range(len(data.files))]
-    return vm["main"], args
+    if not on_gpu:
+        return lambda: main(*args)
+
+    def synced() -> Any:
+        out = main(*args)
+        dev.sync()
+        return out
+
+    return synced
 
 
 def _flatten(value) -> list:
@@ -533,8 +590,7 @@ def tvm_block_job(
 
     key = (lib_path, inputs_npz)
     if key not in _TIMED_CALLS:
-        main, args = _loaded_model(lib_path, inputs_npz)
-        _TIMED_CALLS[key] = lambda: main(*args)
+        _TIMED_CALLS[key] = _loaded_model(lib_path, inputs_npz)
     samples = _timed_block(_TIMED_CALLS[key], runs, budget_secs, warmup_secs, min_runs)
     return samples, int(tvm.runtime.num_threads())
 

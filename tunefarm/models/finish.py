@@ -46,10 +46,11 @@ import numpy as np
 from tunefarm.errors import ModelError
 from tunefarm.isolation import IsolatedWorker
 from tunefarm.models import check
+from tunefarm.gpu import is_gpu
 from tunefarm.models.build import (
-    LIBRARY_NAME,
     build_default_library,
     build_model_library,
+    library_name,
     model_threads,
     model_worker,
     run_model,
@@ -65,13 +66,19 @@ from tunefarm.search.run import TaskOutcome, TuningSummary
 RECORDS_NAME = "records.jsonl"
 REPORT_NAME = "report.json"
 FAILED_LIBRARY_NAME = "model.failed-check.so"
-"""Where a tuned model that failed its check is kept (loaded by nothing; for inspection)."""
+"""Where a tuned model that failed its check is kept (loaded by nothing; for inspection);
+`failed_library_name` for a CUDA model's."""
 REFERENCE_NAME = "reference.onnx"
 
 REPORT_VERSION = 1
 
 DEFAULT_BUILD_REPEAT = 5
 """Timed inferences of TVM's untuned default build (it is slow; a few are enough)."""
+
+
+def failed_library_name(target: dict[str, Any]) -> str:
+    """Where a tuned model built for `target` that failed its check is kept."""
+    return FAILED_LIBRARY_NAME if not is_gpu(target) else library_name(target).replace("model.", "model.failed-check.", 1)
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -246,8 +253,11 @@ def finish_model(
     threads = model_threads(directory)
     if m.reference_onnx is not None:
         (directory / REFERENCE_NAME).write_bytes(m.reference_onnx)
+    on_gpu = is_gpu(target)
     # the tuned model, onnxruntime and OpenVINO in alternating blocks: a noisy minute hits all
-    timed = time_side_by_side({"tuned": directory}, feeds, threads=threads, onnx_model=m.reference_onnx)
+    # (not beside a GPU's model: the peers run on the CPU; `tunefarm bench gpu` times the GPU's)
+    timed = time_side_by_side({"tuned": directory}, feeds, threads=threads, onnx_model=m.reference_onnx,
+                              peers=() if on_gpu else None)  # fmt: skip
     latency = timed["tuned"].as_report()
     ort_latency = timed[ONNXRUNTIME].as_report() if ONNXRUNTIME in timed else None
     ov_latency = timed[OPENVINO].as_report() if OPENVINO in timed else None
@@ -261,10 +271,20 @@ def finish_model(
         )
         d = run_model(default_dir, feeds, repeat=DEFAULT_BUILD_REPEAT, threads=threads)
         default_latency = d.latency.as_report() if d.latency else None
+    if on_gpu:  # the per-kernel profile reads the CPU's kernels
+        return ModelOutcome(m.name, directory, latency, checked, default_latency, measured_on=_gpu_here())
     breakdown = profile_breakdown(m, directory, feeds, target, log)
     return ModelOutcome(
         m.name, directory, latency, checked, default_latency, ort_latency, ov_latency, breakdown=breakdown
     )
+
+
+def _gpu_here() -> dict[str, Any]:
+    """`measured_on` of a model timed on this machine's GPU (asked in a child: the tuner's
+    own process never initialises CUDA)."""
+    with IsolatedWorker(name="gpu-probe") as worker:
+        outcome = worker.call("tunefarm.cuda:describe_gpu", timeout=60.0)
+    return outcome.value if outcome.ok else {"gpu": f"unknown ({outcome.message})"}
 
 
 
@@ -279,8 +299,8 @@ def _failed_check(
     """A model that failed its check: its library is kept under `FAILED_LIBRARY_NAME`
     (never loaded as the tuned model), and the tuned tasks are bisected for the kernel to
     suspect (`tunefarm.models.suspects`)."""
-    kept = directory / FAILED_LIBRARY_NAME
-    (directory / LIBRARY_NAME).replace(kept)
+    kept = directory / failed_library_name(target)
+    (directory / library_name(target)).replace(kept)
     log(f"{m.name}: the tuned model fails its check ({result.problem()}); looking for the task to suspect")
     by_name = {t.name: t for t in m.tasks.tasks}
     tuned = [t.name for t in m.tasks.tasks if schedules.get(t.key)]
