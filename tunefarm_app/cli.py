@@ -10,6 +10,7 @@
   tunefarm report DIR [--html [--out FILE]]
   tunefarm bench ops [--trials N]
   tunefarm bench models [--trials N] [--models resnet18,bert_layer] [--json F]
+  tunefarm bench gpu-models [--trials N] [--models yolov8n_like] [--no-compile]   # on an NVIDIA GPU
   tunefarm bench transfer [--source T] [--dest T] [--trials N] [--workloads gemm256,...]
 
 Bad input exits with status 2 and one line on stderr; nothing already stored is lost.
@@ -28,6 +29,7 @@ from tunefarm_app import farm_commands, model_commands
 from tunefarm_app.bench import farm as bench_farm
 from tunefarm_app.bench import farm_load as bench_farm_load
 from tunefarm_app.bench import fastmath as bench_math
+from tunefarm_app.bench import gpu_models as bench_gpu_models
 from tunefarm_app.bench import models as bench_models
 from tunefarm_app.bench import transfer as bench_transfer
 
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tunes and times every kernel and the PyTorch peer on this machine's GPU",
     )
     bench_models.add_command(bsub)
+    bench_gpu_models.add_command(bsub)
     bench_farm.add_command(bsub)
     bench_farm_load.add_command(bsub)
     bench_math.add_command(bsub)
@@ -166,6 +169,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _report(args)
     if args.command == "bench" and args.suite == "models":
         return bench_models.run_models_bench(args)
+    if args.command == "bench" and args.suite == "gpu-models":
+        return bench_gpu_models.run_gpu_models_bench(args)
     if args.command == "bench" and args.suite == "farm":
         return bench_farm.run_farm_bench(args)
     if args.command == "bench" and args.suite == "farm-load":

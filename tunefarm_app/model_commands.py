@@ -222,6 +222,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from tunefarm.gpu import is_gpu
     from tunefarm.models.build import load_manifest, model_threads, run_model, time_side_by_side
     from tunefarm.models.check import random_inputs
     from tunefarm.models.finish import REFERENCE_NAME
@@ -257,7 +258,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     threads = args.threads or model_threads(args.directory)
     run = run_model(args.directory, given, repeat=0, threads=threads)
     reference = args.directory / REFERENCE_NAME
-    peers = () if args.no_peers or not reference.is_file() else available_peers()
+    # the peers (onnxruntime, OpenVINO) run on the CPU: beside a GPU's model they say nothing
+    on_gpu = is_gpu(manifest.get("target") or {})
+    peers = () if args.no_peers or on_gpu or not reference.is_file() else available_peers()
     latencies = time_side_by_side(
         {"tuned": args.directory}, given, threads=threads, onnx_model=reference if peers else None, peers=peers,
         runs=args.repeat,

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU check (`make gpu-check`): on a machine with an NVIDIA GPU, PyTorch and the CUDA
+# toolkit but no TVM, tune and run whole models and kernels on the GPU, from the bundle
+# `make gpu-bundle` writes to .gpu/ (TVM, tvm-ffi, xgboost and onnxslim as files; nothing
+# is downloaded there).
+#
+#   tools/gpu_check.sh unpack   the compiler part (.gpu/a) into $TUNEFARM_GPU_SITE
+#   tools/gpu_check.sh [run]    the rest (.gpu/b), then the checks; results under $OUT
+#
+# The bundle is split in two because a lent GPU machine takes at most 64 MiB per call:
+# `unpack` with .gpu/a carried, then `run` with .gpu/b carried on the same (warm) machine.
+# Where both fit, `tools/gpu_check.sh unpack && tools/gpu_check.sh run` does it in one go.
+#
+# The checks, each under its own time limit so that one that hangs leaves the others:
+#   1. the GPU probe and TVM's CUDA runtime;
+#   2. embedded `tunefarm tune` of a small CNN for the GPU's arch (GPU rules, nvcc builds,
+#      measurements on the GPU, the tuned model built with TVM's default GPU schedules for
+#      tasks left untuned, checked against onnxruntime on the CPU), then `tunefarm run`;
+#   3. `tunefarm bench gpu-models`: a detector-sized model tuned on the GPU against PyTorch
+#      eager (cuDNN) and torch.compile max-autotune, alternating rounds, TF32 off;
+#   4. `tunefarm bench ops --target <GPU>` for GEMM 1024 against cuBLAS.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:-run}
+BUNDLE=${TUNEFARM_GPU_BUNDLE:-.gpu}
+PY=${PYTHON:-python3}
+SITE=${TUNEFARM_GPU_SITE:-/tmp/tunefarm-gpu-site}
+OUT=${OUT:-/tmp/tunefarm-gpu-check}
+TRIALS_SMALL=${TRIALS_SMALL:-48}
+TRIALS_MODEL=${TRIALS_MODEL:-150}
+TRIALS_GEMM=${TRIALS_GEMM:-48}
+mkdir -p "$SITE/tvm/lib" "$OUT"
+
+if [ "$stage" = unpack ]; then
+  xz -dc $BUNDLE/a/libtvm_compiler.so.xz > "$SITE/tvm/lib/libtvm_compiler.so.part" &&
+    mv "$SITE/tvm/lib/libtvm_compiler.so.part" "$SITE/tvm/lib/libtvm_compiler.so" &&
+    echo "unpacked $(du -h "$SITE/tvm/lib/libtvm_compiler.so" | cut -f1) into $SITE"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  exit $?
+fi
+
+[ -s "$SITE/tvm/lib/libtvm_compiler.so" ] || { echo "no TVM compiler in $SITE: run '$0 unpack' first"; exit 2; }
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$BUNDLE"/b/*.whl || exit 2
+tar -C "$SITE" -xJf "$BUNDLE"/b/tvm-runtime-part.tar.xz || exit 2
+cudart=$(find / -name 'libcudart.so.13' -not -path '/proc/*' -print -quit 2>/dev/null)
+export LD_LIBRARY_PATH="$(dirname "${cudart:-/usr/local/cuda/lib64/x}"):${LD_LIBRARY_PATH:-}"
+export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PATH="$PATH:/usr/local/cuda/bin"
+step() {  # step NAME SECONDS COMMAND...: run it with a limit, log to $OUT/NAME.log
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name (limit ${secs}s)"
+  timeout -k 10 "$secs" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  tail -n 25 "$OUT/$name.log"
+}
+
+step probe 60 "$PY" -c "
+import tvm, tunefarm.cuda as c
+print('TVM', tvm.__version__, 'CUDA runtime:', tvm.runtime.enabled('cuda'))
+print(c.describe_gpu())"
+arch=$("$PY" -c "import tunefarm.cuda as c; v=c.describe_gpu()['compute_capability'].split('.'); print(f'sm_{v[0]}{v[1]}')")
+target="{\"kind\": \"cuda\", \"arch\": \"$arch\"}"
+work=$(mktemp -d)
+
+step small-cnn 110 bash -c "
+$PY -m tunefarm.models.examples small_cnn --out $work/small_cnn.onnx &&
+$PY -m tunefarm_app.cli tune $work/small_cnn.onnx --target '$target' --trials $TRIALS_SMALL --out $work/tuned --no-progress &&
+$PY -m tunefarm_app.cli run $work/tuned && cp $work/tuned/report.json $OUT/small_cnn-report.json && cat $work/tuned/manifest.json"
+
+step gpu-models 300 "$PY" -m tunefarm_app.cli bench gpu-models --models yolov8n_like --trials "$TRIALS_MODEL" \
+  --compile-timeout 150 --work-dir "$work/bench-models" --json "$OUT/gpu-models.json"
+
+step gemm 80 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024 --trials "$TRIALS_GEMM" \
+  --no-metaschedule --work-dir "$work/bench-ops" --json "$OUT/gemm.json"
+echo "logs and results in $OUT"
