@@ -26,11 +26,22 @@ def host_target_dict() -> dict[str, Any]:
     """The host CPU as a TVM target dict: LLVM with the detected mcpu and core count.
 
     Without mcpu LLVM emits SSE-only code (a 512 GEMM ran 1.4x slower), so it is always set.
+    A CPU model's name says more than a virtual machine may expose: an Emerald Rapids guest
+    without AMX is detected as "emeraldrapids", whose code may use AMX. The extensions the
+    mcpu implies but the OS does not report are turned off (`mattr` "-amx-tile", ...), so
+    that the host's target runs on the host.
     """
     import tvm
 
+    from tunefarm.isa import host_flags, missing_extensions, target_isa
+
     mcpu = str(tvm.target.codegen.llvm_get_system_cpu())
-    return {"kind": "llvm", "mcpu": mcpu, "num-cores": physical_cores()}
+    target: dict[str, Any] = {"kind": "llvm", "mcpu": mcpu, "num-cores": physical_cores()}
+    flags = host_flags()
+    missing = missing_extensions(target_isa(target), flags) if flags else []
+    if missing:
+        target = {"kind": "llvm", "mcpu": mcpu, "mattr": [f"-{ext}" for ext in missing], "num-cores": physical_cores()}
+    return target
 
 
 def parse_target(text: str | None) -> dict[str, Any]:
