@@ -113,12 +113,16 @@ def cuda_job(farm, client, tmp_path_factory) -> dict:
     assert {"fused_conv2d_relu", "matmul", "layer_norm", "softmax"} <= names
     # once the candidates are measured (the lease service counts them before the job
     # finishes), the agent dies: the model is built within seconds, and queued for nobody
-    job = wait_for_job(client, job["id"], lambda j: j["trials_used"] >= TRIALS or j["state"] not in ("queued", "running"))
+    job = wait_for_job(
+        client, job["id"], lambda j: j["trials_used"] >= TRIALS or j["state"] not in ("queued", "running")
+    )
     farm.stop("agent", sig=signal.SIGKILL)
     return wait_for_job(client, job["id"], timeout=180.0)
 
 
-def test_a_model_is_tuned_for_a_cuda_class_without_a_gpu_and_built_with_default_schedules(farm, client, cuda_job, tmp_path):
+def test_a_model_is_tuned_for_a_cuda_class_without_a_gpu_and_built_with_default_schedules(
+    farm, client, cuda_job, tmp_path
+):
     job = cuda_job
     assert job["state"] == "succeeded", job["error"]
     # the search: every candidate was built for sm_90 and failed on the agent (no GPU here)
@@ -173,7 +177,11 @@ def test_the_gpu_agent_fetches_the_cuda_model_library_and_its_failure_names_the_
     job_id = cuda_job["id"]  # (a model run belongs to a job)
     m = load_model(gpu_mix_onnx(tmp_path / "mix.onnx"), {"x": [1, 3, 8, 8]}, name="mix")
     built = build_model_library(
-        m.tasks.fused_mod, tmp_path / "tuned", target=TARGET, inputs=m.imported.inputs, outputs=m.imported.outputs
+        m.tasks.fused_mod,
+        tmp_path / "tuned",
+        target=TARGET,
+        inputs=m.imported.inputs,
+        outputs=m.imported.outputs,
     )
     assert built.library.name == CUDA_LIBRARY_NAME
     farm.start("agent")

@@ -168,6 +168,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from tunefarm.models.build import library_name
     from tunefarm.models.finish import model_name
     from tunefarm.target import parse_target
     from tunefarm.tune import tune_models
@@ -211,7 +212,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             continue
         for line in latency_lines(m) + check_lines(m["check"]):
             print(line)
-        print(f"written    {m['directory']}/model.so and manifest.json")
+        print(f"written    {m['directory']}/{library_name(report['target'])} and manifest.json")
     share = report["search_share"] or 0.0
     print(
         f"trials     {report['trials']} ({report['trials'] - report['resumed_trials']} this run, "
@@ -222,6 +223,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from tunefarm.gpu import is_gpu
     from tunefarm.models.build import load_manifest, model_threads, run_model, time_side_by_side
     from tunefarm.models.check import random_inputs
     from tunefarm.models.finish import REFERENCE_NAME
@@ -257,7 +259,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     threads = args.threads or model_threads(args.directory)
     run = run_model(args.directory, given, repeat=0, threads=threads)
     reference = args.directory / REFERENCE_NAME
-    peers = () if args.no_peers or not reference.is_file() else available_peers()
+    # onnxruntime and OpenVINO run on the CPU: no peers beside a GPU's model (`tunefarm bench gpu`)
+    on_gpu = is_gpu(manifest.get("target", {}))
+    peers = () if args.no_peers or on_gpu or not reference.is_file() else available_peers()
     latencies = time_side_by_side(
         {"tuned": args.directory}, given, threads=threads, onnx_model=reference if peers else None, peers=peers,
         runs=args.repeat,
