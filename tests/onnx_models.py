@@ -29,3 +29,34 @@ def tiny_onnx(path: Path, *, op: str = "Relu", dynamic: bool = True) -> Path:
     model.ir_version = 8
     path.write_bytes(model.SerializeToString())
     return path
+
+
+def gpu_mix_onnx(path: Path) -> Path:
+    """A small network of the operators a GPU model is made of: a 3x3 convolution (+relu),
+    a matmul on its flattened rows, layer norm and softmax, on a 1x3x8x8 input."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    consts = {
+        "w": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+        "shape": np.array([8, 64], dtype=np.int64),
+        "m": rng.standard_normal((64, 16)).astype(np.float32),
+        "gamma": rng.standard_normal(16).astype(np.float32),
+        "beta": rng.standard_normal(16).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("Reshape", ["r", "shape"], ["rows"], name="rows"),
+        helper.make_node("MatMul", ["rows", "m"], ["mm"], name="matmul"),
+        helper.make_node("LayerNormalization", ["mm", "gamma", "beta"], ["ln"], axis=-1, epsilon=1e-5, name="ln"),
+        helper.make_node("Softmax", ["ln"], ["y"], axis=-1, name="softmax"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
+    graph = helper.make_graph(nodes, "gpu_mix", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.write_bytes(model.SerializeToString())
+    return path

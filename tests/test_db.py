@@ -527,6 +527,36 @@ def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessio
         assert s.get(ModelRun, third).state is ModelRunState.FAILED and "leased 2 times" in s.get(ModelRun, third).error
 
 
+def test_a_model_run_given_up_is_leased_by_nobody_and_a_leased_one_is_left_to_its_agent(db_sessions):
+    farm = make_farm(db_sessions, batches=1)
+    a, _ = farm.agent_ids
+    file = queries.StoredFile("model_runs/x/model.cuda.tar", "0" * 64, 10)
+
+    def create():
+        with transaction(db_sessions) as s:
+            return queries.create_model_run(
+                s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file, inputs=file,
+                repeat=3, warmup=1, timeout_secs=60.0,
+            ).id  # fmt: skip
+
+    def give_up(run_id):
+        with transaction(db_sessions) as s:
+            return queries.give_up_model_run(s, model_run_id=run_id, reason="not run: no agent of c is online")
+
+    ready = create()
+    assert give_up(ready) is True
+    with transaction(db_sessions) as s:
+        row = s.get(ModelRun, ready)
+        assert row.state is ModelRunState.FAILED and "no agent" in row.error and row.finished_at is not None
+        assert queries.lease_model_run(s, agent_id=a, lease_secs=LEASE_SECS, max_attempts=2) is None
+    leased = create()
+    with transaction(db_sessions) as s:
+        assert queries.lease_model_run(s, agent_id=a, lease_secs=LEASE_SECS, max_attempts=2).id == leased
+    assert give_up(leased) is False
+    with transaction(db_sessions) as s:
+        assert s.get(ModelRun, leased).state is ModelRunState.LEASED
+
+
 def test_finish_with_candidates_missing_requeues_only_what_is_missing(db_sessions):
     farm = make_farm(db_sessions, candidates=3)
     a, b = farm.agent_ids

@@ -499,6 +499,25 @@ def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_cap
         agent.close()
 
 
+def test_a_model_run_on_a_gpu_agent_says_which_gpu():
+    """`measured_on` of a model run names the GPU of the agent that ran it (its registered
+    capabilities, copied into the run's fingerprint by the lease service)."""
+    from services.db.models import ModelRun
+    from services.scheduler.model_check import DeviceRun, _measured_on
+
+    where = DeviceRun(None, Path("."), job_id=1, device_class_id=1, device_class="cuda-sm_90", wait_secs=1.0,
+                      stop=threading.Event())  # fmt: skip
+    fingerprint = {"agent": "gpu-1", "gpu_name": "NVIDIA H100 80GB HBM3", "gpu_compute_capability": "9.0"}
+    on_gpu = _measured_on(where, 7, ModelRun(result={"agent": "gpu-1", "emulated": False, "fingerprint": fingerprint}))
+    assert on_gpu == {
+        "on": "an agent of the class", "device_class": "cuda-sm_90", "agent": "gpu-1", "emulated": False,
+        "model_run": 7, "gpu": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
+    }  # fmt: skip
+    on_cpu = _measured_on(where, 8, ModelRun(result={"agent": "cpu-1", "fingerprint": {"agent": "cpu-1"}}))
+    assert "gpu" not in on_cpu and on_cpu["agent"] == "cpu-1"
+    assert _measured_on(where, 9, None)["agent"] is None  # not run
+
+
 def test_the_agent_imports_no_server_side_packages():
     code = (
         "import json, sys; import services.agent.cli\n"

@@ -83,7 +83,8 @@ def add_commands(sub) -> None:
     _follow_args(st)
     _client_args(st)
 
-    f = sub.add_parser("fetch", help="download a finished job's tuned model (model.so, manifest, records, report)")
+    f = sub.add_parser("fetch", help="download a finished job's tuned model (model.so or, for a CUDA class, "
+                                     "model.cuda.tar; manifest, records, report)")
     f.add_argument("job", type=int, help="the job's id")
     f.add_argument("--out", type=Path, required=True, help="directory to unpack into")
     _client_args(f)
@@ -392,6 +393,8 @@ def _print_job(job: dict) -> None:
         lat = job["result"].get("latency")
         on = job["result"].get("measured_on") or {}
         where = f" on {on['agent']}" if on.get("agent") else ""
+        if where and on.get("gpu"):
+            where += f" ({on['gpu']})"
         if lat:
             emulated = " (EMULATED: the emulator's time, not the device's)" if lat.get("emulated") else ""
             print(f"tuned      {latency_text(lat)}{where}{emulated}")

@@ -168,6 +168,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from tunefarm.models.build import library_name
     from tunefarm.models.finish import model_name
     from tunefarm.target import parse_target
     from tunefarm.tune import tune_models
@@ -211,7 +212,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             continue
         for line in latency_lines(m) + check_lines(m["check"]):
             print(line)
-        print(f"written    {m['directory']}/model.so and manifest.json")
+        print(f"written    {m['directory']}/{library_name(report['target'])} and manifest.json")
     share = report["search_share"] or 0.0
     print(
         f"trials     {report['trials']} ({report['trials'] - report['resumed_trials']} this run, "

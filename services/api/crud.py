@@ -59,7 +59,6 @@ from services.db.models import (
     Workload,
 )
 from services.db.session import transaction
-from tunefarm.gpu import is_gpu
 from tunefarm.models.finish import batch_size_for
 from tunefarm.records import ErrorKind
 from tunefarm.search.task import target_key
@@ -226,12 +225,6 @@ def create_job(
         )
     model = get_model(session, team_id=team_id, model_id=body.model_id)
     device_class = device_class_by_name(session, name=body.device_class)
-    if is_gpu(device_class.target):
-        raise InvalidRequest(
-            f"device class {body.device_class!r} is an NVIDIA GPU class: building a tuned whole model for a GPU "
-            "is not supported yet (single operators: tunefarm tune-op --target with the class's CUDA target, on a "
-            "machine with the GPU)"
-        )
     if quota is not None:
         check_team_quota(session, team_id=team_id, trial_budget=body.trial_budget, quota=quota)
     tasks = session.execute(

@@ -1174,6 +1174,19 @@ def create_model_run(
     ).one()
 
 
+def give_up_model_run(session: Session, *, model_run_id: int, reason: str, now: datetime | None = None) -> bool:
+    """Fail a model run nobody holds that its job stopped waiting for (so that an agent
+    coming later does not run what no one reads); False when it was leased or ended
+    meanwhile (a leased run is left to its agent)."""
+    done = session.execute(
+        update(ModelRun)
+        .where(ModelRun.id == model_run_id, ModelRun.state == ModelRunState.READY)
+        .values(state=ModelRunState.FAILED, error=reason, finished_at=_now(now)),
+        execution_options={"synchronize_session": False},
+    )
+    return bool(done.rowcount)
+
+
 def lease_model_run(
     session: Session, *, agent_id: int, lease_secs: float, max_attempts: int, now: datetime | None = None
 ) -> ModelRun | None:

@@ -20,10 +20,18 @@ Life cycle (driven by `service.SchedulerService`):
     finish()  wait for the job's bests to be confirmed (`services.db.confirmations`: a best
               counts once a second measurement of its kernel agrees), build the tuned
               model with every task's fastest confirmed schedule, check it against
-              onnxruntime (here, or for a class this host cannot run on one of the
-              class's agents: `model_check`), write model.so, manifest.json,
+              onnxruntime (here, or for a class this host cannot run, and every CUDA
+              class, on one of the class's agents: `model_check`), write the library
+              (model.so, model.cuda.tar for a CUDA class: `library_name`), manifest.json,
               records.jsonl, report.json and pack them into jobs/<id>/tuned.tar.gz (the
               API hands it out)
+
+A CUDA class's job is the same session with the class's CUDA target: its tasks are made
+for it (`make_task`: the GPU sketch rules), the build workers build `.cuda.tar` kernels,
+agents started with `--gpu` measure them. Candidates that cannot be measured (run
+errors: an agent whose GPU fails them) spend the budget like any error, and a task with
+no valid measurement keeps TVM's default schedule (for a GPU, DLight's), so the job still
+builds the model.
     cancel()  give the job's open batches up and stop
 """
 
@@ -51,6 +59,7 @@ from services.scheduler.model_check import DeviceRun, check_on_device
 from services.scheduler.shared_model import ClassModel, SharedModelView
 from tunefarm.errors import TunefarmError
 from tunefarm.export import is_cross_target
+from tunefarm.gpu import is_gpu
 from tunefarm.isa import runs_on_host
 from tunefarm.measure import MeasureBatch, Measurer
 from tunefarm.models.build import build_model_library
@@ -101,6 +110,9 @@ class RunnerContext:
     log: Callable[[str], None]
     # How long an agent of a class this host cannot run may take to run a tuned model.
     model_run_wait_secs: float = 1800.0
+    # An agent that heartbeated this recently is live; a model run waits no longer than
+    # this (after as long) while its class has none (`model_check`).
+    agent_fresh_secs: float = 60.0
     # How long a finishing job waits for its bests' confirmations (then builds with the
     # confirmed ones it has).
     confirm_wait_secs: float = 600.0
@@ -412,7 +424,8 @@ class JobRunner:
 
     def _build(self, m: LoadedModel, directory: Path, schedules: dict[str, Any]) -> ModelOutcome:
         """Build the tuned model; check and time it here when this host runs the class's
-        target, on an agent of the class otherwise (`model_check`)."""
+        target (`runs_here`), on an agent of the class otherwise (`model_check`: a board
+        of another architecture, and every CUDA class)."""
         s = self.setup
         target = s.target
         try:
@@ -439,6 +452,7 @@ class JobRunner:
                     wait_secs=self.ctx.model_run_wait_secs,
                     stop=self.ctx.stop,
                     signer=self.ctx.signer,
+                    no_agent_secs=self.ctx.agent_fresh_secs,
                 )
                 return check_on_device(m, directory, where, log=self.log)
             check = {"ok": None, "reference": "onnxruntime", "problem": "disabled"}
@@ -449,5 +463,9 @@ class JobRunner:
 def runs_here(target: dict[str, Any]) -> bool:
     """Whether this host can run code built for `target` (a CPU target for its own
     architecture whose instruction-set extensions its CPU has, `tunefarm.isa`): the tuned
-    model is then checked here against onnxruntime; otherwise an agent of the class runs it."""
+    model is then checked here against onnxruntime; otherwise an agent of the class runs
+    it. Never for a CUDA target: the scheduler needs no GPU, and one it had might not be
+    the class's; the class's agent times the model on the class's GPU."""
+    if is_gpu(target):
+        return False
     return target.get("kind") == "llvm" and not is_cross_target(target) and runs_on_host(target)

@@ -1,10 +1,12 @@
 """A tuned model checked and timed on a device of its class, for classes whose code the
-scheduler's host cannot run (a board of another architecture).
+scheduler's host cannot run (a board of another architecture, and every CUDA class: the
+scheduler never needs a GPU).
 
 In embedded mode, and in the farm for a class of this host's architecture, the tuned
 model is run here: its output is compared with onnxruntime's and it is timed
 (`tunefarm.models.finish.finish_model`). A model built for an aarch64 board cannot run
-on an x86 scheduler, so `check_on_device` asks an agent of the class instead:
+on an x86 scheduler, nor a CUDA model on a host without the class's GPU, so
+`check_on_device` asks an agent of the class instead:
 
 1. the library (cross-compiled for the class) and the model's seeded inputs, one set per
    input kind of `tunefarm.models.check`, are stored under the artifact root
@@ -18,13 +20,21 @@ on an x86 scheduler, so `check_on_device` asks an agent of the class instead:
    run on this host: the reference does not depend on the device) by the same check a
    local run uses (`tunefarm.models.check`: every input kind, every element). A
    mismatch beyond float32 noise fails the job (the library is kept as
-   `model.failed-check.so`, never as the tuned model); a run the agent could not do fails
-   it too, and that library is not kept.
+   `model.failed-check.so`, `model.failed-check.cuda.tar` for a CUDA class, never as the
+   tuned model); a run the agent could not do fails it too, and that library is not kept.
+
+The library is the one file the build wrote (`manifest.json`'s "library": `model.so`, or
+`model.cuda.tar` for a CUDA class, which an agent started with `--gpu` unpacks next to it
+and runs with its prebuilt fatbin).
 
 The latency is the device's, and `ModelOutcome.measured_on` says where it came from:
-the agent, its class, and `emulated` when that agent runs under an emulator (then the
-latency is the emulator's, not the board's). A model no agent ran within `wait_secs` is
-kept unchecked; the report says why.
+the agent, its class, its GPU (`gpu`, `compute_capability`: the agent's registered
+capabilities, for an agent that has one), and `emulated` when that agent runs under an
+emulator (then the latency is the emulator's, not the board's). A model no agent ran
+within `wait_secs` is kept unchecked; the report says why. So is one the class has no
+agent for: when, after `no_agent_secs` of waiting, no agent of the class has heartbeated
+for `no_agent_secs`, the wait ends early (a class whose agents are all gone, or a CUDA
+class with no GPU agent, would otherwise hold the job for `wait_secs`).
 """
 
 from __future__ import annotations
@@ -46,10 +56,11 @@ from services.db import queries
 from services.db.models import ModelRun, ModelRunState
 from services.db.session import transaction
 from services.protocol.signing import ArtifactSigner, SignedKind
+from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.models import check
-from tunefarm.models.build import LIBRARY_NAME, RUN_TIMEOUT
-from tunefarm.models.finish import FAILED_LIBRARY_NAME, LoadedModel, ModelOutcome, check_inputs
+from tunefarm.models.build import RUN_TIMEOUT, load_manifest
+from tunefarm.models.finish import LoadedModel, ModelOutcome, check_inputs, failed_library_name
 from tunefarm.models.timing import Latency
 
 POLL_SECS = 0.5
@@ -75,6 +86,9 @@ class DeviceRun:
     timeout_secs: float = RUN_TIMEOUT  # the agent's limit for one whole run
     poll_secs: float = POLL_SECS
     signer: ArtifactSigner | None = None  # signs the library for the agent (None: unsigned)
+    # The wait ends early when no agent of the class has heartbeated for this long (the
+    # scheduler's `agent_fresh_secs`: what counts as a live agent for its fair shares).
+    no_agent_secs: float = 60.0
 
 
 def check_on_device(
@@ -85,19 +99,21 @@ def check_on_device(
     `JobFailed` when the run failed or the outputs differ (the library is removed), and
     `FinishInterrupted` when the scheduler stops while waiting."""
     sets = check_inputs(m)
+    manifest = load_manifest(directory)
+    library = directory / manifest["library"]
+    failed_name = failed_library_name(manifest["target"])
     # One run at a time: a new run of the job supersedes its open ones (a restarted
     # scheduler's), so each kind's run is queued once the previous one is done.
     runs: dict[str, int] = {}
     rows: dict[str, ModelRun | None] = {}
     for i, (kind, feeds) in enumerate(sets.items()):
-        runs[kind] = _submit(where, directory / LIBRARY_NAME, [feeds[t.name] for t in m.imported.inputs], timed=i == 0)
+        runs[kind] = _submit(where, library, [feeds[t.name] for t in m.imported.inputs], timed=i == 0)
         log(f"{m.name}: the tuned model is queued for an agent of {where.device_class} ({kind} input, model run {runs[kind]})")
-        rows[kind] = _wait(where, runs[kind])
+        rows[kind], why = _wait(where, runs[kind])
         if rows[kind] is None or rows[kind].state is ModelRunState.FAILED:
             break
     timed_kind = next(iter(runs))
     if any(row is None for row in rows.values()):  # (the loop stopped at it)
-        why = f"not run: no agent of {where.device_class} ran it within {where.wait_secs:.0f} s"
         log(f"{m.name}: {why}; the tuned model is kept unchecked")
         checked = {"ok": None, "reference": m.reference_name, "problem": why}
         return ModelOutcome(m.name, directory, None, checked, None, None,
@@ -105,8 +121,8 @@ def check_on_device(
     measured_on = _measured_on(where, runs[timed_kind], rows[timed_kind])
     failed = next((row for row in rows.values() if row.state is ModelRunState.FAILED), None)
     if failed is not None:
-        (directory / LIBRARY_NAME).unlink(missing_ok=True)
-        raise JobFailed(f"{m.name}: the tuned model did not run on {measured_on.get('agent') or where.device_class}: {failed.error}")
+        library.unlink(missing_ok=True)
+        raise JobFailed(f"{m.name}: the tuned model did not run on {_device_text(measured_on, where)}: {failed.error}")
     names = [t.name for t in m.imported.outputs]
     errors = []
     for kind, row in rows.items():
@@ -115,10 +131,10 @@ def check_on_device(
                                       input_kind=kind, names=names, exact=m.exact)
     result = check.ModelCheck(m.reference_name, tuple(errors), check.exact_name(errors, m.exact))
     if not result.ok:
-        (directory / LIBRARY_NAME).replace(directory / FAILED_LIBRARY_NAME)
+        library.replace(directory / failed_name)
         raise JobFailed(
-            f"{m.name}: the tuned model's output on {measured_on['agent']} differs from {m.reference_name}'s: "
-            f"{result.problem()}; kept as {FAILED_LIBRARY_NAME} (not the tuned model)"
+            f"{m.name}: the tuned model's output on {_device_text(measured_on, where)} differs from "
+            f"{m.reference_name}'s: {result.problem()}; kept as {failed_name} (not the tuned model)"
         )
     timed_row = rows[timed_kind]
     assert timed_row is not None
@@ -129,7 +145,7 @@ def check_on_device(
         # report them, so the latency carries none (0).
         latency = {**Latency.of(samples, 0).as_report(), "emulated": measured_on["emulated"]}
     log(
-        f"{m.name}: checked on {measured_on['agent']}{' (emulated)' if measured_on['emulated'] else ''}: "
+        f"{m.name}: checked on {_device_text(measured_on, where)}{' (emulated)' if measured_on['emulated'] else ''}: "
         f"max abs error {result.max_abs_error:.3g}"
     )
     return ModelOutcome(m.name, directory, latency, result.as_report(), None, None, measured_on=measured_on)
@@ -139,14 +155,15 @@ def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray], *, timed:
     rel = artifacts.model_run_dir(where.job_id, uuid.uuid4().hex)
     buffer = io.BytesIO()
     np.savez(buffer, *inputs)
-    lib_sha, lib_size = artifacts.put(where.artifact_root, f"{rel}/{LIBRARY_NAME}", library)
+    # the library keeps its name: the agent picks its loader by the suffix (`.cuda.tar`: the GPU's)
+    lib_sha, lib_size = artifacts.put(where.artifact_root, f"{rel}/{library.name}", library)
     in_sha, in_size = artifacts.put(where.artifact_root, f"{rel}/{artifacts.MODEL_RUN_INPUTS_NAME}", buffer.getvalue())
     with transaction(where.sessions) as s:
         run = queries.create_model_run(
             s,
             job_id=where.job_id,
             device_class_id=where.device_class_id,
-            library=queries.StoredFile(f"{rel}/{LIBRARY_NAME}", lib_sha, lib_size),
+            library=queries.StoredFile(f"{rel}/{library.name}", lib_sha, lib_size),
             inputs=queries.StoredFile(f"{rel}/{artifacts.MODEL_RUN_INPUTS_NAME}", in_sha, in_size),
             repeat=where.repeat if timed else 0,
             warmup=where.warmup,
@@ -157,9 +174,13 @@ def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray], *, timed:
         return run.id
 
 
-def _wait(where: DeviceRun, run_id: int) -> ModelRun | None:
-    """The run's row once it is done or failed; None after `wait_secs`."""
-    deadline = time.monotonic() + where.wait_secs
+def _wait(where: DeviceRun, run_id: int) -> tuple[ModelRun | None, str]:
+    """The run's row once it is done or failed; (None, why) after `wait_secs`, or
+    sooner, once `no_agent_secs` have passed, while nobody has it and the class has no
+    live agent (none heartbeated within the last `no_agent_secs`): a run nobody can take
+    is not waited for (an agent that comes within that grace still takes it)."""
+    start = time.monotonic()
+    deadline = start + where.wait_secs
     while True:
         with transaction(where.sessions) as s:
             row = s.get(ModelRun, run_id)
@@ -167,9 +188,21 @@ def _wait(where: DeviceRun, run_id: int) -> ModelRun | None:
                 raise JobFailed(f"model run {run_id} vanished")
             if row.state.is_terminal:
                 s.expunge(row)
-                return row
-        if time.monotonic() >= deadline:
-            return None
+                return row, ""
+            waiting = row.state is ModelRunState.READY
+            live = job_store.live_agents_by_class(s, fresh_secs=where.no_agent_secs).get(where.device_class_id, 0)
+        why = ""
+        if waiting and not live and time.monotonic() - start >= where.no_agent_secs:
+            why = (
+                f"not run: no agent of {where.device_class} is online "
+                f"(none heartbeated in the last {where.no_agent_secs:.0f} s)"
+            )
+        elif time.monotonic() >= deadline:
+            why = f"not run: no agent of {where.device_class} ran it within {where.wait_secs:.0f} s"
+        if why:
+            with transaction(where.sessions) as s:
+                queries.give_up_model_run(s, model_run_id=run_id, reason=why)
+            return None, why
         if where.stop.wait(where.poll_secs):
             raise FinishInterrupted(f"the scheduler stopped while model run {run_id} was waiting")
 
@@ -185,11 +218,25 @@ def _outputs(root: Path, row: ModelRun) -> list[np.ndarray]:
 
 
 def _measured_on(where: DeviceRun, run_id: int, row: ModelRun | None) -> dict[str, Any]:
+    """Where the model ran: the agent and, for an agent with a GPU, the GPU's name and
+    compute capability (its registered capabilities, which the lease service copies
+    into each run's fingerprint)."""
     result = (row.result if row is not None else None) or {}
-    return {
+    fingerprint = result.get("fingerprint") or {}
+    out: dict[str, Any] = {
         "on": "an agent of the class",
         "device_class": where.device_class,
         "agent": result.get("agent"),
         "emulated": bool(result.get("emulated", False)),
         "model_run": run_id,
     }
+    if fingerprint.get("gpu_name"):
+        out["gpu"] = str(fingerprint["gpu_name"])
+        out["compute_capability"] = str(fingerprint.get("gpu_compute_capability") or "")
+    return out
+
+
+def _device_text(measured_on: dict[str, Any], where: DeviceRun) -> str:
+    """The agent (and its GPU) a message names: "gpu-1 (NVIDIA H100 80GB HBM3)"."""
+    agent = measured_on.get("agent") or f"an agent of {where.device_class}"
+    return f"{agent} ({measured_on['gpu']})" if measured_on.get("gpu") else agent

@@ -139,6 +139,7 @@ class SchedulerService:
             check_tuned_model=settings.check_tuned_model,
             log=self.log,
             model_run_wait_secs=settings.model_run_wait_secs,
+            agent_fresh_secs=settings.agent_fresh_secs,
             confirm_wait_secs=settings.confirm_wait_secs,
             signer=ArtifactSigner.from_file(settings.signing_key_file) if settings.signing_key_file else None,
         )

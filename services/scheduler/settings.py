@@ -8,14 +8,14 @@ TUNEFARM_QUEUE_PREFIX):
 |---|---|---|
 | TUNEFARM_MAX_JOBS | 16 | jobs this process tunes at the same time |
 | TUNEFARM_BATCHES_PER_AGENT | 2 | batches in flight per live agent of a class, shared by its jobs |
-| TUNEFARM_AGENT_FRESH_SECS | 60 | an agent counts as live if it heartbeated this recently |
+| TUNEFARM_AGENT_FRESH_SECS | 60 | an agent counts as live if it heartbeated this recently (a tuned model's run waits no longer than this, after as long, for a class with no live agent) |
 | TUNEFARM_POLL_INTERVAL_SECS | 0.25 | sleep between passes when nothing happened |
 | TUNEFARM_STEP_WAIT_SECS | 0.02 | how long one job's step waits for results |
 | TUNEFARM_COST_MODEL_WARMUP | 32 | programs a class's cost model sees before it ranks (random before) |
 | TUNEFARM_COST_MODEL_SAVE_EVERY | 256 | new measurements between two saved versions of a class's model |
 | TUNEFARM_COST_MODEL_CATCH_UP_SECS | 10 | how often a class's model reads measurements made elsewhere |
 | TUNEFARM_CHECK_TUNED_MODEL | true | run the tuned model against onnxruntime before keeping it |
-| TUNEFARM_MODEL_RUN_WAIT_SECS | 1800 | how long an agent may take to run a tuned model this host cannot run |
+| TUNEFARM_MODEL_RUN_WAIT_SECS | 1800 | how long an agent may take to run a tuned model this host cannot run (an ARM board's, every CUDA class's) |
 | TUNEFARM_BUILD_CHECK_SECS | 5 | how often batches in flight are checked for builds nobody is doing (a killed worker, Redis's data lost) |
 | TUNEFARM_SCHEDULER_HEARTBEAT_FILE | unset | touched after every pass (a container's health check reads its age) |
 | TUNEFARM_SIGNING_KEY_FILE | unset | the farm's Ed25519 private key (PEM): tuned models run by agents are signed with it |

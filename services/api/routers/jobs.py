@@ -66,7 +66,8 @@ def cancel_job(job_id: JobId, team: TeamDep, sessions: SessionsDep) -> JobPublic
     responses={
         200: {
             "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
-            "description": "tuned/{model.so, manifest.json, records.jsonl, report.json} as a .tar.gz",
+            "description": "tuned/{model.so (model.cuda.tar for a CUDA class), manifest.json, records.jsonl, "
+            "report.json} as a .tar.gz",
         },
         **errors(404, 409),
     },
