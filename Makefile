@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TUNEFARM_AARCH64_ROOT ?= /var/cache/tunefarm/aarch64-root
 export TUNEFARM_AARCH64_ROOT
 
-.PHONY: setup browser demo test test-fast test-aarch64 aarch64-root bench lint proto clean
+.PHONY: setup browser demo test test-fast test-aarch64 aarch64-root bench lint proto clean gpu-bundle gpu-check
 
 setup: $(STAMP)
 
@@ -64,3 +64,12 @@ proto: setup
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache
+
+# The GPU check's files (.gpu/, from .venv and PyPI) and the check itself, on a machine with an
+# NVIDIA GPU, PyTorch and the CUDA toolkit but no TVM (see tools/gpu_check.sh).
+gpu-bundle: setup
+	tools/gpu_bundle.sh
+
+gpu-check:
+	tools/gpu_check.sh unpack
+	tools/gpu_check.sh run

@@ -16,9 +16,14 @@
 #   2. embedded `tunefarm tune` of a small CNN for the GPU's arch (GPU rules, nvcc builds,
 #      measurements on the GPU, the tuned model built with TVM's default GPU schedules for
 #      tasks left untuned, checked against onnxruntime on the CPU), then `tunefarm run`;
-#   3. `tunefarm bench gpu-models`: a detector-sized model tuned on the GPU against PyTorch
-#      eager (cuDNN) and torch.compile max-autotune, alternating rounds, TF32 off;
-#   4. `tunefarm bench ops --target <GPU>` for GEMM 1024 against cuBLAS.
+#   3. `tunefarm bench gpu-models` on the same CNN against PyTorch eager (cuDNN) and
+#      torch.compile max-autotune, alternating rounds, TF32 off;
+#   4. `tunefarm bench ops --target <GPU>` for GEMM 1024 against cuBLAS;
+#   5. with GPU_CHECK_DETECTOR=1, `bench gpu-models` on the detector-sized model.
+# Sizing, from an H100 (16 cores): each task costs at least one search round (about 3-4 s
+# with its nvcc builds), so the small CNN's 9 tasks take about 1.5 min for 18 trials and
+# the detector's 68 tasks at least 5 min before any trial goes where it gains most: the
+# detector does not fit the 8 minutes of the default check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-run}
@@ -26,8 +31,8 @@ BUNDLE=${TUNEFARM_GPU_BUNDLE:-.gpu}
 PY=${PYTHON:-python3}
 SITE=${TUNEFARM_GPU_SITE:-/tmp/tunefarm-gpu-site}
 OUT=${OUT:-/tmp/tunefarm-gpu-check}
-TRIALS_SMALL=${TRIALS_SMALL:-48}
-TRIALS_MODEL=${TRIALS_MODEL:-150}
+TRIALS_SMALL=${TRIALS_SMALL:-18}
+TRIALS_MODEL=${TRIALS_MODEL:-300}
 TRIALS_GEMM=${TRIALS_GEMM:-48}
 mkdir -p "$SITE/tvm/lib" "$OUT"
 
@@ -63,14 +68,18 @@ arch=$("$PY" -c "import tunefarm.cuda as c; v=c.describe_gpu()['compute_capabili
 target="{\"kind\": \"cuda\", \"arch\": \"$arch\"}"
 work=$(mktemp -d)
 
-step small-cnn 110 bash -c "
+step small-cnn 150 bash -c "
 $PY -m tunefarm.models.examples small_cnn --out $work/small_cnn.onnx &&
 $PY -m tunefarm_app.cli tune $work/small_cnn.onnx --target '$target' --trials $TRIALS_SMALL --out $work/tuned --no-progress &&
 $PY -m tunefarm_app.cli run $work/tuned && cp $work/tuned/report.json $OUT/small_cnn-report.json && cat $work/tuned/manifest.json"
 
-step gpu-models 300 "$PY" -m tunefarm_app.cli bench gpu-models --models yolov8n_like --trials "$TRIALS_MODEL" \
-  --compile-timeout 150 --work-dir "$work/bench-models" --json "$OUT/gpu-models.json"
+step gpu-models 150 "$PY" -m tunefarm_app.cli bench gpu-models --models small_cnn --trials "$TRIALS_SMALL" \
+  --compile-timeout 60 --work-dir "$work/bench-small" --json "$OUT/gpu-models-small.json"
 
-step gemm 80 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024 --trials "$TRIALS_GEMM" \
+step gemm 120 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024 --trials "$TRIALS_GEMM" \
   --no-metaschedule --work-dir "$work/bench-ops" --json "$OUT/gemm.json"
+if [ "${GPU_CHECK_DETECTOR:-0}" = 1 ]; then
+  step gpu-detector 900 "$PY" -m tunefarm_app.cli bench gpu-models --models yolov8n_like --trials "$TRIALS_MODEL" \
+    --work-dir "$work/bench-detector" --json "$OUT/gpu-models-detector.json"
+fi
 echo "logs and results in $OUT"

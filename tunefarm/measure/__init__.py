@@ -26,6 +26,7 @@ and the device agents (none of it imports the search):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,11 @@ class Measurer(ABC):
         """Called once per task before its first batch: makes the workload, the task data
         and the reference outputs available to builders and runners, and says whether
         kernels can be checked against a reference (`MeasureTask.verify`)."""
+
+    def prepare_all(self, tasks: Sequence[tuple[Workload, str, dict[str, Any]]]) -> list[MeasureTask]:
+        """`prepare` for each (workload, task key, target), in order; a measurer whose
+        preparations can overlap does them at once."""
+        return [self.prepare(*t) for t in tasks]
 
     @abstractmethod
     def submit(self, batch: MeasureBatch) -> None:

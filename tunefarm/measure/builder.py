@@ -30,6 +30,9 @@ from tunefarm.records import BuildInput, BuildResult, Stage, TraceJSON, failure_
 class Builder(ABC):
     """Builds the candidates of one measured batch."""
 
+    parallelism: int = 1
+    """Builds that run at once (a caller may overlap that many independent `build` calls)."""
+
     def start(self) -> None:  # noqa: B027 (optional hook, nothing to do by default)
         """Called once before the first batch; may prepare workers so that the first
         batch does not pay their start-up."""
@@ -63,6 +66,7 @@ class LocalBuilder(Builder):
             raise ValueError(f"n_workers must be at least 1, got {n_workers}")
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.parallelism = n_workers
         self._workers = [
             IsolatedWorker(
                 env={"TVM_NUM_THREADS": "1"},  # a build runs no kernels; keep TVM's pool small

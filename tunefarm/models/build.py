@@ -356,11 +356,15 @@ class ModelRun:
 def load_manifest(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / MANIFEST_NAME
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except OSError:
         raise ModelError(f"{model_dir}: no {MANIFEST_NAME} (not a built model directory)") from None
     except json.JSONDecodeError as exc:
         raise ModelError(f"{path}: malformed JSON ({exc.msg})") from None
+    missing = [k for k in ("library", "inputs", "outputs") if not isinstance(manifest, dict) or k not in manifest]
+    if missing:
+        raise ModelError(f"{path} is not a built model's manifest (no {', '.join(missing)})")
+    return manifest
 
 
 def model_threads(model_dir: str | Path) -> int:

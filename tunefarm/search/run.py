@@ -108,7 +108,7 @@ def build_session(
     `measurer`, resumed from `records` (this run's earlier measurements; any other task's
     seed the similar ones), its searches also seeded with `seeds` (another class's best
     programs of these workloads)."""
-    measure_tasks = [measurer.prepare(t.workload, t.key, t.target) for t in tasks]
+    measure_tasks = measurer.prepare_all([(t.workload, t.key, t.target) for t in tasks])
     pace = SearchPace()
     similar = SimilarPrograms()  # each task's best, for its similar tasks to start from
     similar.add(records)
