@@ -498,7 +498,11 @@ def _probe(runner: LocalRunner, tmp: Path, port: int) -> dict:
     report = tmp / f"report-{uuid.uuid4().hex[:6]}.json"
     library = tmp / f"probe-{uuid.uuid4().hex[:6]}.so"
     _shared_library(library, PROBE_SOURCE, PORT=str(port), REPORT=_c_string(str(report)))
+    # readable by nobody whatever this process's umask (an in-process `tunefarm` service
+    # command of an earlier test sets 077)
+    library.chmod(0o755)
     (tmp / "td.npz").write_bytes(_task_data())
+    (tmp / "td.npz").chmod(0o644)
     inp = RunInput("probe", str(library), str(tmp / "td.npz"), 1, 1, verify=False, timing=TimingConfig(repeat=1),
                    timeout_secs=60.0)  # fmt: skip
     (result,) = runner.run([inp])
