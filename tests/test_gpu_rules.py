@@ -237,3 +237,50 @@ def test_gpu_mutation_changes_gpu_slots():
                 a, b = p.candidate.as_dict(), child.candidate.as_dict()
                 changed |= {slot_kind(s) for s in a if a[s] != b.get(s)}
     assert {"threads", "unroll"} <= changed
+
+
+# -- sampling valid programs directly ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "op, shape",
+    [("matmul", {"M": 1024, "N": 1024, "K": 1024}), ("conv2d", {"N": 1, "C": 64, "H": 56, "W": 56, "F": 64}),
+     ("batch_matmul", {"B": 12, "M": 128, "N": 128, "K": 64})],
+    ids=["gemm1024", "conv2d", "bmm"],
+)  # fmt: skip
+def test_fresh_gpu_samples_are_valid_programs(op, shape):
+    """Tile sizes are drawn one level at a time within the GPU's limits (threads in
+    [warp, max], vthreads, registers, then shared memory), so a fresh sample is a valid
+    program: with the joint draw and rejection, about a third of GEMM 1024's were not.
+    The draws still spread: many thread counts and accumulator tiles."""
+    rules = GpuRules(GpuLimits.of({"kind": "cuda", "arch": "sm_90"}))
+    dag = analyse(registry.make(op, shape).mod["main"])
+    sketches = rules.sketches(dag)
+    rng = random.Random(3)
+    threads, tiles = set(), set()
+    for _ in range(120):
+        decider = Decider(None, rng)
+        prog = rules.build(dag, sketches[rng.randrange(len(sketches))], decider)  # InvalidProgram fails the test
+        tiled = [n for n in prog.order if prog.nests[n].tiled and prog.nests[n].attach is None]
+        threads.update(prog.nests[n].threads for n in tiled)
+        tiles.add(tuple(sorted((k, v) for k, v in decider.decisions.items() if ".tile." in k)))
+    assert len(threads) >= 4 and len(tiles) >= 100
+
+
+def test_a_mutation_that_breaks_the_launch_limits_is_repaired_around_the_mutated_tile():
+    """A tile mutation that moves a factor to the thread level can push the block over the
+    GPU's threads: the program is repaired (the mutated slot kept, the block's other tile
+    slots drawn anew within the limits) rather than thrown away."""
+    from tunefarm.search.space.program_space import ProgramSpace
+
+    _, dag = _dag("matmul_relu")
+    space = ProgramSpace(dag, RULES.sketches(dag), RULES)
+    decisions = _gemm_decisions(**{"C.tile.v_i": (1, 1, 64, 1, 1), "C.tile.v_j": (1, 1, 32, 1, 2)})
+    with pytest.raises(InvalidProgram, match="threads per block"):
+        space.build(0, decisions)
+    repaired = space._repair(0, decisions, "C.tile.v_i", random.Random(0))
+    assert repaired is not None
+    kept = repaired.candidate.as_dict()
+    assert kept["C.tile.v_i"] == (1, 1, 64, 1, 1)
+    assert repaired.program.nests["C"].threads <= RULES.gpu.max_threads_per_block
+    assert kept["C.tile.v_j"][2] * 64 <= RULES.gpu.max_threads_per_block

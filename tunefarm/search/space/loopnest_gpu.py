@@ -49,7 +49,7 @@ from tunefarm.search.space.program import (
     unrolled_lanes,
 )
 from tunefarm.search.space.sketch import CacheReadStep, CrossThreadReductionStep, Step, ThreadBindStep
-from tunefarm.search.space.slots import ChoiceDomain, Decider, TileDomain
+from tunefarm.search.space.slots import ChoiceDomain, Decider, TileDomain, divisors
 
 GPU_UNROLL_STEPS = (0, 16, 64, 512, 1024)
 """Candidate values of `pragma_auto_unroll_max_step` on a GPU (Ansor and MetaSchedule)."""
@@ -206,17 +206,22 @@ def _cooperative_fetch(prog: Program, name: str, threads: int, vec: int) -> None
 # ------------------------------------------------------------------------ tile sampling
 
 MAX_TILE_DRAWS = 64
-"""Joint draws of a block's tile sizes before the sampler gives up on the block."""
+"""Draws of a block's tile sizes before the sampler gives up on the block (a level-wise
+draw fails only where a fixed slot leaves no room, e.g. a mutated thread factor)."""
 
 
 def draw_feasible_tiles(prog: Program, name: str, structure: str, decider: Decider, gpu: GpuLimits) -> None:
-    """Draw a tiled block's tile sizes together until they can launch (Ansor draws each
-    split alone and rejects the program afterwards: on a 1024^3 GEMM fewer than 2% of such
-    draws pass the GPU checks, which makes sampling a population cost seconds). The
-    checks are those of `check_tiled_block`, computed from the factors alone: threads,
-    vthreads, accumulator registers, and the shared stages' footprints. Slots already
-    given (mutation, crossover, records) are kept; nothing is drawn without an rng. The
-    chosen values become given slots, so `_tile` takes them as it would any."""
+    """Draw a tiled block's tile sizes so that its kernel can launch. Ansor draws each
+    split alone and rejects the program afterwards: on a 1024^3 GEMM fewer than 2% of
+    such draws pass the GPU checks; drawing all splits together and rejecting left a
+    third of fresh GEMM samples invalid. Here the splits are drawn one tile level at a
+    time, each level conditioned on the levels and the slots already chosen
+    (`_draw_levels`): threads per block in [warp, max], at most `max_vthreads` virtual
+    threads, the accumulators within the registers those threads leave, then each
+    reduction tile within the shared memory a block may have. The checks are those of
+    `check_tiled_block` (`_tiles_fit`). Slots already given (mutation, crossover,
+    records) are kept; nothing is drawn without an rng. The chosen values become given
+    slots, so `_tile` takes them as it would any."""
     spec = prog.nests[name].spec
     rng = decider.rng
     slots = {it.name: f"{name}.tile.{it.name}" for it in spec.iters}
@@ -228,10 +233,93 @@ def draw_feasible_tiles(prog: Program, name: str, structure: str, decider: Decid
     fixed = {it.name: decider.given[slots[it.name]] for it in spec.iters if it not in missing}
     draw: dict[str, tuple[int, ...]] = {}
     for _ in range(MAX_TILE_DRAWS):
-        draw = {**fixed, **{it.name: domains[it.name].sample(rng) for it in missing}}
+        drawn = _draw_levels(prog, spec, domains, fixed, missing, gpu, rng)
+        draw = drawn if drawn is not None else {**fixed, **{it.name: domains[it.name].sample(rng) for it in missing}}
         if all(domains[k].contains(v) for k, v in draw.items()) and _tiles_fit(prog, spec, draw, gpu):
             break
     decider.given = {**decider.given, **{slots[it.name]: draw[it.name] for it in missing}}
+
+
+def _draw_levels(
+    prog: Program, spec: BlockSpec, domains: dict[str, TileDomain], fixed: dict[str, tuple[int, ...]],
+    missing: list[IterSpec], gpu: GpuLimits, rng,
+) -> dict[str, tuple[int, ...]] | None:
+    """One level-wise draw of the `missing` iterators' tilings beside the `fixed` ones
+    (see `draw_feasible_tiles`); None where the fixed ones leave no valid choice.
+
+    Spatial tilings are (block, vthread, thread, inner...): the thread factors first,
+    their product within [warp, max] (below a warp only for a block with little work),
+    then the vthread factors (product at most `max_vthreads`), then the inner factors
+    (accumulators per thread: vthread x inner over all spatial iterators, within the
+    register share those threads leave), split over the inner levels with the innermost
+    at most `MAX_INNERMOST_TILE`; the block level takes what is left. Reduction tilings
+    are drawn from their domain among those whose shared stages still fit."""
+    spatial = [it for it in spec.iters if it.kind == "S"]
+    if any(domains[it.name].parts < 4 for it in spatial):
+        return None  # not a GPU tiling (check_tiled_block rejects it)
+    free = [it for it in spatial if it in missing]
+    rest = {it.name: it.extent for it in free}
+    fixed_s = [fixed[it.name] for it in spatial if it.name in fixed]
+    space = _prod(it.extent for it in spatial)
+    low = gpu.warp_size if space > 2 * gpu.warp_size else 1
+    threads_fixed = _prod(f[2] for f in fixed_s)
+    threads = _draw_factors(free, rest, rng, base=threads_fixed, low=low, high=gpu.max_threads_per_block)
+    if threads is None:
+        return None
+    rest = {k: rest[k] // threads[k] for k in rest}
+    vthreads = _draw_factors(free, rest, rng, base=_prod(f[1] for f in fixed_s), low=1, high=gpu.max_vthreads)
+    if vthreads is None:
+        return None
+    rest = {k: rest[k] // vthreads[k] for k in rest}
+    n_threads = threads_fixed * _prod(threads.values())
+    budget = min(gpu.max_registers_per_thread, gpu.registers_per_block // max(n_threads, 1))
+    elem_bytes = prog.dag.buffer(spec.write.buffer).elem_bytes
+    max_accumulators = int(ACCUMULATOR_REGISTER_SHARE * budget) * 4 // elem_bytes
+    fixed_acc = _prod(f[1] * _prod(f[3:]) for f in fixed_s) * _prod(vthreads.values())
+    inner = _draw_factors(free, rest, rng, base=fixed_acc, low=1, high=max_accumulators)
+    if inner is None:
+        return None
+    draw = dict(fixed)
+    for it in free:
+        n_inner = domains[it.name].parts - 3
+        split = TileDomain(inner[it.name], n_inner, MAX_INNERMOST_TILE).sample(rng) if n_inner > 0 else ()
+        block = rest[it.name] // inner[it.name]
+        draw[it.name] = (block, vthreads[it.name], threads[it.name], *split)
+    reduction = [it for it in spec.iters if it.kind != "S" and it in missing]
+    rng.shuffle(reduction)
+    for it in reduction:  # the others still untiled: (extent, 1, ...)
+        pending = {r.name: (r.extent,) + (1,) * (domains[r.name].parts - 1) for r in reduction if r.name not in draw}
+        fits = [o for o in domains[it.name].options() if _tiles_fit(prog, spec, {**pending, **draw, it.name: o}, gpu)]
+        if not fits:
+            return None
+        draw[it.name] = rng.choice(fits)
+    return draw
+
+
+def _draw_factors(
+    iters: list[IterSpec], extents: dict[str, int], rng, *, base: int, low: int, high: int
+) -> dict[str, int] | None:
+    """A divisor of each iterator's extent, drawn one iterator at a time (in random order),
+    such that `base` times their product lies in [low, high]; None when none can."""
+    order = list(iters)
+    rng.shuffle(order)
+    chosen: dict[str, int] = {}
+    product = base
+    for i, it in enumerate(order):
+        reach = _prod(extents[o.name] for o in order[i + 1 :])  # the most the others can add
+        options = [d for d in divisors(extents[it.name]) if product * d <= high and product * d * reach >= low]
+        if not options:
+            return None
+        chosen[it.name] = rng.choice(options)
+        product *= chosen[it.name]
+    return chosen if low <= product <= high else None
+
+
+def _prod(values) -> int:
+    n = 1
+    for v in values:
+        n *= v
+    return n
 
 
 def _tiles_fit(prog: Program, spec: BlockSpec, factors: dict[str, tuple[int, ...]], gpu: GpuLimits) -> bool:

@@ -132,7 +132,28 @@ class ProgramSpace:
         try:
             return self.build(parent.candidate.sketch, decisions, rng)
         except InvalidProgram:
+            pass
+        repaired = self._repair(parent.candidate.sketch, decisions, slot, rng)
+        if repaired is None:
             self.invalid_draws += 1
+        return repaired
+
+    def _repair(self, sketch: int, decisions: dict[str, DecisionValue], kept: str, rng: random.Random) -> Built | None:
+        """A mutated program that broke a limit, made valid again: the mutated tile slot
+        is kept and the block's other tile slots are drawn anew around it (a GPU block's
+        threads, vthreads and registers depend on all its tile sizes together, so moving
+        one factor usually breaks them only with the others as they were; the draw is
+        conditioned on the kept slot). None for a slot of another kind, or when no
+        valid program keeps it."""
+        if slot_kind(kept) != "tile":
+            return None
+        block_tiles = kept.rsplit(".", 1)[0] + "."
+        trimmed = {s: v for s, v in decisions.items() if s == kept or not s.startswith(block_tiles)}
+        if len(trimmed) == len(decisions):
+            return None
+        try:
+            return self.build(sketch, trimmed, rng)
+        except InvalidProgram:
             return None
 
     def crossover(self, a: Built, b: Built, rng: random.Random) -> Built | None:
