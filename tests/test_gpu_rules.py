@@ -188,14 +188,15 @@ def test_cooperative_fetch_vectors_only_where_aligned():
 
 
 def test_gpu_feature_rows_are_the_cpu_layout_plus_the_gpu_group():
-    """Version 2 rows: version 1's columns, then blockIdx / vthread / threadIdx lengths
-    and the kernel's shared and local memory. CPU rows keep version 1's width."""
+    """GPU rows: version 1's columns, then blockIdx / vthread / threadIdx lengths and the
+    kernel's shared and local memory, then coalescing, bank conflicts, occupancy and
+    waves. CPU rows keep version 1's width."""
     _, dag = _dag("matmul_relu")
     (sketch,) = RULES.sketches(dag)
     prog = RULES.build(dag, sketch, Decider(_gemm_decisions()))
     rows = program_features(prog, GPU_FEATURE_VERSION)
     assert rows.shape == (len(prog.stores()), feature_width(GPU_FEATURE_VERSION))
-    assert feature_width(GPU_FEATURE_VERSION) == NUM_FEATURES + 8
+    assert feature_width(GPU_FEATURE_VERSION) == NUM_FEATURES + 8 + 7
     col = {n: i for i, n in enumerate(GPU_FEATURE_NAMES)}
     at = next(i for i, st in enumerate(prog.stores()) if st.block == "C" and not st.is_init)
     c = rows[at]
@@ -284,3 +285,36 @@ def test_a_mutation_that_breaks_the_launch_limits_is_repaired_around_the_mutated
     assert kept["C.tile.v_i"] == (1, 1, 64, 1, 1)
     assert repaired.program.nests["C"].threads <= RULES.gpu.max_threads_per_block
     assert kept["C.tile.v_j"][2] * 64 <= RULES.gpu.max_threads_per_block
+
+
+def test_gpu_features_see_coalescing_bank_conflicts_occupancy_and_waves():
+    """The GEMM's A stage is fetched along threadIdx.x from a row-major global buffer: the
+    features count a warp's transactions (4 for consecutive float32s; the stride-K read
+    of a transposed fetch needs one per thread); occupancy and waves follow the block's
+    threads and count over the GPU's SMs."""
+    from tunefarm.search.features import _flat_stride, _occupancy
+
+    h100 = GpuLimits.of({"kind": "cuda", "arch": "sm_90"})
+    _, dag = _dag("matmul_relu")
+    (sketch,) = RULES.sketches(dag)
+    prog = RULES.build(dag, sketch, Decider(_gemm_decisions()))
+    rows = program_features(prog, GPU_FEATURE_VERSION, h100)
+    col = {n: i for i, n in enumerate(GPU_FEATURE_NAMES)}
+    stores = prog.stores()
+    for st, row in zip(stores, rows):
+        thread = next((lp.key for lp in reversed(st.loops) if lp.kind == "threadIdx.x"), None)
+        globals_ = [a for a in st.accesses if a.buffer.scope == "global"]
+        if thread is None or not globals_:
+            continue
+        strides = [abs(_flat_stride(a, thread)) for a in globals_]
+        want = max(min(32, -(-(32 * s * 4 if s else 4) // 32)) for s in strides)
+        assert row[col["global_transactions"]] == pytest.approx(slog(want)), st.block
+        assert row[col["uncoalesced_accesses"]] == pytest.approx(slog(sum(s > 1 for s in strides)))
+    c = next(r for st, r in zip(stores, rows) if st.block == "C" and not st.is_init)
+    # 64 threads, (2 * 2) blocks on 132 SMs: one partial wave
+    assert c[col["waves"]] == pytest.approx(slog(1))
+    occupancy, per_sm, waves, efficiency = _occupancy(next(st for st in stores if st.block == "C"), h100)
+    # registers bound it: (24 + 16 accumulators) x 64 threads of the SM's 65536
+    assert per_sm == 65536 // (40 * 64) and occupancy == pytest.approx(per_sm * 64 / 2048) and waves == 1
+    assert efficiency == pytest.approx(4 / (132 * per_sm))
+    assert c[col["occupancy"]] == pytest.approx(occupancy)

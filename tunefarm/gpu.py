@@ -35,6 +35,41 @@ MAX_VECTOR_BYTES = 16
 _ARCH = re.compile(r"^sm_(\d)(\d+)[af]?$")
 
 
+@dataclass(frozen=True)
+class MultiprocessorLimits:
+    """What one streaming multiprocessor (SM) holds at once, by compute capability (NVIDIA's
+    CUDA C Programming Guide, "Technical Specifications per Compute Capability"), and how
+    many SMs the arch's datacenter part has (A100: 108, H100 SXM: 132). The SM count is a
+    part's, not the arch's (an A30 is sm_80 with 56): waves computed from it are an
+    estimate of the device class's flagship."""
+
+    multiprocessors: int
+    max_threads: int  # resident threads per SM
+    max_blocks: int  # resident blocks per SM
+    shared_memory: int  # bytes of shared memory per SM
+    registers: int = 65536  # 32-bit registers per SM
+
+
+SM_LIMITS: dict[tuple[int, int], MultiprocessorLimits] = {
+    (7, 0): MultiprocessorLimits(80, 2048, 32, 96 * 1024),
+    (7, 5): MultiprocessorLimits(40, 1024, 16, 64 * 1024),
+    (8, 0): MultiprocessorLimits(108, 2048, 32, 164 * 1024),
+    (8, 6): MultiprocessorLimits(84, 1536, 16, 100 * 1024),
+    (8, 7): MultiprocessorLimits(16, 2048, 16, 164 * 1024),
+    (8, 9): MultiprocessorLimits(142, 1536, 24, 100 * 1024),
+    (9, 0): MultiprocessorLimits(132, 2048, 32, 228 * 1024),
+    (10, 0): MultiprocessorLimits(148, 2048, 32, 228 * 1024),
+    (12, 0): MultiprocessorLimits(170, 1536, 32, 100 * 1024),
+}
+"""Per compute capability; an arch not listed takes the closest older one's."""
+
+
+def sm_limits(capability: tuple[int, int]) -> MultiprocessorLimits:
+    """The SM limits of a compute capability (the closest older listed one's)."""
+    older = [cc for cc in SM_LIMITS if cc <= capability]
+    return SM_LIMITS[max(older)] if older else SM_LIMITS[min(SM_LIMITS)]
+
+
 def is_gpu(target: dict[str, Any]) -> bool:
     """The target builds kernels for an NVIDIA GPU."""
     return str(target.get("kind")) in GPU_KINDS
@@ -63,6 +98,7 @@ class GpuLimits:
     max_registers_per_thread: int = 255
     max_vthreads: int = MAX_VTHREADS
     max_vector_bytes: int = MAX_VECTOR_BYTES
+    sm: MultiprocessorLimits = SM_LIMITS[(8, 0)]  # what one SM holds, and how many SMs
 
     @staticmethod
     def of(target: dict[str, Any]) -> GpuLimits:
@@ -77,6 +113,7 @@ class GpuLimits:
             warp_size=int(target.get("thread_warp_size", 32)),
             max_shared_memory_per_block=int(target.get("max_shared_memory_per_block", STATIC_SHARED_MEMORY_BYTES)),
             registers_per_block=int(target.get("registers_per_block", 65536)),
+            sm=sm_limits(compute_capability(target)),
         )
 
     def verifier_constraints(self) -> dict[str, int]:

@@ -10,20 +10,34 @@ magnitude. A feature version names a layout: saved cost models (one per device c
 and cached feature matrices are keyed by it, and it changes whenever its layout does.
 
 - version 1 (`CPU_FEATURE_VERSION`): the groups below up to "other"; CPU programs.
-- version 2 (`GPU_FEATURE_VERSION`): version 1's columns unchanged, then the GPU group
-  (Ansor's is_gpu, blockIdx / vthread / threadIdx lengths, plus the kernel's shared and
-  local memory); GPU programs. CPU rows stay version 1, so the CPU models already
-  trained keep working.
+- version 2: version 1's columns unchanged, then the GPU group (Ansor's is_gpu,
+  blockIdx / vthread / threadIdx lengths, plus the kernel's shared and local memory).
+- version 3 (`GPU_FEATURE_VERSION`): version 2's columns, then what decides a GPU
+  kernel's speed beyond its sizes (`_GPU_MEMORY`): how many memory transactions a warp's
+  global access takes along threadIdx.x (coalescing), shared-memory bank conflicts, and
+  the kernel's occupancy and waves over the GPU's SMs (`tunefarm.gpu.GpuLimits.sm`);
+  GPU programs. CPU rows stay version 1, so the CPU models already trained keep working.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from tunefarm.gpu import GpuLimits
 from tunefarm.search.space.program import Access, Program, Store
 
 CPU_FEATURE_VERSION = 1
-GPU_FEATURE_VERSION = 2
+GPU_FEATURE_VERSION = 3
+
+WARP_TRANSACTION_BYTES = 32
+"""A global memory transaction (one L2 sector)."""
+SHARED_BANKS = 32
+"""Shared-memory banks, each 4 bytes wide."""
+BASE_REGISTERS_PER_THREAD = 24
+"""Registers a thread holds besides its accumulators (addresses, loop counters, operands
+read from shared memory): an estimate for occupancy, ptxas decides."""
 
 CACHE_LINE_BYTES = 64
 MAX_BUFFERS = 5
@@ -93,7 +107,7 @@ _OTHER = [
 ]
 
 _GPU = [
-    ("is_gpu", "the program runs on a GPU (always 1 in version 2 rows)"),
+    ("is_gpu", "the program runs on a GPU (always 1 in GPU rows)"),
     ("blockIdx_len", "thread blocks the store's kernel launches (product of its blockIdx.x loops)"),
     ("vthread_len", "virtual threads around the store (product of its vthread.x loops)"),
     ("threadIdx_len", "threads per block around the store (product of its threadIdx.x loops)"),
@@ -113,8 +127,20 @@ FEATURE_NAMES: list[str] = (
 )
 """Version 1 (CPU rows)."""
 NUM_FEATURES = len(FEATURE_NAMES)
-GPU_FEATURE_NAMES: list[str] = FEATURE_NAMES + [n for n, _ in _GPU]
-"""Version 2 (GPU rows)."""
+_GPU_MEMORY = [
+    ("global_transactions", "32-byte transactions of one warp's global access of the store, the most over its "
+     "accesses (along its fastest threadIdx.x loop: 4 for consecutive float32s, 32 for a 32-float stride)"),
+    ("uncoalesced_accesses", "global accesses of the store whose consecutive threads are more than one element apart"),
+    ("bank_conflict_ways", "shared-memory bank conflict degree of the store's worst shared access in a warp (1: none)"),
+    ("occupancy", "resident warps per SM over the SM's maximum for the store's kernel (threads, shared memory, "
+     "estimated registers)"),
+    ("blocks_per_sm", "resident blocks per SM of the store's kernel"),
+    ("waves", "waves of the kernel's blocks over the GPU's SMs (rounded up)"),
+    ("wave_efficiency", "share of the SM slots of all waves that the kernel's blocks fill (1: no partial last wave)"),
+]
+
+GPU_FEATURE_NAMES: list[str] = FEATURE_NAMES + [n for n, _ in _GPU] + [n for n, _ in _GPU_MEMORY]
+"""Version 3 (GPU rows)."""
 
 
 def feature_names(version: int) -> list[str]:
@@ -136,14 +162,17 @@ def slog(x):
     return np.log2(1.0 + np.maximum(x, 0.0))
 
 
-def program_features(prog: Program, version: int = CPU_FEATURE_VERSION) -> np.ndarray:
+def program_features(prog: Program, version: int = CPU_FEATURE_VERSION, gpu: GpuLimits | None = None) -> np.ndarray:
     """(n_stores, feature_width(version)) float32 matrix of one program."""
-    return batch_features([prog], version)[0]
+    return batch_features([prog], version, gpu)[0]
 
 
-def batch_features(progs: list[Program], version: int = CPU_FEATURE_VERSION) -> list[np.ndarray]:
+def batch_features(
+    progs: list[Program], version: int = CPU_FEATURE_VERSION, gpu: GpuLimits | None = None
+) -> list[np.ndarray]:
     """Feature matrices of many programs at once: all stores of all programs are
-    padded into arrays and every feature is computed with a few numpy operations."""
+    padded into arrays and every feature is computed with a few numpy operations.
+    `gpu`: the limits of the GPU a GPU program is for (its SMs; default sm_80's)."""
     width = feature_width(version)
     stores: list[Store] = []
     owner: list[int] = []
@@ -155,7 +184,8 @@ def batch_features(progs: list[Program], version: int = CPU_FEATURE_VERSION) -> 
         return [np.zeros((0, width), dtype=np.float32) for _ in progs]
     rows = _store_rows(stores)
     if version == GPU_FEATURE_VERSION:
-        rows = np.concatenate([rows, _gpu_rows(stores)], axis=1)
+        limits = gpu if gpu is not None else GpuLimits(arch="sm_80")
+        rows = np.concatenate([rows, _gpu_rows(stores), _gpu_memory_rows(stores, limits)], axis=1)
     counts = np.bincount(np.asarray(owner), minlength=len(progs))
     splits = np.split(rows, np.cumsum(counts)[:-1])
     return [np.ascontiguousarray(m, dtype=np.float32) for m in splits]
@@ -283,6 +313,61 @@ def _gpu_rows(stores: list[Store]) -> np.ndarray:
     out = np.array(rows, dtype=np.float64)
     out[:, 1:6] = slog(out[:, 1:6])
     return out
+
+
+def _gpu_memory_rows(stores: list[Store], gpu: GpuLimits) -> np.ndarray:
+    """The `_GPU_MEMORY` group: coalescing and bank conflicts along each store's fastest
+    threadIdx.x loop (its innermost), occupancy and waves of its kernel."""
+    rows = []
+    for st in stores:
+        thread_loop = next((lp.key for lp in reversed(st.loops) if lp.kind == "threadIdx.x"), None)
+        transactions, uncoalesced, conflicts = 1.0, 0.0, 1.0
+        for acc in st.accesses:
+            stride = abs(_flat_stride(acc, thread_loop)) if thread_loop is not None else 0
+            nbytes = acc.buffer.elem_bytes
+            if acc.buffer.scope == "global":
+                span = gpu.warp_size * stride * nbytes if stride else nbytes
+                transactions = max(transactions, min(float(gpu.warp_size), -(-span // WARP_TRANSACTION_BYTES)))
+                uncoalesced += float(stride > 1)
+            elif acc.buffer.scope == "shared" and stride:
+                words = stride * nbytes / 4
+                ways = math.gcd(int(words), SHARED_BANKS) if words >= 1 and float(words).is_integer() else 1
+                conflicts = max(conflicts, float(ways))
+        rows.append([transactions, uncoalesced, conflicts, *_occupancy(st, gpu)])
+    out = np.array(rows, dtype=np.float64)
+    out[:, [0, 1, 2, 4, 5]] = slog(out[:, [0, 1, 2, 4, 5]])
+    return out
+
+
+def _flat_stride(acc: Access, loop: str) -> int:
+    """Elements between the addresses two consecutive iterations of `loop` touch
+    (row-major over the buffer's shape)."""
+    stride, inner = 0, 1
+    for ix, dim in zip(reversed(acc.indices), reversed(acc.buffer.shape)):
+        stride += ix.coeff(loop) * inner
+        inner *= int(dim)
+    return stride
+
+
+def _occupancy(st: Store, gpu: GpuLimits) -> tuple[float, float, float, float]:
+    """(occupancy, blocks per SM, waves, wave efficiency) of the store's kernel."""
+    threads = blocks = 1
+    for lp in st.loops:
+        if lp.kind == "threadIdx.x":
+            threads *= lp.extent
+        elif lp.kind == "blockIdx.x":
+            blocks *= lp.extent
+    sm = gpu.sm
+    warps = -(-threads // gpu.warp_size)
+    registers = min(gpu.max_registers_per_thread, BASE_REGISTERS_PER_THREAD + -(-st.local_bytes // 4))
+    fits = [sm.max_blocks, sm.max_threads // max(threads, 1), sm.registers // max(registers * warps * gpu.warp_size, 1)]
+    if st.shared_bytes:
+        fits.append(sm.shared_memory // st.shared_bytes)
+    per_sm = max(0, min(fits))
+    occupancy = per_sm * warps * gpu.warp_size / sm.max_threads
+    slots = sm.multiprocessors * max(per_sm, 1)
+    waves = -(-blocks // slots)
+    return occupancy, float(per_sm), float(waves), blocks / (waves * slots)
 
 
 def _annotation(mask: np.ndarray, b: _Batch) -> np.ndarray:

@@ -209,7 +209,7 @@ class ProgramSpace:
         missing = [b for b in built if b.candidate.key not in self._features]
         if missing:
             uniq: dict[str, Built] = {b.candidate.key: b for b in missing}
-            mats = batch_features([b.program for b in uniq.values()], self.rules.feature_version)
+            mats = batch_features([b.program for b in uniq.values()], self.rules.feature_version, self.rules.gpu_limits)
             for key, m in zip(uniq, mats):
                 self._features[key] = m
         return [self._features[b.candidate.key] for b in built]

@@ -41,6 +41,11 @@ class RuleSet(ABC):
         """The layout of the feature rows its programs get (`features.py`); cost models
         are kept apart by it."""
 
+    @property
+    def gpu_limits(self) -> GpuLimits | None:
+        """The GPU its programs are for (its features read the SMs); None on a CPU."""
+        return None
+
     @abstractmethod
     def sketches(self, dag: ComputeDag) -> list[Sketch]:
         """Called once per task: the sketches of its DAG."""
@@ -81,6 +86,10 @@ class GpuRules(RuleSet):
     @property
     def feature_version(self) -> int:
         return GPU_FEATURE_VERSION
+
+    @property
+    def gpu_limits(self) -> GpuLimits | None:
+        return self.gpu
 
     def sketches(self, dag: ComputeDag) -> list[Sketch]:
         return generate_gpu_sketches(dag, self.gpu)
