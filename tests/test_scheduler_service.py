@@ -39,7 +39,7 @@ def test_a_workload_row_rebuilds_with_its_key():
     pytest.importorskip("tvm")
     from tvm import te
 
-    from services.scheduler.shared_model import workload_from_row
+    from tunefarm.workloads.base import workload_from_stored
     from tunefarm.workloads import workload_from_te
 
     a = te.placeholder((8, 8), name="A")
@@ -47,7 +47,7 @@ def test_a_workload_row_rebuilds_with_its_key():
     k = te.reduce_axis((0, 8), name="k")
     c = te.compute((8, 8), lambda i, j: te.sum(a[i, k] * w[k, j], axis=k), name="C")
     workload = workload_from_te("mm", [a, w, c]).with_constants([1])
-    again = workload_from_row(key=workload.key, name=workload.name, module_json=workload.to_json(), n_outputs=1)
+    again = workload_from_stored(key=workload.key, name=workload.name, module_json=workload.to_json(), n_outputs=1)
     assert again.key == workload.key and again.constants == (1,)
 
 

@@ -7,6 +7,7 @@
   tunefarm apply-best RECORDS --out LIB [--workload NAME]
   tunefarm sketches WORKLOAD [--shape ...]
   tunefarm export-ms RECORDS --out DIR
+  tunefarm dataset RECORDS... --out FILE.parquet [--device-class NAME] [--include-errors]
   tunefarm report DIR [--html [--out FILE]]
   tunefarm bench ops [--trials N]
   tunefarm bench models [--trials N] [--models resnet18,bert_layer] [--json F]
@@ -87,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--const", action="append", metavar="NAME", help=CONST_HELP)
     s.add_argument("--target", help=TARGET_HELP)
 
+    d = sub.add_parser("dataset", help="write records as a columnar dataset (Parquet) for training cost models")
+    d.add_argument("records", type=Path, nargs="+", help="records files (JSON lines, with their .workloads sidecar)")
+    d.add_argument("--out", type=Path, required=True, help="the Parquet file to write (and FILE.json: how it was made)")
+    d.add_argument("--device-class", help="the device class the records were measured on (default: from each target)")
+    d.add_argument("--include-errors", action="store_true", help="also failed measurements (cost inf)")
     e = sub.add_parser("export-ms", help="write the records as a TVM MetaSchedule JSON database")
     e.add_argument("records", type=Path, help="a records file (JSON lines)")
     e.add_argument("--out", type=Path, required=True, help="database directory")
@@ -165,6 +171,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _sketches(args)
     if args.command == "export-ms":
         return _export_ms(args)
+    if args.command == "dataset":
+        return _dataset(args)
     if args.command == "report":
         return _report(args)
     if args.command == "bench" and args.suite == "models":
@@ -278,6 +286,22 @@ def _report(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(html_report(report, file))
         print(f"html       {out}")
+    return 0
+
+
+def _dataset(args: argparse.Namespace) -> int:
+    from tunefarm.dataset import command_line, export_records, write_dataset
+
+    rows, counts = export_records(args.records, device_class=args.device_class, include_errors=args.include_errors)
+    if not rows:
+        raise UsageError(f"no measurement to write ({json.dumps(counts.as_report())})")
+    provenance = {"command": command_line(), "sources": [str(p.resolve()) for p in args.records], **counts.as_report()}
+    out = write_dataset(rows, args.out, provenance=provenance)
+    print(f"dataset    {out}: {counts.rows} measurements of {len(counts.tasks)} tasks")
+    skipped = {k: v for k, v in counts.as_report().items() if k.startswith("skipped") and v}
+    if skipped:
+        print("skipped    " + ", ".join(f"{v} {k.removeprefix('skipped_').replace('_', ' ')}" for k, v in skipped.items()))
+    print(f"how made   {out}.json")
     return 0
 
 

@@ -81,6 +81,7 @@ from tunefarm.records import MeasureRecord
 from tunefarm.search.cost_model import CostModel, XGBConfig, XGBCostModel, transfer
 from tunefarm.search.space.rule_set import rule_set_for
 from tunefarm.search.task import SearchTask, make_task
+from tunefarm.workloads.base import workload_from_stored
 
 CATCH_UP_CHUNK = 2000
 """Measurements read per query while catching up."""
@@ -299,7 +300,7 @@ class ClassModels:
                     task = self._task(shared, key, workloads[key])
                 if task is None:
                     continue
-                feats += features(task, records)
+                feats += task.record_features(records)
                 costs += [r.cost for r in records]
                 groups += [key] * len(records)
             if feats:
@@ -322,7 +323,7 @@ class ClassModels:
                         Workload.id == workload_id
                     )
                 ).one()
-            workload = workload_from_row(key=row.key, name=row.name, module_json=row.module_json, n_outputs=row.n_outputs)
+            workload = workload_from_stored(key=row.key, name=row.name, module_json=row.module_json, n_outputs=row.n_outputs)
             task = make_task(workload, shared.target)
             if task.key != key:
                 self.log(f"cost model: {key} rebuilds as {task.key}; its measurements are not learnt")
@@ -388,32 +389,6 @@ def _source(s: Session, version_id: int | None) -> TransferSource | None:
         .where(CostModelVersion.id == version_id)
     ).one()
     return TransferSource(version_id, row.name, row.version)
-
-
-def features(task: SearchTask, records: Sequence[MeasureRecord]) -> list[np.ndarray]:
-    """Feature matrices of measured programs of `task` (empty for records of a sketch set
-    that no longer exists), as `TaskTuner.features` computes them."""
-    usable = [
-        r for r in records if 0 <= r.sketch < len(task.sketches) and task.sketch_signature(r.sketch) == r.sketch_sig
-    ]
-    feats = dict(zip((r.candidate.key for r in usable), task.space.features_of([r.candidate for r in usable])))
-    empty = np.zeros((0, 0), dtype=np.float32)
-    return [feats.get(r.candidate.key, empty) for r in records]
-
-
-def workload_from_row(*, key: str, name: str, module_json: str, n_outputs: int):
-    """The `Workload` a workload row stands for: its IRModule, and the constant inputs
-    its key names (`...#<hash>+const1,2`)."""
-    import tvm
-
-    from tunefarm.workloads.base import workload_from_prim_func
-
-    mod = tvm.ir.load_json(module_json)
-    workload = workload_from_prim_func(name, mod["main"], n_outputs=n_outputs)
-    _, sep, consts = key.rpartition("+const")
-    if sep and consts:
-        workload = workload.with_constants([int(c) for c in consts.split(",")])
-    return workload
 
 
 def _sha256(path: str) -> str:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
+
 from tunefarm.errors import WorkloadError
+from tunefarm.records import MeasureRecord
 from tunefarm.search.space.dag import ComputeDag, analyse
 from tunefarm.search.space.program_space import ProgramSpace
 from tunefarm.search.space.rule_set import RuleSet, rule_set_for
@@ -45,6 +49,16 @@ class SearchTask:
 
     def sketch_signature(self, index: int) -> str:
         return self.sketches[index].signature
+
+    def record_features(self, records: Sequence[MeasureRecord]) -> list[np.ndarray]:
+        """Feature matrices of measured programs of this task, in order (an empty matrix
+        for a record of a sketch set that no longer exists), as the tuner computes them."""
+        usable = [
+            r for r in records if 0 <= r.sketch < len(self.sketches) and self.sketch_signature(r.sketch) == r.sketch_sig
+        ]
+        feats = dict(zip((r.candidate.key for r in usable), self.space.features_of([r.candidate for r in usable])))
+        empty = np.zeros((0, 0), dtype=np.float32)
+        return [feats.get(r.candidate.key, empty) for r in records]
 
 
 def make_task(workload: Workload, target: dict[str, Any]) -> SearchTask:

@@ -138,6 +138,19 @@ def workload_from_prim_func(
     return Workload(name, mod, inputs, outputs, float(flops), reference, bool(memory_bound))
 
 
+def workload_from_stored(*, key: str, name: str, module_json: str, n_outputs: int = 1) -> Workload:
+    """The `Workload` a stored workload stands for (a records file's sidecar line, a farm
+    workload row): its IRModule (`tvm.ir.save_json`), and the constant inputs its key
+    names (`...#<hash>+const1,2`)."""
+    import tvm
+
+    workload = workload_from_prim_func(name, tvm.ir.load_json(module_json)["main"], n_outputs=n_outputs)
+    _, sep, consts = key.rpartition("+const")
+    if sep and consts:
+        workload = workload.with_constants([int(c) for c in consts.split(",")])
+    return workload
+
+
 def workload_from_te(
     name: str,
     tensors: Sequence,
