@@ -734,6 +734,64 @@ def test_an_agent_alone_confirms_its_own_best_on_a_later_lease_and_cannot_disput
         assert task.best_cost == 0.002 and task.confirmed_cost == 0.002
 
 
+def _give_tokens(factory, farm: Farm, *groups: tuple[int, ...]) -> None:
+    """Register the agents of each group with one agent token of its own."""
+    with transaction(factory) as s:
+        for group in groups:
+            token, _ = queries.issue_token(s, kind=TokenKind.AGENT)
+            for agent_id in group:
+                s.get(Agent, agent_id).token_id = token.id
+
+
+def test_a_second_agent_of_the_same_token_never_confirms_the_first(db_sessions):
+    """One token, two names: a lying party registers `a` and `b`; `b` must not confirm
+    `a`'s fake time while an agent of another token (`c`) is live to check it, and when
+    only the party is live its word on `a` is a second word of `a`'s own (never a
+    dispute, and no evidence: `trust.verdict(same_party=True)`)."""
+    from services.db.models import Confirmation, ConfirmationState
+
+    farm = make_farm(db_sessions, candidates=2, agents=3)
+    a, b, c = farm.agent_ids
+    _give_tokens(db_sessions, farm, (a, b), (c,))
+    held = lease(db_sessions, a)
+    fake = record(db_sessions, farm, held, a, index=0, cost=0.0001)
+    record(db_sessions, farm, held, a, index=1, cost=None)
+    with transaction(db_sessions) as s:
+        queries.finish_lease(s, lease_id=held.id, agent_id=a)
+    check = _confirmation_batch(db_sessions, fake.measurement_id)
+    assert lease(db_sessions, b) is None  # its own token's time: c, of another token, is live
+    assert lease(db_sessions, a) is None
+    confirming = lease(db_sessions, c)
+    assert confirming.batch_id == check.id
+    (cand,) = queries_candidates(db_sessions, check.id)
+    with transaction(db_sessions) as s:
+        queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=c,
+                                   record=_record(_input(0), 0.002), fingerprint=FINGERPRINT)  # fmt: skip
+    with transaction(db_sessions) as s:
+        assert s.get(Measurement, fake.measurement_id).confirmation is ConfirmationState.DISPUTED
+        assert s.get(Agent, a).confirmations_disputed == 1
+    # c goes away: the party alone is its own confirmer, and b's word on a's next best
+    # counts no more than a's own would (a slower time is no dispute, a faster no proof).
+    farm2 = make_farm(db_sessions, candidates=1, agents=3)
+    a2, b2, c2 = farm2.agent_ids
+    _give_tokens(db_sessions, farm2, (a2, b2), (c2,))
+    held = lease(db_sessions, a2)
+    best = record(db_sessions, farm2, held, a2, index=0, cost=0.002)
+    with transaction(db_sessions) as s:
+        queries.finish_lease(s, lease_id=held.id, agent_id=a2)
+        s.get(Agent, c2).state = AgentState.OFFLINE
+    confirming = lease(db_sessions, b2)
+    assert confirming.batch_id == _confirmation_batch(db_sessions, best.measurement_id).id
+    (cand,) = queries_candidates(db_sessions, confirming.batch_id)
+    with transaction(db_sessions) as s:
+        queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b2,
+                                   record=_record(_input(0), 0.01), fingerprint=FINGERPRINT)  # fmt: skip
+    with transaction(db_sessions) as s:
+        conf = s.scalars(select(Confirmation).where(Confirmation.batch_candidate_id == cand)).one()
+        assert conf.outcome is ConfirmationState.CONFIRMED  # 5x slower, yet no dispute: one party
+        assert s.get(Agent, a2).confirmations_disputed == 0
+
+
 def test_times_below_the_floor_are_errors_that_count_against_the_agent(db_sessions):
     from services.db import timing_floor, trust
 

@@ -287,8 +287,8 @@ def lease_next_batch(
 ) -> Lease | None:
     """Lease the next batch of the agent's device class that is ready, or whose lease
     expired; None when there is none (or the agent is disabled, or its token revoked).
-    Confirmation batches go to agents other than the one whose time they check, when
-    one that may confirm is live (`_confirmations_for`).
+    Confirmation batches go to agents of another party (token) than the one whose time
+    they check, when one that may confirm is live (`_confirmations_for`).
 
     Fair share, team first: the next batch is one of the team that holds the fewest
     of the class's agents now (active leases), then of that team's job that holds the
@@ -388,23 +388,27 @@ def _fewest_held_first(counts: dict[int, int], key: ColumnElement[Any]) -> list[
 
 def _confirmations_for(session: Session, agent: Agent) -> ColumnElement[bool]:
     """The batches of the class the agent may take, as far as confirmations go: plain
-    batches always; another agent's confirmation when it may confirm (`trust`: not
-    flagged); its own only when no other agent of the class that may confirm is live."""
+    batches always; another party's confirmation when it may confirm (`trust`: not
+    flagged); its own party's (its own, or those of agents of its token: one token is
+    one party, `trust.same_party`) only when no agent of another party that may confirm
+    is live, so a token's second agent never confirms its first while anyone else could."""
     plain = Batch.avoid_agent_id.is_(None)
+    party = trust.same_party_clause(agent.id, agent.token_id)
     others = session.scalar(
         select(
             exists().where(
                 Agent.device_class_id == agent.device_class_id,
-                Agent.id != agent.id,
+                ~party,
                 Agent.state.in_([AgentState.IDLE, AgentState.BUSY]),
                 trust.may_confirm_clause(),
             )
         )
     )
+    own = Batch.avoid_agent_id.in_(select(Agent.id).where(party).scalar_subquery())
     may_confirm = not trust.is_flagged(trust.AgentCounts.of(agent))
     if others:
-        return or_(plain, Batch.avoid_agent_id != agent.id) if may_confirm else plain
-    return or_(plain, Batch.avoid_agent_id == agent.id, literal(may_confirm))
+        return or_(plain, ~own) if may_confirm else plain
+    return or_(plain, own, literal(may_confirm))
 
 
 def _may_lease(session: Session, agent: Agent) -> bool:
