@@ -861,6 +861,39 @@ def test_a_quarantined_agent_gets_no_lease_until_the_quarantine_is_lifted(db_ses
         queries.quarantine_agent(s, name="no such agent")
 
 
+def test_a_flagged_agent_is_leased_nothing_while_an_honest_one_is(db_sessions):
+    """A flagged agent's timings are not believed: every trial it ran would be spent for
+    nothing, so it gets no batch and no model run, and `lease_withheld` says why."""
+    farm = make_farm(db_sessions, batches=2)
+    liar, honest = farm.agent_ids
+    file = queries.StoredFile("model_runs/x/model.so", "0" * 64, 10)
+    with transaction(db_sessions) as s:
+        s.get(Agent, liar).below_floor = 1
+        run = queries.create_model_run(s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file,
+                                       inputs=file, repeat=3, warmup=1, timeout_secs=60.0).id  # fmt: skip
+    assert lease(db_sessions, liar) is None
+    with transaction(db_sessions) as s:
+        assert queries.lease_model_run(s, agent_id=liar, lease_secs=LEASE_SECS, max_attempts=2) is None
+        reason = queries.lease_withheld(s, agent_id=liar)
+        assert reason.startswith("flagged") and "below the timing floor" in reason
+        assert queries.lease_withheld(s, agent_id=honest) is None
+        assert queries.heartbeat(s, agent_id=liar, lease_secs=LEASE_SECS) == []  # it still heartbeats
+        queries.heartbeat(s, agent_id=honest, lease_secs=LEASE_SECS)
+    with transaction(db_sessions) as s:  # the scheduler counts the honest one only (fair share, model runs)
+        from services.scheduler import job_store
+
+        assert job_store.live_agents_by_class(s, fresh_secs=60).get(farm.device_class_id) == 1
+    assert lease(db_sessions, honest).batch_id == farm.batch_ids[0]
+    with transaction(db_sessions) as s:
+        assert queries.lease_model_run(s, agent_id=honest, lease_secs=LEASE_SECS, max_attempts=2).id == run
+        s.get(Agent, liar).below_floor = 0
+        s.get(Agent, liar).confirmations_disputed = 2  # disputed as often as confirmed (never): flagged too
+        assert "disputed by other agents" in queries.lease_withheld(s, agent_id=liar)
+        queries.quarantine_agent(s, name=s.get(Agent, liar).name)
+        assert queries.lease_withheld(s, agent_id=liar).startswith("quarantined")
+    assert lease(db_sessions, liar) is None
+
+
 def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests_only(db_sessions, tmp_path):
     """The scheduler's side (`JobRunner.finish`): the tuned model gets each task's fastest
     kernel that a second measurement confirmed, never a disputed or unconfirmed one."""

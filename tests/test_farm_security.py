@@ -172,6 +172,30 @@ def test_an_agent_naming_a_class_no_operator_created_is_refused(lease_server, re
     assert LeaseServiceSettings().auto_create_device_classes is False
 
 
+def test_a_flagged_agent_is_told_why_it_gets_no_batch_while_an_honest_one_gets_it(lease_server, ready_batch, db_sessions):
+    farm, class_name, token = ready_batch
+    with transaction(db_sessions) as s:
+        _, honest_token = queries.issue_token(s, kind=TokenKind.AGENT, label="honest")
+    with grpc.insecure_channel(lease_server.address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        liar, liar_secret = _register(stub, token, class_name, f"{class_name}-liar")
+        honest, honest_secret = _register(stub, honest_token, class_name, f"{class_name}-honest")
+        with transaction(db_sessions) as s:
+            s.get(Agent, liar).below_floor = 2  # it reported times below the class's floor
+        meta = wire.agent_metadata(token, liar_secret)
+        started = time.monotonic()
+        answer = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=liar, model_runs=True), metadata=meta, timeout=10)
+        assert not answer.HasField("batch") and not answer.HasField("model_run")
+        assert answer.withheld.startswith("flagged") and "2 result(s) below the timing floor" in answer.withheld
+        assert time.monotonic() - started < 5  # answered at once, not a long poll
+        stub.Heartbeat(pb.HeartbeatRequest(agent_id=liar), metadata=meta, timeout=10)  # it still heartbeats
+        got = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=honest), metadata=wire.agent_metadata(honest_token, honest_secret),
+                              timeout=10)  # fmt: skip
+        assert got.batch.batch_id == farm.batch_ids[0] and not got.withheld
+    with transaction(db_sessions) as s:
+        assert s.get(Agent, liar).last_heartbeat_at is not None
+
+
 # -- a false lease service ---------------------------------------------------------------------
 
 
@@ -426,6 +450,46 @@ def test_a_false_server_cannot_make_the_agent_write_outside_its_work_directory(t
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == {"x.npz": b"precious"}
     result = servicer.results[1]
     assert result.error_kind == pb.ERROR_KIND_RUN_ERROR and "task data unavailable: refused" in result.error_msg
+
+
+def test_an_agent_told_it_is_leased_nothing_logs_why_keeps_heartbeating_and_asks_again(tmp_path, farm_keys, caplog):
+    _, _, public_key = farm_keys
+    beats: list[float] = []
+    asks: list[float] = []
+    reason = "flagged (2 result(s) below the timing floor)\x1b[2J"  # what a false server might put in it
+
+    class Withholding(FalseLeaseService):
+        """Leases nothing, saying why, until the agent has heartbeated twice meanwhile."""
+
+        def Heartbeat(self, request, context):
+            beats.append(time.monotonic())
+            return super().Heartbeat(request, context)
+
+        def LeaseBatch(self, request, context):
+            if len(beats) < 2:
+                asks.append(time.monotonic())
+                return pb.LeaseBatchResponse(withheld=reason)
+            return super().LeaseBatch(request, context)
+
+    kernel = pb.ArtifactRef(kind=pb.ARTIFACT_KIND_KERNEL, id=1, file_name="k.so")
+    td_ref = pb.ArtifactRef(kind=pb.ARTIFACT_KIND_TASK_DATA, id=1, file_name="x.npz", sha256="0" * 64, size=10)
+    batch = _batch([pb.LeasedCandidate(batch_candidate_id=1, candidate_key="c1", kernel=kernel)], td_ref)
+    servicer = Withholding([batch], {})
+    server, address = _serve(servicer)
+    caplog.set_level("INFO", logger="tunefarm")
+    try:
+        errors = _run_agent_until(servicer, _settings(address, tmp_path / "work", public_key),
+                                  lambda: 1 in servicer.results)  # fmt: skip
+    finally:
+        server.stop(0)
+    assert errors == []
+    said = [r.getMessage() for r in caplog.records if "leases this agent nothing" in r.getMessage()]
+    assert len(said) == 1 and "flagged (2 result(s) below the timing floor)\\x1b[2J" in said[0]  # once, escaped
+    assert any("leases this agent work again" in r.getMessage() for r in caplog.records)
+    # It asked again after each wait (1 s: its lease_wait_secs), not in a tight loop, and
+    # heartbeated meanwhile (the server withheld work until it had).
+    assert asks and all(later - earlier >= 0.9 for earlier, later in zip(asks, asks[1:]))
+    assert len(beats) >= 2
 
 
 # -- the agent's own refusals --------------------------------------------------------------------

@@ -7,7 +7,10 @@ replicas) at any time: an agent's calls fail with UNAVAILABLE meanwhile and it r
 
 - `LeaseBatch` is a long poll (`lease_wait_secs`) that asks the database only when the
   agent's class may have work (services/lease/work_board.py), with at most
-  `grpc_max_workers - RPC_THREADS_KEPT_FREE` polls waiting at once.
+  `grpc_max_workers - RPC_THREADS_KEPT_FREE` polls waiting at once. An agent that may be
+  leased nothing (flagged, quarantined: `queries.lease_withheld`) is answered at once
+  with why (`LeaseBatchResponse.withheld`): its timings are not believed, so any trial
+  it ran would be spent for nothing.
 - Model runs: an agent that asks for them (`LeaseBatchRequest.model_runs`) gets its
   class's oldest ready `ModelRun` before any batch (it ends a job); `Fetch` serves its
   library and inputs (services/lease/files.py), `ReportModelRun` stores its outputs
@@ -282,6 +285,9 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             wait = min(wait, max(0.0, remaining - 1.0))
         deadline = time.monotonic() + wait
         self._reconcile(request, agent)
+        withheld = self._withheld(agent)
+        if withheld is not None:
+            return pb.LeaseBatchResponse(withheld=withheld)
         leased = self._try_lease(request, agent)
         if leased is not None or wait <= 0:
             return leased or pb.LeaseBatchResponse()
@@ -298,6 +304,18 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                     return leased
         finally:
             self._waiting.release()
+
+    def _withheld(self, agent: AgentInfo) -> str | None:
+        """Why the agent is leased nothing (flagged, quarantined...), answered at once
+        instead of a long poll that could never lease it anything; None: it may be."""
+        try:
+            reason = self._tx(lambda s: queries.lease_withheld(s, agent_id=agent.agent_id))
+        except db_exc.NotFound:
+            self.auth.forget(agent.agent_id)
+            raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again") from None
+        if reason is not None:
+            log.info("agent %s is leased nothing: %s", agent.name, reason)
+        return reason
 
     def _reconcile(self, request: pb.LeaseBatchRequest, agent: AgentInfo) -> None:
         """End every active lease and leased model run of the agent that it does not say

@@ -34,6 +34,14 @@ _KIND_TO_PB = {
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
 
+def printable(text: str, limit: int = 500) -> str:
+    """`text` safe to print to a terminal or a log: control characters (an ANSI escape
+    that would rewrite the screen, a newline that would forge a log line) are shown
+    escaped, and it is cut at `limit` characters. For what a peer sent."""
+    out = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text[:limit])
+    return out + ("..." if len(text) > limit else "")
+
+
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((AUTH_HEADER, f"Bearer {token}"),)
 
