@@ -430,6 +430,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                         kind=pb.ARTIFACT_KIND_KERNEL,
                         id=c.id,
                         file_name=Path(c.artifact_path).name if c.artifact_path else "",
+                        size=self._artifact_size(c.artifact_path),
                         signature=_signature(c.artifact_signature),
                         signed_as=signed_as or 0,
                     ),
@@ -444,6 +445,16 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             run_timeout_secs=batch.run_timeout_secs,
             workload_name=wl.name,
         )
+
+    def _artifact_size(self, rel: str | None) -> int:
+        """A stored kernel's size, declared with its lease so that the agent takes no more
+        (0: unknown; `Fetch` says why it cannot serve it)."""
+        if not rel:
+            return 0
+        try:
+            return artifacts.resolve(self.artifact_root, rel).stat().st_size
+        except (artifacts.OutsideArtifactRoot, OSError):
+            return 0
 
     # -- files ----------------------------------------------------------------------------
 
