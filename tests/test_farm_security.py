@@ -217,6 +217,32 @@ def test_a_lease_declares_each_kernels_size_so_the_agent_takes_no_more(lease_ser
     assert sizes == {built: 1234, unbuilt: 0}
 
 
+@pytest.mark.parametrize("name", ["evil\x1b[2J\x1b[31mname", "two\nlines", "a b", "é-look-alike", "x" * 129, "../x"])
+def test_an_agent_name_with_other_characters_is_refused_at_registration(lease_server, ready_batch, db_sessions, name):
+    _, class_name, token = ready_batch
+    with grpc.insecure_channel(lease_server.address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            _register(stub, token, class_name, name)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details()
+        assert wire.AGENT_NAME_RULE in details and "\x1b" not in details and "\n" not in details
+        _register(stub, token, class_name, f"{class_name}-Host_1.example")  # letters, digits, '.', '_', '-'
+    with transaction(db_sessions) as s:
+        assert s.scalar(select(Agent.id).where(Agent.name == name)) is None
+
+
+def test_agent_names_the_farm_makes_or_an_agent_is_given_follow_the_rule():
+    from tunefarm.display import printable
+    from tunefarm_app.farm_local import _name_part
+
+    assert wire.valid_agent_name("box-avx2") and wire.valid_agent_name("a" * 128) and not wire.valid_agent_name("")
+    assert wire.valid_agent_name(_name_part("host") + "-" + _name_part("my farm (test)") + "-agent")
+    with pytest.raises(BadRequest, match="refused: a name is 1 to 128 characters"):
+        AgentSettings(server="127.0.0.1:1", token="tfa_" + "x" * 40, accept_unsigned_code=True, name="box\x1b[2J")
+    assert printable("ok\x1b[2J\nforged") == "ok\\x1b[2J\\nforged"  # what `tunefarm devices` prints of an old name
+
+
 # -- a false lease service ---------------------------------------------------------------------
 
 

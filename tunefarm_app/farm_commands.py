@@ -39,6 +39,7 @@ import math
 import os
 from pathlib import Path
 
+from tunefarm.display import printable
 from tunefarm.errors import UsageError
 from tunefarm.secret_flags import read_secret_file, refuse_on_command_line
 
@@ -334,8 +335,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
             machine += f", {' '.join(caps['isa_features'])}"
         if caps.get("emulated"):
             machine += ", EMULATED (timings are the emulator's)"
-        print(f"agent      {a['name']} ({a['device_class']}; {machine}): {a['state']}, "
-              f"{a['measurements_done']} measured, {errors}; last heartbeat {seen}")
+        # The name and capabilities are the agent's word: printed escaped (no terminal escapes).
+        print(printable(f"agent      {a['name']} ({a['device_class']}; {machine}): {a['state']}, "
+                        f"{a['measurements_done']} measured, {errors}; last heartbeat {seen}", 2000))
         print(f"  timings  {_standing(a)}")
     if not classes and not agents:
         print("no device classes or agents yet")

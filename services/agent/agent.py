@@ -65,6 +65,7 @@ from services.protocol.errors import (
 from services.protocol.generated import measurer_pb2 as pb
 from services.protocol.generated import measurer_pb2_grpc as pb_grpc
 from services.protocol.signing import ArtifactVerifier, KeyFileError
+from tunefarm.display import printable
 from tunefarm.measure.runner import LocalRunner, ModelRunInput, Runner
 from tunefarm.records import ErrorKind, RunInput, RunResult
 from tunefarm.sandbox import Sandbox
@@ -349,7 +350,7 @@ class Agent:
         reason, and again every `WITHHELD_LOG_SECS`, not on every poll."""
         now = time.monotonic()
         if reason != self._withheld_reason or now - self._withheld_logged >= WITHHELD_LOG_SECS:
-            log.warning("the server leases this agent nothing: %s", wire.printable(reason))
+            log.warning("the server leases this agent nothing: %s", printable(reason))
             self._withheld_reason, self._withheld_logged = reason, now
 
     def _measure(self, batch: pb.LeasedBatch) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from services.protocol.errors import BadRequest
+from services.protocol.wire import AGENT_NAME_RULE, valid_agent_name
 
 ENV_PREFIX = "TUNEFARM_AGENT_"
 
@@ -113,6 +114,8 @@ class AgentSettings:
         return cls(**values)
 
     def __post_init__(self) -> None:
+        if self.name is not None and not valid_agent_name(self.name):
+            raise BadRequest(f"agent name {self.name[:130]!r} refused: a name is {AGENT_NAME_RULE}")
         if self.max_download_bytes < 1:
             raise BadRequest(f"{env_name('max_download_bytes')} must be a positive number of bytes")
         if bool(self.tls_cert) != bool(self.tls_key):

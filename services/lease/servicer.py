@@ -194,6 +194,8 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         name, class_name = request.name.strip(), request.device_class.strip()
         if not name or not class_name:
             raise BadRequest("Register needs a name and a device class")
+        if not wire.valid_agent_name(name):
+            raise BadRequest(f"agent name {name[:130]!r} refused: a name is {wire.AGENT_NAME_RULE}")
         caps = MessageToDict(request.capabilities, preserving_proto_field_name=True)
         detected = _json_dict(caps.get("target_json", ""))
 
@@ -207,6 +209,8 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                     )
                 if not detected.get("kind"):
                     raise BadRequest(f"device class {class_name!r} does not exist and the agent sent no target")
+                if not wire.valid_agent_name(class_name):  # a class an agent names is shown as its name is
+                    raise BadRequest(f"device class name {class_name[:130]!r} refused: a name is {wire.AGENT_NAME_RULE}")
                 s.execute(
                     pg_insert(DeviceClass)
                     .values(name=class_name, target=detected, description=f"created by agent {name}")
