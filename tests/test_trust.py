@@ -127,7 +127,7 @@ def api(database_url, db_sessions, tmp_path_factory):
     from tunefarm_app.bench.farm_progress import seed_job
 
     job = seed_job(db_sessions, measurements=40, tasks=2)
-    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path_factory.mktemp("artifacts"),
+    settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=tmp_path_factory.mktemp("artifacts"),
                            token_cache_secs=0)  # fmt: skip
     with TestClient(create_app(settings)) as client:
         yield client, job
