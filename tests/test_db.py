@@ -889,9 +889,18 @@ def test_a_flagged_agent_is_leased_nothing_while_an_honest_one_is(db_sessions):
         s.get(Agent, liar).below_floor = 0
         s.get(Agent, liar).confirmations_disputed = 2  # disputed as often as confirmed (never): flagged too
         assert "disputed by other agents" in queries.lease_withheld(s, agent_id=liar)
-        queries.quarantine_agent(s, name=s.get(Agent, liar).name)
+        name = s.get(Agent, liar).name
+        pardoned = queries.clear_flags(s, name=name)  # an operator's word: it is leased again
+        assert (pardoned.below_floor, pardoned.confirmations_disputed) == (0, 0)
+        assert queries.lease_withheld(s, agent_id=liar) is None
+        s.get(Agent, liar).below_floor = 1
+        queries.quarantine_agent(s, name=name)
         assert queries.lease_withheld(s, agent_id=liar).startswith("quarantined")
     assert lease(db_sessions, liar) is None
+    with transaction(db_sessions) as s:
+        queries.lift_quarantine(s, name=name)
+        queries.heartbeat(s, agent_id=liar, lease_secs=LEASE_SECS)
+    assert lease(db_sessions, liar) is None  # let out of quarantine, still flagged
 
 
 def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests_only(db_sessions, tmp_path):

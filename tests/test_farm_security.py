@@ -173,7 +173,8 @@ def test_an_agent_naming_a_class_no_operator_created_is_refused(lease_server, re
     assert LeaseServiceSettings().auto_create_device_classes is False
 
 
-def test_a_flagged_agent_is_told_why_it_gets_no_batch_while_an_honest_one_gets_it(lease_server, ready_batch, db_sessions):
+def test_a_flagged_agent_is_told_why_it_gets_no_batch_while_an_honest_one_gets_it(lease_server, ready_batch, db_sessions,
+                                                                                  database_url, capsys):
     farm, class_name, token = ready_batch
     with transaction(db_sessions) as s:
         _, honest_token = queries.issue_token(s, kind=TokenKind.AGENT, label="honest")
@@ -193,6 +194,13 @@ def test_a_flagged_agent_is_told_why_it_gets_no_batch_while_an_honest_one_gets_i
         got = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=honest), metadata=wire.agent_metadata(honest_token, honest_secret),
                               timeout=10)  # fmt: skip
         assert got.batch.batch_id == farm.batch_ids[0] and not got.withheld
+        # An operator looked and pardons it: it is leased work again.
+        from tunefarm_app.cli import main as cli
+
+        assert cli(["farm", "agent", "unflag", f"{class_name}-liar", "--database-url", database_url]) == 0
+        assert "unconfirmed" in capsys.readouterr().out
+        answer = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=liar), metadata=meta, timeout=10)
+        assert not answer.withheld
     with transaction(db_sessions) as s:
         assert s.get(Agent, liar).last_heartbeat_at is not None
 

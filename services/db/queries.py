@@ -433,7 +433,8 @@ def _withheld(session: Session, agent: Agent) -> str | None:
         return "its agent token is revoked"
     reasons = trust.flag_reasons(trust.AgentCounts.of(agent))
     if reasons:
-        return f"flagged ({'; '.join(reasons)}): leased nothing while its timings are not believed"
+        return (f"flagged ({'; '.join(reasons)}): leased nothing while its timings are not believed "
+                "(an operator's `tunefarm farm agent unflag` lets it back)")
     return None
 
 
@@ -958,6 +959,20 @@ def lift_quarantine(session: Session, *, name: str, now: datetime | None = None)
         execution_options={"synchronize_session": False},
     )
     confirmations.refresh_agent_tasks(session, agent_id=agent_id, now=now)
+    return _fresh_agent(session, agent_id)
+
+
+def clear_flags(session: Session, *, name: str) -> Agent:
+    """An operator's pardon of a flagged agent (`tunefarm farm agent unflag`): its results
+    below the floor and its disputed timings no longer count against it, so it is leased
+    work again (a flagged agent is leased nothing, so nothing else could clear them). Its
+    measurements keep their verdicts: a disputed one stays disputed, one below the floor
+    an error. Raises `NotFound`."""
+    agent_id = _agent_id(session, name)
+    session.execute(
+        update(Agent).where(Agent.id == agent_id).values(below_floor=0, confirmations_disputed=0),
+        execution_options={"synchronize_session": False},
+    )
     return _fresh_agent(session, agent_id)
 
 
