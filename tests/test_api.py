@@ -54,7 +54,7 @@ def farm(database_url, db_sessions, tmp_path_factory):
         }
         admin.ensure_device_class(s, name=CLASS, target={"kind": "llvm", "num-cores": 2})
         admin.ensure_device_class(s, name=GPU_CLASS, target={"kind": "cuda", "arch": "sm_80"})
-    settings = ApiSettings(database_url=database_url, artifact_root=root, max_upload_bytes=MAX_UPLOAD, token_cache_secs=0)
+    settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=root, max_upload_bytes=MAX_UPLOAD, token_cache_secs=0)
     with TestClient(create_app(settings)) as client:
         yield {"client": client, "tokens": tokens, "root": root, "sessions": db_sessions}
 

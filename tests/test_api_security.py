@@ -44,6 +44,7 @@ def settings(database_url, tmp_path_factory) -> ApiSettings:
         max_upload_bytes=MAX_UPLOAD,
         multipart_overhead_bytes=1024,
         token_cache_secs=0,
+        api_allowed_hosts=["127.0.0.1", "testserver", "api"],  # the names the tests reach it by
     )
 
 
@@ -217,6 +218,57 @@ def test_over_a_socket_the_server_stops_reading_a_chunked_body(served, settings,
     # The server closed the connection: what the socket took is the limit, the linger
     # and the kernel's buffers, a fraction of what was offered.
     assert sent < offered // 4, sent
+
+
+# -- host names (DNS rebinding) and the schema browsers -----------------------------------------
+
+
+def _default_client(settings: ApiSettings, **changes):
+    from fastapi.testclient import TestClient
+
+    fresh = settings.model_copy(update={"api_allowed_hosts": None, **changes})  # the default: this machine's names
+    return TestClient(create_app(fresh), base_url="http://localhost:8000")
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "[::2]:8000", "a:b"])
+def test_a_request_naming_another_host_is_a_400_with_a_json_body(settings, host):
+    with _default_client(settings) as client:
+        r = client.get("/healthz", headers={"Host": host})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "invalid_host" and "TUNEFARM_API_ALLOWED_HOSTS" in r.json()["error"]["message"]
+        assert r.headers["x-frame-options"] == "DENY"  # the security headers are on a refusal too
+        r = client.post("/v1/models", headers={"Host": host}, content=b"x" * 1000)  # refused before auth or body
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+        for own in ("localhost", "localhost:8000", "127.0.0.1:8000", "[::1]:8000", "LOCALHOST"):
+            assert client.get("/healthz", headers={"Host": own}).status_code == 200, own
+
+
+def test_the_host_names_the_api_answers_to_are_a_setting(settings):
+    assert ApiSettings(api_bind="farm.lan:8000").allowed_hosts() == ["localhost", "127.0.0.1", "::1", "farm.lan"]
+    assert ApiSettings(api_bind="0.0.0.0:8000").allowed_hosts() == ["localhost", "127.0.0.1", "::1"]  # names none
+    assert ApiSettings(api_allowed_hosts="farm.example, *.farm.example").allowed_hosts() == ["farm.example",
+                                                                                          "*.farm.example"]  # fmt: skip
+    with pytest.raises(ValueError, match="no host name or pattern"):
+        ApiSettings(api_allowed_hosts="farm.*")
+    with _default_client(settings, api_allowed_hosts=["*.farm.example"]) as client:
+        assert client.get("/healthz", headers={"Host": "eu.farm.example"}).status_code == 200
+        assert client.get("/healthz", headers={"Host": "localhost"}).status_code == 400  # only what is listed
+    with _default_client(settings, api_allowed_hosts=["*"]) as client:
+        assert client.get("/healthz", headers={"Host": "evil.example"}).status_code == 200
+
+
+def test_over_a_socket_a_rebound_host_name_is_refused(served):
+    answer = httpx.get(f"http://127.0.0.1:{served}/healthz", headers={"Host": "evil.example"}, timeout=10)
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_host"
+    assert httpx.get(f"http://127.0.0.1:{served}/healthz", timeout=10).status_code == 200
+
+
+def test_the_schema_browsers_that_load_cdn_scripts_are_off_unless_asked_for(settings):
+    with _default_client(settings) as client:
+        assert client.get("/docs").status_code == 404 and client.get("/redoc").status_code == 404
+        assert client.get("/openapi.json").status_code == 200  # the schema itself loads nothing
+    with _default_client(settings, api_docs=True) as client:
+        assert client.get("/docs").status_code == 200 and client.get("/redoc").status_code == 200
 
 
 # -- ONNX external data ------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def teams(db_sessions) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def api(database_url, tmp_path_factory):
-    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path_factory.mktemp("artifacts"),
+    settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=tmp_path_factory.mktemp("artifacts"),
                            token_cache_secs=0, team_max_active_jobs=MAX_JOBS, team_max_active_trials=MAX_TRIALS)
     with TestClient(create_app(settings)) as client:
         yield client, settings

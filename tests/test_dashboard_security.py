@@ -31,7 +31,8 @@ SECURITY_HEADERS = ("content-security-policy", "x-frame-options", "x-content-typ
 @pytest.fixture(scope="module")
 def client(database_url, tmp_path_factory):
     settings = ApiSettings(database_url=database_url, artifact_root=tmp_path_factory.mktemp("artifacts"),
-                           token_cache_secs=0, ui_trusted_origins=["https://farm.example"])
+                           token_cache_secs=0, ui_trusted_origins=["https://farm.example"],
+                           api_allowed_hosts=["testserver"], api_docs=True)
     with TestClient(create_app(settings), follow_redirects=False) as c:
         yield c
 
@@ -123,7 +124,7 @@ def test_an_expired_session_is_over(client, token, db_sessions):
 
 
 def test_the_cookie_is_secure_over_https(database_url, tmp_path, token):
-    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path, token_cache_secs=0)
+    settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=tmp_path, token_cache_secs=0)
     with TestClient(create_app(settings), base_url="https://testserver", follow_redirects=False) as c:
         r = c.post("/ui/login", data={"token": token}, headers={"Origin": "https://testserver"})
         assert r.status_code == 303 and "secure" in r.headers["set-cookie"].lower()

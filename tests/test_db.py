@@ -734,6 +734,64 @@ def test_an_agent_alone_confirms_its_own_best_on_a_later_lease_and_cannot_disput
         assert task.best_cost == 0.002 and task.confirmed_cost == 0.002
 
 
+def _give_tokens(factory, farm: Farm, *groups: tuple[int, ...]) -> None:
+    """Register the agents of each group with one agent token of its own."""
+    with transaction(factory) as s:
+        for group in groups:
+            token, _ = queries.issue_token(s, kind=TokenKind.AGENT)
+            for agent_id in group:
+                s.get(Agent, agent_id).token_id = token.id
+
+
+def test_a_second_agent_of_the_same_token_never_confirms_the_first(db_sessions):
+    """One token, two names: a lying party registers `a` and `b`; `b` must not confirm
+    `a`'s fake time while an agent of another token (`c`) is live to check it, and when
+    only the party is live its word on `a` is a second word of `a`'s own (never a
+    dispute, and no evidence: `trust.verdict(same_party=True)`)."""
+    from services.db.models import Confirmation, ConfirmationState
+
+    farm = make_farm(db_sessions, candidates=2, agents=3)
+    a, b, c = farm.agent_ids
+    _give_tokens(db_sessions, farm, (a, b), (c,))
+    held = lease(db_sessions, a)
+    fake = record(db_sessions, farm, held, a, index=0, cost=0.0001)
+    record(db_sessions, farm, held, a, index=1, cost=None)
+    with transaction(db_sessions) as s:
+        queries.finish_lease(s, lease_id=held.id, agent_id=a)
+    check = _confirmation_batch(db_sessions, fake.measurement_id)
+    assert lease(db_sessions, b) is None  # its own token's time: c, of another token, is live
+    assert lease(db_sessions, a) is None
+    confirming = lease(db_sessions, c)
+    assert confirming.batch_id == check.id
+    (cand,) = queries_candidates(db_sessions, check.id)
+    with transaction(db_sessions) as s:
+        queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=c,
+                                   record=_record(_input(0), 0.002), fingerprint=FINGERPRINT)  # fmt: skip
+    with transaction(db_sessions) as s:
+        assert s.get(Measurement, fake.measurement_id).confirmation is ConfirmationState.DISPUTED
+        assert s.get(Agent, a).confirmations_disputed == 1
+    # c goes away: the party alone is its own confirmer, and b's word on a's next best
+    # counts no more than a's own would (a slower time is no dispute, a faster no proof).
+    farm2 = make_farm(db_sessions, candidates=1, agents=3)
+    a2, b2, c2 = farm2.agent_ids
+    _give_tokens(db_sessions, farm2, (a2, b2), (c2,))
+    held = lease(db_sessions, a2)
+    best = record(db_sessions, farm2, held, a2, index=0, cost=0.002)
+    with transaction(db_sessions) as s:
+        queries.finish_lease(s, lease_id=held.id, agent_id=a2)
+        s.get(Agent, c2).state = AgentState.OFFLINE
+    confirming = lease(db_sessions, b2)
+    assert confirming.batch_id == _confirmation_batch(db_sessions, best.measurement_id).id
+    (cand,) = queries_candidates(db_sessions, confirming.batch_id)
+    with transaction(db_sessions) as s:
+        queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b2,
+                                   record=_record(_input(0), 0.01), fingerprint=FINGERPRINT)  # fmt: skip
+    with transaction(db_sessions) as s:
+        conf = s.scalars(select(Confirmation).where(Confirmation.batch_candidate_id == cand)).one()
+        assert conf.outcome is ConfirmationState.CONFIRMED  # 5x slower, yet no dispute: one party
+        assert s.get(Agent, a2).confirmations_disputed == 0
+
+
 def test_times_below_the_floor_are_errors_that_count_against_the_agent(db_sessions):
     from services.db import timing_floor, trust
 
@@ -801,6 +859,48 @@ def test_a_quarantined_agent_gets_no_lease_until_the_quarantine_is_lifted(db_ses
     assert lease(db_sessions, a) is not None
     with pytest.raises(NotFound), transaction(db_sessions) as s:
         queries.quarantine_agent(s, name="no such agent")
+
+
+def test_a_flagged_agent_is_leased_nothing_while_an_honest_one_is(db_sessions):
+    """A flagged agent's timings are not believed: every trial it ran would be spent for
+    nothing, so it gets no batch and no model run, and `lease_withheld` says why."""
+    farm = make_farm(db_sessions, batches=2)
+    liar, honest = farm.agent_ids
+    file = queries.StoredFile("model_runs/x/model.so", "0" * 64, 10)
+    with transaction(db_sessions) as s:
+        s.get(Agent, liar).below_floor = 1
+        run = queries.create_model_run(s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file,
+                                       inputs=file, repeat=3, warmup=1, timeout_secs=60.0).id  # fmt: skip
+    assert lease(db_sessions, liar) is None
+    with transaction(db_sessions) as s:
+        assert queries.lease_model_run(s, agent_id=liar, lease_secs=LEASE_SECS, max_attempts=2) is None
+        reason = queries.lease_withheld(s, agent_id=liar)
+        assert reason.startswith("flagged") and "below the timing floor" in reason
+        assert queries.lease_withheld(s, agent_id=honest) is None
+        assert queries.heartbeat(s, agent_id=liar, lease_secs=LEASE_SECS) == []  # it still heartbeats
+        queries.heartbeat(s, agent_id=honest, lease_secs=LEASE_SECS)
+    with transaction(db_sessions) as s:  # the scheduler counts the honest one only (fair share, model runs)
+        from services.scheduler import job_store
+
+        assert job_store.live_agents_by_class(s, fresh_secs=60).get(farm.device_class_id) == 1
+    assert lease(db_sessions, honest).batch_id == farm.batch_ids[0]
+    with transaction(db_sessions) as s:
+        assert queries.lease_model_run(s, agent_id=honest, lease_secs=LEASE_SECS, max_attempts=2).id == run
+        s.get(Agent, liar).below_floor = 0
+        s.get(Agent, liar).confirmations_disputed = 2  # disputed as often as confirmed (never): flagged too
+        assert "disputed by other agents" in queries.lease_withheld(s, agent_id=liar)
+        name = s.get(Agent, liar).name
+        pardoned = queries.clear_flags(s, name=name)  # an operator's word: it is leased again
+        assert (pardoned.below_floor, pardoned.confirmations_disputed) == (0, 0)
+        assert queries.lease_withheld(s, agent_id=liar) is None
+        s.get(Agent, liar).below_floor = 1
+        queries.quarantine_agent(s, name=name)
+        assert queries.lease_withheld(s, agent_id=liar).startswith("quarantined")
+    assert lease(db_sessions, liar) is None
+    with transaction(db_sessions) as s:
+        queries.lift_quarantine(s, name=name)
+        queries.heartbeat(s, agent_id=liar, lease_secs=LEASE_SECS)
+    assert lease(db_sessions, liar) is None  # let out of quarantine, still flagged
 
 
 def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests_only(db_sessions, tmp_path):

@@ -19,6 +19,7 @@ agent, a false server), each reproduced against the real code:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -170,6 +171,84 @@ def test_an_agent_naming_a_class_no_operator_created_is_refused(lease_server, re
     with transaction(db_sessions) as s:
         assert s.scalar(select(DeviceClass.id).where(DeviceClass.name == made_up)) is None
     assert LeaseServiceSettings().auto_create_device_classes is False
+
+
+def test_a_flagged_agent_is_told_why_it_gets_no_batch_while_an_honest_one_gets_it(lease_server, ready_batch, db_sessions,
+                                                                                  database_url, capsys):
+    farm, class_name, token = ready_batch
+    with transaction(db_sessions) as s:
+        _, honest_token = queries.issue_token(s, kind=TokenKind.AGENT, label="honest")
+    with grpc.insecure_channel(lease_server.address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        liar, liar_secret = _register(stub, token, class_name, f"{class_name}-liar")
+        honest, honest_secret = _register(stub, honest_token, class_name, f"{class_name}-honest")
+        with transaction(db_sessions) as s:
+            s.get(Agent, liar).below_floor = 2  # it reported times below the class's floor
+        meta = wire.agent_metadata(token, liar_secret)
+        started = time.monotonic()
+        answer = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=liar, model_runs=True), metadata=meta, timeout=10)
+        assert not answer.HasField("batch") and not answer.HasField("model_run")
+        assert answer.withheld.startswith("flagged") and "2 result(s) below the timing floor" in answer.withheld
+        assert time.monotonic() - started < 5  # answered at once, not a long poll
+        stub.Heartbeat(pb.HeartbeatRequest(agent_id=liar), metadata=meta, timeout=10)  # it still heartbeats
+        got = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=honest), metadata=wire.agent_metadata(honest_token, honest_secret),
+                              timeout=10)  # fmt: skip
+        assert got.batch.batch_id == farm.batch_ids[0] and not got.withheld
+        # An operator looked and pardons it: it is leased work again.
+        from tunefarm_app.cli import main as cli
+
+        assert cli(["farm", "agent", "unflag", f"{class_name}-liar", "--database-url", database_url]) == 0
+        assert "unconfirmed" in capsys.readouterr().out
+        answer = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=liar), metadata=meta, timeout=10)
+        assert not answer.withheld
+    with transaction(db_sessions) as s:
+        assert s.get(Agent, liar).last_heartbeat_at is not None
+
+
+def test_a_lease_declares_each_kernels_size_so_the_agent_takes_no_more(lease_server, ready_batch, db_sessions):
+    from services.db.models import BatchCandidate
+
+    farm, class_name, token = ready_batch
+    built, unbuilt = farm.candidate_ids[farm.batch_ids[0]]
+    rel = f"kernels/{uuid.uuid4().hex}.so"
+    path = lease_server.servicer.artifact_root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x7fELF" + b"\0" * 1230)
+    with transaction(db_sessions) as s:
+        s.get(BatchCandidate, built).artifact_path = rel
+    with grpc.insecure_channel(lease_server.address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        agent, secret = _register(stub, token, class_name, f"{class_name}-sized")
+        leased = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=agent), metadata=wire.agent_metadata(token, secret),
+                                 timeout=10).batch  # fmt: skip
+    sizes = {c.batch_candidate_id: c.kernel.size for c in leased.candidates}
+    assert sizes == {built: 1234, unbuilt: 0}
+
+
+@pytest.mark.parametrize("name", ["evil\x1b[2J\x1b[31mname", "two\nlines", "a b", "é-look-alike", "x" * 129, "../x"])
+def test_an_agent_name_with_other_characters_is_refused_at_registration(lease_server, ready_batch, db_sessions, name):
+    _, class_name, token = ready_batch
+    with grpc.insecure_channel(lease_server.address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            _register(stub, token, class_name, name)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details()
+        assert wire.AGENT_NAME_RULE in details and "\x1b" not in details and "\n" not in details
+        _register(stub, token, class_name, f"{class_name}-Host_1.example")  # letters, digits, '.', '_', '-'
+    with transaction(db_sessions) as s:
+        assert s.scalar(select(Agent.id).where(Agent.name == name)) is None
+
+
+def test_agent_names_the_farm_makes_or_an_agent_is_given_follow_the_rule():
+    from tunefarm.display import printable
+    from tunefarm_app.farm_local import _name_part
+
+    assert wire.valid_agent_name("box-avx2") and wire.valid_agent_name("a" * 128) and not wire.valid_agent_name("")
+    assert wire.valid_agent_name(_name_part("host") + "-" + _name_part("my farm (test)") + "-agent")
+    with pytest.raises(BadRequest, match="refused: a name is 1 to 128 characters"):
+        AgentSettings(server="127.0.0.1:1", token="tfa_" + "x" * 40, accept_unsigned_code=True, name="box\x1b[2J")
+    assert printable("ok\x1b[2J\nforged") == "ok\\x1b[2J\\nforged"  # what `tunefarm devices` prints of an old name
 
 
 # -- a false lease service ---------------------------------------------------------------------
@@ -426,6 +505,108 @@ def test_a_false_server_cannot_make_the_agent_write_outside_its_work_directory(t
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == {"x.npz": b"precious"}
     result = servicer.results[1]
     assert result.error_kind == pb.ERROR_KIND_RUN_ERROR and "task data unavailable: refused" in result.error_msg
+
+
+def test_an_agent_told_it_is_leased_nothing_logs_why_keeps_heartbeating_and_asks_again(tmp_path, farm_keys, caplog):
+    _, _, public_key = farm_keys
+    beats: list[float] = []
+    asks: list[float] = []
+    reason = "flagged (2 result(s) below the timing floor)\x1b[2J"  # what a false server might put in it
+
+    class Withholding(FalseLeaseService):
+        """Leases nothing, saying why, until the agent has heartbeated twice meanwhile."""
+
+        def Heartbeat(self, request, context):
+            beats.append(time.monotonic())
+            return super().Heartbeat(request, context)
+
+        def LeaseBatch(self, request, context):
+            if len(beats) < 2:
+                asks.append(time.monotonic())
+                return pb.LeaseBatchResponse(withheld=reason)
+            return super().LeaseBatch(request, context)
+
+    kernel = pb.ArtifactRef(kind=pb.ARTIFACT_KIND_KERNEL, id=1, file_name="k.so")
+    td_ref = pb.ArtifactRef(kind=pb.ARTIFACT_KIND_TASK_DATA, id=1, file_name="x.npz", sha256="0" * 64, size=10)
+    batch = _batch([pb.LeasedCandidate(batch_candidate_id=1, candidate_key="c1", kernel=kernel)], td_ref)
+    servicer = Withholding([batch], {})
+    server, address = _serve(servicer)
+    caplog.set_level("INFO", logger="tunefarm")
+    try:
+        errors = _run_agent_until(servicer, _settings(address, tmp_path / "work", public_key),
+                                  lambda: 1 in servicer.results)  # fmt: skip
+    finally:
+        server.stop(0)
+    assert errors == []
+    said = [r.getMessage() for r in caplog.records if "leases this agent nothing" in r.getMessage()]
+    assert len(said) == 1 and "flagged (2 result(s) below the timing floor)\\x1b[2J" in said[0]  # once, escaped
+    assert any("leases this agent work again" in r.getMessage() for r in caplog.records)
+    # It asked again after each wait (1 s: its lease_wait_secs), not in a tight loop, and
+    # heartbeated meanwhile (the server withheld work until it had).
+    assert asks and all(later - earlier >= 0.9 for earlier, later in zip(asks, asks[1:]))
+    assert len(beats) >= 2
+
+
+def test_a_false_server_cannot_make_the_agent_download_more_than_the_lease_declared_or_its_limit(tmp_path, farm_keys):
+    """Kernels that never end, one larger than declared, task data declared larger than
+    the agent's limit: each refused (the stream cancelled at the first part over, never
+    read to its end), as the errors of their candidates; the agent goes on."""
+    _, _, public_key = farm_keys
+    block = b"\0" * (64 << 10)
+    requested: list[list[tuple[int, int]]] = []
+    ended: list[int] = []
+
+    class Flooding(FalseLeaseService):
+        def Fetch(self, request, context):
+            requested.append([(ref.kind, ref.id) for ref in request.refs])
+            for i, ref in enumerate(request.refs):
+                if ref.kind != pb.ARTIFACT_KIND_KERNEL:
+                    yield from super().Fetch(pb.FetchRequest(refs=[ref]), context)
+                    continue
+                try:
+                    offset = 0
+                    while True:  # a kernel that never ends
+                        yield pb.FetchChunk(parts=[pb.FilePart(index=i, offset=offset, data=block)])
+                        offset += len(block)
+                finally:
+                    ended.append(ref.id)  # cancelled by the agent (or the test's end)
+
+    task_data = _task_data()
+    td_ok = pb.ArtifactRef(kind=pb.ARTIFACT_KIND_TASK_DATA, id=1, file_name="x.npz",
+                           sha256=hashlib.sha256(task_data).hexdigest(), size=len(task_data))  # fmt: skip
+    kernels = [pb.LeasedCandidate(batch_candidate_id=1, candidate_key="c1",
+                                  kernel=pb.ArtifactRef(kind=pb.ARTIFACT_KIND_KERNEL, id=1, file_name="k.so")),
+               pb.LeasedCandidate(batch_candidate_id=2, candidate_key="c2",
+                                  kernel=pb.ArtifactRef(kind=pb.ARTIFACT_KIND_KERNEL, id=2, file_name="k.so", size=100))]  # fmt: skip
+    first = _batch(kernels, td_ok)
+    huge = pb.ArtifactRef(kind=pb.ARTIFACT_KIND_TASK_DATA, id=2, file_name="y.npz", sha256="1" * 64, size=2 << 30)
+    second = _batch([pb.LeasedCandidate(batch_candidate_id=3, candidate_key="c3",
+                                        kernel=pb.ArtifactRef(kind=pb.ARTIFACT_KIND_KERNEL, id=3, file_name="k.so",
+                                                              size=10))], huge)  # fmt: skip
+    second.batch.lease_id, second.batch.batch_id = 12, 4
+    servicer = Flooding([first, second], {(pb.ARTIFACT_KIND_TASK_DATA, 1): task_data})
+    server, address = _serve(servicer)
+    settings = dataclasses.replace(_settings(address, tmp_path / "work", public_key), max_download_bytes=1 << 20)
+    started = time.monotonic()
+    try:
+        errors = _run_agent_until(servicer, settings, lambda: {1, 2, 3} <= set(servicer.results))
+    finally:
+        server.stop(0)
+    assert errors == []
+    assert time.monotonic() - started < 60  # no stream was read to a deadline
+    one, two, three = (servicer.results[i].error_msg for i in (1, 2, 3))
+    assert one == "kernel unavailable: refused: more than 1048576 bytes, the agent's download limit " \
+                  "(TUNEFARM_AGENT_MAX_DOWNLOAD_BYTES)"
+    assert two == "kernel unavailable: refused: more than 100 bytes, the size the lease declared"
+    assert three.startswith("task data unavailable: refused: 2147483648 bytes declared")
+    assert sorted(ended) == [1, 2, 3]  # every endless stream was cancelled
+    # Each refusal cancelled its stream and the rest was asked for again; the task data
+    # declared too large was never asked for.
+    task_data_ref = (pb.ARTIFACT_KIND_TASK_DATA, 1)
+    kernel = pb.ARTIFACT_KIND_KERNEL
+    assert requested == [[(kernel, 1), (kernel, 2), task_data_ref], [(kernel, 2), task_data_ref], [task_data_ref],
+                         [(kernel, 3)]]  # fmt: skip
+    assert not list((tmp_path / "work").rglob("*.part"))
 
 
 # -- the agent's own refusals --------------------------------------------------------------------

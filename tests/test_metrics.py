@@ -30,7 +30,7 @@ def scraped(database_url, db_sessions, redis_conn, tmp_path_factory):
     queue = rq.Queue(build_queue_name(state.device_class, prefix), connection=redis_conn)
     for i in range(3):  # three builds waiting
         queue.enqueue_call(BUILD_JOB, args=(i,), job_id=f"{prefix}-{i}")
-    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path_factory.mktemp("art"),
+    settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=tmp_path_factory.mktemp("art"),
                            redis_url=WorkerSettings().redis_url, queue_prefix=prefix, lease_secs=30,
                            token_cache_secs=0)
     try:
@@ -82,7 +82,7 @@ def test_metrics_report_the_farm_state(scraped):
 
 def test_metrics_without_redis_still_report_the_database(database_url, db_sessions, tmp_path):
     state = seed_farm(db_sessions)
-    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path, redis_url="redis://127.0.0.1:1/0")
+    settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=tmp_path, redis_url="redis://127.0.0.1:1/0")
     with TestClient(create_app(settings)) as client:
         got = samples(client.get("/metrics").text)
     assert got[("tunefarm_redis_up", ())] == 0
@@ -91,7 +91,7 @@ def test_metrics_without_redis_still_report_the_database(database_url, db_sessio
 
 
 def test_metrics_token_is_enforced_when_set(database_url, tmp_path):
-    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path, metrics_token="s3cret",
+    settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=tmp_path, metrics_token="s3cret",
                            redis_url="redis://127.0.0.1:1/0")
     with TestClient(create_app(settings)) as client:
         for header in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
@@ -101,7 +101,7 @@ def test_metrics_token_is_enforced_when_set(database_url, tmp_path):
 
 
 def test_a_non_ascii_metrics_token_is_a_401_not_a_500(database_url, tmp_path):
-    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path, metrics_token="s3cret-\u00e9t\u00e9",
+    settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=tmp_path, metrics_token="s3cret-\u00e9t\u00e9",
                            redis_url="redis://127.0.0.1:1/0")
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         for given in ("Bearer \u00e9t\u00e9".encode("latin-1"), "Bearer s3cret-\u00e9t\u00e9".encode()[:-1] + b"\xff",
@@ -114,7 +114,7 @@ def test_a_non_ascii_metrics_token_is_a_401_not_a_500(database_url, tmp_path):
 
 
 def test_metrics_is_in_the_openapi_schema_as_text(database_url, tmp_path):
-    with TestClient(create_app(ApiSettings(database_url=database_url, artifact_root=tmp_path))) as client:
+    with TestClient(create_app(ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=tmp_path))) as client:
         schema = client.get("/openapi.json").json()
     op = schema["paths"]["/metrics"]["get"]
     assert op["responses"]["200"]["content"]["text/plain"]["schema"] == {"type": "string"}

@@ -64,7 +64,7 @@ def test_a_time_below_the_floor_becomes_a_below_floor_error():
 
 
 @pytest.mark.parametrize(
-    ("confirmation", "same_agent", "verdict"),
+    ("confirmation", "same_party", "verdict"),
     [
         (_record((2.5e-4, 3e-4)), False, ConfirmationState.CONFIRMED),  # within the tolerance (fastest repeat)
         (_record((1e-4,)), False, ConfirmationState.CONFIRMED),  # faster than claimed: at least as fast
@@ -75,8 +75,15 @@ def test_a_time_below_the_floor_becomes_a_below_floor_error():
         (_record((), ErrorKind.BELOW_FLOOR), False, ConfirmationState.FAILED),  # the confirmer lied
     ],
 )
-def test_a_confirmations_verdict(confirmation, same_agent, verdict):
-    assert trust.verdict(2e-4, confirmation, same_agent=same_agent) is verdict
+def test_a_confirmations_verdict(confirmation, same_party, verdict):
+    assert trust.verdict(2e-4, confirmation, same_party=same_party) is verdict
+
+
+def test_agents_of_one_token_are_one_party():
+    assert trust.same_party((1, 7), (1, 7)) and trust.same_party((1, None), (1, None))  # the same agent
+    assert trust.same_party((1, 7), (2, 7))  # two names, one token
+    assert not trust.same_party((1, 7), (2, 8))
+    assert not trust.same_party((1, None), (2, None))  # no token: a party of its own
 
 
 @pytest.mark.parametrize(
@@ -120,7 +127,7 @@ def api(database_url, db_sessions, tmp_path_factory):
     from tunefarm_app.bench.farm_progress import seed_job
 
     job = seed_job(db_sessions, measurements=40, tasks=2)
-    settings = ApiSettings(database_url=database_url, artifact_root=tmp_path_factory.mktemp("artifacts"),
+    settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=tmp_path_factory.mktemp("artifacts"),
                            token_cache_secs=0)  # fmt: skip
     with TestClient(create_app(settings)) as client:
         yield client, job

@@ -1,5 +1,6 @@
 """How numbers are shown to people: latencies and durations as short text, and the
-estimated latency over trials as an SVG plot.
+estimated latency over trials as an SVG plot; and text a peer sent, made safe to print
+(`printable`).
 
 One rendering for every view: the terminal (`tunefarm tune`, `submit --follow`,
 `tunefarm report`), the dashboard the farm's API serves and the HTML report of a tuned
@@ -13,6 +14,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from html import escape
+
+
+def printable(text: str, limit: int = 500) -> str:
+    """`text` safe to print to a terminal or a log: control characters (an ANSI escape
+    that would rewrite the screen, a newline that would forge a log line) are shown
+    escaped, and it is cut at `limit` characters. For what a peer sent (a server's
+    message to an agent, an agent's capabilities)."""
+    out = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text[:limit])
+    return out + ("..." if len(text) > limit else "")
 
 
 def format_duration(secs: float | None) -> str:

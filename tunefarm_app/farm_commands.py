@@ -22,7 +22,7 @@ An operator, on the farm's machines:
   tunefarm farm token list [--team T] [--kind team|agent]
   tunefarm farm token revoke ID|PREFIX|TOKEN   refused by the API and the lease service at once
   tunefarm farm device-class NAME [--target JSON]
-  tunefarm farm agent quarantine|unquarantine NAME   no leases, its unconfirmed timings ignored / back
+  tunefarm farm agent quarantine|unquarantine|unflag NAME   no leases, its unconfirmed timings ignored / back / pardoned
   tunefarm farm signing-key --private-key F --public-key F   the farm's code-signing key pair
   tunefarm db upgrade                     run the database migrations
   tunefarm api | scheduler | worker | agent | lease-service [ARGS...]   one process each
@@ -39,6 +39,7 @@ import math
 import os
 from pathlib import Path
 
+from tunefarm.display import printable
 from tunefarm.errors import UsageError
 from tunefarm.secret_flags import read_secret_file, refuse_on_command_line
 
@@ -170,6 +171,8 @@ def add_commands(sub) -> None:
     for name, help_text in (
         ("quarantine", "no more leases; its unconfirmed measurements count for no best and train no model"),
         ("unquarantine", "lease to it again (once it heartbeats); its measurements count again"),
+        ("unflag", "forget its results below the floor and its disputed timings: a flagged agent is leased "
+                   "nothing until an operator does this"),
     ):
         q = fagsub.add_parser(name, help=help_text)
         q.add_argument("name", help="the agent's name (as `tunefarm devices` shows it)")
@@ -334,8 +337,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
             machine += f", {' '.join(caps['isa_features'])}"
         if caps.get("emulated"):
             machine += ", EMULATED (timings are the emulator's)"
-        print(f"agent      {a['name']} ({a['device_class']}; {machine}): {a['state']}, "
-              f"{a['measurements_done']} measured, {errors}; last heartbeat {seen}")
+        # The name and capabilities are the agent's word: printed escaped (no terminal escapes).
+        print(printable(f"agent      {a['name']} ({a['device_class']}; {machine}): {a['state']}, "
+                        f"{a['measurements_done']} measured, {errors}; last heartbeat {seen}", 2000))
         print(f"  timings  {_standing(a)}")
     if not classes and not agents:
         print("no device classes or agents yet")
@@ -596,7 +600,8 @@ def _farm_agent(args: argparse.Namespace) -> int:
     from services.db import queries, trust
     from services.db.exceptions import NotFound
 
-    act = queries.quarantine_agent if args.agent_command == "quarantine" else queries.lift_quarantine
+    act = {"quarantine": queries.quarantine_agent, "unquarantine": queries.lift_quarantine,
+           "unflag": queries.clear_flags}[args.agent_command]  # fmt: skip
 
     def work(s):
         try:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -220,7 +221,7 @@ class LocalFarm:
             "TUNEFARM_AGENT_SERVER": _connect_address(lease_bind),
             "TUNEFARM_AGENT_TOKEN": agent_token,
             "TUNEFARM_AGENT_DEVICE_CLASS": class_name,
-            "TUNEFARM_AGENT_NAME": f"{socket.gethostname()}-{c.state_dir.resolve().name}-agent",
+            "TUNEFARM_AGENT_NAME": _name_part(f"{socket.gethostname()}-{c.state_dir.resolve().name}")[:64] + "-agent",
             "TUNEFARM_AGENT_WORK_DIR": str((c.state_dir / "agent").resolve()),
             "TUNEFARM_BUILD_PROCESSES": str(max(1, (os.cpu_count() or 2) // 2)),
             **(c.tls.env() if c.tls else {}),
@@ -276,7 +277,7 @@ class LocalFarm:
     def agent_name(self, device_class: str | None = None) -> str:
         """The name the farm's first agent registers with (that of an extra class's, given one)."""
         base = self.env["TUNEFARM_AGENT_NAME"]
-        return base if device_class is None else f"{base}-{device_class}"
+        return base if device_class is None else f"{base}-{_name_part(device_class)}"
 
     def registered_name(self, process: str) -> str:
         """The name an agent process registers with."""
@@ -423,6 +424,12 @@ class LocalFarm:
             f.write("\n")
         os.replace(tmp, path)
         return path
+
+
+def _name_part(text: str) -> str:
+    """`text` in the characters an agent's name may have (`wire.AGENT_NAME_RULE`): a state
+    directory or class name with a space or another character becomes '-' there."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "farm"
 
 
 def up(config: FarmConfig, *, log: Callable[[str], None] = print) -> LocalFarm:

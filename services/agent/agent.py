@@ -65,6 +65,7 @@ from services.protocol.errors import (
 from services.protocol.generated import measurer_pb2 as pb
 from services.protocol.generated import measurer_pb2_grpc as pb_grpc
 from services.protocol.signing import ArtifactVerifier, KeyFileError
+from tunefarm.display import printable
 from tunefarm.measure.runner import LocalRunner, ModelRunInput, Runner
 from tunefarm.records import ErrorKind, RunInput, RunResult
 from tunefarm.sandbox import Sandbox
@@ -75,6 +76,9 @@ log = logging.getLogger("tunefarm.agent")
 T = TypeVar("T")
 
 HEALTH_INTERVAL_SECS = 60.0
+
+WITHHELD_LOG_SECS = 600.0
+"""How often an agent the server leases nothing (flagged, quarantined) says so again."""
 """How often the agent reports its health (besides at registration)."""
 
 
@@ -124,6 +128,8 @@ class Agent:
         self._fatal: MeasurerError | None = None
         self.measured = 0  # candidates reported (for logs and tests)
         self._finisher: threading.Thread | None = None  # finishing the previous lease
+        self._withheld_reason: str | None = None  # why the server last leased it nothing (flagged...)
+        self._withheld_logged = 0.0
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -320,6 +326,13 @@ class Agent:
             ),
             timeout=self.settings.lease_wait_secs,
         )
+        if resp.withheld:
+            self._log_withheld(resp.withheld)
+            self.stop.wait(self.settings.lease_wait_secs)  # the heartbeats go on meanwhile
+            return None
+        if self._withheld_reason is not None:
+            log.warning("the server leases this agent work again")
+            self._withheld_reason = None
         if resp.HasField("model_run"):
             self.holding.add_model_run(resp.model_run.model_run_id)
             return resp.model_run
@@ -331,6 +344,14 @@ class Agent:
             return None
         self.holding.add_lease(resp.batch.lease_id)
         return resp.batch
+
+    def _log_withheld(self, reason: str) -> None:
+        """The server leases this agent nothing (flagged, quarantined): said once per
+        reason, and again every `WITHHELD_LOG_SECS`, not on every poll."""
+        now = time.monotonic()
+        if reason != self._withheld_reason or now - self._withheld_logged >= WITHHELD_LOG_SECS:
+            log.warning("the server leases this agent nothing: %s", printable(reason))
+            self._withheld_reason, self._withheld_logged = reason, now
 
     def _measure(self, batch: pb.LeasedBatch) -> None:
         granted = time.monotonic()

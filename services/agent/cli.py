@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(TUNEFARM_AGENT_SIGNING_PUBLIC_KEY)")
     p.add_argument("--accept-unsigned-code", action="store_true", default=None,
                    help="without a public key, load whatever the server sends (TUNEFARM_AGENT_ACCEPT_UNSIGNED_CODE)")
+    p.add_argument("--max-download-bytes", type=int,
+                   help="the most bytes one downloaded file may have (default 1 GiB; TUNEFARM_AGENT_MAX_DOWNLOAD_BYTES)")
     p.add_argument("--kernel-user",
                    help="an agent running as root runs kernels as this user (default nobody; TUNEFARM_AGENT_KERNEL_USER)")
     return p

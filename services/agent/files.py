@@ -10,6 +10,13 @@ task data only when its bytes are the sha256 it is cached under. Files are saved
 names made here, never under a name the server sent (see the package's docstring for
 what an agent trusts).
 
+Every file is capped: at the size the lease declared for it (`ArtifactRef.size`, when it
+did) and at `max_download_bytes` in any case. A file the lease declared larger than the
+cap is not asked for; one that grows past its cap as it streams is refused at the first
+part over it, the stream is cancelled (the rest is never read) and the files it had not
+delivered yet are asked for again. The refusal is that file's error (its candidate's
+result, or the model run's), never the agent's.
+
 Task data is cached in the work directory (the `TASK_DATA_CACHE` most recently used).
 """
 from __future__ import annotations
@@ -38,6 +45,10 @@ FETCH_ATTEMPTS = 5
 
 SIGNED_KINDS = {pb.ARTIFACT_KIND_KERNEL: SignedKind.KERNEL, pb.ARTIFACT_KIND_MODEL_LIBRARY: SignedKind.MODEL_LIBRARY}
 """The files that are code: loaded only with the farm's signature."""
+
+
+class TooLarge(Exception):
+    """A file grew past its cap as it was downloaded (`_Sink.write`)."""
 
 
 class Downloads:
@@ -102,6 +113,11 @@ class Downloads:
         stream, retried for what is missing after a transport error. Returns, by index
         in `wanted`, each file's path or why it is unavailable."""
         done: dict[int, Path | str] = {}
+        cap = self.agent.settings.max_download_bytes
+        for i, (ref, _) in enumerate(wanted):
+            if ref.size > cap:
+                done[i] = f"refused: {ref.size} bytes declared, more than the agent downloads ({cap})"
+                log.warning("%s %d %s", pb.ArtifactKind.Name(ref.kind), ref.id, done[i])
         backoff = Backoff(self.agent.settings.reconnect_max_secs)
         for attempt in range(FETCH_ATTEMPTS):
             todo = [i for i in range(len(wanted)) if i not in done]
@@ -134,11 +150,14 @@ class Downloads:
         )
         sinks: dict[int, _Sink] = {}
         timeout = max(60.0, self.agent.settings.rpc_timeout_secs * 4)
+        call = self.agent.stub.Fetch(request, metadata=self.agent.metadata, timeout=timeout)
         try:
-            for chunk in self.agent.stub.Fetch(request, metadata=self.agent.metadata, timeout=timeout):
+            for chunk in call:
                 for part in chunk.parts:
                     if not 0 <= part.index < len(files):
                         raise Transient(f"the server sent part of file {part.index}; {len(files)} were asked for")
+                    if indices[part.index] in done:
+                        raise Transient(f"the server sent more of file {part.index} after its end")
                     ref, dest = files[part.index]
                     sink = sinks.get(part.index)
                     if part.error:
@@ -147,16 +166,30 @@ class Downloads:
                         done[indices[part.index]] = part.error
                         continue
                     if sink is None:
-                        sink = sinks[part.index] = _Sink(dest)
-                    sink.write(part.offset, part.data)
+                        sink = sinks[part.index] = _Sink(dest, self._cap(ref))
+                    try:
+                        sink.write(part.offset, part.data)
+                    except TooLarge as exc:
+                        sink.discard()
+                        done[indices[part.index]] = f"refused: {exc}"
+                        log.warning("%s %d refused: %s", pb.ArtifactKind.Name(ref.kind), ref.id, exc)
+                        return  # read no more of the stream; `fetch` asks again for the files not done
                     if part.last:
                         got = sink.close(part.sha256)
                         done[indices[part.index]] = self._accepted(ref, got, sink.sha256) if isinstance(got, Path) else got
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         finally:
+            call.cancel()  # nothing more is read of a stream left early (no-op once it ended)
             for sink in sinks.values():
                 sink.discard()
+
+    def _cap(self, ref: pb.ArtifactRef) -> tuple[int, str]:
+        """The most bytes the file may have, and what says so."""
+        cap = self.agent.settings.max_download_bytes
+        if 0 < ref.size <= cap:
+            return ref.size, "the size the lease declared"
+        return cap, "the agent's download limit (TUNEFARM_AGENT_MAX_DOWNLOAD_BYTES)"
 
     def _accepted(self, ref: pb.ArtifactRef, path: Path, sha256: str) -> Path | str:
         """`path` once downloaded, if it may be used: task data whose bytes are the sha256
@@ -180,10 +213,12 @@ class Downloads:
 
 
 class _Sink:
-    """One file being downloaded: written to `<dest>.part`, checked, then renamed."""
+    """One file being downloaded: written to `<dest>.part`, checked, then renamed; never
+    more than `cap` bytes (the limit, and what sets it)."""
 
-    def __init__(self, dest: Path):
+    def __init__(self, dest: Path, cap: tuple[int, str]):
         self.dest = dest
+        self.cap, self._cap_source = cap
         self.part = dest.with_name(dest.name + ".part")
         self._file: Any = open(self.part, "wb")
         self._sha = hashlib.sha256()
@@ -193,6 +228,8 @@ class _Sink:
     def write(self, offset: int, data: bytes) -> None:
         if offset != self._size:
             raise Transient(f"{self.dest.name}: chunk at {offset}, expected {self._size}")
+        if self._size + len(data) > self.cap:
+            raise TooLarge(f"more than {self.cap} bytes, {self._cap_source}")
         self._file.write(data)
         self._sha.update(data)
         self._size += len(data)

@@ -19,12 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from services.protocol.errors import BadRequest
+from services.protocol.wire import AGENT_NAME_RULE, valid_agent_name
 
 ENV_PREFIX = "TUNEFARM_AGENT_"
 
 LOCAL_TARGETS = ("localhost", "unix:", "unix-abstract:")
 """Servers on this machine besides loopback addresses: the only ones reached in
 plaintext without `--insecure-plaintext`."""
+
+
+DEFAULT_MAX_DOWNLOAD_BYTES = 1 << 30
+"""1 GiB: a server (or whoever answers in its place) cannot fill the agent's disk with
+one file; a tuned model's library or inputs larger than this needs the setting raised."""
 
 
 def _default_work_dir() -> Path:
@@ -61,6 +67,10 @@ class AgentSettings:
     accept_unsigned_code: bool = False
     # TUNEFARM_AGENT_KERNEL_USER: an agent running as root runs kernels as this user
     kernel_user: str = "nobody"
+    # TUNEFARM_AGENT_MAX_DOWNLOAD_BYTES: the most one downloaded file (a kernel, a model library,
+    # task data, a model's inputs) may have, whatever the server says; a file the lease declared
+    # smaller may have no more than declared
+    max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> AgentSettings:
@@ -87,6 +97,7 @@ class AgentSettings:
             "signing_public_key": Path,
             "accept_unsigned_code": _flag,
             "kernel_user": str,
+            "max_download_bytes": int,
         }
         values: dict[str, Any] = {}
         for key, parse in kinds.items():
@@ -103,6 +114,10 @@ class AgentSettings:
         return cls(**values)
 
     def __post_init__(self) -> None:
+        if self.name is not None and not valid_agent_name(self.name):
+            raise BadRequest(f"agent name {self.name[:130]!r} refused: a name is {AGENT_NAME_RULE}")
+        if self.max_download_bytes < 1:
+            raise BadRequest(f"{env_name('max_download_bytes')} must be a positive number of bytes")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise BadRequest("a client certificate needs its key: give both --tls-cert and --tls-key")
         if not self.uses_tls and not self.insecure_plaintext and not is_local(self.server):

@@ -8,7 +8,9 @@ the API's own errors (`exceptions.py`), validation errors (422), unknown routes 
 an oversized body (413, `limits.BodySizeLimit`), the database unreachable (503).
 Requests under `/v1/` are authenticated from their headers before their body is read
 (`authentication.TeamAuthentication`); every response carries the security headers of
-`security_headers.py`.
+`security_headers.py`. A request naming a host the farm does not answer to is a 400
+before any of that (`trusted_hosts.py`, `TUNEFARM_API_ALLOWED_HOSTS`); the schema
+browsers `/docs` and `/redoc` are served only with `TUNEFARM_API_DOCS=true`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from services.api.limits import BodySizeLimit
 from services.api.routers import dashboard, devices, health, jobs, metrics, models
 from services.api.security_headers import SecurityHeaders
 from services.api.settings import ApiSettings
+from services.api.trusted_hosts import TrustedHosts
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.revocations import RevocationListener, VerifiedTokens
 from services.db.session import make_session_factory
@@ -91,6 +94,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         ),
         lifespan=lifespan,
         generate_unique_id_function=lambda route: route.name,  # operation ids: upload_model, get_job, ...
+        # The schema browsers load their scripts from a CDN: served only when asked for.
+        docs_url="/docs" if settings.api_docs else None,
+        redoc_url="/redoc" if settings.api_docs else None,
     )
     for router in (models.router, jobs.router, devices.router, health.router, metrics.router, dashboard.router):
         app.include_router(router)
@@ -107,7 +113,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         max_body_bytes=settings.max_upload_bytes + settings.multipart_overhead_bytes,
         on_refuse=refuse,
     )
-    app.add_middleware(SecurityHeaders)  # outermost: on every answer, a refused body's too
+    # Before anything reads the request: a Host the farm does not answer to (DNS rebinding).
+    app.add_middleware(TrustedHosts, allowed_hosts=settings.allowed_hosts())
+    app.add_middleware(SecurityHeaders)  # outermost: on every answer, a refused body's or host's too
     return app
 
 

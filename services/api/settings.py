@@ -24,14 +24,37 @@ TUNEFARM_REDIS_URL and TUNEFARM_QUEUE_PREFIX of the build queues `/metrics` repo
 | TUNEFARM_API_WORKERS | 1 | uvicorn worker processes |
 | TUNEFARM_LEASE_SECS | 30 | the lease window: `/metrics` counts an agent alive if it heartbeat within it |
 | TUNEFARM_METRICS_TOKEN | unset | when set, `/metrics` wants it as a bearer token; unset, `/metrics` is open |
+| TUNEFARM_API_ALLOWED_HOSTS | localhost, 127.0.0.1, ::1 and the host of TUNEFARM_API_BIND | host names the API answers to (the `Host` header; a 400 for another): a JSON list or comma-separated; `*.example.com` any subdomain, `*` any |
+| TUNEFARM_API_DOCS | false | serve the schema browsers `/docs` and `/redoc` (they load scripts from a CDN); `/openapi.json` is always served |
 """
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
+import ipaddress
+import json
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from services.common.settings import ServiceSettings
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+"""The host names the API always answers to by default: this machine's."""
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _host_pattern(pattern: Any) -> bool:
+    """A name, `*.domain` or `*` (what Starlette's TrustedHostMiddleware accepts)."""
+    if not isinstance(pattern, str) or not pattern or "*" in pattern[1:]:
+        return False
+    return not pattern.startswith("*") or pattern == "*" or pattern.startswith("*.")
 
 
 class ApiSettings(ServiceSettings):
@@ -84,6 +107,39 @@ class ApiSettings(ServiceSettings):
     lease_secs: float = 30.0
     # A secret Prometheus sends as a bearer token to scrape /metrics; None: /metrics is open.
     metrics_token: str | None = None
+    # The host names requests may name in their Host header (services/api/trusted_hosts.py:
+    # DNS rebinding); None: `LOOPBACK_HOSTS` and the host of `api_bind` (`allowed_hosts()`).
+    # "*.example.com" allows its subdomains, "*" any name.
+    api_allowed_hosts: Annotated[list[str] | None, NoDecode] = None
+    # Serve FastAPI's schema browsers, /docs and /redoc: they load their scripts from a CDN
+    # (whoever serves it runs script on the farm's origin), so they are off unless asked for.
+    api_docs: bool = False
+
+    @field_validator("api_allowed_hosts", mode="before")
+    @classmethod
+    def _host_list(cls, value: Any) -> Any:
+        """A JSON list, or names separated by commas (`*`, `farm.example,localhost`)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            value = [h.strip() for h in text.split(",") if h.strip()]
+        for pattern in value or ():
+            if not _host_pattern(pattern):
+                raise ValueError(f"{pattern!r} is no host name or pattern: a name, '*.example.com' or '*'")
+        return value
+
+    def allowed_hosts(self) -> list[str]:
+        """The host names the API answers to: `api_allowed_hosts`, or by default the
+        loopback names and the host it binds to (not a wildcard address such as 0.0.0.0,
+        which names no host: a container's API lists its names in TUNEFARM_API_ALLOWED_HOSTS)."""
+        if self.api_allowed_hosts is not None:
+            return list(self.api_allowed_hosts)
+        hosts = list(LOOPBACK_HOSTS)
+        bound = self.host.strip("[]")
+        if bound and bound not in hosts and not _is_unspecified(bound):
+            hosts.append(bound)
+        return hosts
 
     @property
     def host(self) -> str:

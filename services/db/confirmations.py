@@ -8,9 +8,10 @@ normal batch path:
     schedule(m)             a confirmation batch: one candidate, the same built kernel
                             (its artifact, input and build copied), ready at once, with
                             `avoid_agent_id` = m's agent; m is `pending`
-    lease_next_batch        leases it to another agent of the class that may confirm
-                            (not flagged, not quarantined) when one is live, else (only
-                            then) to m's own agent, on a later lease
+    lease_next_batch        leases it to an agent of the class of another party (another
+                            token: `trust.same_party`) that may confirm (not flagged, not
+                            quarantined) when one is live, else (only then) to m's own
+                            party, on a later lease
     record_confirmations    the result is a `Confirmation` row (exactly once per
                             candidate, like a measurement; never a second measurement of
                             the job), judged by `trust.verdict`: m becomes confirmed,
@@ -62,7 +63,7 @@ from services.db.models import (
     JobTask,
     Measurement,
 )
-from services.db.trust import good_standing_clause, verdict
+from services.db.trust import good_standing_clause, same_party, verdict
 from tunefarm.records import ErrorKind, MeasureRecord
 
 VOUCH_LOCK_NAMESPACE = 0x74660003
@@ -174,7 +175,7 @@ def record_confirmations(
             .with_for_update()
         ).one()
         outcome = (
-            verdict(claimed.cost, record, same_agent=agent_id == claimed.agent_id)
+            verdict(claimed.cost, record, same_party=_same_party(session, agent_id, claimed.agent_id))
             if claimed.cost is not None and agent_id is not None
             else ConfirmationState.FAILED
         )
@@ -206,6 +207,16 @@ def record_confirmations(
             _count(session, measured_by=claimed.agent_id, outcome=outcome)
         _count_confirmer(session, agent_id=agent_id, record=record)
     return out
+
+
+def _same_party(session: Session, confirmer_id: int, measured_by: int | None) -> bool:
+    """The confirming agent and the measuring one are one party (`trust.same_party`): the
+    same agent, or two of one token, whose word on each other is no evidence."""
+    if measured_by is None:
+        return False
+    rows = session.execute(select(Agent.id, Agent.token_id).where(Agent.id.in_(sorted({confirmer_id, measured_by}))))
+    tokens = {agent_id: token_id for agent_id, token_id in rows}
+    return same_party((confirmer_id, tokens.get(confirmer_id)), (measured_by, tokens.get(measured_by)))
 
 
 def _judge(session: Session, *, measurement_id: int, outcome: ConfirmationState, confirmer_id: int | None) -> None:

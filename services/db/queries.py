@@ -286,9 +286,10 @@ def lease_next_batch(
     session: Session, *, agent_id: int, lease_secs: float, now: datetime | None = None
 ) -> Lease | None:
     """Lease the next batch of the agent's device class that is ready, or whose lease
-    expired; None when there is none (or the agent is disabled, or its token revoked).
-    Confirmation batches go to agents other than the one whose time they check, when
-    one that may confirm is live (`_confirmations_for`).
+    expired; None when there is none (or the agent may be leased nothing:
+    `lease_withheld` says why: quarantined, disabled, flagged, or its token revoked).
+    Confirmation batches go to agents of another party (token) than the one whose time
+    they check, when one that may confirm is live (`_confirmations_for`).
 
     Fair share, team first: the next batch is one of the team that holds the fewest
     of the class's agents now (active leases), then of that team's job that holds the
@@ -387,31 +388,59 @@ def _fewest_held_first(counts: dict[int, int], key: ColumnElement[Any]) -> list[
 
 
 def _confirmations_for(session: Session, agent: Agent) -> ColumnElement[bool]:
-    """The batches of the class the agent may take, as far as confirmations go: plain
-    batches always; another agent's confirmation when it may confirm (`trust`: not
-    flagged); its own only when no other agent of the class that may confirm is live."""
+    """The batches of the class the agent (one that may be leased: not flagged) may take,
+    as far as confirmations go: plain batches always; another party's confirmation
+    always; its own party's (its own, or those of agents of its token: one token is one
+    party, `trust.same_party`) only when no agent of another party that may confirm is
+    live, so a token's second agent never confirms its first while anyone else could."""
     plain = Batch.avoid_agent_id.is_(None)
+    party = trust.same_party_clause(agent.id, agent.token_id)
     others = session.scalar(
         select(
             exists().where(
                 Agent.device_class_id == agent.device_class_id,
-                Agent.id != agent.id,
+                ~party,
                 Agent.state.in_([AgentState.IDLE, AgentState.BUSY]),
                 trust.may_confirm_clause(),
             )
         )
     )
-    may_confirm = not trust.is_flagged(trust.AgentCounts.of(agent))
-    if others:
-        return or_(plain, Batch.avoid_agent_id != agent.id) if may_confirm else plain
-    return or_(plain, Batch.avoid_agent_id == agent.id, literal(may_confirm))
+    if not others:
+        return literal(True)
+    own = Batch.avoid_agent_id.in_(select(Agent.id).where(party).scalar_subquery())
+    return or_(plain, ~own)
+
+
+def lease_withheld(session: Session, *, agent_id: int) -> str | None:
+    """Why the agent is leased nothing now, batches or model runs (None: it may be), in
+    words the agent logs. Raises `NotFound` for an unknown agent."""
+    agent = session.get(Agent, agent_id)
+    if agent is None:
+        raise NotFound(f"agent {agent_id}")
+    return _withheld(session, agent)
+
+
+def _withheld(session: Session, agent: Agent) -> str | None:
+    """Quarantined or disabled by an operator, its token revoked, or flagged: a flagged
+    agent's timings are not believed, so every trial it would run is one another team's
+    job spends for nothing (and a batch it holds is one an honest agent waits for). It
+    keeps heartbeating; an operator looks at it (`tunefarm devices`) and quarantines it."""
+    if agent.quarantined_at is not None:
+        return "quarantined by an operator: leased nothing until `tunefarm farm agent unquarantine`"
+    if agent.state is AgentState.DISABLED:
+        return "disabled by an operator: leased nothing"
+    if agent.token_id is not None and _token_revoked(session, agent.token_id):
+        return "its agent token is revoked"
+    reasons = trust.flag_reasons(trust.AgentCounts.of(agent))
+    if reasons:
+        return (f"flagged ({'; '.join(reasons)}): leased nothing while its timings are not believed "
+                "(an operator's `tunefarm farm agent unflag` lets it back)")
+    return None
 
 
 def _may_lease(session: Session, agent: Agent) -> bool:
-    """The agent may be handed work: not disabled, and its token not revoked."""
-    if agent.state is AgentState.DISABLED:
-        return False
-    return agent.token_id is None or not _token_revoked(session, agent.token_id)
+    """The agent may be handed work (`_withheld` says why not)."""
+    return _withheld(session, agent) is None
 
 
 def _token_revoked(session: Session, token_id: int) -> bool:
@@ -930,6 +959,20 @@ def lift_quarantine(session: Session, *, name: str, now: datetime | None = None)
         execution_options={"synchronize_session": False},
     )
     confirmations.refresh_agent_tasks(session, agent_id=agent_id, now=now)
+    return _fresh_agent(session, agent_id)
+
+
+def clear_flags(session: Session, *, name: str) -> Agent:
+    """An operator's pardon of a flagged agent (`tunefarm farm agent unflag`): its results
+    below the floor and its disputed timings no longer count against it, so it is leased
+    work again (a flagged agent is leased nothing, so nothing else could clear them). Its
+    measurements keep their verdicts: a disputed one stays disputed, one below the floor
+    an error. Raises `NotFound`."""
+    agent_id = _agent_id(session, name)
+    session.execute(
+        update(Agent).where(Agent.id == agent_id).values(below_floor=0, confirmations_disputed=0),
+        execution_options={"synchronize_session": False},
+    )
     return _fresh_agent(session, agent_id)
 
 

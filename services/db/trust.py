@@ -6,9 +6,15 @@ board). Two checks, by evidence the agent does not control:
 - the timing floor (`services.db.timing_floor`): a time faster than the class's peak
   allows is refused (`Agent.below_floor` counts them);
 - confirmations (`services.db.confirmations`): a measurement that becomes its task's best
-  is measured again, by another agent of the class that is not flagged when one is live
-  (else by the same agent, on a later lease), and counts as a best only when the two
-  agree (`verdict`).
+  is measured again, by an agent of the class of another party that is not flagged when
+  one is live (else by the same party, on a later lease), and counts as a best only when
+  the two agree (`verdict`).
+
+A *party* is whoever holds an agent token: the agents registered with the same token
+(`same_party`, `same_party_clause`). One token may register several agents (names), so
+agents of one token are one party: they may lie alike, and one's timing is no evidence
+for or against another's, as an agent's second timing of its own kernel is none. An
+agent without a token (none was given, or its token was deleted) is a party of its own.
 
 An agent's standing follows from its counters (`standing`, and `flagged_clause` /
 `good_standing_clause`, the same rules in SQL):
@@ -16,7 +22,7 @@ An agent's standing follows from its counters (`standing`, and `flagged_clause` 
 | standing | when | its measurements |
 |---|---|---|
 | quarantined | an operator said so (`tunefarm farm agent quarantine`) | no leases; its unconfirmed measurements count for nothing |
-| flagged | a result below the floor, or at least as many timings disputed by other agents as confirmed | shown on the dashboard and in `tunefarm devices`; train no model; confirm no one else's |
+| flagged | a result below the floor, or at least as many timings disputed by other parties as confirmed | shown on the dashboard and in `tunefarm devices`; leased nothing (`queries.lease_withheld`) until an operator unflags it; train no model |
 | unconfirmed | no timing of it confirmed yet | train no model, yet |
 | trusted | otherwise | train the class's cost model |
 """
@@ -65,18 +71,33 @@ class AgentCounts:
         )
 
 
-def verdict(claimed: float, confirmation: MeasureRecord, *, same_agent: bool) -> ConfirmationState:
+def same_party(a: tuple[int, int | None], b: tuple[int, int | None]) -> bool:
+    """Whether two agents, each `(agent id, token id)`, are one party: the same agent, or
+    two registered with the same token."""
+    return a[0] == b[0] or (a[1] is not None and a[1] == b[1])
+
+
+def same_party_clause(agent_id: int, token_id: int | None) -> ColumnElement[bool]:
+    """`same_party` of an `Agent` row and the agent `(agent_id, token_id)`, in SQL."""
+    if token_id is None:
+        return Agent.id == agent_id
+    return or_(Agent.id == agent_id, Agent.token_id.is_not_distinct_from(token_id))  # never NULL: negatable
+
+
+def verdict(claimed: float, confirmation: MeasureRecord, *, same_party: bool) -> ConfirmationState:
     """What a confirmation makes of a measured time `claimed` (seconds): confirmed when
-    it agrees, or when its own agent ran the kernel again (the only agent of its class):
-    a second time of its own is no evidence either way, and one slower than the first
-    is noise on a loaded board, not a reason to drop a kernel whose output checked;
-    disputed when another agent timed it slower or found its output wrong; failed when
-    it gave no comparable time (an error)."""
+    it agrees, or when its own party ran the kernel again (the only party of its class:
+    the same agent, or another agent of the same token): a second time of its own is no
+    evidence either way, and one slower than the first is noise on a loaded board, not a
+    reason to drop a kernel whose output checked; disputed when another party timed it
+    slower or found its output wrong; failed when it gave no comparable time (an error).
+    A confirmation by the same party never makes a time count where another party was
+    live to check it: such a batch is leased to the same party only when none is."""
     if confirmation.is_valid:
-        if same_agent or min(confirmation.costs) <= (1.0 + CONFIRM_TOLERANCE) * claimed:
+        if same_party or min(confirmation.costs) <= (1.0 + CONFIRM_TOLERANCE) * claimed:
             return ConfirmationState.CONFIRMED
         return ConfirmationState.DISPUTED
-    if confirmation.error_kind is ErrorKind.WRONG_RESULT and not same_agent:
+    if confirmation.error_kind is ErrorKind.WRONG_RESULT and not same_party:
         return ConfirmationState.DISPUTED
     return ConfirmationState.FAILED
 
@@ -131,6 +152,8 @@ __all__ = [
     "CONFIRM_TOLERANCE",
     "AgentCounts",
     "Standing",
+    "same_party",
+    "same_party_clause",
     "verdict",
     "is_flagged",
     "standing",

@@ -7,7 +7,10 @@ replicas) at any time: an agent's calls fail with UNAVAILABLE meanwhile and it r
 
 - `LeaseBatch` is a long poll (`lease_wait_secs`) that asks the database only when the
   agent's class may have work (services/lease/work_board.py), with at most
-  `grpc_max_workers - RPC_THREADS_KEPT_FREE` polls waiting at once.
+  `grpc_max_workers - RPC_THREADS_KEPT_FREE` polls waiting at once. An agent that may be
+  leased nothing (flagged, quarantined: `queries.lease_withheld`) is answered at once
+  with why (`LeaseBatchResponse.withheld`): its timings are not believed, so any trial
+  it ran would be spent for nothing.
 - Model runs: an agent that asks for them (`LeaseBatchRequest.model_runs`) gets its
   class's oldest ready `ModelRun` before any batch (it ends a job); `Fetch` serves its
   library and inputs (services/lease/files.py), `ReportModelRun` stores its outputs
@@ -191,6 +194,8 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         name, class_name = request.name.strip(), request.device_class.strip()
         if not name or not class_name:
             raise BadRequest("Register needs a name and a device class")
+        if not wire.valid_agent_name(name):
+            raise BadRequest(f"agent name {name[:130]!r} refused: a name is {wire.AGENT_NAME_RULE}")
         caps = MessageToDict(request.capabilities, preserving_proto_field_name=True)
         detected = _json_dict(caps.get("target_json", ""))
 
@@ -204,6 +209,8 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                     )
                 if not detected.get("kind"):
                     raise BadRequest(f"device class {class_name!r} does not exist and the agent sent no target")
+                if not wire.valid_agent_name(class_name):  # a class an agent names is shown as its name is
+                    raise BadRequest(f"device class name {class_name[:130]!r} refused: a name is {wire.AGENT_NAME_RULE}")
                 s.execute(
                     pg_insert(DeviceClass)
                     .values(name=class_name, target=detected, description=f"created by agent {name}")
@@ -282,6 +289,9 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             wait = min(wait, max(0.0, remaining - 1.0))
         deadline = time.monotonic() + wait
         self._reconcile(request, agent)
+        withheld = self._withheld(agent)
+        if withheld is not None:
+            return pb.LeaseBatchResponse(withheld=withheld)
         leased = self._try_lease(request, agent)
         if leased is not None or wait <= 0:
             return leased or pb.LeaseBatchResponse()
@@ -298,6 +308,18 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                     return leased
         finally:
             self._waiting.release()
+
+    def _withheld(self, agent: AgentInfo) -> str | None:
+        """Why the agent is leased nothing (flagged, quarantined...), answered at once
+        instead of a long poll that could never lease it anything; None: it may be."""
+        try:
+            reason = self._tx(lambda s: queries.lease_withheld(s, agent_id=agent.agent_id))
+        except db_exc.NotFound:
+            self.auth.forget(agent.agent_id)
+            raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again") from None
+        if reason is not None:
+            log.info("agent %s is leased nothing: %s", agent.name, reason)
+        return reason
 
     def _reconcile(self, request: pb.LeaseBatchRequest, agent: AgentInfo) -> None:
         """End every active lease and leased model run of the agent that it does not say
@@ -412,6 +434,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                         kind=pb.ARTIFACT_KIND_KERNEL,
                         id=c.id,
                         file_name=Path(c.artifact_path).name if c.artifact_path else "",
+                        size=self._artifact_size(c.artifact_path),
                         signature=_signature(c.artifact_signature),
                         signed_as=signed_as or 0,
                     ),
@@ -426,6 +449,16 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             run_timeout_secs=batch.run_timeout_secs,
             workload_name=wl.name,
         )
+
+    def _artifact_size(self, rel: str | None) -> int:
+        """A stored kernel's size, declared with its lease so that the agent takes no more
+        (0: unknown; `Fetch` says why it cannot serve it)."""
+        if not rel:
+            return 0
+        try:
+            return artifacts.resolve(self.artifact_root, rel).stat().st_size
+        except (artifacts.OutsideArtifactRoot, OSError):
+            return 0
 
     # -- files ----------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ enum the `ErrorKind` StrEnum.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from services.protocol.generated import measurer_pb2 as pb
@@ -21,6 +22,20 @@ agent carries it."""
 
 AGENT_SECRET_PREFIX = "tfs_"
 """Start of an agent secret (tells it apart from a token at a glance)."""
+
+AGENT_NAME_RULE = "1 to 128 characters, each a letter (a-z, A-Z), a digit, '.', '_' or '-'"
+"""What an agent's name may be (`valid_agent_name`), in words for the refusal."""
+
+_AGENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def valid_agent_name(name: str) -> bool:
+    """Whether `name` may name an agent: it is shown in `tunefarm devices`, the dashboard
+    and the services' logs, so it holds nothing a terminal or a log reader would act on
+    (an ANSI escape, a newline forging a log line) and no look-alike letters; a host name
+    (the default) passes. `AGENT_NAME_RULE` says it in words."""
+    return _AGENT_NAME.fullmatch(name) is not None
+
 
 _KIND_TO_PB = {
     ErrorKind.NONE: pb.ERROR_KIND_NONE,

@@ -241,12 +241,14 @@ class LeasedModelRun(_message.Message):
     def __init__(self, model_run_id: _Optional[int] = ..., library: _Optional[_Union[ArtifactRef, _Mapping]] = ..., inputs: _Optional[_Union[ArtifactRef, _Mapping]] = ..., repeat: _Optional[int] = ..., warmup: _Optional[int] = ..., timeout_secs: _Optional[float] = ...) -> None: ...
 
 class LeaseBatchResponse(_message.Message):
-    __slots__ = ("batch", "model_run")
+    __slots__ = ("batch", "model_run", "withheld")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     MODEL_RUN_FIELD_NUMBER: _ClassVar[int]
+    WITHHELD_FIELD_NUMBER: _ClassVar[int]
     batch: LeasedBatch
     model_run: LeasedModelRun
-    def __init__(self, batch: _Optional[_Union[LeasedBatch, _Mapping]] = ..., model_run: _Optional[_Union[LeasedModelRun, _Mapping]] = ...) -> None: ...
+    withheld: str
+    def __init__(self, batch: _Optional[_Union[LeasedBatch, _Mapping]] = ..., model_run: _Optional[_Union[LeasedModelRun, _Mapping]] = ..., withheld: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("agent_id", "lease_id", "refs", "model_run_id")
