@@ -120,7 +120,11 @@ def test_farm_ups_own_redis_wants_its_password(database_url, tmp_path):
             redis.Redis(host="127.0.0.1", port=port, password="guess").ping()
         with redis.Redis.from_url(info["redis_url"]) as client:
             assert client.ping()
-            assert client.config_get("bind")["bind"] == "127.0.0.1"
+            for admin in (client.flushall, lambda: client.config_get("bind"), client.shutdown):
+                with pytest.raises(redis.exceptions.ResponseError, match="unknown command"):
+                    admin()  # the password holder cannot wipe, reconfigure or stop it
+            assert client.ping()
+        assert "bind 127.0.0.1" in farm.own_redis.config_file.read_text().splitlines()
         config = farm.own_redis.config_file
         assert stat.S_IMODE(config.stat().st_mode) == 0o600 and stat.S_IMODE(config.parent.stat().st_mode) == 0o700
         pid = farm.processes[REDIS_PROCESS].pid

@@ -66,6 +66,9 @@ class OwnRedis:
         return self.directory / "redis.conf"
 
     def write_config(self) -> None:
+        # Whoever learns the password can still not wipe or stop the queues, reconfigure
+        # the server (CONFIG SET dir/dbfilename writes files) or read every key at once.
+        disabled = [f'rename-command {c} ""' for c in DISABLED_COMMANDS]
         lines = [
             "bind 127.0.0.1",
             f"port {self.port}",
@@ -75,6 +78,7 @@ class OwnRedis:
             "appendonly no",
             f'dir "{self.directory}"',
             "daemonize no",
+            *disabled,
         ]
         fd = os.open(self.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -88,6 +92,12 @@ class OwnRedis:
                 "or give it one: --redis-url redis://:PASSWORD@HOST:PORT/0"
             )
         return [binary, str(self.config_file)]
+
+
+DISABLED_COMMANDS = ("FLUSHALL", "FLUSHDB", "CONFIG", "SHUTDOWN", "DEBUG", "MODULE", "REPLICAOF", "SLAVEOF",
+                     "MIGRATE", "SAVE", "BGSAVE", "BGREWRITEAOF")  # fmt: skip
+"""Administration commands farm up's own Redis does not have (`rename-command X ""`): RQ
+and the farm use none of them; `farm down` stops Redis with a signal."""
 
 
 def has_password(url: str) -> bool:
