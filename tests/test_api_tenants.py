@@ -169,6 +169,26 @@ def test_an_isolated_worker_with_a_memory_limit_cannot_map_past_it():
         assert worker.call(f"{__name__}:reserve", 1 << 20, timeout=60).ok  # still alive
 
 
+def test_the_importers_run_without_the_apis_secrets(monkeypatch):
+    """An upload is untrusted input to its importer: the importer process does not inherit
+    the API's database URL, tokens or passwords, only what the pool gives it."""
+    from services.api.intake_pool import IMPORTER_ENV, IntakePool
+
+    monkeypatch.setenv("TUNEFARM_DATABASE_URL", "postgresql://farm:hunter2@db/farm")
+    monkeypatch.setenv("SOME_API_TOKEN", "tfa_secret")
+    pool = IntakePool(size=1, per_team=1, wait_secs=1.0, memory_limit_bytes=None, preload=[])
+    try:
+        (worker,) = pool.workers
+        seen = worker.call("os:getenv", "TUNEFARM_DATABASE_URL", timeout=60.0)
+        assert seen.ok and seen.value is None
+        assert worker.call("os:getenv", "SOME_API_TOKEN", timeout=60.0).value is None
+        name, value = next(iter(IMPORTER_ENV.items()))
+        assert worker.call("os:getenv", name, timeout=60.0).value == value
+        assert worker.call("os:getenv", "PATH", timeout=60.0).value  # not an empty environment
+    finally:
+        pool.close()
+
+
 def test_another_teams_upload_does_not_wait_behind_a_teams_import(api, teams, db_sessions, tmp_path):
     """Team A has an upload being imported (it holds an importer); team B's upload is
     taken in meanwhile, and team A's second upload is refused at once (429)."""

@@ -114,7 +114,9 @@ class IsolatedWorker:
     are serialised by a lock, so one worker may be shared by threads, but it does one
     thing at a time. With `memory_limit_bytes`, the child's address space is capped
     (`limit_address_space`): an allocation past it fails in the child (a `MemoryError`,
-    or a crash) and never takes the host's memory.
+    or a crash) and never takes the host's memory. With `scrub_secrets` (always with a
+    `sandbox`), the child does not inherit this process's secrets (`sandbox.SECRET_ENV`:
+    tokens, passwords, every TUNEFARM_ setting such as the database URL).
     """
 
     def __init__(
@@ -127,8 +129,10 @@ class IsolatedWorker:
         memory_limit_bytes: int | None = None,
         sandbox: Sandbox | None = None,
         cwd: str | os.PathLike[str] | None = None,
+        scrub_secrets: bool = False,
     ):
         self.env = dict(env or {})
+        self.scrub_secrets = scrub_secrets or sandbox is not None
         self.memory_limit_bytes = memory_limit_bytes
         self.preload = list(preload)
         self.start_timeout = start_timeout
@@ -197,9 +201,10 @@ class IsolatedWorker:
     def _spawn(self) -> None:
         parent_sock, child_sock = socket.socketpair()
         lifeline_r, lifeline_w = os.pipe()
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        if self.sandbox is not None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.scrub_secrets:
             env = scrubbed_env(env)
+        env.update(self.env)  # what the caller sets for the child is the child's
         # The child starts in `cwd`: a "" entry (this process's directory) is named as such.
         path = [p or os.getcwd() for p in sys.path]
         argv = [

@@ -48,8 +48,9 @@ class IntakePool:
         self.per_team = per_team
         self.wait_secs = wait_secs
         self._workers = [
+            # an upload is untrusted input to the importer: it runs without the API's secrets
             IsolatedWorker(preload=preload, name=f"model-intake-{i}", memory_limit_bytes=memory_limit_bytes,
-                           env=IMPORTER_ENV)
+                           env=IMPORTER_ENV, scrub_secrets=True)
             for i in range(size)
         ]
         self._idle = list(self._workers)
