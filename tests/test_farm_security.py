@@ -654,8 +654,15 @@ PROBE_SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 __attribute__((constructor)) static void probe(void) {
+    struct sockaddr_un local;
+    memset(&local, 0, sizeof local);
+    local.sun_family = AF_UNIX;
+    strncpy(local.sun_path, UNIX_PATH, sizeof local.sun_path - 1);
+    int u = socket(AF_UNIX, SOCK_STREAM, 0);
+    int unix_rc = u < 0 ? -1 : connect(u, (struct sockaddr *)&local, sizeof local);
     struct sockaddr_in addr;
     memset(&addr, 0, sizeof addr);
     addr.sin_family = AF_INET;
@@ -665,20 +672,23 @@ __attribute__((constructor)) static void probe(void) {
     int rc = s < 0 ? -1 : connect(s, (struct sockaddr *)&addr, sizeof addr);
     FILE *f = fopen(REPORT, "w");
     if (f) {
-        fprintf(f, "{\"uid\": %d, \"connected\": %s, \"token\": %s}\n", (int)getuid(), rc == 0 ? "true" : "false",
-                getenv("TUNEFARM_AGENT_TOKEN") ? "true" : "false");
+        fprintf(f, "{\"uid\": %d, \"connected\": %s, \"token\": %s, \"unix\": %s}\n", (int)getuid(),
+                rc == 0 ? "true" : "false", getenv("TUNEFARM_AGENT_TOKEN") ? "true" : "false",
+                unix_rc == 0 ? "true" : "false");
         fclose(f);
     }
 }
 """
-"""A library that reports, when loaded, its user, whether it reached 127.0.0.1:PORT, and
-whether it sees the agent's token."""
+"""A library that reports, when loaded, its user, whether it reached 127.0.0.1:PORT and
+the unix socket UNIX_PATH (a host's database listens on one), and whether it sees the
+agent's token."""
 
 
-def _probe(runner: LocalRunner, tmp: Path, port: int) -> dict:
+def _probe(runner: LocalRunner, tmp: Path, port: int, unix_path: Path) -> dict:
     report = tmp / f"report-{uuid.uuid4().hex[:6]}.json"
     library = tmp / f"probe-{uuid.uuid4().hex[:6]}.so"
-    _shared_library(library, PROBE_SOURCE, PORT=str(port), REPORT=_c_string(str(report)))
+    _shared_library(library, PROBE_SOURCE, PORT=str(port), REPORT=_c_string(str(report)),
+                    UNIX_PATH=_c_string(str(unix_path)))  # fmt: skip
     # readable by nobody whatever this process's umask (an in-process `tunefarm` service
     # command of an earlier test sets 077)
     library.chmod(0o755)
@@ -701,17 +711,25 @@ def test_the_kernel_process_of_a_root_agent_runs_as_nobody_without_network(monke
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     port = listener.getsockname()[1]
+    unix_path = tmp / "db.sock"  # like PostgreSQL's: reached through the file system, not the network
+    local = socket.socket(socket.AF_UNIX)
+    local.bind(str(unix_path))
+    local.listen(8)
+    unix_path.chmod(0o777)
     try:
         with LocalRunner(1) as plain:  # the control: the same probe, unconfined, sees it all
-            assert _probe(plain, tmp, port) == {"uid": 0, "connected": True, "token": True}
+            assert _probe(plain, tmp, port, unix_path) == {"uid": 0, "connected": True, "token": True, "unix": True}
         with LocalRunner(1, sandbox=Sandbox()) as confined:
             confined.start()
             status = confined.sandbox_status
             assert status is not None and status.uid != 0 and status.own_network, status
+            assert status.hidden_sockets >= 1, status
             assert "nobody" in status.describe() and "no network" in status.describe()
-            assert _probe(confined, tmp, port) == {"uid": status.uid, "connected": False, "token": False}
+            assert _probe(confined, tmp, port, unix_path) == {"uid": status.uid, "connected": False, "token": False,
+                                                               "unix": False}  # fmt: skip
     finally:
         listener.close()
+        local.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

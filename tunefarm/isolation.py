@@ -63,6 +63,7 @@ from tunefarm.sandbox import (
     SandboxStatus,
     enter_as_root,
     enter_unprivileged,
+    hide_host_sockets,
     scrubbed_env,
     seal,
 )
@@ -464,8 +465,9 @@ def _kill_children_at_exit() -> None:
 def _child_main(fd: int, lifeline: int, preload: list[str], sandbox: dict[str, Any] | None = None) -> None:
     """Entry point of the child process (see the module docstring for the protocol)."""
     spec = Sandbox(**sandbox) if sandbox is not None else None
-    # A user namespace needs a process with one thread: before the lifeline thread starts.
+    # User and mount namespaces need a process with one thread: before the lifeline thread.
     entered = enter_unprivileged(spec) if spec is not None and os.geteuid() != 0 else None
+    mounts = hide_host_sockets(spec) if spec is not None and os.geteuid() == 0 else (0, ())
     threading.Thread(target=_exit_on_eof, args=(lifeline,), daemon=True, name="lifeline").start()
     conn = Connection(fd)
     try:
@@ -480,7 +482,8 @@ def _child_main(fd: int, lifeline: int, preload: list[str], sandbox: dict[str, A
         # the sandbox user cannot read.
         if entered is None:
             entered = enter_as_root(spec)
-        status = seal(*entered)
+        own_network, problems, hidden = entered
+        status = seal(own_network, problems + mounts[1], hidden + mounts[0])
     conn.send(("ready", {"pid": os.getpid(), "sandbox": asdict(status) if status is not None else None}))
     functions: dict[str, Any] = {}
     while True:
