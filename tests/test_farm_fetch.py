@@ -104,8 +104,11 @@ def test_a_good_archive_lands_whole(server, tmp_path, monkeypatch, capsys):
         ([*GOOD, ("tuned/link", "->/etc/passwd")], "unexpected entry"),
         ([*GOOD, ("tuned/model.so", b"again")], "twice"),
         ([*GOOD[:2], ("tuned/big.bin", b"\0" * 300_000)], "per file"),
+        ([*GOOD, ("tuned/a", b"x"), ("tuned/a/b", b"y")], "both as a file and as a directory"),
+        ([*GOOD, ("tuned/a/b", b"y"), ("tuned/a", b"x")], "both as a file and as a directory"),
+        ([*GOOD, ("tuned/.ssh/authorized_keys", b"ssh-ed25519 AAAA")], "unexpected entry"),
     ],
-    ids=["dotdot", "absolute", "symlink", "twice", "entry-too-large"],
+    ids=["dotdot", "absolute", "symlink", "twice", "entry-too-large", "file-then-dir", "dir-then-file", "hidden"],
 )
 def test_a_bad_entry_after_good_ones_leaves_nothing_behind(server, tmp_path, monkeypatch, capsys, entries, words):
     """The bad entry comes last: before, the good ones were already written to --out."""
@@ -114,6 +117,19 @@ def test_a_bad_entry_after_good_ones_leaves_nothing_behind(server, tmp_path, mon
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and words in err, err
     assert left_in(tmp_path) == []
+
+
+def test_a_non_empty_out_that_holds_no_tuned_model_is_refused(server, tmp_path, monkeypatch, capsys):
+    """A farm's archive does not write among a user's own files (say, --out ~)."""
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / ".bashrc").write_text("mine")
+    body = archive(GOOD)
+    ANSWERS[40] = {"body": body, "sha256": hashlib.sha256(body).hexdigest()}
+    assert fetch(server, 40, out, monkeypatch) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "not empty" in err, err
+    assert left_in(tmp_path) == ["home", "home/.bashrc"]
 
 
 def test_a_refused_archive_leaves_an_existing_out_as_it_was(server, tmp_path, monkeypatch):

@@ -59,6 +59,10 @@ def fetch_tuned_model(client, job_id: int, out: Path, limits: FetchLimits) -> Fe
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FetchError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+        # a farm's archive is not trusted to write among the user's own files (say, ~)
+        raise FetchError(f"--out {out} is not empty and holds no tuned model (manifest.json): "
+                         "choose a new or empty directory; nothing was written")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.fetch-", dir=out.parent) as tmp:
         archive = Path(tmp) / "archive.tar.gz"
@@ -97,6 +101,8 @@ def _unpack_members(tar: tarfile.TarFile, dest: Path, limits: FetchLimits, label
         relative = _entry_path(member, label)
         if relative in written:
             raise FetchError(f"{label} holds {member.name!r} twice")
+        if any(p in written for p in relative.parents) or any(relative in w.parents for w in written):
+            raise FetchError(f"{label} holds {member.name!r} both as a file and as a directory")
         if member.size > limits.max_entry_bytes:
             raise FetchError(f"{label}: {member.name!r} is {member.size} bytes, more than tunefarm fetch "
                              f"unpacks per file ({limits.max_entry_bytes}; TUNEFARM_FETCH_MAX_ENTRY_BYTES)")
@@ -130,7 +136,8 @@ def _entry_path(member: tarfile.TarInfo, label: str) -> Path:
     if parts[:1] == (ARCHIVE_ROOT,):
         parts = parts[1:]
     bad = not member.isfile() or not parts or PurePosixPath(member.name).is_absolute() or ".." in parts
-    if bad or any(p in ("", ".") for p in parts) or "\\" in member.name:
+    # no hidden names: a tuned model has none, and `.ssh/...` has no business in one
+    if bad or any(p in ("", ".") or p.startswith(".") for p in parts) or "\\" in member.name:
         raise FetchError(f"{label} holds an unexpected entry {member.name!r}; nothing was unpacked")
     return Path(*parts)
 
