@@ -149,6 +149,25 @@ def test_a_few_bytes_declaring_a_huge_tensor_are_refused_by_shape(api, teams, tm
         assert address_space_limit(pid) == settings.intake_memory_limit_bytes
 
 
+def test_many_tensors_each_under_the_cap_are_refused_together():
+    """Forty Relus on a 4 Mi-element input: every value is under the per-tensor cap, all
+    of them together are not (the importer would hold gigabytes)."""
+    from onnx import TensorProto, helper
+
+    from tunefarm.errors import ModelError
+    from tunefarm.models.tensor_limits import check_tensor_elements
+
+    n = 1 << 22
+    nodes = [helper.make_node("Relu", [f"v{i}"], [f"v{i + 1}"]) for i in range(40)]
+    graph = helper.make_graph(nodes, "", [helper.make_tensor_value_info("v0", TensorProto.FLOAT, [n])],
+                              [helper.make_tensor_value_info("v40", TensorProto.FLOAT, None)])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    check_tensor_elements(model, {"v0": [n]}, max_elements=n)  # each is within its cap
+    with pytest.raises(ModelError, match="in all"):
+        check_tensor_elements(model, {"v0": [n]}, max_elements=n, max_total=16 * n)
+    check_tensor_elements(model, {"v0": [n]}, max_elements=n, max_total=41 * n)
+
+
 def reserve(n: int) -> int:
     """Map `n` bytes of anonymous memory (never touched) and let them go: run in an importer."""
     import mmap

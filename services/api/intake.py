@@ -49,7 +49,8 @@ _OWN_ERRORS = ("ModelError: ", "UsageError: ", "WorkloadError: ")
 
 
 def intake_job(
-    onnx_path: str, shapes_json: str, name: str, staging_dir: str, data_dir: str, max_tensor_elements: int | None
+    onnx_path: str, shapes_json: str, name: str, staging_dir: str, data_dir: str, max_tensor_elements: int | None,
+    max_model_elements: int | None = None,
 ) -> dict[str, Any]:
     """Child side: plain arguments, plain result; raises `ModelError`/`UsageError`."""
     from tunefarm.models.importer import import_model, read_onnx_file
@@ -68,7 +69,8 @@ def intake_job(
     from tunefarm.models.tasks import extract_tasks
     from tunefarm.search.task import make_task
 
-    imported = import_model(model, shapes, name=name, max_tensor_elements=max_tensor_elements)
+    imported = import_model(model, shapes, name=name, max_tensor_elements=max_tensor_elements,
+                            max_model_elements=max_model_elements)  # fmt: skip
     tasks = extract_tasks(imported, name=name)
     if not tasks.tasks:
         raise ModelError(f"{name}: the model has no kernel to tune (every operator is a reshape)")
@@ -155,6 +157,7 @@ def take_in(
                 str(staging_dir),
                 str(data_dir),
                 limits.max_tensor_elements,
+                limits.max_model_elements,
                 timeout=timeout,
             )
     except WorkerStartError as exc:
@@ -216,6 +219,7 @@ class IntakeLimits:
     max_bytes: int
     timeout_secs: float
     max_tensor_elements: int | None
+    max_model_elements: int | None = None
 
 
 def accept_upload(

@@ -15,6 +15,7 @@ TUNEFARM_REDIS_URL and TUNEFARM_QUEUE_PREFIX of the build queues `/metrics` repo
 | TUNEFARM_INTAKE_QUEUE_SECS | 120 | how long an upload waits for an idle importer (503 after) |
 | TUNEFARM_INTAKE_MEMORY_LIMIT_BYTES | 8589934592 | address space of an importer process (RLIMIT_AS); unset: none |
 | TUNEFARM_MAX_TENSOR_ELEMENTS | 134217728 | elements a tensor of an uploaded model may have (422 naming it above) |
+| TUNEFARM_MAX_MODEL_ELEMENTS | 1073741824 | elements all the tensors of an uploaded model may have together (422 above) |
 | TUNEFARM_TEAM_MAX_ACTIVE_JOBS | 10 | a team's jobs queued or running at once (429 for one more) |
 | TUNEFARM_TEAM_MAX_ACTIVE_TRIALS | 300000 | the trials a team's jobs queued or running have still to run, together (429 above) |
 | TUNEFARM_UI_SESSION_SECS | 43200 | how long a dashboard login lasts |
@@ -84,6 +85,9 @@ class ApiSettings(ServiceSettings):
     # initializer, an intermediate value), checked on shapes before anything is allocated:
     # a file of a few bytes may declare a tensor of gigabytes.
     max_tensor_elements: int = Field(default=1 << 27, ge=1)
+    # ... and all of them together (inputs, initializers, constants, inferred values):
+    # many tensors, each under the cap, add up to gigabytes too.
+    max_model_elements: int = Field(default=1 << 30, ge=1)
     # A team's quota: its jobs queued, running or finishing at once, and the sum of
     # their trial budgets. A job past either is refused (429) until some of them end.
     team_max_active_jobs: int = Field(default=10, ge=1)

@@ -99,21 +99,23 @@ def import_model(
     name: str | None = None,
     example_inputs: Sequence[Any] | None = None,
     max_tensor_elements: int | None = None,
+    max_model_elements: int | None = None,
 ) -> ImportedModel:
     """Import an ONNX model (path, bytes or `onnx.ModelProto`) or a `torch.nn.Module`.
 
     `input_shapes` maps input names to shapes; ONNX inputs with dynamic dimensions need
     one. A torch module needs `example_inputs` (a tuple of tensors); without them,
     `input_shapes` gives float32 zero tensors in its order. `max_tensor_elements` caps
-    every tensor of an ONNX model, checked on its shapes before anything is allocated
-    (`tensor_limits`; None: no cap).
+    every tensor of an ONNX model, and `max_model_elements` all of them together, checked
+    on their shapes before anything is allocated (`tensor_limits`; None: no cap).
     """
     if _is_torch_module(source):
         return _import_torch(source, input_shapes, name=name, example_inputs=example_inputs)
     if example_inputs is not None:
         raise UsageError("example_inputs is only for torch.nn.Module sources")
     model, default_name = _load_onnx(source)
-    return _import_onnx(model, input_shapes or {}, name=name or default_name, max_tensor_elements=max_tensor_elements)
+    return _import_onnx(model, input_shapes or {}, name=name or default_name, max_tensor_elements=max_tensor_elements,
+                        max_model_elements=max_model_elements)  # fmt: skip
 
 
 # -- ONNX ----------------------------------------------------------------------------------
@@ -282,14 +284,15 @@ def resolve_input_shapes(
 
 
 def _import_onnx(
-    model, given: Mapping[str, Sequence[int]], *, name: str, max_tensor_elements: int | None = None
+    model, given: Mapping[str, Sequence[int]], *, name: str, max_tensor_elements: int | None = None,
+    max_model_elements: int | None = None,
 ) -> ImportedModel:
     inputs = onnx_graph_inputs(model)
     if not inputs:
         raise ModelError(f"{name}: the ONNX graph has no inputs (every graph input is an initializer)")
     shapes = resolve_input_shapes(inputs, given)
-    if max_tensor_elements is not None:
-        check_tensor_elements(model, shapes, max_tensor_elements)
+    if max_tensor_elements is not None or max_model_elements is not None:
+        check_tensor_elements(model, shapes, max_tensor_elements or max_model_elements, max_model_elements)
     dtypes = {i.name: i.dtype for i in inputs}
     notes: list[str] = []
     converted = _simplify_checked(model, shapes, dtypes, notes)

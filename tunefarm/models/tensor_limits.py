@@ -12,7 +12,8 @@ only shapes:
   (what the graph computes from them).
 
 The first tensor over the cap is a one-line `ModelError` naming it, its shape and the
-cap. Shape inference that fails says nothing (the importer reports what is wrong with
+cap. With `max_total`, so is a model whose tensors have more elements in all (many
+tensors, each under the cap, add up to gigabytes too). Shape inference that fails says nothing (the importer reports what is wrong with
 the graph later); a shape that is not static is not counted.
 """
 
@@ -24,16 +25,26 @@ from collections.abc import Iterator, Mapping, Sequence
 from tunefarm.errors import ModelError
 
 
-def check_tensor_elements(model, shapes: Mapping[str, Sequence[int]], max_elements: int) -> None:
+def check_tensor_elements(
+    model, shapes: Mapping[str, Sequence[int]], max_elements: int, max_total: int | None = None
+) -> None:
     """`ModelError` naming the first tensor of `model` (an `onnx.ModelProto` whose inputs
-    get `shapes`) with more than `max_elements` elements."""
+    get `shapes`) with more than `max_elements` elements, or saying that its tensors have
+    more than `max_total` elements in all."""
+    total = 0
     for what, name, dims in _declared(model, shapes):
-        _check(what, name, dims, max_elements)
+        total += _check(what, name, dims, max_elements)
     for name, dims in _inferred(model, shapes):
-        _check("tensor", name, dims, max_elements)
+        total += _check("tensor", name, dims, max_elements)
+    if max_total is not None and total > max_total:
+        raise ModelError(
+            f"the model's tensors have {total:,} elements in all, more than the {max_total:,} a model may "
+            "have here; give it fewer or smaller tensors"
+        )
 
 
-def _check(what: str, name: str, dims: Sequence[int], max_elements: int) -> None:
+def _check(what: str, name: str, dims: Sequence[int], max_elements: int) -> int:
+    """The tensor's elements; ModelError above `max_elements`."""
     elements = math.prod(dims)
     if elements > max_elements:
         shape = "x".join(str(d) for d in dims)
@@ -41,6 +52,7 @@ def _check(what: str, name: str, dims: Sequence[int], max_elements: int) -> None
             f"{what} {name!r} has {elements:,} elements ({shape}), more than the {max_elements:,} "
             "a tensor may have here; give it a smaller shape"
         )
+    return elements
 
 
 def _declared(model, shapes: Mapping[str, Sequence[int]]) -> Iterator[tuple[str, str, Sequence[int]]]:

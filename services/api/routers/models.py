@@ -49,6 +49,7 @@ def upload_model(
         max_bytes=settings.max_upload_bytes,
         timeout_secs=settings.intake_timeout_secs,
         max_tensor_elements=settings.max_tensor_elements,
+        max_model_elements=settings.max_model_elements,
     )
     with intake.admit(team.id):
         taken = accept_upload(
