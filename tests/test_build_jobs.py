@@ -189,3 +189,21 @@ def test_a_build_job_class_forces_json_whatever_serializer_it_is_given(redis_con
     from rq.serializers import DefaultSerializer
 
     assert BuildJob(connection=redis_conn, serializer=DefaultSerializer).serializer is JSONSerializer
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [{"status": "no-such-status"}, {"status": "failed", "last_heartbeat": "not a time"}],
+    ids=["status", "failed-garbage"],
+)
+def test_a_build_job_whose_hash_holds_garbage_reads_as_lost(queues, garbage):
+    """Whoever reaches Redis may write anything into a job's hash: the scheduler reads
+    such a job as lost (and builds the batch again), never as an exception."""
+    from services.worker.build_job import build_job_status
+
+    job = build_queue(queues.redis, queues.device_class, queues.prefix).enqueue(BUILD_JOB, 11)
+    assert build_job_status(queues.redis, job.id)[0] == "queued"
+    queues.redis.hset(job.key, mapping=garbage)
+    status, why = build_job_status(queues.redis, job.id)
+    assert status in (None, "failed"), (status, why)
+    assert build_job_status(queues.redis, "tfnothing-build-1") == (None, "its build job is gone from Redis")

@@ -511,23 +511,11 @@ class FarmMeasurer(Measurer):
         return out
 
     def _build_job(self, batch_id: int) -> tuple[str | None, str]:
-        """The batch's RQ job status (None: Redis does not have it) and why it failed."""
-        from rq.exceptions import NoSuchJobError
-        from rq.job import JobStatus
+        """The batch's RQ job status (None: Redis does not have it, or not readably) and
+        why it failed (`build_job_status`)."""
+        from services.worker.build_job import build_job_status
 
-        from services.worker.build_job import fetch_build_job
-
-        try:
-            job = fetch_build_job(self.redis, build_job_id(batch_id, self.queue_prefix))
-        except NoSuchJobError:
-            return None, "its build job is gone from Redis"
-        status = job.get_status(refresh=False)
-        if status == JobStatus.FAILED:
-            latest = job.latest_result()
-            lines = ((latest.exc_string or "") if latest is not None else "").strip().splitlines()
-            return str(status.value), lines[-1] if lines else "failed"
-        value = status.value if status is not None else None
-        return value, f"its build job is {value} and no worker is building it"
+        return build_job_status(self.redis, build_job_id(batch_id, self.queue_prefix))
 
     def _build_again(self, batch_id: int, why: str, *, failed: bool) -> None:
         """Enqueue a batch's build again, or give the batch up after `max_requeues` failed

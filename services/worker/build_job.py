@@ -121,6 +121,32 @@ def fetch_build_job(connection: Any, job_id: str) -> BuildJob:
     return BuildJob.fetch(job_id, connection=connection)
 
 
+def build_job_status(connection: Any, job_id: str) -> tuple[str | None, str]:
+    """A build job's RQ status (None: Redis has no such job, or none it can read) and, for
+    a failed one, why. Whoever reaches Redis may have written anything into the job's hash
+    (an unknown status, an undecodable result): such a job reads as lost, never as an
+    exception in its reader. Raises `redis.RedisError` when Redis is away."""
+    from redis import RedisError
+    from rq.exceptions import NoSuchJobError
+    from rq.job import JobStatus
+
+    try:
+        job = fetch_build_job(connection, job_id)
+        status = job.get_status(refresh=False)
+        if status == JobStatus.FAILED:
+            latest = job.latest_result()
+            lines = ((latest.exc_string or "") if latest is not None else "").strip().splitlines()
+            return str(status.value), str(lines[-1])[:500] if lines else "failed"
+    except NoSuchJobError:
+        return None, "its build job is gone from Redis"
+    except RedisError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (anything in an untrusted hash)
+        return None, f"its build job in Redis is unreadable ({type(exc).__name__})"
+    value = status.value if status is not None else None
+    return value, f"its build job is {value} and no worker is building it"
+
+
 def build_worker(connection: Any, device_classes: list[str], prefix: str, *, name: str | None = None):
     """An RQ `SimpleWorker` on the classes' build queues that runs `BuildJob`s only (see
     `services.worker.jobs` for why a SimpleWorker)."""
