@@ -904,12 +904,12 @@ def test_a_flagged_agent_is_leased_nothing_while_an_honest_one_is(db_sessions):
 
 
 def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests_only(db_sessions, tmp_path):
-    """The scheduler's side (`JobRunner.finish`): the tuned model gets each task's fastest
+    """The scheduler's side (`FarmJob.finish`): the tuned model gets each task's fastest
     kernel that a second measurement confirmed, never a disputed or unconfirmed one."""
     from types import SimpleNamespace
 
     from services.scheduler.exceptions import FinishInterrupted
-    from services.scheduler.farm_job import JobRunner, RunnerContext
+    from services.scheduler.farm_job import FarmJob, RunnerContext
 
     farm = make_farm(db_sessions, candidates=2)
     a, b = farm.agent_ids
@@ -921,7 +921,7 @@ def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests
         task_key = s.get(JobTask, farm.job_task_id).task_key
     ctx = RunnerContext(sessions=db_sessions, artifact_root=tmp_path, measurer_factory=None, check_tuned_model=False,
                         log=lambda msg: None, confirm_wait_secs=60.0)  # fmt: skip
-    runner = JobRunner(ctx, SimpleNamespace(job_id=farm.job_id, start_model_trained_on=None), shared=None)
+    runner = FarmJob(ctx, SimpleNamespace(job_id=farm.job_id, start_model_trained_on=None), shared=None)
     records = [_record(_input(0), 0.001), _record(_input(1), 0.002)]
     runner.tasks = [SimpleNamespace(key=task_key, workload=SimpleNamespace(key="w", name="w"))]
     runner.tuners = [SimpleNamespace(state=SimpleNamespace(records=records))]

@@ -195,7 +195,7 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     """The static check is not vacuous: a core module importing the farm's service is caught."""
     fake = tmp_path / "tunefarm"
     fake.mkdir()
-    (fake / "bad.py").write_text("from services.scheduler.farm_job import JobRunner\n")
+    (fake / "bad.py").write_text("from services.scheduler.farm_job import FarmJob\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert violations("tunefarm", ("services",)) == ["tunefarm/bad.py:1 imports services.scheduler.farm_job",
-                                                     "tunefarm/bad.py:1 imports services.scheduler.farm_job.JobRunner"]
+                                                     "tunefarm/bad.py:1 imports services.scheduler.farm_job.FarmJob"]

@@ -1,6 +1,6 @@
 """One job inside the scheduler service: embedded mode's session over the farm.
 
-`JobRunner` builds, for a claimed job, exactly what `tunefarm tune` builds in embedded
+`FarmJob` builds, for a claimed job, exactly what `tunefarm tune` builds in embedded
 mode (`tunefarm/tune.py`): one `SearchTask` and `TaskTuner` per task of the
 model, the task scheduler of the job's strategy, one `TuningSession` with the job's
 trial budget and latency target. Three things differ, and only by what is plugged in:
@@ -128,7 +128,7 @@ class JobProgressRows(SessionCallback):
     estimated latency (and its first complete estimate), and why tasks were given up.
     Trial counts and per-task bests are kept by the lease service with each measurement."""
 
-    def __init__(self, runner: JobRunner):
+    def __init__(self, runner: FarmJob):
         self.runner = runner
         self.last_est: float | None = None
         self.last_trials = -1
@@ -151,7 +151,11 @@ class JobProgressRows(SessionCallback):
             self.last_est, self.last_trials = est, session.trials
 
 
-class JobRunner:
+class FarmJob:
+    """One claimed job in the scheduler: its model, tasks, tuners, session and measurer,
+    stepped by the service until its trials are spent, then finished (the tuned model
+    built, checked and stored)."""
+
     def __init__(self, ctx: RunnerContext, setup: JobSetup, shared: ClassModel):
         self.ctx = ctx
         self.setup = setup

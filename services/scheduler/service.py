@@ -5,7 +5,7 @@ One loop, one pass at a time (`SchedulerService.run_once`):
 1. pick runnable jobs (queued, running, finishing; oldest first, up to `max_jobs`) that
    no other scheduler holds (a Postgres advisory lock per job, held on one connection
    for as long as this process runs the job: a scheduler that dies releases its jobs),
-   claim them (queued -> running) and build their sessions (`farm_job.JobRunner`):
+   claim them (queued -> running) and build their sessions (`farm_job.FarmJob`):
    after a restart a job resumes from its measurements in Postgres and adopts its
    batches still in flight, so no measurement is lost and none is repeated;
 2. fair shares, team first: a class with A live agents and T teams running jobs on it
@@ -53,7 +53,7 @@ from services.db.session import make_session_factory, transaction
 from services.protocol.signing import ArtifactSigner, KeyFileError
 from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed, JobVanished
-from services.scheduler.farm_job import JobRunner, MeasurerFactory, RunnerContext
+from services.scheduler.farm_job import FarmJob, MeasurerFactory, RunnerContext
 from services.scheduler.job_store import JobSetup, RunningJob
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.shared_model import ClassModels
@@ -152,8 +152,8 @@ class SchedulerService:
             transfer=settings.cost_model_transfer,
             log=self.log,
         )
-        self.runners: dict[int, JobRunner] = {}
-        self.finishing: dict[int, tuple[JobRunner, Future[None]]] = {}
+        self.runners: dict[int, FarmJob] = {}
+        self.finishing: dict[int, tuple[FarmJob, Future[None]]] = {}
         # Finishing jobs: one may wait long for an agent to run its model while others build.
         self._executor = ThreadPoolExecutor(max_workers=FINISHING_THREADS, thread_name_prefix="finish")
         self._locks: Connection | None = None
@@ -202,7 +202,7 @@ class SchedulerService:
         self._learn()
         return moved
 
-    def _step(self, job_id: int, runner: JobRunner, cap: int) -> bool:
+    def _step(self, job_id: int, runner: FarmJob, cap: int) -> bool:
         session = runner.session
         assert session is not None
         before = (session.trials, session.in_flight)
@@ -252,7 +252,7 @@ class SchedulerService:
             with transaction(self.sessions) as db:
                 setup = job_store.claim_job(db, job_id=job_id)
             shared = self.models.get(setup.device_class_id)
-            runner = JobRunner(self.ctx, setup, shared)
+            runner = FarmJob(self.ctx, setup, shared)
             runner.start()
         except JobVanished:
             self._unlock(job_id)
@@ -291,7 +291,7 @@ class SchedulerService:
 
     # -- finishing --------------------------------------------------------------------------
 
-    def _start_finishing(self, job_id: int, runner: JobRunner) -> None:
+    def _start_finishing(self, job_id: int, runner: FarmJob) -> None:
         self.runners.pop(job_id, None)
         try:
             runner.begin_finishing()
@@ -325,7 +325,7 @@ class SchedulerService:
 
     # -- ending -----------------------------------------------------------------------------
 
-    def _end(self, job_id: int, action: Callable[[], None], runner: JobRunner | None = None) -> None:
+    def _end(self, job_id: int, action: Callable[[], None], runner: FarmJob | None = None) -> None:
         """Run `action` (fail or cancel the job), then forget the job and release it."""
         self.runners.pop(job_id, None)
         try:
