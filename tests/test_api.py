@@ -5,6 +5,7 @@ getting its clear JSON error while changing nothing stored."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -410,6 +411,40 @@ def test_devices_list_agents_and_classes(farm):
     assert board["errors_by_kind"] == {"run_timeout": 2} and board["last_heartbeat_at"]
     classes = {c["name"]: c for c in c.get("/v1/device-classes", headers=auth(farm)).json()}
     assert classes[CLASS]["agents_online"] >= 1
+
+
+def test_an_agent_silent_past_the_freshness_window_is_offline_whatever_its_row_says(farm):
+    """An agent killed while no lease service ran (farm down, then another farm up on the
+    same database) keeps `idle` in its row: it is shown offline and counted out of its
+    class's agents online (TUNEFARM_AGENT_FRESH_SECS, 60 s by default)."""
+    with transaction(farm["sessions"]) as s:
+        dc = admin.ensure_device_class(s, name="stale-class", target={"kind": "llvm", "num-cores": 2})
+        s.add(Agent(device_class_id=dc.id, name="gone-board", state=AgentState.IDLE, capabilities={},
+                    last_heartbeat_at=func.now() - timedelta(minutes=10)))
+    c = farm["client"]
+    board = next(d for d in c.get("/v1/devices", headers=auth(farm)).json() if d["name"] == "gone-board")
+    assert board["state"] == "offline"
+    classes = {c["name"]: c for c in c.get("/v1/device-classes", headers=auth(farm)).json()}
+    assert classes["stale-class"]["agents_online"] == 0
+
+
+def test_a_job_says_when_no_live_agent_serves_its_class(farm):
+    job = seed_job(farm["sessions"], measurements=4)
+    headers = {"Authorization": f"Bearer {job.team_token}"}
+    body = farm["client"].get(f"/v1/jobs/{job.job_id}", headers=headers).json()
+    assert body["state"] == "running"
+    assert body["waiting"] == (
+        f"waiting: no agent of class {body['device_class']} is online (none heartbeated in the last 60 s)"
+    )
+    with transaction(farm["sessions"]) as s:
+        dc_id = s.scalar(select(Job.device_class_id).where(Job.id == job.job_id))
+        s.add(Agent(device_class_id=dc_id, name=f"stale-{job.job_id}", state=AgentState.IDLE, capabilities={},
+                    last_heartbeat_at=func.now() - timedelta(minutes=10)))
+    assert farm["client"].get(f"/v1/jobs/{job.job_id}", headers=headers).json()["waiting"]  # a stale one serves nothing
+    with transaction(farm["sessions"]) as s:
+        s.add(Agent(device_class_id=dc_id, name=f"live-{job.job_id}", state=AgentState.BUSY, capabilities={},
+                    last_heartbeat_at=func.now()))
+    assert farm["client"].get(f"/v1/jobs/{job.job_id}", headers=headers).json()["waiting"] is None
 
 
 def test_unknown_routes_and_methods_answer_json(farm):

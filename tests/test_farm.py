@@ -1120,7 +1120,7 @@ def _standing(farm: Farm, agent_id: int):
     from services.api import crud
 
     with transaction(farm.sessions) as s:
-        return next(d for d in crud.list_devices(s) if d.id == agent_id)
+        return next(d for d in crud.list_devices(s, fresh_secs=60.0) if d.id == agent_id)
 
 
 def _class_model_learns(farm: Farm, device_class_id: int) -> int:

@@ -83,3 +83,40 @@ def test_settings_come_from_the_environment(monkeypatch):
     s = ClientSettings.load(token="tft_flag")  # a flag wins
     assert s.token == "tft_flag"
     assert json.loads(s.model_dump_json())["server"] == "http://api:8000"
+
+
+def _job(state: str, trials: int, waiting: str | None) -> dict:
+    return {"id": 7, "state": state, "model_id": 1, "model_name": "m", "device_class": "c1", "trials_used": trials,
+            "trial_budget": 64, "est_latency_secs": None, "est_latency_start_secs": None, "tasks": [],
+            "started_at": None, "finished_at": None, "waiting": waiting, "cancel_requested": False, "error": None,
+            "cost_model": {"trained_on_at_first_batch": None}, "result": None, "artifact": {"available": False}}
+
+
+def test_following_a_job_says_while_no_agent_serves_its_class(capsys):
+    """`submit --follow` / `status --follow` on a job no live agent serves: not "running
+    0/64" for ever without a word, but the API's `waiting` line, once, and a line when an
+    agent is back; `status` prints it too."""
+    import io
+
+    from tunefarm_app.farm_commands import _print_job
+    from tunefarm_app.progress import JobProgressView
+
+    waiting = "waiting: no agent of class c1 is online (none heartbeated in the last 60 s)"
+    answers = iter([_job("running", 0, waiting), _job("running", 0, waiting), _job("running", 0, None),
+                    _job("running", 8, None), _job("succeeded", 64, None)])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=next(answers))
+
+    out = io.StringIO()
+    view = JobProgressView(out, force_terminal=False)
+    settings = ClientSettings.load(server="farm.example:8000", token="tft_secret")
+    with FarmClient(settings, transport=httpx.MockTransport(answer)) as client:
+        final = client.follow(7, view.update, sleep=lambda secs: None)
+    assert final["state"] == "succeeded"
+    text = out.getvalue()
+    assert text.count(waiting) == 1, text
+    assert text.index(waiting) < text.index("class c1 has an agent online again"), text
+    _print_job(_job("running", 0, waiting))
+    assert "waiting    no agent of class c1 is online" in capsys.readouterr().out
+

@@ -205,7 +205,8 @@ class FarmClient:
             if failing_since is not None:
                 on_retry(f"the farm answers again after {time.monotonic() - failing_since:.0f} s")
                 failing_since, attempt = None, 0
-            view = (job["state"], job["trials_used"], job["est_latency_secs"], job["est_latency_start_secs"])
+            view = (job["state"], job["trials_used"], job["est_latency_secs"], job["est_latency_start_secs"],
+                    job.get("waiting"))
             if view != last:
                 on_change(job)
                 last = view

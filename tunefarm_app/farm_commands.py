@@ -372,6 +372,8 @@ def _print_job(job: dict) -> None:
     print(f"job        {job['id']}: {job['state']}" + (" (cancel requested)" if job["cancel_requested"] and job["state"] not in ("cancelled",) else ""))
     print(f"model      {job['model_id']}: {job['model_name']} on {job['device_class']}")
     print(f"trials     {job['trials_used']} of {job['trial_budget']}")
+    if job.get("waiting"):
+        print(f"waiting    {job['waiting'].removeprefix('waiting: ')}")
     print(f"latency    {cost(job['est_latency_secs'])} estimated now, {cost(job['est_latency_start_secs'])} at the start")
     for t in job["tasks"]:
         dead = f"  ({t['dead_reason']})" if t["dead_reason"] else ""

@@ -44,6 +44,7 @@ with its log.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -169,6 +170,7 @@ class LocalFarm:
         self._popen: dict[str, subprocess.Popen] = {}
         self.env: dict[str, str] = {}
         self.info: dict[str, Any] = {}
+        self.agent_token_id: int | None = None  # the agent token this start issued (prepare)
         self._starts: dict[str, int] = {}  # times each process was started
         self.own_redis: OwnRedis | None = None
 
@@ -197,6 +199,7 @@ class LocalFarm:
         upgrade(c.database_url)
         target = c.target or host_target_dict()
         class_name = c.device_class or detected_class_name(target)
+        previous_token = _previous_agent_token(c.state_dir)
         sessions = make_session_factory(c.database_url)
         try:
             with transaction(sessions) as s:
@@ -206,8 +209,32 @@ class LocalFarm:
                 team = admin.ensure_team(s, name=c.team)
                 team_token = admin.issue_team_token(s, team_id=team.id, label="farm up")
                 agent_token = admin.issue_agent_token(s, label="farm up")
+                self.agent_token_id = admin.agent_token_id(s, plain=agent_token)
+                previous_id = admin.agent_token_id(s, plain=previous_token) if previous_token else None
+                self._prepare_env(class_name, agent_token, redis_url)
+                # The names its agents register with are the new token's (those of an
+                # earlier start from this state dir hold them; nothing is issued if a
+                # live agent of another farm holds one).
+                admin.claim_agent_names(
+                    s, names=self.all_agent_names(), token_id=self.agent_token_id, fresh_secs=self._fresh_secs(),
+                    ours=frozenset({previous_id} - {None}),
+                )  # fmt: skip
+        except admin.AgentNamesInUse as exc:
+            raise UsageError(str(exc)) from None
         finally:
             sessions.kw["bind"].dispose()
+        self.info |= {
+            "team": c.team,
+            "team_token": team_token,
+            "agent_token": agent_token,
+            "device_class": class_name,
+            "target": target,
+        }
+        return self.info
+
+    def _prepare_env(self, class_name: str, agent_token: str, redis_url: str) -> None:
+        """Every process's TUNEFARM_* settings, and farm.json's addresses (`info`)."""
+        c = self.config
         api_bind = _with_free_port(c.api_bind)
         lease_bind = _with_free_port(c.lease_bind)
         signing = signing_env(c.state_dir)
@@ -221,7 +248,7 @@ class LocalFarm:
             "TUNEFARM_AGENT_SERVER": _connect_address(lease_bind),
             "TUNEFARM_AGENT_TOKEN": agent_token,
             "TUNEFARM_AGENT_DEVICE_CLASS": class_name,
-            "TUNEFARM_AGENT_NAME": _name_part(f"{socket.gethostname()}-{c.state_dir.resolve().name}")[:64] + "-agent",
+            "TUNEFARM_AGENT_NAME": agent_base_name(c.state_dir),
             "TUNEFARM_AGENT_WORK_DIR": str((c.state_dir / "agent").resolve()),
             "TUNEFARM_BUILD_PROCESSES": str(max(1, (os.cpu_count() or 2) // 2)),
             **(c.tls.env() if c.tls else {}),
@@ -232,11 +259,6 @@ class LocalFarm:
             "api_url": f"http://{_connect_address(api_bind)}",
             "grpc_address": _connect_address(lease_bind),
             "grpc_tls": c.tls is not None,
-            "team": c.team,
-            "team_token": team_token,
-            "agent_token": agent_token,
-            "device_class": class_name,
-            "target": target,
             "extra_classes": dict(c.extra_classes),
             "database_url": c.database_url,
             "redis_url": redis_url,
@@ -245,7 +267,13 @@ class LocalFarm:
             "artifact_root": str(c.artifact_root.resolve()),
             "signing_public_key": signing["TUNEFARM_AGENT_SIGNING_PUBLIC_KEY"],
         }
-        return self.info
+
+    def _fresh_secs(self) -> float:
+        """The farm's agent freshness window (TUNEFARM_AGENT_FRESH_SECS, as its services read it)."""
+        from services.common.settings import ServiceSettings
+
+        given = self.config.extra_env.get("TUNEFARM_AGENT_FRESH_SECS") or os.environ.get("TUNEFARM_AGENT_FRESH_SECS")
+        return float(given) if given else ServiceSettings.model_fields["agent_fresh_secs"].default
 
     def commands(self) -> dict[str, list[str]]:
         """Every process's command line (`python -m tunefarm_app.cli ...`)."""
@@ -269,6 +297,10 @@ class LocalFarm:
                 "--work-dir", str((self.config.state_dir / f"agent-{c}").resolve()),
             ]  # fmt: skip
         return out
+
+    def all_agent_names(self) -> list[str]:
+        """The names every agent process of the farm registers with."""
+        return [self.registered_name(p) for p in (*self.agent_names(), *(f"agent-{c}" for c in self.config.extra_classes))]
 
     def agent_names(self) -> list[str]:
         """The agent processes of the farm's own class (`agents` of them)."""
@@ -370,14 +402,20 @@ class LocalFarm:
     # -- health -------------------------------------------------------------------------------
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_SECS) -> None:
-        """Until the API answers, the lease service listens and the agent registered;
-        `UsageError` with the dead process's log tail if one exits first."""
+        """Until the API answers, the lease service listens and every agent registered
+        (with this start's token: a row of an earlier farm's agent under the same name
+        does not count); `UsageError` if a process exits first: an agent's own one-line
+        reason (a taken name, a class this CPU cannot serve), another's log tail."""
         deadline = time.monotonic() + timeout
         pending = {"api", "lease-service", *self.agent_names(), *(f"agent-{c}" for c in self.config.extra_classes)}
         while pending:
             for name in self.processes:
                 if not self.alive(name):
-                    raise UsageError(f"{name} exited during start-up:\n{log_tail(Path(self.processes[name].log))}")
+                    log = Path(self.processes[name].log)
+                    reason = agent_exit_reason(log) if name.startswith("agent") else None
+                    if reason:
+                        raise UsageError(f"{name} exited during start-up: {reason} (log: {log})")
+                    raise UsageError(f"{name} exited during start-up:\n{log_tail(log)}")
             if "api" in pending and _http_ok(self.info["api_url"] + "/healthz"):
                 pending.discard("api")
             if "lease-service" in pending and _port_open(self.info["grpc_address"]):
@@ -397,8 +435,8 @@ class LocalFarm:
         try:
             with engine.connect() as conn:
                 n = conn.execute(
-                    text("SELECT count(*) FROM agents WHERE name = :n AND state IN ('idle', 'busy')"),
-                    {"n": self.registered_name(name)},
+                    text("SELECT count(*) FROM agents WHERE name = :n AND state IN ('idle', 'busy') AND token_id = :t"),
+                    {"n": self.registered_name(name), "t": self.agent_token_id},
                 ).scalar()
                 return bool(n)
         except Exception:
@@ -509,6 +547,40 @@ def signing_env(state_dir: Path) -> dict[str, str]:
         "TUNEFARM_SIGNING_KEY_FILE": str(directory / SIGNING_KEY),
         "TUNEFARM_AGENT_SIGNING_PUBLIC_KEY": str(directory / SIGNING_PUBLIC_KEY),
     }
+
+
+def agent_base_name(state_dir: Path) -> str:
+    """The name the farm's first agent registers with: the host's, the state dir's, and a
+    digest of the state dir's path. Two farms started from `a/farm` and `b/farm` on one
+    database have agents of their own (with the directory's name only, the second one's
+    agent was refused the first's name, and its jobs waited for ever); the same state dir
+    gets the same name at every start (`claim_agent_names` hands it to the new token)."""
+    path = str(state_dir.resolve())
+    digest = hashlib.sha256(path.encode()).hexdigest()[:6]
+    return _name_part(f"{socket.gethostname()}-{state_dir.resolve().name}")[:64] + f"-{digest}-agent"
+
+
+AGENT_ERROR_PREFIX = "tunefarm agent: error: "
+"""How `tunefarm agent` prints the reason it stops (services/agent/cli.py)."""
+
+
+def agent_exit_reason(log: Path) -> str | None:
+    """The one-line reason an agent process gave for exiting (its last `tunefarm agent:
+    error:` line), None if it gave none."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    reasons = [line.split(AGENT_ERROR_PREFIX, 1)[1].strip() for line in lines if AGENT_ERROR_PREFIX in line]
+    return reasons[-1] if reasons else None
+
+
+def _previous_agent_token(state_dir: Path) -> str | None:
+    """The agent token of the last start from `state_dir` (farm.json), if any."""
+    try:
+        return json.loads((Path(state_dir) / FARM_FILE).read_text()).get("agent_token")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def detected_class_name(target: dict[str, Any]) -> str:

@@ -115,8 +115,10 @@ class JobProgressView:
         self.console = Console(file=stream or sys.stderr, force_terminal=force_terminal, highlight=False)
         self.live_mode = self.console.is_terminal
         self._live: Live | None = None
+        self._waiting: str | None = None
 
     def update(self, job: Mapping[str, Any]) -> None:
+        self._note_waiting(job)
         snap = snapshot_of_job(job)
         if not self.live_mode:
             est = format_cost(job["est_latency_secs"]) if job["est_latency_secs"] else "-"
@@ -131,6 +133,16 @@ class JobProgressView:
 
     def note(self, message: str) -> None:
         self.console.print(message, markup=False, soft_wrap=True)
+
+    def _note_waiting(self, job: Mapping[str, Any]) -> None:
+        """Say when the job starts and stops waiting for an agent of its class (`waiting`):
+        without it, a job no agent serves shows the same trials for ever."""
+        waiting = job.get("waiting")
+        if waiting and waiting != self._waiting:
+            self.note(waiting)
+        elif self._waiting and not waiting and job.get("state") not in ("succeeded", "failed", "cancelled"):
+            self.note(f"agents     class {job['device_class']} has an agent online again")
+        self._waiting = waiting
 
     def close(self) -> None:
         if self._live is not None:

@@ -1,5 +1,6 @@
 """Operator actions on the farm's database (the `tunefarm farm` commands; not on the API):
-teams and their tokens, agent tokens (issued, listed, revoked), device classes.
+teams and their tokens, agent tokens (issued, listed, revoked), device classes, agent
+names handed to a new token (`claim_agent_names`, what `farm up` does for its agents).
 
 Keyword-only functions over the caller's session, like `crud`; a token's plain text is
 returned once and never stored.
@@ -13,9 +14,13 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from services.db import queries
+from services.db import liveness, queries
 from services.db.exceptions import NotFound
-from services.db.models import DeviceClass, Team, Token, TokenKind
+from services.db.models import Agent, AgentState, DeviceClass, Team, Token, TokenKind
+
+
+class AgentNamesInUse(ValueError):
+    """`claim_agent_names`: a name belongs to a live agent of another token."""
 
 
 def ensure_team(session: Session, *, name: str) -> Team:
@@ -111,3 +116,50 @@ def ensure_device_class(
         .on_conflict_do_nothing(index_elements=[DeviceClass.name])
     )
     return session.scalars(select(DeviceClass).where(DeviceClass.name == name)).one()
+
+
+def agent_token_id(session: Session, *, plain: str) -> int | None:
+    """The id of the agent token `plain` (None: not a stored agent token)."""
+    return session.scalar(
+        select(Token.id).where(Token.token_hash == queries.hash_token(plain), Token.kind == TokenKind.AGENT)
+    )
+
+
+def claim_agent_names(
+    session: Session, *, names: list[str], token_id: int, fresh_secs: float, ours: frozenset[int] = frozenset()
+) -> list[str]:
+    """Hand the agent names `names` to the agent token `token_id`, so that agents with
+    that token register under them (`queries.register_agent` refuses a name another
+    token's agent holds). An operator's act: `farm up` issues a new agent token at each
+    start, and the agents of its previous start, stopped by `farm down`, hold the names.
+
+    A name held by a live agent (`services.db.liveness`) of another token is not taken
+    (`AgentNamesInUse`, nothing changed), unless that token is in `ours` (the previous
+    start's own token: its processes are known to be stopped). A name handed over is
+    offline until its agent registers (a quarantined one stays disabled), and the leases
+    its previous agent held end now. Returns the names handed over."""
+    rows = session.execute(
+        select(Agent, liveness.live_clause(fresh_secs))
+        .where(Agent.name.in_(names))
+        .order_by(Agent.name)
+        .with_for_update(of=Agent)
+    ).all()
+    taken = [a for a, live in rows if a.token_id != token_id and live and a.token_id not in ours]
+    if taken:
+        raise AgentNamesInUse(
+            "agent name(s) " + ", ".join(repr(a.name) for a in taken) + " are in use by live agents of another "
+            f"token (heartbeat within {fresh_secs:g} s): another farm on this database? stop it, or start this one "
+            "from another --state-dir"
+        )
+    handed = []
+    for agent, _live in rows:
+        if agent.token_id == token_id:
+            continue
+        queries.release_agent_leases(session, agent_id=agent.id)
+        agent.token_id = token_id
+        if agent.state is not AgentState.DISABLED:
+            agent.state = AgentState.OFFLINE
+        handed.append(agent.name)
+    session.flush()
+    return handed
+

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, select, text, update
+from sqlalchemy import Float, bindparam, case, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
@@ -41,11 +41,10 @@ from services.api.schemas import (
     TransferPublic,
 )
 from services.api.storage import StoredFile
-from services.db import trust
+from services.db import liveness, trust
 from services.db.codec import record_from_json
 from services.db.models import (
     Agent,
-    AgentState,
     CostModelVersion,
     DeviceClass,
     Job,
@@ -319,10 +318,16 @@ def _progress_statement():
         (CostModelVersion.device_class_id != Job.device_class_id, CostModelVersion.id),
         else_=CostModelVersion.transferred_from_id,
     )
+    # Live agents of the job's class (services.db.liveness): none, and the job says so.
+    live = (
+        select(func.count())
+        .where(Agent.device_class_id == Job.device_class_id, liveness.live_clause(bindparam("fresh_secs", type_=Float)))
+        .scalar_subquery()
+    )
     return (
         select(
             Job, Model.name, DeviceClass.name, CostModelVersion.version, CostModelVersion.trained_on, tasks, curve,
-            source_class.name, source.version, CostModelVersion.device_class_id == Job.device_class_id,
+            source_class.name, source.version, CostModelVersion.device_class_id == Job.device_class_id, live,
         )  # fmt: skip
         .join(Model, Model.id == Job.model_id)
         .join(DeviceClass, DeviceClass.id == Job.device_class_id)
@@ -336,14 +341,18 @@ def _progress_statement():
 _PROGRESS = _progress_statement()
 
 
-def job_public(session: Session, *, team_id: int, job_id: int) -> JobPublic:
+def job_public(session: Session, *, team_id: int, job_id: int, fresh_secs: float) -> JobPublic:
     """A job's progress from its precomputed rows (see the module docstring), in one
-    statement: the job row, its tasks and its curve aggregated as JSON by Postgres."""
-    row = session.execute(_PROGRESS, {"job_id": job_id, "team_id": team_id}).one_or_none()
+    statement: the job row, its tasks and its curve aggregated as JSON by Postgres; and,
+    for a job not yet over, whether no live agent serves its class (`waiting`: it would
+    wait for one without a word otherwise)."""
+    row = session.execute(_PROGRESS, {"job_id": job_id, "team_id": team_id, "fresh_secs": fresh_secs}).one_or_none()
     if row is None:
         raise NotFound(f"job {job_id} not found")
-    job, model_name, class_name, version, trained_on, task_rows, points, source_class, source_version, own = row
+    job, model_name, class_name, version, trained_on, task_rows, points, source_class, source_version, own, live_agents = row
+    waiting = no_agent_message(class_name, fresh_secs) if job.state in ACTIVE_JOB_STATES and not live_agents else None
     return JobPublic(
+        waiting=waiting,
         id=job.id,
         state=job.state.value,
         model_id=job.model_id,
@@ -385,6 +394,14 @@ def job_public(session: Session, *, team_id: int, job_id: int) -> JobPublic:
         started_at=job.started_at,
         finished_at=job.finished_at,
     )
+
+
+ACTIVE_JOB_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.FINISHING)
+
+
+def no_agent_message(class_name: str, fresh_secs: float) -> str:
+    """What a job not yet over says while no agent of its class is live."""
+    return f"waiting: no agent of class {class_name} is online (none heartbeated in the last {fresh_secs:g} s)"
 
 
 def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None) -> tuple[list[JobSummary], int | None]:
@@ -504,20 +521,23 @@ def record_lines(sessions: sessionmaker[Session], *, job_id: int) -> Iterator[by
 # -- devices ----------------------------------------------------------------------------------
 
 
-def list_devices(session: Session) -> list[DevicePublic]:
+def list_devices(session: Session, *, fresh_secs: float) -> list[DevicePublic]:
+    """Every agent; one idle or busy in its row but silent for more than `fresh_secs` is
+    shown offline (`services.db.liveness`: it stopped without a word)."""
     rows = session.execute(
         select(Agent, DeviceClass.name).join(DeviceClass, DeviceClass.id == Agent.device_class_id).order_by(Agent.id)
     ).all()
-    return [_device(a, class_name) for a, class_name in rows]
+    now = database_now(session)
+    return [_device(a, class_name, now=now, fresh_secs=fresh_secs) for a, class_name in rows]
 
 
-def _device(a: Agent, class_name: str) -> DevicePublic:
+def _device(a: Agent, class_name: str, *, now: datetime, fresh_secs: float) -> DevicePublic:
     counts = trust.AgentCounts.of(a)
     return DevicePublic(
         id=a.id,
         name=a.name,
         device_class=class_name,
-        state=a.state.value,
+        state=liveness.shown_state(a.state, a.last_heartbeat_at, now=now, fresh_secs=fresh_secs).value,
         capabilities=a.capabilities,
         registered_at=a.registered_at,
         last_heartbeat_at=a.last_heartbeat_at,
@@ -532,10 +552,10 @@ def _device(a: Agent, class_name: str) -> DevicePublic:
     )
 
 
-def list_device_classes(session: Session) -> list[DeviceClassPublic]:
+def list_device_classes(session: Session, *, fresh_secs: float) -> list[DeviceClassPublic]:
     online = (
         select(Agent.device_class_id, func.count().label("n"))
-        .where(Agent.state.in_([AgentState.IDLE, AgentState.BUSY]))
+        .where(liveness.live_clause(fresh_secs))
         .group_by(Agent.device_class_id)
         .subquery()
     )

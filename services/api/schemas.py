@@ -160,6 +160,11 @@ class JobPublic(BaseModel):
     est_latency_secs: float | None = Field(description="the estimate with the best kernels found so far")
     cancel_requested: bool
     error: str | None
+    waiting: str | None = Field(
+        default=None,
+        description="why a job not yet over makes no progress: no agent of its class is online "
+        "(none heartbeated within TUNEFARM_AGENT_FRESH_SECS); null when one is, or the job is over",
+    )
     config: dict[str, Any]
     tasks: list[JobTaskPublic]
     curve: list[ProgressPoint]
@@ -200,7 +205,10 @@ class DevicePublic(BaseModel):
     id: int
     name: str
     device_class: str
-    state: AgentStateName
+    state: AgentStateName = Field(
+        description="idle or busy: live; offline: stopped, or silent for longer than TUNEFARM_AGENT_FRESH_SECS; "
+        "disabled: quarantined by an operator"
+    )
     capabilities: dict[str, Any] = Field(description="what the agent detected: CPU model, cores, ISA, GPU")
     registered_at: datetime
     last_heartbeat_at: datetime | None
@@ -221,7 +229,9 @@ class DeviceClassPublic(BaseModel):
     name: str
     target: dict[str, Any] = Field(description="the TVM target (JSON dict) every agent of the class measures for")
     description: str
-    agents_online: int = Field(description="agents of the class that are idle or busy")
+    agents_online: int = Field(
+        description="live agents of the class: idle or busy, heartbeated within TUNEFARM_AGENT_FRESH_SECS"
+    )
 
 
 class Health(BaseModel):

@@ -8,6 +8,7 @@ Environment variables (prefix TUNEFARM_), besides the database's (`DatabaseSetti
 | TUNEFARM_ARTIFACT_ROOT | .tunefarm/artifacts | the shared artifact directory (its layout: services/common/artifacts.py) |
 | TUNEFARM_REDIS_URL | redis://127.0.0.1:6379/0 | the RQ broker of the build queues |
 | TUNEFARM_QUEUE_PREFIX | tunefarm | queue names are `<prefix>:build:<device class>` (services/common/queues.py) |
+| TUNEFARM_AGENT_FRESH_SECS | 60 | an agent counts as live if it heartbeated this recently: the scheduler's fair shares and model runs, the API's devices (older: shown offline) and a job's `waiting` |
 """
 
 from __future__ import annotations
@@ -37,3 +38,8 @@ class ServiceSettings(DatabaseSettings):
     redis_url: str = DEFAULT_REDIS_URL
     # First part of every queue name (tests and side-by-side farms use their own).
     queue_prefix: str = "tunefarm"
+    # An agent counts as live (serves its class) only if it heartbeated this recently:
+    # one stopped without a word (killed, its machine gone) stays idle or busy in its row
+    # until the lease service's sweeper marks it offline, and there may be no lease
+    # service running to do that. Every process judges liveness by this one window.
+    agent_fresh_secs: float = 60.0

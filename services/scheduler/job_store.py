@@ -17,20 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from services.db import queries, trust
+from services.db import liveness, queries, trust
 from services.db.codec import record_from_json
 from services.db.confirmations import believed_clause, counted_clause
 from services.db.exceptions import InvalidTransition
 from services.db.models import (
     Agent,
-    AgentState,
     Batch,
     BatchState,
     ConfirmationState,
@@ -239,17 +237,13 @@ def set_dead_reasons(session: Session, *, job_id: int, reasons: Mapping[str, str
 
 
 def live_agents_by_class(session: Session, *, fresh_secs: float) -> dict[int, int]:
-    """Agents per device class that are idle or busy, heartbeated within `fresh_secs`, and
-    may be leased work: a flagged agent heartbeats but is leased nothing
-    (`queries.lease_withheld`), so it neither earns its class a fair share of batches
-    nor keeps a model run waiting for it."""
+    """Agents per device class that are live (`services.db.liveness`: idle or busy,
+    heartbeated within `fresh_secs`) and may be leased work: a flagged agent heartbeats
+    but is leased nothing (`queries.lease_withheld`), so it neither earns its class a
+    fair share of batches nor keeps a model run waiting for it."""
     rows = session.execute(
         select(Agent.device_class_id, func.count())
-        .where(
-            Agent.state.in_([AgentState.IDLE, AgentState.BUSY]),
-            ~trust.flagged_clause(),
-            Agent.last_heartbeat_at > func.now() - timedelta(seconds=fresh_secs),
-        )
+        .where(liveness.live_clause(fresh_secs), ~trust.flagged_clause())
         .group_by(Agent.device_class_id)
     ).all()
     return {int(c): int(n) for c, n in rows}

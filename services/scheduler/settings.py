@@ -2,13 +2,14 @@
 
 Environment variables (prefix TUNEFARM_), besides the shared ones (`ServiceSettings`: the
 database, TUNEFARM_ARTIFACT_ROOT, TUNEFARM_REDIS_URL the build jobs go through,
-TUNEFARM_QUEUE_PREFIX):
+TUNEFARM_QUEUE_PREFIX, TUNEFARM_AGENT_FRESH_SECS: what counts as a live agent, for the
+fair shares, and how long a tuned model's run waits, after as long, for a class with no
+live agent):
 
 | variable | default | meaning |
 |---|---|---|
 | TUNEFARM_MAX_JOBS | 16 | jobs this process tunes at the same time |
 | TUNEFARM_BATCHES_PER_AGENT | 2 | batches in flight per live agent of a class, shared by its jobs |
-| TUNEFARM_AGENT_FRESH_SECS | 60 | an agent counts as live if it heartbeated this recently (a tuned model's run waits no longer than this, after as long, for a class with no live agent) |
 | TUNEFARM_POLL_INTERVAL_SECS | 0.25 | sleep between passes when nothing happened |
 | TUNEFARM_STEP_WAIT_SECS | 0.02 | how long one job's step waits for results |
 | TUNEFARM_COST_MODEL_WARMUP | 32 | programs a class's cost model sees before it ranks (random before) |
@@ -40,7 +41,6 @@ class SchedulerSettings(ServiceSettings):
     # and one built and waiting per agent keeps every agent busy, and equal caps over a
     # FIFO queue give every job the same share of the agents.
     batches_per_agent: int = 2
-    agent_fresh_secs: float = 60.0
     # The loop: a pass steps every job once (waiting at most step_wait_secs each for
     # results), and sleeps poll_interval_secs when no job made progress.
     poll_interval_secs: float = 0.25

@@ -179,13 +179,15 @@ async def jobs_page(request: Request, sessions: SessionsDep, cursor: int | None 
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-async def job_page(request: Request, sessions: SessionsDep, job_id: Annotated[int, Path(ge=1)]) -> Response:
+async def job_page(
+    request: Request, sessions: SessionsDep, settings: SettingsDep, job_id: Annotated[int, Path(ge=1)]
+) -> Response:
     team = await _team(request, sessions)
     if team is None:
         return _to_login(request)
     try:
         with transaction(sessions) as db:
-            job = crud.job_public(db, team_id=team.id, job_id=job_id)
+            job = crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs)
             details = crud.job_task_details(db, team_id=team.id, job_id=job_id)
     except NotFound as exc:
         return _page(request, "error.html", status=404, here="jobs", message=exc.message)
@@ -206,13 +208,13 @@ async def job_page(request: Request, sessions: SessionsDep, job_id: Annotated[in
 
 
 @router.get("/devices", response_class=HTMLResponse)
-async def devices_page(request: Request, sessions: SessionsDep) -> Response:
+async def devices_page(request: Request, sessions: SessionsDep, settings: SettingsDep) -> Response:
     team = await _team(request, sessions)
     if team is None:
         return _to_login(request)
     with transaction(sessions) as db:
-        classes = crud.list_device_classes(db)
-        agents = crud.list_devices(db)
+        classes = crud.list_device_classes(db, fresh_secs=settings.agent_fresh_secs)
+        agents = crud.list_devices(db, fresh_secs=settings.agent_fresh_secs)
         now = crud.database_now(db)
     return _page(request, "devices.html", here="devices", classes=classes, agents=agents,
                  heartbeat_age=lambda at: _age(now, at), refresh=REFRESH_SECS)

@@ -33,7 +33,7 @@ def create_job(body: JobCreate, team: TeamDep, sessions: SessionsDep, settings: 
         job = crud.create_job(
             db, team_id=team.id, body=body, max_trial_budget=settings.max_trial_budget, quota=quota
         )
-        return crud.job_public(db, team_id=team.id, job_id=job.id)
+        return crud.job_public(db, team_id=team.id, job_id=job.id, fresh_secs=settings.agent_fresh_secs)
 
 
 @router.get("", summary="List your team's jobs, newest first")
@@ -44,20 +44,21 @@ def list_jobs(team: TeamDep, sessions: SessionsDep, page: PageDep) -> JobPage:
 
 
 @router.get("/{job_id}", responses=errors(404), summary="A job's state and progress")
-def get_job(job_id: JobId, team: TeamDep, sessions: SessionsDep) -> JobPublic:
+def get_job(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: SettingsDep) -> JobPublic:
     """State, trials used of the budget, per-task best, the estimated latency at the start
-    and now, and its curve; read from precomputed rows (constant cost per request)."""
+    and now, and its curve; read from precomputed rows (constant cost per request).
+    `waiting` says when no agent of the job's class is online."""
     with transaction(sessions) as db:
-        return crud.job_public(db, team_id=team.id, job_id=job_id)
+        return crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs)
 
 
 @router.post("/{job_id}/cancel", responses=errors(404, 409), summary="Cancel a job")
-def cancel_job(job_id: JobId, team: TeamDep, sessions: SessionsDep) -> JobPublic:
+def cancel_job(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: SettingsDep) -> JobPublic:
     """A queued job is cancelled at once; a running one when the scheduler next looks
     (`cancel_requested` is true until then). 409 for a finished job."""
     with transaction(sessions) as db:
         crud.request_cancel(db, team_id=team.id, job_id=job_id)
-        return crud.job_public(db, team_id=team.id, job_id=job_id)
+        return crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs)
 
 
 @router.get(
