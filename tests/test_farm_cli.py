@@ -120,3 +120,31 @@ def test_following_a_job_says_while_no_agent_serves_its_class(capsys):
     _print_job(_job("running", 0, waiting))
     assert "waiting    no agent of class c1 is online" in capsys.readouterr().out
 
+
+@pytest.mark.parametrize(
+    ("server", "words"),
+    [
+        ("http://127.0.0.1:50051", ["is a URL", "--server 127.0.0.1:50051"]),
+        ("grpc://farm.example:50051/", ["is a URL", "--server farm.example:50051"]),
+        ("https://farm.example:50051", ["is a URL", "--server farm.example:50051 with --tls"]),
+    ],
+)
+def test_an_agent_refuses_a_url_for_its_server_at_once(server, words, capsys, monkeypatch, tmp_path):
+    """`--server http://host:port` made the agent retry for ever ("Misformatted domain
+    name"): it is one line and exit 2 at start-up, before anything is dialled."""
+    from services.agent.cli import main as agent_main
+
+    monkeypatch.setenv("TUNEFARM_AGENT_TOKEN", "tfa_" + "x" * 43)
+    argv = ["--server", server, "--accept-unsigned-code", "--work-dir", str(tmp_path)]
+    assert agent_main(argv) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.count("\n") == 0 and out.startswith("tunefarm agent: error: --server"), out
+    for w in words:
+        assert w in out, out
+
+
+def test_an_agent_takes_host_port_and_grpc_targets():
+    from services.agent.settings import AgentSettings
+
+    for server in ("127.0.0.1:50051", "localhost:50051", "dns:///127.0.0.1:50051", "unix:/tmp/lease.sock"):
+        assert AgentSettings(server=server, token="tfa_x", accept_unsigned_code=True).server == server

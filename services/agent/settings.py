@@ -43,7 +43,7 @@ class AgentSettings:
     environment (`from_env`); a plain dataclass, not pydantic-settings, to keep the
     agent's dependencies to TVM's runtime, numpy, grpcio, protobuf and cryptography."""
 
-    server: str  # TUNEFARM_AGENT_SERVER: the lease service, host:port
+    server: str  # TUNEFARM_AGENT_SERVER: the lease service, host:port (not a URL: `check_server`)
     token: str = field(repr=False)  # TUNEFARM_AGENT_TOKEN: an agent token (tfa_...)
     device_class: str | None = None  # TUNEFARM_AGENT_DEVICE_CLASS; default: detected (arch-cpu-cores)
     name: str | None = None  # TUNEFARM_AGENT_NAME; default: the host name
@@ -114,6 +114,7 @@ class AgentSettings:
         return cls(**values)
 
     def __post_init__(self) -> None:
+        check_server(self.server)
         if self.name is not None and not valid_agent_name(self.name):
             raise BadRequest(f"agent name {self.name[:130]!r} refused: a name is {AGENT_NAME_RULE}")
         if self.max_download_bytes < 1:
@@ -136,6 +137,27 @@ class AgentSettings:
     def uses_tls(self) -> bool:
         """Connect with TLS, and never in plaintext."""
         return bool(self.tls or self.tls_ca or self.tls_cert or self.tls_server_name)
+
+
+URL_SCHEMES = {"http": False, "grpc": False, "https": True, "grpcs": True}
+"""Schemes people put before the lease service's address, and whether they mean TLS."""
+
+
+def check_server(server: str) -> None:
+    """`BadRequest` for a server given as a URL (`http://host:port`): gRPC reads it as a
+    host named `http` and the agent retried for ever ("Misformatted domain name"). The
+    address is refused, not fixed: `https://` may mean TLS, which the flags say, not
+    the address. gRPC's own target forms (`dns:///host:port`, `unix:path`) pass."""
+    scheme, sep, rest = server.partition("://")
+    if sep and scheme.lower() in URL_SCHEMES:
+        address = rest.split("/", 1)[0] or "HOST:PORT"
+        tls = " with --tls (and --tls-ca)" if URL_SCHEMES[scheme.lower()] else ""
+        raise BadRequest(
+            f"--server {server!r} is a URL: give the lease service's gRPC address as HOST:PORT, e.g. "
+            f"--server {address}{tls}"
+        )
+    if not server.strip():
+        raise BadRequest("--server is empty: give the lease service's gRPC address as HOST:PORT")
 
 
 def is_local(server: str) -> bool:
