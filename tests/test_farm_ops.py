@@ -5,7 +5,8 @@ used (issue 26).
   state dir, on the same database: each start's agent registers and stays (it was
   refused the earlier agent's name, and `farm up` took the earlier agent's row for its
   own and said nothing);
-- an agent that exits during `farm up` fails it with the agent's one-line reason.
+- an agent that exits during `farm up` fails it with the agent's one-line reason;
+- an agent stopped with SIGTERM says so, goes offline at once and exits 0.
 """
 
 from __future__ import annotations
@@ -64,12 +65,30 @@ def assert_serving(farm: LocalFarm, timeout: float = 90.0) -> None:
         sessions.kw["bind"].dispose()
 
 
+def stopped_cleanly(farm: LocalFarm) -> None:
+    """SIGTERM to the agent: it says so, goes offline at once (not idle for the
+    freshness window), and exits 0."""
+    process = farm._popen["agent"]
+    farm.stop("agent", grace=15.0)
+    log = open(farm.processes["agent"].log).read()
+    assert process.returncode == 0, log[-2000:]
+    assert "stopping (SIGTERM): giving back the leases it holds and going offline" in log, log[-2000:]
+    assert "offline; it held no lease" in log, log[-2000:]
+    sessions = make_session_factory(farm.config.database_url)
+    try:
+        with transaction(sessions) as s:
+            assert s.scalar(select(Agent.state).where(Agent.name == farm.agent_name())).value == "offline"
+    finally:
+        sessions.kw["bind"].dispose()
+
+
 def test_farm_up_again_on_the_same_database_gets_an_agent_that_serves(database_url, tmp_path):
     a, b = tmp_path / "a" / "farm", tmp_path / "b" / "farm"
     assert agent_base_name(a) != agent_base_name(b) and agent_base_name(a) == agent_base_name(a)
     first = up(config(a, database_url), log=lambda msg: None)
     try:
         assert_serving(first)
+        stopped_cleanly(first)
     finally:
         down(a, grace=5.0)
     second = up(config(b, database_url), log=lambda msg: None)  # another dir named farm

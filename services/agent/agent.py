@@ -15,6 +15,10 @@ library and its inputs -> run it once for the outputs and time `repeat` inferenc
 the same runner process (`Runner.run_model`) -> send outputs and latencies
 (`ReportModelRun`).
 
+Stopped (SIGTERM/SIGINT, `stop`), it finishes what it reports, then says `GoOffline`:
+the leases it still holds are leased again at once, and it is offline, not idle, until
+it registers again.
+
 A heartbeat thread keeps alive the leases the agent names (`_Holding`: what it is
 measuring or finishing) and tells it when it lost one (the batch then goes to another
 agent, and this one drops it). Each LeaseBatch names them too, and the server ends any
@@ -80,6 +84,9 @@ HEALTH_INTERVAL_SECS = 60.0
 WITHHELD_LOG_SECS = 600.0
 """How often an agent the server leases nothing (flagged, quarantined) says so again."""
 """How often the agent reports its health (besides at registration)."""
+
+GO_OFFLINE_TIMEOUT_SECS = 5.0
+"""How long a stopping agent waits for the server to take its leases back."""
 
 
 class Agent:
@@ -166,10 +173,26 @@ class Agent:
             self.stop.set()
             self._join_finisher()
             beat.join(timeout=5)
+            self._go_offline()
             self.runner.close()
             self._probe.close()
             self.channel.close()
             self.files.close()
+
+    def _go_offline(self) -> None:
+        """Stopping: tell the server, so that the leases this agent still holds are leased
+        again now (not after the lease window) and it is not counted live meanwhile. Once,
+        briefly: a server that does not answer expires them as before."""
+        if self.agent_id is None:
+            return
+        try:
+            resp = self._call(self.stub.GoOffline, pb.GoOfflineRequest(agent_id=self.agent_id),
+                              timeout=GO_OFFLINE_TIMEOUT_SECS)  # fmt: skip
+        except MeasurerError as exc:
+            log.warning("stopping without telling the server (%s): its leases expire on their own", exc)
+            return
+        released = list(resp.released_batch_ids)
+        log.info("offline; %s", f"batches {released} given back" if released else "it held no lease")
 
     def _prepare(self) -> None:
         """Start the runner (its process imports TVM) while the capabilities are probed."""

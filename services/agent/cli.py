@@ -1,5 +1,6 @@
 """The `tunefarm agent` command (also `python -m services.agent`): flags over the
-environment's settings (`AgentSettings.from_env`), then the agent until SIGTERM/SIGINT.
+environment's settings (`AgentSettings.from_env`), then the agent until SIGTERM/SIGINT
+(logged; it gives its leases back, goes offline and exits 0).
 The token comes from TUNEFARM_AGENT_TOKEN or `--token-file`, never the command line
 (`ps` shows it).
 """
@@ -79,8 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tunefarm agent: error: {exc}", flush=True)
         return 2
     stop = threading.Event()
+
+    def stopping(signum: int, frame: object) -> None:
+        if not stop.is_set():
+            logging.getLogger("tunefarm.agent").info(
+                "stopping (%s): giving back the leases it holds and going offline", signal.Signals(signum).name
+            )
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stopping)
     try:
         run_agent(settings, stop=stop)
     except (*FATAL_ERRORS, NotFound) as exc:

@@ -1,7 +1,8 @@
 """Whether an agent is live: what every process means by "an agent serves its class".
 
 An agent's row says `idle` or `busy` from its registration until someone writes
-otherwise: the lease service's
+otherwise: the agent itself when it stops cleanly (`go_offline`, the GoOffline RPC its
+SIGTERM sends), or the lease service's
 sweeper once its heartbeats have stopped for `agent_stale_secs`. An agent killed while
 no lease service runs (a farm taken down, then another one started on the same database)
 keeps its `idle` forever. So a row's state alone is not liveness: an agent is live when
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, and_, func, select
+from sqlalchemy import ColumnElement, and_, func, select, update
 from sqlalchemy.orm import Session
 
+from services.db import queries
 from services.db.models import Agent, AgentState
 
 LIVE_STATES = (AgentState.IDLE, AgentState.BUSY)
@@ -48,4 +50,19 @@ def live_agents_by_class(session: Session, *, fresh_secs: float) -> dict[int, in
         select(Agent.device_class_id, func.count()).where(live_clause(fresh_secs)).group_by(Agent.device_class_id)
     ).all()
     return {int(c): int(n) for c, n in rows}
+
+
+def go_offline(session: Session, *, agent_id: int) -> list[int]:
+    """An agent stopping cleanly (`GoOffline`): the leases and model runs it holds end now
+    and go back to the queue (another agent takes them at once, not after the lease
+    window), and it is offline (a quarantined one stays disabled) until it registers
+    again. Returns the batches released."""
+    released = queries.release_agent_leases(session, agent_id=agent_id)
+    session.execute(
+        update(Agent)
+        .where(Agent.id == agent_id, Agent.state.in_(LIVE_STATES))
+        .values(state=AgentState.OFFLINE),
+        execution_options={"synchronize_session": False},
+    )
+    return released
 

@@ -49,7 +49,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
-from services.db import codec, queries
+from services.db import codec, liveness, queries
 from services.db import exceptions as db_exc
 from services.db.models import (
     Agent,
@@ -277,6 +277,15 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         if request.status in (pb.HEALTH_STATUS_DEGRADED, pb.HEALTH_STATUS_FAILING):
             log.warning("agent %s: %s: %s", agent.name, pb.HealthStatus.Name(request.status), request.message)
         return pb.HealthResponse()
+
+    @_unary
+    def GoOffline(self, request: pb.GoOfflineRequest, context: Any, token_id: int) -> pb.GoOfflineResponse:
+        """The agent stops (SIGTERM): what it holds is leased again now (`liveness.go_offline`)."""
+        agent = self.auth.agent(request.agent_id, token_id, context)
+        released = self._tx(lambda s: liveness.go_offline(s, agent_id=agent.agent_id))
+        log.info("agent %s (%d) went offline%s", agent.name, agent.agent_id,
+                 f"; batches {released} leased again" if released else "")  # fmt: skip
+        return pb.GoOfflineResponse(released_batch_ids=released)
 
     # -- leasing --------------------------------------------------------------------------
 

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atunefarm/v1/measurer.proto\x12\x0btunefarm.v1\"\xd2\x02\n\x0c\x43\x61pabilities\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\n\n\x02os\x18\x02 \x01(\t\x12\x0c\n\x04\x61rch\x18\x03 \x01(\t\x12\x11\n\tcpu_model\x18\x04 \x01(\t\x12\x16\n\x0ephysical_cores\x18\x05 \x01(\x05\x12\x15\n\rlogical_cores\x18\x06 \x01(\x05\x12\x14\n\x0cisa_features\x18\x07 \x03(\t\x12\x10\n\x08llvm_cpu\x18\x08 \x01(\t\x12\x10\n\x08gpu_name\x18\t \x01(\t\x12\x1e\n\x16gpu_compute_capability\x18\n \x01(\t\x12\x13\n\x0btvm_version\x18\x0b \x01(\t\x12\x15\n\ragent_version\x18\x0c \x01(\t\x12\x13\n\x0btarget_json\x18\r \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x0e \x01(\x04\x12\x10\n\x08\x65mulated\x18\x0f \x01(\x08\x12\x11\n\temulation\x18\x10 \x01(\t\"f\n\x0fRegisterRequest\x12\x14\n\x0c\x64\x65vice_class\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12/\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x19.tunefarm.v1.Capabilities\"\xa0\x01\n\x10RegisterResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x13\n\x0btarget_json\x18\x02 \x01(\t\x12\x1f\n\x17heartbeat_interval_secs\x18\x03 \x01(\x01\x12\x12\n\nlease_secs\x18\x04 \x01(\x01\x12\x1a\n\x12poll_interval_secs\x18\x05 \x01(\x01\x12\x14\n\x0c\x61gent_secret\x18\x06 \x01(\t\"X\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x16\n\x0eheld_lease_ids\x18\x02 \x03(\x03\x12\x1a\n\x12held_model_run_ids\x18\x03 \x03(\x03\"-\n\x11HeartbeatResponse\x12\x18\n\x10\x61\x63tive_lease_ids\x18\x01 \x03(\x03\"\xae\x01\n\x0cHealthReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.tunefarm.v1.HealthStatus\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x17\n\x0fload_average_1m\x18\x04 \x01(\x01\x12\x1e\n\x16memory_available_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x64isk_free_bytes\x18\x06 \x01(\x04\"\x10\n\x0eHealthResponse\"m\n\x11LeaseBatchRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x12\n\nmodel_runs\x18\x02 \x01(\x08\x12\x16\n\x0eheld_lease_ids\x18\x03 \x03(\x03\x12\x1a\n\x12held_model_run_ids\x18\x04 \x03(\x03\"\x99\x01\n\x0b\x41rtifactRef\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.tunefarm.v1.ArtifactKind\x12\n\n\x02id\x18\x02 \x01(\x03\x12\x11\n\tfile_name\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x11\n\tsigned_as\x18\x07 \x01(\x03\"^\n\x06Timing\x12\x0e\n\x06repeat\x18\x01 \x01(\x05\x12\x15\n\rmin_repeat_ms\x18\x02 \x01(\x01\x12\x13\n\x0b\x66lush_cache\x18\x03 \x01(\x08\x12\x18\n\x10slow_cutoff_secs\x18\x04 \x01(\x01\"n\n\x0fLeasedCandidate\x12\x1a\n\x12\x62\x61tch_candidate_id\x18\x01 \x01(\x03\x12\x15\n\rcandidate_key\x18\x02 \x01(\t\x12(\n\x06kernel\x18\x03 \x01(\x0b\x32\x18.tunefarm.v1.ArtifactRef\"\xac\x02\n\x0bLeasedBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x30\n\ncandidates\x18\x04 \x03(\x0b\x32\x1c.tunefarm.v1.LeasedCandidate\x12+\n\ttask_data\x18\x05 \x01(\x0b\x32\x18.tunefarm.v1.ArtifactRef\x12\x10\n\x08n_inputs\x18\x06 \x01(\x05\x12\x11\n\tn_outputs\x18\x07 \x01(\x05\x12\x0e\n\x06verify\x18\x08 \x01(\x08\x12#\n\x06timing\x18\t \x01(\x0b\x32\x13.tunefarm.v1.Timing\x12\x18\n\x10run_timeout_secs\x18\n \x01(\x01\x12\x15\n\rworkload_name\x18\x0b \x01(\t\"\xb1\x01\n\x0eLeasedModelRun\x12\x14\n\x0cmodel_run_id\x18\x01 \x01(\x03\x12)\n\x07library\x18\x02 \x01(\x0b\x32\x18.tunefarm.v1.ArtifactRef\x12(\n\x06inputs\x18\x03 \x01(\x0b\x32\x18.tunefarm.v1.ArtifactRef\x12\x0e\n\x06repeat\x18\x04 \x01(\x05\x12\x0e\n\x06warmup\x18\x05 \x01(\x05\x12\x14\n\x0ctimeout_secs\x18\x06 \x01(\x01\"\x7f\n\x12LeaseBatchResponse\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x18.tunefarm.v1.LeasedBatch\x12.\n\tmodel_run\x18\x02 \x01(\x0b\x32\x1b.tunefarm.v1.LeasedModelRun\x12\x10\n\x08withheld\x18\x03 \x01(\t\"p\n\x0c\x46\x65tchRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\x12&\n\x04refs\x18\x03 \x03(\x0b\x32\x18.tunefarm.v1.ArtifactRef\x12\x14\n\x0cmodel_run_id\x18\x04 \x01(\x03\"x\n\x08\x46ilePart\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x12\n\ntotal_size\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"2\n\nFetchChunk\x12$\n\x05parts\x18\x01 \x03(\x0b\x32\x15.tunefarm.v1.FilePart\"\xbd\x01\n\x06Result\x12\x1a\n\x12\x62\x61tch_candidate_id\x18\x01 \x01(\x03\x12\x15\n\rcandidate_key\x18\x02 \x01(\t\x12\r\n\x05\x63osts\x18\x03 \x03(\x01\x12\x10\n\x08run_secs\x18\x04 \x01(\x01\x12*\n\nerror_kind\x18\x05 \x01(\x0e\x32\x16.tunefarm.v1.ErrorKind\x12\x11\n\terror_msg\x18\x06 \x01(\t\x12\x10\n\x08verified\x18\x07 \x01(\x08\x12\x0e\n\x06\x64igest\x18\x08 \x03(\x01\"\x08\n\x06\x46inish\"\x89\x01\n\rResultMessage\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\x12%\n\x06result\x18\x03 \x01(\x0b\x32\x13.tunefarm.v1.ResultH\x00\x12%\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x13.tunefarm.v1.FinishH\x00\x42\x06\n\x04\x62ody\"O\n\tResultAck\x12\x1b\n\x13\x62\x61tch_candidate_ids\x18\x01 \x03(\x03\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x13\n\x0b\x62\x61tch_state\x18\x03 \x01(\t\"\x87\x01\n\x0eModelRunResult\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x14\n\x0cmodel_run_id\x18\x02 \x01(\x03\x12\x13\n\x0boutputs_npz\x18\x03 \x01(\x0c\x12\x17\n\x0flatency_samples\x18\x04 \x03(\x01\x12\x10\n\x08run_secs\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"\r\n\x0bModelRunAck*z\n\x0cHealthStatus\x12\x1d\n\x19HEALTH_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10HEALTH_STATUS_OK\x10\x01\x12\x1a\n\x16HEALTH_STATUS_DEGRADED\x10\x02\x12\x19\n\x15HEALTH_STATUS_FAILING\x10\x03*\xa5\x01\n\x0c\x41rtifactKind\x12\x1d\n\x19\x41RTIFACT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41RTIFACT_KIND_KERNEL\x10\x01\x12\x1b\n\x17\x41RTIFACT_KIND_TASK_DATA\x10\x02\x12\x1f\n\x1b\x41RTIFACT_KIND_MODEL_LIBRARY\x10\x03\x12\x1e\n\x1a\x41RTIFACT_KIND_MODEL_INPUTS\x10\x04*\xc7\x01\n\tErrorKind\x12\x13\n\x0f\x45RROR_KIND_NONE\x10\x00\x12\x1a\n\x16\x45RROR_KIND_BUILD_ERROR\x10\x01\x12\x1c\n\x18\x45RROR_KIND_BUILD_TIMEOUT\x10\x02\x12\x18\n\x14\x45RROR_KIND_RUN_CRASH\x10\x03\x12\x18\n\x14\x45RROR_KIND_RUN_ERROR\x10\x04\x12\x1a\n\x16\x45RROR_KIND_RUN_TIMEOUT\x10\x05\x12\x1b\n\x17\x45RROR_KIND_WRONG_RESULT\x10\x06\x32\x8b\x04\n\x0c\x41gentService\x12G\n\x08Register\x12\x1c.tunefarm.v1.RegisterRequest\x1a\x1d.tunefarm.v1.RegisterResponse\x12J\n\tHeartbeat\x12\x1d.tunefarm.v1.HeartbeatRequest\x1a\x1e.tunefarm.v1.HeartbeatResponse\x12M\n\nLeaseBatch\x12\x1e.tunefarm.v1.LeaseBatchRequest\x1a\x1f.tunefarm.v1.LeaseBatchResponse\x12=\n\x05\x46\x65tch\x12\x19.tunefarm.v1.FetchRequest\x1a\x17.tunefarm.v1.FetchChunk0\x01\x12G\n\rReportResults\x12\x1a.tunefarm.v1.ResultMessage\x1a\x16.tunefarm.v1.ResultAck(\x01\x30\x01\x12\x46\n\x0cReportHealth\x12\x19.tunefarm.v1.HealthReport\x1a\x1b.tunefarm.v1.HealthResponse\x12G\n\x0eReportModelRun\x12\x1b.tunefarm.v1.ModelRunResult\x1a\x18.tunefarm.v1.ModelRunAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atunefarm/v1/measurer.proto\x12\x0btunefarm.v1\"\xd2\x02\n\x0c\x43\x61pabilities\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\n\n\x02os\x18\x02 \x01(\t\x12\x0c\n\x04\x61rch\x18\x03 \x01(\t\x12\x11\n\tcpu_model\x18\x04 \x01(\t\x12\x16\n\x0ephysical_cores\x18\x05 \x01(\x05\x12\x15\n\rlogical_cores\x18\x06 \x01(\x05\x12\x14\n\x0cisa_features\x18\x07 \x03(\t\x12\x10\n\x08llvm_cpu\x18\x08 \x01(\t\x12\x10\n\x08gpu_name\x18\t \x01(\t\x12\x1e\n\x16gpu_compute_capability\x18\n \x01(\t\x12\x13\n\x0btvm_version\x18\x0b \x01(\t\x12\x15\n\ragent_version\x18\x0c \x01(\t\x12\x13\n\x0btarget_json\x18\r \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x0e \x01(\x04\x12\x10\n\x08\x65mulated\x18\x0f \x01(\x08\x12\x11\n\temulation\x18\x10 \x01(\t\"f\n\x0fRegisterRequest\x12\x14\n\x0c\x64\x65vice_class\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12/\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x19.tunefarm.v1.Capabilities\"\xa0\x01\n\x10RegisterResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x13\n\x0btarget_json\x18\x02 \x01(\t\x12\x1f\n\x17heartbeat_interval_secs\x18\x03 \x01(\x01\x12\x12\n\nlease_secs\x18\x04 \x01(\x01\x12\x1a\n\x12poll_interval_secs\x18\x05 \x01(\x01\x12\x14\n\x0c\x61gent_secret\x18\x06 \x01(\t\"X\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x16\n\x0eheld_lease_ids\x18\x02 \x03(\x03\x12\x1a\n\x12held_model_run_ids\x18\x03 \x03(\x03\"-\n\x11HeartbeatResponse\x12\x18\n\x10\x61\x63tive_lease_ids\x18\x01 \x03(\x03\"$\n\x10GoOfflineRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\"/\n\x11GoOfflineResponse\x12\x1a\n\x12released_batch_ids\x18\x01 \x03(\x03\"\xae\x01\n\x0cHealthReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.tunefarm.v1.HealthStatus\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x17\n\x0fload_average_1m\x18\x04 \x01(\x01\x12\x1e\n\x16memory_available_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x64isk_free_bytes\x18\x06 \x01(\x04\"\x10\n\x0eHealthResponse\"m\n\x11LeaseBatchRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x12\n\nmodel_runs\x18\x02 \x01(\x08\x12\x16\n\x0eheld_lease_ids\x18\x03 \x03(\x03\x12\x1a\n\x12held_model_run_ids\x18\x04 \x03(\x03\"\x99\x01\n\x0b\x41rtifactRef\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.tunefarm.v1.ArtifactKind\x12\n\n\x02id\x18\x02 \x01(\x03\x12\x11\n\tfile_name\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x11\n\tsigned_as\x18\x07 \x01(\x03\"^\n\x06Timing\x12\x0e\n\x06repeat\x18\x01 \x01(\x05\x12\x15\n\rmin_repeat_ms\x18\x02 \x01(\x01\x12\x13\n\x0b\x66lush_cache\x18\x03 \x01(\x08\x12\x18\n\x10slow_cutoff_secs\x18\x04 \x01(\x01\"n\n\x0fLeasedCandidate\x12\x1a\n\x12\x62\x61tch_candidate_id\x18\x01 \x01(\x03\x12\x15\n\rcandidate_key\x18\x02 \x01(\t\x12(\n\x06kernel\x18\x03 \x01(\x0b\x32\x18.tunefarm.v1.ArtifactRef\"\xac\x02\n\x0bLeasedBatch\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x30\n\ncandidates\x18\x04 \x03(\x0b\x32\x1c.tunefarm.v1.LeasedCandidate\x12+\n\ttask_data\x18\x05 \x01(\x0b\x32\x18.tunefarm.v1.ArtifactRef\x12\x10\n\x08n_inputs\x18\x06 \x01(\x05\x12\x11\n\tn_outputs\x18\x07 \x01(\x05\x12\x0e\n\x06verify\x18\x08 \x01(\x08\x12#\n\x06timing\x18\t \x01(\x0b\x32\x13.tunefarm.v1.Timing\x12\x18\n\x10run_timeout_secs\x18\n \x01(\x01\x12\x15\n\rworkload_name\x18\x0b \x01(\t\"\xb1\x01\n\x0eLeasedModelRun\x12\x14\n\x0cmodel_run_id\x18\x01 \x01(\x03\x12)\n\x07library\x18\x02 \x01(\x0b\x32\x18.tunefarm.v1.ArtifactRef\x12(\n\x06inputs\x18\x03 \x01(\x0b\x32\x18.tunefarm.v1.ArtifactRef\x12\x0e\n\x06repeat\x18\x04 \x01(\x05\x12\x0e\n\x06warmup\x18\x05 \x01(\x05\x12\x14\n\x0ctimeout_secs\x18\x06 \x01(\x01\"\x7f\n\x12LeaseBatchResponse\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x18.tunefarm.v1.LeasedBatch\x12.\n\tmodel_run\x18\x02 \x01(\x0b\x32\x1b.tunefarm.v1.LeasedModelRun\x12\x10\n\x08withheld\x18\x03 \x01(\t\"p\n\x0c\x46\x65tchRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\x12&\n\x04refs\x18\x03 \x03(\x0b\x32\x18.tunefarm.v1.ArtifactRef\x12\x14\n\x0cmodel_run_id\x18\x04 \x01(\x03\"x\n\x08\x46ilePart\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x12\n\ntotal_size\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"2\n\nFetchChunk\x12$\n\x05parts\x18\x01 \x03(\x0b\x32\x15.tunefarm.v1.FilePart\"\xbd\x01\n\x06Result\x12\x1a\n\x12\x62\x61tch_candidate_id\x18\x01 \x01(\x03\x12\x15\n\rcandidate_key\x18\x02 \x01(\t\x12\r\n\x05\x63osts\x18\x03 \x03(\x01\x12\x10\n\x08run_secs\x18\x04 \x01(\x01\x12*\n\nerror_kind\x18\x05 \x01(\x0e\x32\x16.tunefarm.v1.ErrorKind\x12\x11\n\terror_msg\x18\x06 \x01(\t\x12\x10\n\x08verified\x18\x07 \x01(\x08\x12\x0e\n\x06\x64igest\x18\x08 \x03(\x01\"\x08\n\x06\x46inish\"\x89\x01\n\rResultMessage\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\x12%\n\x06result\x18\x03 \x01(\x0b\x32\x13.tunefarm.v1.ResultH\x00\x12%\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x13.tunefarm.v1.FinishH\x00\x42\x06\n\x04\x62ody\"O\n\tResultAck\x12\x1b\n\x13\x62\x61tch_candidate_ids\x18\x01 \x03(\x03\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x13\n\x0b\x62\x61tch_state\x18\x03 \x01(\t\"\x87\x01\n\x0eModelRunResult\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\x03\x12\x14\n\x0cmodel_run_id\x18\x02 \x01(\x03\x12\x13\n\x0boutputs_npz\x18\x03 \x01(\x0c\x12\x17\n\x0flatency_samples\x18\x04 \x03(\x01\x12\x10\n\x08run_secs\x18\x05 \x01(\x01\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"\r\n\x0bModelRunAck*z\n\x0cHealthStatus\x12\x1d\n\x19HEALTH_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10HEALTH_STATUS_OK\x10\x01\x12\x1a\n\x16HEALTH_STATUS_DEGRADED\x10\x02\x12\x19\n\x15HEALTH_STATUS_FAILING\x10\x03*\xa5\x01\n\x0c\x41rtifactKind\x12\x1d\n\x19\x41RTIFACT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41RTIFACT_KIND_KERNEL\x10\x01\x12\x1b\n\x17\x41RTIFACT_KIND_TASK_DATA\x10\x02\x12\x1f\n\x1b\x41RTIFACT_KIND_MODEL_LIBRARY\x10\x03\x12\x1e\n\x1a\x41RTIFACT_KIND_MODEL_INPUTS\x10\x04*\xc7\x01\n\tErrorKind\x12\x13\n\x0f\x45RROR_KIND_NONE\x10\x00\x12\x1a\n\x16\x45RROR_KIND_BUILD_ERROR\x10\x01\x12\x1c\n\x18\x45RROR_KIND_BUILD_TIMEOUT\x10\x02\x12\x18\n\x14\x45RROR_KIND_RUN_CRASH\x10\x03\x12\x18\n\x14\x45RROR_KIND_RUN_ERROR\x10\x04\x12\x1a\n\x16\x45RROR_KIND_RUN_TIMEOUT\x10\x05\x12\x1b\n\x17\x45RROR_KIND_WRONG_RESULT\x10\x06\x32\xd7\x04\n\x0c\x41gentService\x12G\n\x08Register\x12\x1c.tunefarm.v1.RegisterRequest\x1a\x1d.tunefarm.v1.RegisterResponse\x12J\n\tHeartbeat\x12\x1d.tunefarm.v1.HeartbeatRequest\x1a\x1e.tunefarm.v1.HeartbeatResponse\x12M\n\nLeaseBatch\x12\x1e.tunefarm.v1.LeaseBatchRequest\x1a\x1f.tunefarm.v1.LeaseBatchResponse\x12=\n\x05\x46\x65tch\x12\x19.tunefarm.v1.FetchRequest\x1a\x17.tunefarm.v1.FetchChunk0\x01\x12G\n\rReportResults\x12\x1a.tunefarm.v1.ResultMessage\x1a\x16.tunefarm.v1.ResultAck(\x01\x30\x01\x12\x46\n\x0cReportHealth\x12\x19.tunefarm.v1.HealthReport\x1a\x1b.tunefarm.v1.HealthResponse\x12G\n\x0eReportModelRun\x12\x1b.tunefarm.v1.ModelRunResult\x1a\x18.tunefarm.v1.ModelRunAck\x12J\n\tGoOffline\x12\x1d.tunefarm.v1.GoOfflineRequest\x1a\x1e.tunefarm.v1.GoOfflineResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tunefarm.v1.measurer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HEALTHSTATUS']._serialized_start=2934
-  _globals['_HEALTHSTATUS']._serialized_end=3056
-  _globals['_ARTIFACTKIND']._serialized_start=3059
-  _globals['_ARTIFACTKIND']._serialized_end=3224
-  _globals['_ERRORKIND']._serialized_start=3227
-  _globals['_ERRORKIND']._serialized_end=3426
+  _globals['_HEALTHSTATUS']._serialized_start=3021
+  _globals['_HEALTHSTATUS']._serialized_end=3143
+  _globals['_ARTIFACTKIND']._serialized_start=3146
+  _globals['_ARTIFACTKIND']._serialized_end=3311
+  _globals['_ERRORKIND']._serialized_start=3314
+  _globals['_ERRORKIND']._serialized_end=3513
   _globals['_CAPABILITIES']._serialized_start=44
   _globals['_CAPABILITIES']._serialized_end=382
   _globals['_REGISTERREQUEST']._serialized_start=384
@@ -47,42 +47,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_end=739
   _globals['_HEARTBEATRESPONSE']._serialized_start=741
   _globals['_HEARTBEATRESPONSE']._serialized_end=786
-  _globals['_HEALTHREPORT']._serialized_start=789
-  _globals['_HEALTHREPORT']._serialized_end=963
-  _globals['_HEALTHRESPONSE']._serialized_start=965
-  _globals['_HEALTHRESPONSE']._serialized_end=981
-  _globals['_LEASEBATCHREQUEST']._serialized_start=983
-  _globals['_LEASEBATCHREQUEST']._serialized_end=1092
-  _globals['_ARTIFACTREF']._serialized_start=1095
-  _globals['_ARTIFACTREF']._serialized_end=1248
-  _globals['_TIMING']._serialized_start=1250
-  _globals['_TIMING']._serialized_end=1344
-  _globals['_LEASEDCANDIDATE']._serialized_start=1346
-  _globals['_LEASEDCANDIDATE']._serialized_end=1456
-  _globals['_LEASEDBATCH']._serialized_start=1459
-  _globals['_LEASEDBATCH']._serialized_end=1759
-  _globals['_LEASEDMODELRUN']._serialized_start=1762
-  _globals['_LEASEDMODELRUN']._serialized_end=1939
-  _globals['_LEASEBATCHRESPONSE']._serialized_start=1941
-  _globals['_LEASEBATCHRESPONSE']._serialized_end=2068
-  _globals['_FETCHREQUEST']._serialized_start=2070
-  _globals['_FETCHREQUEST']._serialized_end=2182
-  _globals['_FILEPART']._serialized_start=2184
-  _globals['_FILEPART']._serialized_end=2304
-  _globals['_FETCHCHUNK']._serialized_start=2306
-  _globals['_FETCHCHUNK']._serialized_end=2356
-  _globals['_RESULT']._serialized_start=2359
-  _globals['_RESULT']._serialized_end=2548
-  _globals['_FINISH']._serialized_start=2550
-  _globals['_FINISH']._serialized_end=2558
-  _globals['_RESULTMESSAGE']._serialized_start=2561
-  _globals['_RESULTMESSAGE']._serialized_end=2698
-  _globals['_RESULTACK']._serialized_start=2700
-  _globals['_RESULTACK']._serialized_end=2779
-  _globals['_MODELRUNRESULT']._serialized_start=2782
-  _globals['_MODELRUNRESULT']._serialized_end=2917
-  _globals['_MODELRUNACK']._serialized_start=2919
-  _globals['_MODELRUNACK']._serialized_end=2932
-  _globals['_AGENTSERVICE']._serialized_start=3429
-  _globals['_AGENTSERVICE']._serialized_end=3952
+  _globals['_GOOFFLINEREQUEST']._serialized_start=788
+  _globals['_GOOFFLINEREQUEST']._serialized_end=824
+  _globals['_GOOFFLINERESPONSE']._serialized_start=826
+  _globals['_GOOFFLINERESPONSE']._serialized_end=873
+  _globals['_HEALTHREPORT']._serialized_start=876
+  _globals['_HEALTHREPORT']._serialized_end=1050
+  _globals['_HEALTHRESPONSE']._serialized_start=1052
+  _globals['_HEALTHRESPONSE']._serialized_end=1068
+  _globals['_LEASEBATCHREQUEST']._serialized_start=1070
+  _globals['_LEASEBATCHREQUEST']._serialized_end=1179
+  _globals['_ARTIFACTREF']._serialized_start=1182
+  _globals['_ARTIFACTREF']._serialized_end=1335
+  _globals['_TIMING']._serialized_start=1337
+  _globals['_TIMING']._serialized_end=1431
+  _globals['_LEASEDCANDIDATE']._serialized_start=1433
+  _globals['_LEASEDCANDIDATE']._serialized_end=1543
+  _globals['_LEASEDBATCH']._serialized_start=1546
+  _globals['_LEASEDBATCH']._serialized_end=1846
+  _globals['_LEASEDMODELRUN']._serialized_start=1849
+  _globals['_LEASEDMODELRUN']._serialized_end=2026
+  _globals['_LEASEBATCHRESPONSE']._serialized_start=2028
+  _globals['_LEASEBATCHRESPONSE']._serialized_end=2155
+  _globals['_FETCHREQUEST']._serialized_start=2157
+  _globals['_FETCHREQUEST']._serialized_end=2269
+  _globals['_FILEPART']._serialized_start=2271
+  _globals['_FILEPART']._serialized_end=2391
+  _globals['_FETCHCHUNK']._serialized_start=2393
+  _globals['_FETCHCHUNK']._serialized_end=2443
+  _globals['_RESULT']._serialized_start=2446
+  _globals['_RESULT']._serialized_end=2635
+  _globals['_FINISH']._serialized_start=2637
+  _globals['_FINISH']._serialized_end=2645
+  _globals['_RESULTMESSAGE']._serialized_start=2648
+  _globals['_RESULTMESSAGE']._serialized_end=2785
+  _globals['_RESULTACK']._serialized_start=2787
+  _globals['_RESULTACK']._serialized_end=2866
+  _globals['_MODELRUNRESULT']._serialized_start=2869
+  _globals['_MODELRUNRESULT']._serialized_end=3004
+  _globals['_MODELRUNACK']._serialized_start=3006
+  _globals['_MODELRUNACK']._serialized_end=3019
+  _globals['_AGENTSERVICE']._serialized_start=3516
+  _globals['_AGENTSERVICE']._serialized_end=4115
 # @@protoc_insertion_point(module_scope)

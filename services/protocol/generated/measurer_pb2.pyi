@@ -126,6 +126,18 @@ class HeartbeatResponse(_message.Message):
     active_lease_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, active_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class GoOfflineRequest(_message.Message):
+    __slots__ = ("agent_id",)
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_id: int
+    def __init__(self, agent_id: _Optional[int] = ...) -> None: ...
+
+class GoOfflineResponse(_message.Message):
+    __slots__ = ("released_batch_ids",)
+    RELEASED_BATCH_IDS_FIELD_NUMBER: _ClassVar[int]
+    released_batch_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, released_batch_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class HealthReport(_message.Message):
     __slots__ = ("agent_id", "status", "message", "load_average_1m", "memory_available_bytes", "disk_free_bytes")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]

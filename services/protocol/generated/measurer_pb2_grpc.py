@@ -69,6 +69,11 @@ class AgentServiceStub:
                 request_serializer=tunefarm_dot_v1_dot_measurer__pb2.ModelRunResult.SerializeToString,
                 response_deserializer=tunefarm_dot_v1_dot_measurer__pb2.ModelRunAck.FromString,
                 _registered_method=True)
+        self.GoOffline = channel.unary_unary(
+                '/tunefarm.v1.AgentService/GoOffline',
+                request_serializer=tunefarm_dot_v1_dot_measurer__pb2.GoOfflineRequest.SerializeToString,
+                response_deserializer=tunefarm_dot_v1_dot_measurer__pb2.GoOfflineResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -123,6 +128,14 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GoOffline(self, request, context):
+        """The agent stops (SIGTERM): the leases and model runs it holds go back to the queue
+        now, and it is offline until it registers again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +173,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.ReportModelRun,
                     request_deserializer=tunefarm_dot_v1_dot_measurer__pb2.ModelRunResult.FromString,
                     response_serializer=tunefarm_dot_v1_dot_measurer__pb2.ModelRunAck.SerializeToString,
+            ),
+            'GoOffline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GoOffline,
+                    request_deserializer=tunefarm_dot_v1_dot_measurer__pb2.GoOfflineRequest.FromString,
+                    response_serializer=tunefarm_dot_v1_dot_measurer__pb2.GoOfflineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +369,33 @@ class AgentService:
             '/tunefarm.v1.AgentService/ReportModelRun',
             tunefarm_dot_v1_dot_measurer__pb2.ModelRunResult.SerializeToString,
             tunefarm_dot_v1_dot_measurer__pb2.ModelRunAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GoOffline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tunefarm.v1.AgentService/GoOffline',
+            tunefarm_dot_v1_dot_measurer__pb2.GoOfflineRequest.SerializeToString,
+            tunefarm_dot_v1_dot_measurer__pb2.GoOfflineResponse.FromString,
             options,
             channel_credentials,
             insecure,
