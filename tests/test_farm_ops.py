@@ -6,7 +6,8 @@ used (issue 26).
   refused the earlier agent's name, and `farm up` took the earlier agent's row for its
   own and said nothing);
 - an agent that exits during `farm up` fails it with the agent's one-line reason;
-- an agent stopped with SIGTERM says so, goes offline at once and exits 0.
+- an agent stopped with SIGTERM says so, goes offline at once and exits 0;
+- an agent naming a device class that does not exist stops, naming those that do.
 """
 
 from __future__ import annotations
@@ -111,4 +112,19 @@ def test_farm_up_fails_with_the_reason_its_agent_exited(database_url, tmp_path):
     message = str(failed.value)
     assert "\n" not in message and message.startswith("agent exited during start-up: Unauthenticated: "), message
     assert message.endswith(f"(log: {tmp_path / 'farm' / 'logs' / 'agent.log'})"), message
+
+
+def test_an_agent_naming_a_class_that_does_not_exist_stops_and_says_which_exist(database_url, tmp_path):
+    """A typo in --device-class: the class is not created (device classes are the
+    operators'), and the agent stops at once with the classes that exist, instead of
+    retrying for ever."""
+    cfg = config(tmp_path / "farm", database_url, device_class="ops-class",
+                 agent_env={"TUNEFARM_AGENT_DEVICE_CLASS": "ops-clas"})  # fmt: skip
+    with pytest.raises(UsageError) as failed:
+        up(cfg, log=lambda msg: None)
+    message = str(failed.value)
+    assert "\n" not in message, message
+    assert message.startswith("agent exited during start-up: NotFound: device class 'ops-clas' does not exist "
+                              "(existing classes: "), message
+    assert "ops-class" in message and "tunefarm farm device-class ops-clas" in message, message
 

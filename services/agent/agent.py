@@ -63,6 +63,7 @@ from services.protocol.errors import (
     BadRequest,
     LeaseLost,
     MeasurerError,
+    NotFound,
     UnknownAgent,
     from_rpc_error,
 )
@@ -166,6 +167,8 @@ class Agent:
                 except FATAL_ERRORS:
                     raise
                 except MeasurerError as exc:
+                    if isinstance(exc, NotFound) and self.agent_id is None:
+                        raise  # Register: its device class does not exist (a typo); no retry helps
                     delay = backoff.next()
                     log.warning("%s; retrying in %.1f s", exc, delay)
                     self.stop.wait(delay)

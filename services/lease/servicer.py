@@ -203,9 +203,10 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             dc = s.scalars(select(DeviceClass).where(DeviceClass.name == class_name)).one_or_none()
             if dc is None:
                 if not self.settings.auto_create_device_classes:
+                    known = ", ".join(s.scalars(select(DeviceClass.name).order_by(DeviceClass.name))) or "none yet"
                     raise NotFound(
-                        f"device class {class_name!r} does not exist: an operator creates it "
-                        f"(tunefarm farm device-class {class_name})"
+                        f"device class {class_name!r} does not exist (existing classes: {known}): an operator "
+                        f"creates it (tunefarm farm device-class {class_name})"
                     )
                 if not detected.get("kind"):
                     raise BadRequest(f"device class {class_name!r} does not exist and the agent sent no target")
