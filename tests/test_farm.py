@@ -42,6 +42,7 @@ from services.agent.settings import AgentSettings  # noqa: E402
 from services.db import queries  # noqa: E402
 from services.db.models import (  # noqa: E402
     Agent,
+    AgentState,
     Batch,
     BatchCandidate,
     BatchState,
@@ -728,6 +729,29 @@ def test_a_heartbeat_renews_only_the_leases_the_agent_names(farm):
         assert queries.release_agent_leases(s, agent_id=agent.id, keep_lease_ids=[]) == [batch_id]
         assert s.get(Lease, again.id).state is LeaseState.EXPIRED
         assert s.scalar(select(Batch.state).where(Batch.id == batch_id)) is BatchState.READY
+    measurer.close()
+
+
+def test_an_agent_going_offline_gives_its_leases_back_at_once(farm):
+    """GoOffline (an agent's SIGTERM): its lease ends now and the batch is ready for
+    another agent, not after the lease window; the agent is offline, not idle."""
+    from services.db import liveness
+
+    wl = gemm(16)
+    measurer = farm.measurer()
+    task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
+    batch_id = _ready_without_building(farm, measurer, task, gemm_inputs(wl, task.key, 2))
+    with transaction(farm.sessions) as s:
+        agent = queries.register_agent(
+            s, name=f"{farm.device_class}-off", device_class_id=measurer.device_class_id, token_id=None, capabilities={}
+        )
+        lease = queries.lease_next_batch(s, agent_id=agent.id, lease_secs=600)
+    with transaction(farm.sessions) as s:
+        assert liveness.go_offline(s, agent_id=agent.id) == [batch_id]
+    with transaction(farm.sessions) as s:
+        assert s.get(Lease, lease.id).state is LeaseState.EXPIRED
+        assert s.scalar(select(Batch.state).where(Batch.id == batch_id)) is BatchState.READY
+        assert s.get(Agent, agent.id).state is AgentState.OFFLINE
     measurer.close()
 
 

@@ -24,8 +24,15 @@ mode 0600): build workers and the scheduler sign what agents load with it, agent
 with the public key, `D/signing/farm-signing.pub` (copy it to remote boards:
 `tunefarm agent --signing-public-key`).
 
-`up` waits until the API answers, the lease service listens and the agent has
-registered, then writes `D/farm.json`: the API URL, the gRPC address, a
+Its agents' names are the host's, `D`'s name and a digest of `D`'s path
+(`agent_base_name`: two farms from `a/farm` and `b/farm` on one database do not share
+one), and every start issues a new agent token, to which `up` hands those names
+(`admin.claim_agent_names`; refused while a live agent of another farm holds one).
+
+`up` waits until the API answers, the lease service listens and every agent has
+registered with this start's token (an agent that exits first fails `up` with its
+one-line reason: a taken name, an unknown class, a CPU that cannot run the class's
+code), then writes `D/farm.json`: the API URL, the gRPC address, a
 team token and an agent token, the Redis URL, and the processes (pid, log, command).
 The secrets are in that file only (mode 0600) and in the processes' environment, never
 on a command line (`ps` shows those to every user). What the farm writes under `D`
