@@ -66,6 +66,15 @@ def assert_serving(farm: LocalFarm, timeout: float = 90.0) -> None:
         sessions.kw["bind"].dispose()
 
 
+def agent_state(farm: LocalFarm) -> str:
+    sessions = make_session_factory(farm.config.database_url)
+    try:
+        with transaction(sessions) as s:
+            return s.scalar(select(Agent.state).where(Agent.name == farm.agent_name())).value
+    finally:
+        sessions.kw["bind"].dispose()
+
+
 def stopped_cleanly(farm: LocalFarm) -> None:
     """SIGTERM to the agent: it says so, goes offline at once (not idle for the
     freshness window), and exits 0."""
@@ -75,12 +84,7 @@ def stopped_cleanly(farm: LocalFarm) -> None:
     assert process.returncode == 0, log[-2000:]
     assert "stopping (SIGTERM): giving back the leases it holds and going offline" in log, log[-2000:]
     assert "offline; it held no lease" in log, log[-2000:]
-    sessions = make_session_factory(farm.config.database_url)
-    try:
-        with transaction(sessions) as s:
-            assert s.scalar(select(Agent.state).where(Agent.name == farm.agent_name())).value == "offline"
-    finally:
-        sessions.kw["bind"].dispose()
+    assert agent_state(farm) == "offline"
 
 
 def test_farm_up_again_on_the_same_database_gets_an_agent_that_serves(database_url, tmp_path):
@@ -97,6 +101,7 @@ def test_farm_up_again_on_the_same_database_gets_an_agent_that_serves(database_u
         assert_serving(second)
     finally:
         down(b, grace=5.0)
+    assert agent_state(second) == "offline"  # farm down stops the agents first: they go offline at once
     again = up(config(b, database_url), log=lambda msg: None)  # the same dir: a new token, the same name
     try:
         assert again.agent_name() == second.agent_name()

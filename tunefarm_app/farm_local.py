@@ -38,7 +38,8 @@ The secrets are in that file only (mode 0600) and in the processes' environment,
 on a command line (`ps` shows those to every user). What the farm writes under `D`
 (logs, artifacts, the agent's work) is its user's only: the processes run with umask
 077, and a new `D` and its logs/ and artifacts/ are 0700. `down` stops the processes (SIGTERM to each group,
-SIGKILL after a grace period) and marks them stopped in farm.json.
+SIGKILL after a grace period; the agents first, so that they go offline while the lease
+service answers) and marks them stopped in farm.json.
 
 Further classes (`extra_classes`, name -> target; `farm up --extra-class NAME=TARGET`)
 are served here too, each by its own build worker and agent: x86 ISA classes whose code
@@ -401,10 +402,13 @@ class LocalFarm:
             proc.wait()
 
     def stop_all(self, *, grace: float = STOP_GRACE_SECS) -> None:
-        for name in self.processes:  # SIGTERM to all first: they stop in parallel
-            _signal_group(self.processes[name].pid, signal.SIGTERM)
-        for name in list(self.processes):
-            self.stop(name, grace=grace)
+        """The agents first (`stopping_order`), then the rest; each group's SIGTERMs at
+        once, so that its processes stop in parallel."""
+        for group in stopping_order(list(self.processes)):
+            for name in group:
+                _signal_group(self.processes[name].pid, signal.SIGTERM)
+            for name in group:
+                self.stop(name, grace=grace)
 
     # -- health -------------------------------------------------------------------------------
 
@@ -506,19 +510,18 @@ def down(state_dir: Path, *, grace: float = STOP_GRACE_SECS) -> list[str]:
     for p in procs.values():
         if p.get("running") and not _is_ours(p):
             p["running"] = False  # exited long ago; the pid may be another program's now
-    for p in procs.values():
-        if p.get("running"):
-            _signal_group(p["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for name, p in procs.items():
-        if not p.get("running"):
-            continue
-        while _pid_alive(p["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _pid_alive(p["pid"]):
-            _signal_group(p["pid"], signal.SIGKILL)
-        p["running"] = False
-        stopped.append(name)
+    for group in stopping_order([name for name, p in procs.items() if p.get("running")]):
+        for name in group:
+            _signal_group(procs[name]["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for name in group:
+            p = procs[name]
+            while _pid_alive(p["pid"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _pid_alive(p["pid"]):
+                _signal_group(p["pid"], signal.SIGKILL)
+            p["running"] = False
+            stopped.append(name)
     path = state_dir / FARM_FILE
     fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -526,6 +529,15 @@ def down(state_dir: Path, *, grace: float = STOP_GRACE_SECS) -> list[str]:
         f.write("\n")
     os.replace(path.with_name(path.name + ".tmp"), path)
     return stopped
+
+
+def stopping_order(names: list[str]) -> list[list[str]]:
+    """The farm's processes in the order they are stopped: its agents first, while the
+    lease service still answers their GoOffline (they give back their leases and are
+    offline at once; stopped together with it, each stayed idle in its row for the
+    freshness window), then the others."""
+    agents = [n for n in names if n == "agent" or n.startswith("agent-")]
+    return [group for group in (agents, [n for n in names if n not in agents]) if group]
 
 
 def read_state(state_dir: Path) -> dict[str, Any]:
