@@ -101,7 +101,7 @@ def test_following_a_job_says_while_no_agent_serves_its_class(capsys):
     from tunefarm_app.farm_commands import _print_job
     from tunefarm_app.progress import JobProgressView
 
-    waiting = "waiting: no agent of class c1 is online (none heartbeated in the last 60 s)"
+    waiting = "waiting: no agent of class c1 is online (start one: tunefarm agent --device-class c1)"
     answers = iter([_job("running", 0, waiting), _job("running", 0, waiting), _job("running", 0, None),
                     _job("running", 8, None), _job("succeeded", 64, None)])
 

@@ -350,7 +350,7 @@ def job_public(session: Session, *, team_id: int, job_id: int, fresh_secs: float
     if row is None:
         raise NotFound(f"job {job_id} not found")
     job, model_name, class_name, version, trained_on, task_rows, points, source_class, source_version, own, live_agents = row
-    waiting = no_agent_message(class_name, fresh_secs) if job.state in ACTIVE_JOB_STATES and not live_agents else None
+    waiting = no_agent_message(class_name) if job.state in ACTIVE_JOB_STATES and not live_agents else None
     return JobPublic(
         waiting=waiting,
         id=job.id,
@@ -399,9 +399,10 @@ def job_public(session: Session, *, team_id: int, job_id: int, fresh_secs: float
 ACTIVE_JOB_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.FINISHING)
 
 
-def no_agent_message(class_name: str, fresh_secs: float) -> str:
-    """What a job not yet over says while no agent of its class is live."""
-    return f"waiting: no agent of class {class_name} is online (none heartbeated in the last {fresh_secs:g} s)"
+def no_agent_message(class_name: str) -> str:
+    """What a job not yet over says while no agent of its class is live (none idle or
+    busy that heartbeated within the freshness window)."""
+    return f"waiting: no agent of class {class_name} is online (start one: tunefarm agent --device-class {class_name})"
 
 
 def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None) -> tuple[list[JobSummary], int | None]:
