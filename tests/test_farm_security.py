@@ -69,7 +69,10 @@ AGENT_RUN_SECS = 180.0
 @pytest.fixture(scope="module")
 def lease_server(database_url, db_sessions, tmp_path_factory) -> Iterator[LeaseServer]:
     settings = LeaseServiceSettings(database_url=database_url, lease_bind="127.0.0.1:0",
-                                    artifact_root=tmp_path_factory.mktemp("artifacts"), lease_wait_secs=0.2)  # fmt: skip
+                                    artifact_root=tmp_path_factory.mktemp("artifacts"), lease_wait_secs=0.2,
+                                    # the work board is read again within a long poll: a batch made by a
+                                    # test just now is seen whatever an earlier test's poll left cached
+                                    lease_recheck_secs=0.05)  # fmt: skip
     server = make_server(settings, sessions=db_sessions)
     server.start()
     yield server
