@@ -326,6 +326,8 @@ def _serve(servicer: FalseLeaseService) -> tuple[grpc.Server, str]:
 def _compiler() -> str:
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
+        if os.environ.get("CI"):  # CI claims these tests: a missing compiler fails them there
+            pytest.fail("needs a C compiler (gcc or cc) on PATH")
         pytest.skip("needs a C compiler")
     return cc
 

@@ -51,9 +51,12 @@ class Environment:
     def here() -> Environment:
         import tvm
 
+        from tunefarm import __version__
+        from tunefarm.isa import host_cpu_model
         from tunefarm.target import physical_cores
 
-        return Environment(str(tvm.__version__), _tunefarm_version(), _cpu_model(), physical_cores(), platform.node())
+        return Environment(str(tvm.__version__), __version__, host_cpu_model() or platform.machine(), physical_cores(),
+                           platform.node())  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -247,25 +250,6 @@ def _class_name(target: Mapping[str, Any]) -> str:
     """A readable class name for a target without one: its kind and cpu or arch."""
     detail = target.get("mcpu") or target.get("arch") or target.get("mtriple") or ""
     return f"{target.get('kind', '?')}-{detail}" if detail else str(target.get("kind", "?"))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _tunefarm_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("tunefarm")
-    except Exception:
-        return "unknown"
 
 
 def command_line() -> str:

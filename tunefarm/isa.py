@@ -144,6 +144,24 @@ def cpuinfo_flags(text: str) -> frozenset[str]:
     return frozenset()
 
 
+def cpuinfo_model(text: str) -> str:
+    """The CPU model of a /proc/cpuinfo text (x86 `model name`, aarch64 `Hardware` or `CPU
+    model`, RISC-V `uarch`); "" when it names none."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("model name", "hardware", "cpu model", "uarch"):
+            return value.strip()
+    return ""
+
+
+def host_cpu_model() -> str:
+    """This machine's CPU model as its OS names it ("" when it does not)."""
+    try:
+        return cpuinfo_model(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return ""
+
+
 def host_flags() -> frozenset[str]:
     """This machine's CPU flags as its OS reports them (empty when it does not)."""
     try:

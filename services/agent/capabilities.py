@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from services.protocol.errors import BadRequest
-from tunefarm.isa import AARCH64_EXTENSIONS, X86_EXTENSIONS, arch_family
+from tunefarm.isa import AARCH64_EXTENSIONS, X86_EXTENSIONS, arch_family, cpuinfo_flags, cpuinfo_model
 from tunefarm.isolation import IsolatedWorker
 from tunefarm.target import physical_cores
 
@@ -324,15 +324,7 @@ def _read(path: str) -> str:
 
 
 def _cpuinfo(text: str) -> tuple[str, set[str]]:
-    model, features = "", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("model name", "hardware", "cpu model", "uarch") and not model:
-            model = value.strip()
-        elif key in ("flags", "features", "isa") and not features:
-            features = set(value.split())
-    return model, features
+    return cpuinfo_model(text), set(cpuinfo_flags(text))
 
 
 def _meminfo() -> dict[str, int]:
