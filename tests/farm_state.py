@@ -1,5 +1,5 @@
 """A farm in a known state, written through the farm's own functions (the API's `crud`, the
-scheduler's `job_store`, the lease service's `queries`), for the dashboard and /metrics
+scheduler's `job_store`, the lease service's `services.db` operations), for the dashboard and /metrics
 tests: two teams, a device class, a 3-task model, a running job of team A with measured
 batches (valid kernels and errors by kind), its curve, a job of team B, two agents (one
 alive, one silent), and batches left in the queue.
@@ -18,7 +18,7 @@ from sqlalchemy import func, insert, select, update
 from services.api import admin, crud
 from services.api.schemas import JobCreate
 from services.api.storage import StoredFile
-from services.db import codec, queries
+from services.db import agents, batches, codec, leases, measurements
 from services.db.models import Agent, Batch, BatchCandidate, BatchState, JobTask
 from services.db.session import transaction
 from services.scheduler import job_store
@@ -115,9 +115,9 @@ def seed_farm(sessions, *, trial_budget: int = 64) -> FarmState:
         model_name = model_a.name
     with transaction(sessions) as s:
         setup = job_store.claim_job(s, job_id=job_a)
-        alive = queries.register_agent(s, name=f"agent-alive-{uid}", device_class_id=class_id, token_id=None,
+        alive = agents.register_agent(s, name=f"agent-alive-{uid}", device_class_id=class_id, token_id=None,
                                        capabilities={"cpu_model": "Test CPU"})
-        silent = queries.register_agent(s, name=f"agent-silent-{uid}", device_class_id=class_id, token_id=None,
+        silent = agents.register_agent(s, name=f"agent-silent-{uid}", device_class_id=class_id, token_id=None,
                                         capabilities={"cpu_model": "Test CPU"})
         alive_id, silent_id, alive_name, silent_name = alive.id, silent.id, alive.name, silent.name
     state = FarmState(dc.name, token_a, token_b, agent_token, job_a, job_b, alive_name, silent_name, model_name,
@@ -137,18 +137,18 @@ def seed_farm(sessions, *, trial_budget: int = 64) -> FarmState:
         with transaction(sessions) as s:
             batch_id, cands = _batch(s, job_id=job_a, job_task_id=jt_id, workload_id=wl_id, class_id=class_id,
                                      task_key=key, n=len(measured), salt=position)
-            queries.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
-            queries.mark_batch_ready(s, batch_id=batch_id)
+            batches.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
+            batches.mark_batch_ready(s, batch_id=batch_id)
         with transaction(sessions) as s:
-            lease = queries.lease_next_batch(s, agent_id=alive_id, lease_secs=30)
+            lease = leases.lease_next_batch(s, agent_id=alive_id, lease_secs=30)
             assert lease is not None and lease.batch_id == batch_id
             items = []
             for (cid, inp), (cost, kind) in zip(cands, measured):
                 items.append((cid, _record(inp, TASKS[position][0], cost, kind)))
                 if kind is not None:
                     errors[str(kind)] = errors.get(str(kind), 0) + 1
-            queries.record_measurements(s, lease_id=lease.id, agent_id=alive_id, items=items, fingerprint={"t": 1})
-            assert queries.finish_lease(s, lease_id=lease.id, agent_id=alive_id) is BatchState.DONE
+            measurements.record_measurements(s, lease_id=lease.id, agent_id=alive_id, items=items, fingerprint={"t": 1})
+            assert leases.finish_lease(s, lease_id=lease.id, agent_id=alive_id) is BatchState.DONE
         state.errors_by_task.append(errors)
         state.measured_by_alive += len(measured)
     # The queue: one batch ready (waiting for an agent), one just proposed (waiting for a build).
@@ -156,13 +156,13 @@ def seed_farm(sessions, *, trial_budget: int = 64) -> FarmState:
     with transaction(sessions) as s:
         ready_id, _ = _batch(s, job_id=job_a, job_task_id=jt_id, workload_id=wl_id, class_id=class_id, task_key=key,
                              n=2, salt=10)
-        queries.transition_batch(s, batch_id=ready_id, to=BatchState.BUILDING)
-        queries.mark_batch_ready(s, batch_id=ready_id)
+        batches.transition_batch(s, batch_id=ready_id, to=BatchState.BUILDING)
+        batches.mark_batch_ready(s, batch_id=ready_id)
         _batch(s, job_id=job_a, job_task_id=jt_id, workload_id=wl_id, class_id=class_id, task_key=key, n=2, salt=11)
     with transaction(sessions) as s:
         for trials, est in CURVE:
             job_store.write_progress(s, job_id=job_a, trials=trials, est_latency_secs=est)
-        queries.heartbeat(s, agent_id=alive_id, lease_secs=30)  # holds no lease now: idle
+        leases.heartbeat(s, agent_id=alive_id, lease_secs=30)  # holds no lease now: idle
         # The silent agent last heartbeat long ago (beyond any lease window).
         s.execute(update(Agent).where(Agent.id == silent_id).values(last_heartbeat_at=func.now() - timedelta(hours=1)))
         # Each task's best awaits its confirmation (services.db.confirmations): a ready batch too.

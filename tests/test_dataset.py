@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tunefarm.dataset import export_records, read_dataset, write_dataset
-from tunefarm.records import ErrorKind, MeasureRecord
+from tunefarm.records import ErrorKind
 from tunefarm.search.features import feature_width
 from tunefarm.store import JsonlRecordStore
 from tunefarm_app.cli import main

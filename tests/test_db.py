@@ -1,5 +1,5 @@
 """The farm schema against a real PostgreSQL: migrations, the schema check, and the
-invariants the helpers of services.db.queries keep (exactly-once measurements, leases,
+invariants the helpers of services.db keep (exactly-once measurements, leases,
 SKIP LOCKED, tokens)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 from farm_fixtures import placeholder_model
 from sqlalchemy import create_engine, func, select, text
 
-from services.db import codec, queries
+from services.db import agents, batches, codec, cost_models, leases, measurements, model_runs, tokens
+from services.db.batches import mark_batch_ready, transition_batch  # make_farm's arguments hide the module
 from services.db.exceptions import (
     Conflict,
     ConstraintViolation,
@@ -142,9 +143,9 @@ def make_farm(factory, *, batches: int = 1, candidates: int = 2, agents: int = 2
         farm = Farm(dc.id, job.id, jt.id, [a.id for a in agent_rows], batch_ids, cands)
     for b in batch_ids:  # one transaction each: distinct ready_at, so FIFO order is defined
         with transaction(factory) as s:
-            queries.transition_batch(s, batch_id=b, to=BatchState.BUILDING)
+            transition_batch(s, batch_id=b, to=BatchState.BUILDING)
             if ready:
-                assert queries.mark_batch_ready(s, batch_id=b) is BatchState.READY
+                assert mark_batch_ready(s, batch_id=b) is BatchState.READY
     return farm
 
 
@@ -155,12 +156,12 @@ def db_now(factory) -> datetime:
 
 def lease(factory, agent_id: int, now: datetime | None = None) -> Lease | None:
     with transaction(factory) as s:
-        return queries.lease_next_batch(s, agent_id=agent_id, lease_secs=LEASE_SECS, now=now)
+        return leases.lease_next_batch(s, agent_id=agent_id, lease_secs=LEASE_SECS, now=now)
 
 
 def record(factory, farm: Farm, lease_row: Lease, agent_id: int, index: int = 0, cost: float | None = 0.001):
     with transaction(factory) as s:
-        return queries.record_measurement(
+        return measurements.record_measurement(
             s,
             batch_candidate_id=farm.candidate_ids[lease_row.batch_id][index],
             lease_id=lease_row.id,
@@ -247,16 +248,16 @@ def test_token_hash_round_trip(db_sessions):
         team = Team(name=f"team-{_uid()}")
         s.add(team)
         s.flush()
-        row, plain = queries.issue_token(s, kind=TokenKind.TEAM, team_id=team.id, label="ci")
+        row, plain = tokens.issue_token(s, kind=TokenKind.TEAM, team_id=team.id, label="ci")
     assert plain.startswith("tft_") and row.prefix == plain[: len(row.prefix)]
-    assert row.token_hash == queries.hash_token(plain) and plain not in row.token_hash
+    assert row.token_hash == tokens.hash_token(plain) and plain not in row.token_hash
     with transaction(db_sessions) as s:
-        found = queries.verify_token(s, plain=plain, kind=TokenKind.TEAM)
+        found = tokens.verify_token(s, plain=plain, kind=TokenKind.TEAM)
         assert found is not None and found.id == row.id and found.team_id == team.id
-        assert queries.verify_token(s, plain=plain + "x", kind=TokenKind.TEAM) is None
+        assert tokens.verify_token(s, plain=plain + "x", kind=TokenKind.TEAM) is None
         s.get(Token, row.id).revoked_at = func.now()
     with transaction(db_sessions) as s:
-        assert queries.verify_token(s, plain=plain, kind=TokenKind.TEAM) is None
+        assert tokens.verify_token(s, plain=plain, kind=TokenKind.TEAM) is None
 
 
 def test_a_heartbeat_after_its_token_was_revoked_changes_nothing(db_sessions):
@@ -267,13 +268,13 @@ def test_a_heartbeat_after_its_token_was_revoked_changes_nothing(db_sessions):
     farm = make_farm(db_sessions)
     a = farm.agent_ids[0]
     with transaction(db_sessions) as s:
-        token, _ = queries.issue_token(s, kind=TokenKind.AGENT)
+        token, _ = tokens.issue_token(s, kind=TokenKind.AGENT)
         s.get(Agent, a).token_id = token.id
     held = lease(db_sessions, a)
     with transaction(db_sessions) as s:
-        queries.revoke_token(s, token_id=token.id)
+        tokens.revoke_token(s, token_id=token.id)
     with pytest.raises(TokenRevoked), transaction(db_sessions) as s:
-        queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, lease_ids=[held.id])
+        leases.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, lease_ids=[held.id])
     with transaction(db_sessions) as s:
         assert s.get(Agent, a).state is AgentState.OFFLINE
         assert s.get(Lease, held.id).state is LeaseState.EXPIRED
@@ -284,18 +285,18 @@ def test_agent_token_is_not_a_team_token(db_sessions):
         team = Team(name=f"team-{_uid()}")
         s.add(team)
         s.flush()
-        _, agent_plain = queries.issue_token(s, kind=TokenKind.AGENT)
-        _, team_plain = queries.issue_token(s, kind=TokenKind.TEAM, team_id=team.id)
+        _, agent_plain = tokens.issue_token(s, kind=TokenKind.AGENT)
+        _, team_plain = tokens.issue_token(s, kind=TokenKind.TEAM, team_id=team.id)
     with transaction(db_sessions) as s:
-        assert queries.verify_token(s, plain=agent_plain, kind=TokenKind.AGENT) is not None
-        assert queries.verify_token(s, plain=agent_plain, kind=TokenKind.TEAM) is None
-        assert queries.verify_token(s, plain=team_plain, kind=TokenKind.AGENT) is None
+        assert tokens.verify_token(s, plain=agent_plain, kind=TokenKind.AGENT) is not None
+        assert tokens.verify_token(s, plain=agent_plain, kind=TokenKind.TEAM) is None
+        assert tokens.verify_token(s, plain=team_plain, kind=TokenKind.AGENT) is None
         # Even with its prefix forged, a stored agent token is no team token.
         forged = "tft_" + agent_plain.removeprefix("tfa_")
-        assert queries.verify_token(s, plain=forged, kind=TokenKind.TEAM) is None
+        assert tokens.verify_token(s, plain=forged, kind=TokenKind.TEAM) is None
     with pytest.raises(ConstraintViolation) as info:  # an agent token cannot belong to a team
         with transaction(db_sessions) as s:
-            tok = queries.new_token(TokenKind.AGENT)
+            tok = tokens.new_token(TokenKind.AGENT)
             s.add(Token(kind=TokenKind.AGENT, team_id=team.id, token_hash=tok.token_hash, prefix=tok.prefix))
     assert info.value.constraint == "ck_tokens_team_iff_team_kind"
 
@@ -311,7 +312,7 @@ def test_measurement_is_recorded_once_under_concurrent_writers(db_sessions):
     rec = _record(_input(0), 0.002)
 
     def write(session):
-        return queries.record_measurement(
+        return measurements.record_measurement(
             session,
             batch_candidate_id=cand,
             lease_id=held.id,
@@ -381,7 +382,7 @@ def test_a_tasks_best_says_whether_an_emulator_measured_it(db_sessions):
     ids = farm.candidate_ids[held.batch_id]
     emulated = replace(_record(_input(0), 0.002), emulated=True)
     with transaction(db_sessions) as s:  # the bulk path (a results stream)
-        queries.record_measurements(
+        measurements.record_measurements(
             s, lease_id=held.id, agent_id=agent, items=[(ids[0], emulated)], fingerprint=FINGERPRINT
         )
         assert s.get(JobTask, farm.job_task_id).best_emulated is True
@@ -402,12 +403,12 @@ def test_result_under_another_agents_lease_is_refused(db_sessions):
         record(db_sessions, farm, held, b)
     with pytest.raises(LeaseNotHeld):
         with transaction(db_sessions) as s:
-            queries.finish_lease(s, lease_id=held.id, agent_id=b)
+            leases.finish_lease(s, lease_id=held.id, agent_id=b)
     # A candidate of another batch under this lease is refused too.
     other = make_farm(db_sessions)
     with pytest.raises(LeaseNotHeld):
         with transaction(db_sessions) as s:
-            queries.record_measurement(
+            measurements.record_measurement(
                 s,
                 batch_candidate_id=other.candidate_ids[other.batch_ids[0]][0],
                 lease_id=held.id,
@@ -431,14 +432,14 @@ def test_expired_lease_is_leased_again_and_the_late_result_refused(db_sessions):
     with pytest.raises(LeaseNotHeld):
         record(db_sessions, farm, first, a)
     with transaction(db_sessions) as s:
-        assert queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, lease_ids=[first.id]) == []  # not a's now
+        assert leases.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, lease_ids=[first.id]) == []  # not a's now
     with pytest.raises(LeaseNotHeld):
         with transaction(db_sessions) as s:
-            queries.finish_lease(s, lease_id=first.id, agent_id=a)
+            leases.finish_lease(s, lease_id=first.id, agent_id=a)
     for i in range(2):
         assert record(db_sessions, farm, second, b, index=i).created
     with transaction(db_sessions) as s:
-        assert queries.finish_lease(s, lease_id=second.id, agent_id=b) is BatchState.DONE
+        assert leases.finish_lease(s, lease_id=second.id, agent_id=b) is BatchState.DONE
         assert s.get(Batch, first.batch_id).state is BatchState.DONE
 
 
@@ -448,20 +449,20 @@ def test_heartbeat_keeps_a_lease_and_expire_leases_requeues(db_sessions):
     held = lease(db_sessions, a)
     t0 = db_now(db_sessions)
     with transaction(db_sessions) as s:
-        assert queries.heartbeat(
+        assert leases.heartbeat(
             s, agent_id=a, lease_secs=LEASE_SECS, lease_ids=[held.id], now=t0 + timedelta(seconds=50)
         ) == [held.id]
         assert s.get(Agent, a).state is AgentState.BUSY
     assert lease(db_sessions, b, now=t0 + timedelta(seconds=LEASE_SECS + 1)) is None  # extended to t0+110
     with transaction(db_sessions) as s:
         # (The sweep is global: other tests' leases may expire too.)
-        assert held.batch_id not in queries.expire_leases(s, now=t0 + timedelta(seconds=100))
-        assert held.batch_id in queries.expire_leases(s, now=t0 + timedelta(seconds=120))
+        assert held.batch_id not in leases.expire_leases(s, now=t0 + timedelta(seconds=100))
+        assert held.batch_id in leases.expire_leases(s, now=t0 + timedelta(seconds=120))
     with transaction(db_sessions) as s:
         assert s.get(Lease, held.id).state is LeaseState.EXPIRED
         assert s.get(Batch, held.batch_id).state is BatchState.READY
-        queries.heartbeat(s, agent_id=b, lease_secs=LEASE_SECS, now=t0 + timedelta(seconds=115))
-        offline = queries.mark_agents_offline(s, stale_secs=10, now=t0 + timedelta(seconds=120))
+        leases.heartbeat(s, agent_id=b, lease_secs=LEASE_SECS, now=t0 + timedelta(seconds=115))
+        offline = agents.mark_agents_offline(s, stale_secs=10, now=t0 + timedelta(seconds=120))
         assert a in offline and b not in offline
     again = lease(db_sessions, b)
     assert again is not None and again.batch_id == held.batch_id
@@ -473,7 +474,7 @@ def test_classes_with_work_are_those_an_agent_could_lease_from(db_sessions):
 
     def with_work(now=None):
         with transaction(db_sessions) as s:
-            return queries.classes_with_work(s, now=now) & {farm.device_class_id, idle.device_class_id}
+            return leases.classes_with_work(s, now=now) & {farm.device_class_id, idle.device_class_id}
 
     assert with_work() == {farm.device_class_id}  # a ready batch; the other class's is only building
     held = lease(db_sessions, farm.agent_ids[0])
@@ -486,18 +487,18 @@ def test_classes_with_work_are_those_an_agent_could_lease_from(db_sessions):
 def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessions):
     farm = make_farm(db_sessions, batches=1)
     a, b = farm.agent_ids
-    file = queries.StoredFile("model_runs/x/model.so", "0" * 64, 10)
+    file = model_runs.StoredFile("model_runs/x/model.so", "0" * 64, 10)
 
     def create():
         with transaction(db_sessions) as s:
-            return queries.create_model_run(
+            return model_runs.create_model_run(
                 s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file, inputs=file,
                 repeat=3, warmup=1, timeout_secs=60.0,
             ).id  # fmt: skip
 
     def lease_run(agent_id, now=None):
         with transaction(db_sessions) as s:
-            run = queries.lease_model_run(s, agent_id=agent_id, lease_secs=LEASE_SECS, max_attempts=2, now=now)
+            run = model_runs.lease_model_run(s, agent_id=agent_id, lease_secs=LEASE_SECS, max_attempts=2, now=now)
             return run.id if run is not None else None
 
     old, run_id = create(), create()
@@ -507,17 +508,17 @@ def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessio
     assert lease_run(a) == run_id
     assert lease_run(b) is None  # held by a
     with transaction(db_sessions) as s:
-        queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, model_run_ids=[run_id], now=t0 + timedelta(seconds=50))
+        leases.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS, model_run_ids=[run_id], now=t0 + timedelta(seconds=50))
         assert s.get(Agent, a).state is AgentState.BUSY
     assert lease_run(b, now=t0 + timedelta(seconds=LEASE_SECS + 1)) is None  # extended to t0+110
     assert lease_run(b, now=t0 + timedelta(seconds=120)) == run_id  # a went silent: b takes it over
     with transaction(db_sessions) as s, pytest.raises(LeaseNotHeld):
-        queries.finish_model_run(s, model_run_id=run_id, agent_id=a, outputs_path="o.npz", result={})
+        model_runs.finish_model_run(s, model_run_id=run_id, agent_id=a, outputs_path="o.npz", result={})
     with transaction(db_sessions) as s:
-        done = queries.finish_model_run(s, model_run_id=run_id, agent_id=b, outputs_path="o.npz", result={"agent": "b"})
+        done = model_runs.finish_model_run(s, model_run_id=run_id, agent_id=b, outputs_path="o.npz", result={"agent": "b"})
         assert done.state is ModelRunState.DONE and done.attempts == 2 and done.finished_at is not None
     with transaction(db_sessions) as s, pytest.raises(LeaseNotHeld):  # a resent result changes nothing
-        queries.finish_model_run(s, model_run_id=run_id, agent_id=b, outputs_path=None, result={}, error="late")
+        model_runs.finish_model_run(s, model_run_id=run_id, agent_id=b, outputs_path=None, result={}, error="late")
     # A run whose agents keep dying fails after max_attempts leases instead of looping.
     third = create()
     assert lease_run(a) == third
@@ -530,28 +531,28 @@ def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessio
 def test_a_model_run_given_up_is_leased_by_nobody_and_a_leased_one_is_left_to_its_agent(db_sessions):
     farm = make_farm(db_sessions, batches=1)
     a, _ = farm.agent_ids
-    file = queries.StoredFile("model_runs/x/model.cuda.tar", "0" * 64, 10)
+    file = model_runs.StoredFile("model_runs/x/model.cuda.tar", "0" * 64, 10)
 
     def create():
         with transaction(db_sessions) as s:
-            return queries.create_model_run(
+            return model_runs.create_model_run(
                 s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file, inputs=file,
                 repeat=3, warmup=1, timeout_secs=60.0,
             ).id  # fmt: skip
 
     def give_up(run_id):
         with transaction(db_sessions) as s:
-            return queries.give_up_model_run(s, model_run_id=run_id, reason="not run: no agent of c is online")
+            return model_runs.give_up_model_run(s, model_run_id=run_id, reason="not run: no agent of c is online")
 
     ready = create()
     assert give_up(ready) is True
     with transaction(db_sessions) as s:
         row = s.get(ModelRun, ready)
         assert row.state is ModelRunState.FAILED and "no agent" in row.error and row.finished_at is not None
-        assert queries.lease_model_run(s, agent_id=a, lease_secs=LEASE_SECS, max_attempts=2) is None
+        assert model_runs.lease_model_run(s, agent_id=a, lease_secs=LEASE_SECS, max_attempts=2) is None
     leased = create()
     with transaction(db_sessions) as s:
-        assert queries.lease_model_run(s, agent_id=a, lease_secs=LEASE_SECS, max_attempts=2).id == leased
+        assert model_runs.lease_model_run(s, agent_id=a, lease_secs=LEASE_SECS, max_attempts=2).id == leased
     assert give_up(leased) is False
     with transaction(db_sessions) as s:
         assert s.get(ModelRun, leased).state is ModelRunState.LEASED
@@ -563,8 +564,8 @@ def test_finish_with_candidates_missing_requeues_only_what_is_missing(db_session
     held = lease(db_sessions, a)
     record(db_sessions, farm, held, a, index=1)
     with transaction(db_sessions) as s:
-        assert queries.finish_lease(s, lease_id=held.id, agent_id=a) is BatchState.READY
-        assert [c.position for c in queries.unmeasured_candidates(s, batch_id=held.batch_id)] == [0, 2]
+        assert leases.finish_lease(s, lease_id=held.id, agent_id=a) is BatchState.READY
+        assert [c.position for c in batches.unmeasured_candidates(s, batch_id=held.batch_id)] == [0, 2]
     assert lease(db_sessions, b).batch_id == held.batch_id
 
 
@@ -576,13 +577,13 @@ def test_batch_whose_builds_all_failed_is_done_without_an_agent(db_sessions):
             failed = MeasureRecord(
                 **{**_record(_input(i), None).__dict__, "error_kind": ErrorKind.BUILD_ERROR}
             )
-            assert queries.record_build_error(
+            assert measurements.record_build_error(
                 s, batch_candidate_id=cand, record=failed, fingerprint={}
             ).created
-        assert queries.mark_batch_ready(s, batch_id=batch) is BatchState.DONE
+        assert batches.mark_batch_ready(s, batch_id=batch) is BatchState.DONE
     with pytest.raises(InvalidTransition):
         with transaction(db_sessions) as s:
-            queries.transition_batch(s, batch_id=batch, to=BatchState.READY)
+            batches.transition_batch(s, batch_id=batch, to=BatchState.READY)
     with transaction(db_sessions) as s:
         assert s.get(Job, farm.job_id).trials_used == 2
         assert s.get(JobTask, farm.job_task_id).best_cost is None
@@ -605,7 +606,7 @@ def test_skip_locked_a_locked_batch_is_passed_over_not_waited_for(db_sessions):
     a, b = farm.agent_ids
     with ThreadPoolExecutor(1) as pool:
         with transaction(db_sessions) as s1:  # agent a's lease is not committed yet
-            first = queries.lease_next_batch(s1, agent_id=a, lease_secs=LEASE_SECS)
+            first = leases.lease_next_batch(s1, agent_id=a, lease_secs=LEASE_SECS)
             second = pool.submit(lease, db_sessions, b).result(timeout=5)  # no waiting on a's lock
     assert {first.batch_id, second.batch_id} == set(farm.batch_ids)
 
@@ -639,14 +640,14 @@ def test_concurrent_agents_never_get_the_same_batch(db_sessions):
 def test_cost_model_versions_count_up_per_class(db_sessions):
     farm = make_farm(db_sessions, agents=0)
     with transaction(db_sessions) as s:
-        assert queries.latest_cost_model_version(s, device_class_id=farm.device_class_id) is None
+        assert cost_models.latest_cost_model_version(s, device_class_id=farm.device_class_id) is None
         kw = dict(
             device_class_id=farm.device_class_id, feature_version=1, sha256="0" * 64, size=1, trained_on=5
         )
-        v1 = queries.add_cost_model_version(s, path="cm/1", last_measurement_id=10, **kw)
-        v2 = queries.add_cost_model_version(s, path="cm/2", last_measurement_id=20, **kw)
+        v1 = cost_models.add_cost_model_version(s, path="cm/1", last_measurement_id=10, **kw)
+        v2 = cost_models.add_cost_model_version(s, path="cm/2", last_measurement_id=20, **kw)
         assert (v1.version, v2.version) == (1, 2)
-        assert queries.latest_cost_model_version(s, device_class_id=farm.device_class_id).id == v2.id
+        assert cost_models.latest_cost_model_version(s, device_class_id=farm.device_class_id).id == v2.id
 
 
 def test_codec_round_trips():
@@ -679,7 +680,7 @@ def test_a_new_best_is_confirmed_by_another_agent_in_a_row_of_its_own(db_session
     with transaction(db_sessions) as s:
         assert s.scalar(select(func.count()).select_from(Batch).where(Batch.confirms_measurement_id.is_not(None),
                                                                      Batch.job_id == farm.job_id)) == 1  # fmt: skip
-        assert queries.finish_lease(s, lease_id=held.id, agent_id=a) is BatchState.DONE
+        assert leases.finish_lease(s, lease_id=held.id, agent_id=a) is BatchState.DONE
         task = s.get(JobTask, farm.job_task_id)
         assert task.best_cost == 0.002 and not task.best_confirmed and task.confirmed_cost is None
     assert lease(db_sessions, a) is None  # its own time: b may confirm it, and is live
@@ -688,11 +689,11 @@ def test_a_new_best_is_confirmed_by_another_agent_in_a_row_of_its_own(db_session
     (cand,) = queries_candidates(db_sessions, check.id)
     for created in (True, False):  # written twice: one confirmation
         with transaction(db_sessions) as s:
-            got = queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b,
+            got = measurements.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b,
                                              record=_record(_input(0), 0.0025), fingerprint=FINGERPRINT)  # fmt: skip
         assert got.created is created
     with transaction(db_sessions) as s:
-        assert queries.finish_lease(s, lease_id=confirming.id, agent_id=b) is BatchState.DONE
+        assert leases.finish_lease(s, lease_id=confirming.id, agent_id=b) is BatchState.DONE
         conf = s.scalars(select(Confirmation).where(Confirmation.batch_candidate_id == cand)).one()
         assert conf.outcome is ConfirmationState.CONFIRMED and conf.agent_id == b and conf.measurement_id == best.measurement_id
         assert s.scalar(select(func.count()).where(Measurement.job_id == farm.job_id)) == 2  # no third measurement
@@ -706,7 +707,7 @@ def test_a_new_best_is_confirmed_by_another_agent_in_a_row_of_its_own(db_session
 
 def queries_candidates(factory, batch_id: int) -> list[int]:
     with transaction(factory) as s:
-        return [c.id for c in queries.unmeasured_candidates(s, batch_id=batch_id)]
+        return [c.id for c in batches.unmeasured_candidates(s, batch_id=batch_id)]
 
 
 def test_an_agent_alone_confirms_its_own_best_on_a_later_lease_and_cannot_dispute_it(db_sessions):
@@ -718,12 +719,12 @@ def test_an_agent_alone_confirms_its_own_best_on_a_later_lease_and_cannot_disput
     first = record(db_sessions, farm, held, a, index=0, cost=0.002)
     record(db_sessions, farm, held, a, index=1, cost=None)
     with transaction(db_sessions) as s:
-        assert queries.finish_lease(s, lease_id=held.id, agent_id=a) is BatchState.DONE
+        assert leases.finish_lease(s, lease_id=held.id, agent_id=a) is BatchState.DONE
     again = lease(db_sessions, a)  # nobody else: its own confirmation, on a later lease
     assert again.batch_id == _confirmation_batch(db_sessions, first.measurement_id).id
     (cand,) = queries_candidates(db_sessions, again.batch_id)
     with transaction(db_sessions) as s:  # itself, much slower this time: noise, not evidence against it
-        queries.record_measurement(s, batch_candidate_id=cand, lease_id=again.id, agent_id=a,
+        measurements.record_measurement(s, batch_candidate_id=cand, lease_id=again.id, agent_id=a,
                                    record=_record(_input(0), 0.01), fingerprint=FINGERPRINT)  # fmt: skip
     with transaction(db_sessions) as s:
         # Its kernel stays the task's best (its output checked; only the only agent could time it again).
@@ -738,7 +739,7 @@ def _give_tokens(factory, farm: Farm, *groups: tuple[int, ...]) -> None:
     """Register the agents of each group with one agent token of its own."""
     with transaction(factory) as s:
         for group in groups:
-            token, _ = queries.issue_token(s, kind=TokenKind.AGENT)
+            token, _ = tokens.issue_token(s, kind=TokenKind.AGENT)
             for agent_id in group:
                 s.get(Agent, agent_id).token_id = token.id
 
@@ -757,7 +758,7 @@ def test_a_second_agent_of_the_same_token_never_confirms_the_first(db_sessions):
     fake = record(db_sessions, farm, held, a, index=0, cost=0.0001)
     record(db_sessions, farm, held, a, index=1, cost=None)
     with transaction(db_sessions) as s:
-        queries.finish_lease(s, lease_id=held.id, agent_id=a)
+        leases.finish_lease(s, lease_id=held.id, agent_id=a)
     check = _confirmation_batch(db_sessions, fake.measurement_id)
     assert lease(db_sessions, b) is None  # its own token's time: c, of another token, is live
     assert lease(db_sessions, a) is None
@@ -765,7 +766,7 @@ def test_a_second_agent_of_the_same_token_never_confirms_the_first(db_sessions):
     assert confirming.batch_id == check.id
     (cand,) = queries_candidates(db_sessions, check.id)
     with transaction(db_sessions) as s:
-        queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=c,
+        measurements.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=c,
                                    record=_record(_input(0), 0.002), fingerprint=FINGERPRINT)  # fmt: skip
     with transaction(db_sessions) as s:
         assert s.get(Measurement, fake.measurement_id).confirmation is ConfirmationState.DISPUTED
@@ -778,13 +779,13 @@ def test_a_second_agent_of_the_same_token_never_confirms_the_first(db_sessions):
     held = lease(db_sessions, a2)
     best = record(db_sessions, farm2, held, a2, index=0, cost=0.002)
     with transaction(db_sessions) as s:
-        queries.finish_lease(s, lease_id=held.id, agent_id=a2)
+        leases.finish_lease(s, lease_id=held.id, agent_id=a2)
         s.get(Agent, c2).state = AgentState.OFFLINE
     confirming = lease(db_sessions, b2)
     assert confirming.batch_id == _confirmation_batch(db_sessions, best.measurement_id).id
     (cand,) = queries_candidates(db_sessions, confirming.batch_id)
     with transaction(db_sessions) as s:
-        queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b2,
+        measurements.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b2,
                                    record=_record(_input(0), 0.01), fingerprint=FINGERPRINT)  # fmt: skip
     with transaction(db_sessions) as s:
         conf = s.scalars(select(Confirmation).where(Confirmation.batch_candidate_id == cand)).one()
@@ -820,12 +821,12 @@ def test_vouching_numbers_a_believed_agents_measurements_once(db_sessions):
     best = record(db_sessions, farm, held, a, index=0, cost=0.002)
     record(db_sessions, farm, held, a, index=1, cost=None)  # an error: learnt too (as a bad program), once believed
     with transaction(db_sessions) as s:
-        queries.finish_lease(s, lease_id=held.id, agent_id=a)
+        leases.finish_lease(s, lease_id=held.id, agent_id=a)
         assert confirmations.vouch(s, device_class_id=farm.device_class_id) == 0  # a: nothing confirmed yet
     confirming = lease(db_sessions, b)
     (cand,) = queries_candidates(db_sessions, confirming.batch_id)
     with transaction(db_sessions) as s:
-        queries.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b,
+        measurements.record_measurement(s, batch_candidate_id=cand, lease_id=confirming.id, agent_id=b,
                                    record=_record(_input(0), 0.002), fingerprint=FINGERPRINT)  # fmt: skip
     with transaction(db_sessions) as s:
         assert confirmations.vouch(s, device_class_id=farm.device_class_id) == 2  # a is trusted now: both
@@ -843,22 +844,22 @@ def test_a_quarantined_agent_gets_no_lease_until_the_quarantine_is_lifted(db_ses
     record(db_sessions, farm, held, a, index=0, cost=0.002)
     with transaction(db_sessions) as s:
         name = s.get(Agent, a).name
-        agent = queries.quarantine_agent(s, name=name)
+        agent = agents.quarantine_agent(s, name=name)
         assert agent.state is AgentState.DISABLED and agent.quarantined_at is not None
         assert s.get(Lease, held.id).state is LeaseState.EXPIRED  # its lease ended at once
         assert s.get(JobTask, farm.job_task_id).best_cost is None  # its unconfirmed time counts for nothing
     assert lease(db_sessions, a) is None
     with transaction(db_sessions) as s:
-        assert queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS) == []
+        assert leases.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS) == []
         assert s.get(Agent, a).state is AgentState.DISABLED  # a heartbeat does not end it
     assert lease(db_sessions, b).batch_id == held.batch_id  # its batch went to another agent
     with transaction(db_sessions) as s:
-        assert queries.lift_quarantine(s, name=name).state is AgentState.OFFLINE
+        assert agents.lift_quarantine(s, name=name).state is AgentState.OFFLINE
         assert s.get(JobTask, farm.job_task_id).best_cost == 0.002
-        queries.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS)
+        leases.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS)
     assert lease(db_sessions, a) is not None
     with pytest.raises(NotFound), transaction(db_sessions) as s:
-        queries.quarantine_agent(s, name="no such agent")
+        agents.quarantine_agent(s, name="no such agent")
 
 
 def test_a_flagged_agent_is_leased_nothing_while_an_honest_one_is(db_sessions):
@@ -866,40 +867,40 @@ def test_a_flagged_agent_is_leased_nothing_while_an_honest_one_is(db_sessions):
     nothing, so it gets no batch and no model run, and `lease_withheld` says why."""
     farm = make_farm(db_sessions, batches=2)
     liar, honest = farm.agent_ids
-    file = queries.StoredFile("model_runs/x/model.so", "0" * 64, 10)
+    file = model_runs.StoredFile("model_runs/x/model.so", "0" * 64, 10)
     with transaction(db_sessions) as s:
         s.get(Agent, liar).below_floor = 1
-        run = queries.create_model_run(s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file,
+        run = model_runs.create_model_run(s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file,
                                        inputs=file, repeat=3, warmup=1, timeout_secs=60.0).id  # fmt: skip
     assert lease(db_sessions, liar) is None
     with transaction(db_sessions) as s:
-        assert queries.lease_model_run(s, agent_id=liar, lease_secs=LEASE_SECS, max_attempts=2) is None
-        reason = queries.lease_withheld(s, agent_id=liar)
+        assert model_runs.lease_model_run(s, agent_id=liar, lease_secs=LEASE_SECS, max_attempts=2) is None
+        reason = leases.lease_withheld(s, agent_id=liar)
         assert reason.startswith("flagged") and "below the timing floor" in reason
-        assert queries.lease_withheld(s, agent_id=honest) is None
-        assert queries.heartbeat(s, agent_id=liar, lease_secs=LEASE_SECS) == []  # it still heartbeats
-        queries.heartbeat(s, agent_id=honest, lease_secs=LEASE_SECS)
+        assert leases.lease_withheld(s, agent_id=honest) is None
+        assert leases.heartbeat(s, agent_id=liar, lease_secs=LEASE_SECS) == []  # it still heartbeats
+        leases.heartbeat(s, agent_id=honest, lease_secs=LEASE_SECS)
     with transaction(db_sessions) as s:  # the scheduler counts the honest one only (fair share, model runs)
         from services.scheduler import job_store
 
         assert job_store.live_agents_by_class(s, fresh_secs=60).get(farm.device_class_id) == 1
     assert lease(db_sessions, honest).batch_id == farm.batch_ids[0]
     with transaction(db_sessions) as s:
-        assert queries.lease_model_run(s, agent_id=honest, lease_secs=LEASE_SECS, max_attempts=2).id == run
+        assert model_runs.lease_model_run(s, agent_id=honest, lease_secs=LEASE_SECS, max_attempts=2).id == run
         s.get(Agent, liar).below_floor = 0
         s.get(Agent, liar).confirmations_disputed = 2  # disputed as often as confirmed (never): flagged too
-        assert "disputed by other agents" in queries.lease_withheld(s, agent_id=liar)
+        assert "disputed by other agents" in leases.lease_withheld(s, agent_id=liar)
         name = s.get(Agent, liar).name
-        pardoned = queries.clear_flags(s, name=name)  # an operator's word: it is leased again
+        pardoned = agents.clear_flags(s, name=name)  # an operator's word: it is leased again
         assert (pardoned.below_floor, pardoned.confirmations_disputed) == (0, 0)
-        assert queries.lease_withheld(s, agent_id=liar) is None
+        assert leases.lease_withheld(s, agent_id=liar) is None
         s.get(Agent, liar).below_floor = 1
-        queries.quarantine_agent(s, name=name)
-        assert queries.lease_withheld(s, agent_id=liar).startswith("quarantined")
+        agents.quarantine_agent(s, name=name)
+        assert leases.lease_withheld(s, agent_id=liar).startswith("quarantined")
     assert lease(db_sessions, liar) is None
     with transaction(db_sessions) as s:
-        queries.lift_quarantine(s, name=name)
-        queries.heartbeat(s, agent_id=liar, lease_secs=LEASE_SECS)
+        agents.lift_quarantine(s, name=name)
+        leases.heartbeat(s, agent_id=liar, lease_secs=LEASE_SECS)
     assert lease(db_sessions, liar) is None  # let out of quarantine, still flagged
 
 
@@ -917,7 +918,7 @@ def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests
     record(db_sessions, farm, held, a, index=0, cost=0.001)  # its best: a confirmation is open
     record(db_sessions, farm, held, a, index=1, cost=0.002)
     with transaction(db_sessions) as s:
-        queries.finish_lease(s, lease_id=held.id, agent_id=a)
+        leases.finish_lease(s, lease_id=held.id, agent_id=a)
         task_key = s.get(JobTask, farm.job_task_id).task_key
     ctx = RunnerContext(sessions=db_sessions, artifact_root=tmp_path, measurer_factory=None, check_tuned_model=False,
                         log=lambda msg: None, confirm_wait_secs=60.0)  # fmt: skip
@@ -935,9 +936,9 @@ def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests
         held = lease(db_sessions, agent_id)
         (cand,) = queries_candidates(db_sessions, held.batch_id)
         with transaction(db_sessions) as s:
-            queries.record_measurement(s, batch_candidate_id=cand, lease_id=held.id, agent_id=agent_id,
+            measurements.record_measurement(s, batch_candidate_id=cand, lease_id=held.id, agent_id=agent_id,
                                        record=_record(_input(index), cost), fingerprint=FINGERPRINT)  # fmt: skip
-            queries.finish_lease(s, lease_id=held.id, agent_id=agent_id)
+            leases.finish_lease(s, lease_id=held.id, agent_id=agent_id)
 
     confirm(b, 0, 0.01)  # b measures the fastest 10x slower: disputed; the next one is confirmed in turn
     confirm(b, 1, 0.0021)

@@ -9,7 +9,7 @@ from collections import Counter
 
 from farm_fixtures import placeholder_model
 
-from services.db import codec, queries
+from services.db import batches, codec, leases
 from services.db.models import (
     Agent,
     Batch,
@@ -71,8 +71,8 @@ def seed_class(factory, *, jobs_per_team: dict[str, int], batches_per_job: int, 
         agent_ids = [a.id for a in agent_rows]
     for b in batch_ids:  # one transaction each: ready in this order
         with transaction(factory) as s:
-            queries.transition_batch(s, batch_id=b, to=BatchState.BUILDING)
-            assert queries.mark_batch_ready(s, batch_id=b) is BatchState.READY
+            batches.transition_batch(s, batch_id=b, to=BatchState.BUILDING)
+            assert batches.mark_batch_ready(s, batch_id=b) is BatchState.READY
     return job_team, agent_ids
 
 
@@ -81,7 +81,7 @@ def lease_in_turn(factory, agent_ids: list[int]) -> list[int]:
     jobs = []
     for agent_id in agent_ids:
         with transaction(factory) as s:
-            lease = queries.lease_next_batch(s, agent_id=agent_id, lease_secs=LEASE_SECS)
+            lease = leases.lease_next_batch(s, agent_id=agent_id, lease_secs=LEASE_SECS)
             assert lease is not None
             jobs.append(lease.batch.job_id)
     return jobs
@@ -104,7 +104,7 @@ def test_one_team_one_job_is_still_first_in_first_out(db_sessions):
     batches = []
     for _ in range(4):
         with transaction(db_sessions) as s:
-            batches.append(queries.lease_next_batch(s, agent_id=agents[0], lease_secs=LEASE_SECS).batch_id)
+            batches.append(leases.lease_next_batch(s, agent_id=agents[0], lease_secs=LEASE_SECS).batch_id)
     assert batches == sorted(batches)
 
 

@@ -39,7 +39,7 @@ from tvm.script import tirx as T  # noqa: E402
 from services.agent import capabilities  # noqa: E402
 from services.agent.agent import run_agent  # noqa: E402
 from services.agent.settings import AgentSettings  # noqa: E402
-from services.db import queries  # noqa: E402
+from services.db import agents, batches, leases, measurements, tokens  # noqa: E402
 from services.db.models import (  # noqa: E402
     Agent,
     AgentState,
@@ -249,7 +249,7 @@ def farm(db_sessions, redis_conn, artifact_root, lease_server, worker_context, s
         job = Job(team_id=team.id, model_id=model.id, device_class_id=dc.id, trial_budget=1000)
         s.add(job)
         s.flush()
-        _, token = queries.issue_token(s, kind=TokenKind.AGENT, label=uid)
+        _, token = tokens.issue_token(s, kind=TokenKind.AGENT, label=uid)
         job_id = job.id
     prefix = f"test-{uid}"
     yield Farm(
@@ -399,8 +399,8 @@ def test_a_crashing_kernel_is_a_run_crash_and_the_agent_goes_on(farm, tmp_path, 
 def test_agent_service_refuses_team_tokens_and_strangers(farm):
     with transaction(farm.sessions) as s:
         team_id = s.scalar(select(Job.team_id).where(Job.id == farm.job_id))
-        _, team_token = queries.issue_token(s, kind=TokenKind.TEAM, team_id=team_id)
-        _, other_agent_token = queries.issue_token(s, kind=TokenKind.AGENT)
+        _, team_token = tokens.issue_token(s, kind=TokenKind.TEAM, team_id=team_id)
+        _, other_agent_token = tokens.issue_token(s, kind=TokenKind.AGENT)
     request = pb.RegisterRequest(
         device_class=farm.device_class,
         name=f"{farm.device_class}-x",
@@ -707,26 +707,26 @@ def test_a_heartbeat_renews_only_the_leases_the_agent_names(farm):
     task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
     batch_id = _ready_without_building(farm, measurer, task, gemm_inputs(wl, task.key, 2))
     with transaction(farm.sessions) as s:
-        agent = queries.register_agent(
+        agent = agents.register_agent(
             s, name=f"{farm.device_class}-hb", device_class_id=measurer.device_class_id, token_id=None, capabilities={}
         )
         now = s.scalar(select(func.now()))
-        lease = queries.lease_next_batch(s, agent_id=agent.id, lease_secs=10, now=now)
+        lease = leases.lease_next_batch(s, agent_id=agent.id, lease_secs=10, now=now)
     later = now + timedelta(seconds=8)
     with transaction(farm.sessions) as s:  # the grant never arrived: the agent names nothing
-        assert queries.heartbeat(s, agent_id=agent.id, lease_secs=10, lease_ids=[], now=later) == []
+        assert leases.heartbeat(s, agent_id=agent.id, lease_secs=10, lease_ids=[], now=later) == []
     with transaction(farm.sessions) as s:
         assert s.get(Lease, lease.id).expires_at == now + timedelta(seconds=10)
-        assert queries.expire_leases(s, now=now + timedelta(seconds=11)) == [batch_id]
+        assert leases.expire_leases(s, now=now + timedelta(seconds=11)) == [batch_id]
     with transaction(farm.sessions) as s:  # leased again; this time the agent names it
-        again = queries.lease_next_batch(s, agent_id=agent.id, lease_secs=10, now=later + timedelta(seconds=4))
+        again = leases.lease_next_batch(s, agent_id=agent.id, lease_secs=10, now=later + timedelta(seconds=4))
     with transaction(farm.sessions) as s:
-        assert queries.heartbeat(
+        assert leases.heartbeat(
             s, agent_id=agent.id, lease_secs=10, lease_ids=[again.id, lease.id], now=later + timedelta(seconds=9)
         ) == [again.id]
         assert s.get(Lease, again.id).expires_at == later + timedelta(seconds=19)
     with transaction(farm.sessions) as s:  # a LeaseBatch naming nothing ends it at once
-        assert queries.release_agent_leases(s, agent_id=agent.id, keep_lease_ids=[]) == [batch_id]
+        assert agents.release_agent_leases(s, agent_id=agent.id, keep_lease_ids=[]) == [batch_id]
         assert s.get(Lease, again.id).state is LeaseState.EXPIRED
         assert s.scalar(select(Batch.state).where(Batch.id == batch_id)) is BatchState.READY
     measurer.close()
@@ -742,10 +742,10 @@ def test_an_agent_going_offline_gives_its_leases_back_at_once(farm):
     task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
     batch_id = _ready_without_building(farm, measurer, task, gemm_inputs(wl, task.key, 2))
     with transaction(farm.sessions) as s:
-        agent = queries.register_agent(
+        agent = agents.register_agent(
             s, name=f"{farm.device_class}-off", device_class_id=measurer.device_class_id, token_id=None, capabilities={}
         )
-        lease = queries.lease_next_batch(s, agent_id=agent.id, lease_secs=600)
+        lease = leases.lease_next_batch(s, agent_id=agent.id, lease_secs=600)
     with transaction(farm.sessions) as s:
         assert liveness.go_offline(s, agent_id=agent.id) == [batch_id]
     with transaction(farm.sessions) as s:
@@ -767,8 +767,8 @@ def _ready_without_building(farm: Farm, measurer: FarmMeasurer, task, inputs) ->
     measurer.submit(MeasureBatch(id="0:1", task=task, inputs=tuple(inputs), timing=FAST))
     (batch,) = farm.batch_rows()
     with transaction(farm.sessions) as s:
-        queries.transition_batch(s, batch_id=batch.id, to=BatchState.BUILDING)
-        queries.mark_batch_ready(s, batch_id=batch.id)
+        batches.transition_batch(s, batch_id=batch.id, to=BatchState.BUILDING)
+        batches.mark_batch_ready(s, batch_id=batch.id)
     return batch.id
 
 
@@ -783,11 +783,11 @@ def test_results_of_a_lease_are_stored_in_bulk_exactly_once(farm):
     inputs = gemm_inputs(wl, task.key, 3)
     batch_id = _ready_without_building(farm, measurer, task, inputs)
     with transaction(farm.sessions) as s:
-        agent = queries.register_agent(
+        agent = agents.register_agent(
             s, name=f"{farm.device_class}-bulk", device_class_id=measurer.device_class_id, token_id=None, capabilities={}
         )
-        lease = queries.lease_next_batch(s, agent_id=agent.id, lease_secs=60)
-        ids = {c.candidate_key: c.id for c in queries.unmeasured_candidates(s, batch_id=batch_id)}
+        lease = leases.lease_next_batch(s, agent_id=agent.id, lease_secs=60)
+        ids = {c.candidate_key: c.id for c in batches.unmeasured_candidates(s, batch_id=batch_id)}
 
     def record(m: MeasureInput, cost: float | None) -> MeasureRecord:
         kind = ErrorKind.NONE if cost else ErrorKind.WRONG_RESULT
@@ -797,7 +797,7 @@ def test_results_of_a_lease_are_stored_in_bulk_exactly_once(farm):
     items = [(ids[m.key], record(m, c)) for m, c in zip(inputs, (2e-3, 1e-3, None))]
     for created in (True, False):  # a resent stream stores nothing twice
         with transaction(farm.sessions) as s:
-            got = queries.record_measurements(s, lease_id=lease.id, agent_id=agent.id, items=items, fingerprint={})
+            got = measurements.record_measurements(s, lease_id=lease.id, agent_id=agent.id, items=items, fingerprint={})
         assert [r.created for r in got] == [created] * 3
     with transaction(farm.sessions) as s:
         job = s.get(Job, farm.job_id)
@@ -806,9 +806,9 @@ def test_results_of_a_lease_are_stored_in_bulk_exactly_once(farm):
         assert job.trials_used == 3 and job.tasks[0].trials == 3 and job.tasks[0].best_cost == 1e-3
         assert best == inputs[1].key
         assert row.measurements_done == 3 and row.errors_by_kind == {"wrong_result": 1}
-        queries.finish_lease(s, lease_id=lease.id, agent_id=agent.id)
+        leases.finish_lease(s, lease_id=lease.id, agent_id=agent.id)
     with pytest.raises(LeaseNotHeld), transaction(farm.sessions) as s:  # the lease is finished
-        queries.record_measurements(s, lease_id=lease.id, agent_id=agent.id, items=items[:1], fingerprint={})
+        measurements.record_measurements(s, lease_id=lease.id, agent_id=agent.id, items=items[:1], fingerprint={})
     assert sorted(r.key for r in collect_all(measurer, 3, timeout=10)) == sorted(m.key for m in inputs)
     measurer.close()
 
@@ -822,7 +822,7 @@ def test_a_batch_no_agent_finishes_is_given_up_with_error_results(farm, lease_se
     inputs = gemm_inputs(wl, task.key, 2)
     batch_id = _ready_without_building(farm, measurer, task, inputs)
     with transaction(farm.sessions) as s:
-        agent = queries.register_agent(
+        agent = agents.register_agent(
             s, name=f"{farm.device_class}-dies", device_class_id=measurer.device_class_id, token_id=None, capabilities={}
         )
         now = s.scalar(select(func.now()))
@@ -830,9 +830,9 @@ def test_a_batch_no_agent_finishes_is_given_up_with_error_results(farm, lease_se
     for attempt in range(3):  # leased, then its agent goes silent and the lease expires, three times
         t = now + timedelta(seconds=100 * attempt)
         with transaction(farm.sessions) as s:
-            assert queries.lease_next_batch(s, agent_id=agent.id, lease_secs=10, now=t).batch_id == batch_id
+            assert leases.lease_next_batch(s, agent_id=agent.id, lease_secs=10, now=t).batch_id == batch_id
         with transaction(farm.sessions) as s:
-            assert queries.expire_leases(s, now=t + timedelta(seconds=11)) == [batch_id]
+            assert leases.expire_leases(s, now=t + timedelta(seconds=11)) == [batch_id]
     report = Sweeper(lease_settings.model_copy(update={"max_lease_attempts": 3}), db_sessions).sweep()
     assert report.given_up == [batch_id]
     results = collect_all(measurer, 2, timeout=10)
@@ -865,8 +865,8 @@ def _ready_batches(farm: Farm, measurer: FarmMeasurer, task, groups: list[list[M
     ids = [b.id for b in farm.batch_rows()]
     with transaction(farm.sessions) as s:
         for batch_id in ids:
-            queries.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
-            queries.mark_batch_ready(s, batch_id=batch_id)
+            batches.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
+            batches.mark_batch_ready(s, batch_id=batch_id)
     return ids
 
 
@@ -930,7 +930,7 @@ def test_late_and_fabricated_results_are_refused_and_nothing_is_stored(farm):
     inputs = gemm_inputs(wl, task.key, 6)
     first, second = _ready_batches(farm, measurer, task, [inputs[:4], inputs[4:]])
     with transaction(farm.sessions) as s:
-        _, token_b = queries.issue_token(s, kind=TokenKind.AGENT, label="b")
+        _, token_b = tokens.issue_token(s, kind=TokenKind.AGENT, label="b")
         other_batch_candidate = s.scalar(select(func.min(BatchCandidate.id)).where(BatchCandidate.batch_id == second))
     code = grpc.StatusCode
     with grpc.insecure_channel(farm.server_address) as channel:
@@ -1025,7 +1025,7 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
     task = measurer.prepare(wl, f"{wl.key}@test", farm.target)
     batch_id = _ready_without_building(farm, measurer, task, gemm_inputs(wl, task.key, 2))
     with transaction(farm.sessions) as s:
-        _, token_b = queries.issue_token(s, kind=TokenKind.AGENT, label="b")
+        _, token_b = tokens.issue_token(s, kind=TokenKind.AGENT, label="b")
     code = grpc.StatusCode
     with grpc.insecure_channel(farm.server_address) as channel:
         stub = pb_grpc.AgentServiceStub(channel)
@@ -1056,7 +1056,7 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
         with transaction(farm.sessions) as s:
             assert s.get(Agent, a).state.value == "offline"
             assert s.get(Lease, la.lease_id).state is LeaseState.EXPIRED
-            assert queries.lease_next_batch(s, agent_id=a, lease_secs=60) is None  # even past the service
+            assert leases.lease_next_batch(s, agent_id=a, lease_secs=60) is None  # even past the service
         # The batch went back to the queue at once: another agent leases it now.
         lb = stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=b), metadata=meta_b, timeout=10).batch
         assert lb.batch_id == batch_id and len(lb.candidates) == 2
@@ -1208,8 +1208,8 @@ def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(
     inputs = gemm_inputs(wl, task.key, 5)
     first, second = _ready_batches(farm, measurer, task, [inputs[:3], inputs[3:]])
     with transaction(farm.sessions) as s:
-        _, token_h = queries.issue_token(s, kind=TokenKind.AGENT, label="honest")
-        _, token_h2 = queries.issue_token(s, kind=TokenKind.AGENT, label="honest-2")
+        _, token_h = tokens.issue_token(s, kind=TokenKind.AGENT, label="honest")
+        _, token_h2 = tokens.issue_token(s, kind=TokenKind.AGENT, label="honest-2")
     with grpc.insecure_channel(farm.server_address) as channel:
         stub = pb_grpc.AgentServiceStub(channel)
         liar, honest, honest2 = (_register(stub, farm, n, t) for n, t in
@@ -1278,7 +1278,7 @@ def test_a_quarantined_agent_is_leased_nothing_and_its_unconfirmed_times_count_f
     inputs = gemm_inputs(wl, task.key, 4)
     first, second = _ready_batches(farm, measurer, task, [inputs[:2], inputs[2:]])
     with transaction(farm.sessions) as s:
-        _, token_h = queries.issue_token(s, kind=TokenKind.AGENT, label="honest")
+        _, token_h = tokens.issue_token(s, kind=TokenKind.AGENT, label="honest")
     code = grpc.StatusCode
     with grpc.insecure_channel(farm.server_address) as channel:
         stub = pb_grpc.AgentServiceStub(channel)

@@ -25,8 +25,8 @@ from farm_fixtures import service_unavailable  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 
 from services.db.models import Agent, Token  # noqa: E402
-from services.db.queries import hash_token  # noqa: E402
 from services.db.session import make_session_factory, transaction  # noqa: E402
+from services.db.tokens import hash_token  # noqa: E402
 from tunefarm.errors import UsageError  # noqa: E402
 from tunefarm_app.farm_local import FarmConfig, LocalFarm, agent_base_name, down, up  # noqa: E402
 

@@ -44,7 +44,7 @@ from services.agent import capabilities
 from services.agent.agent import run_agent
 from services.agent.cli import main as agent_main
 from services.agent.settings import AgentSettings
-from services.db import queries
+from services.db import tokens
 from services.db.models import Agent, DeviceClass, Lease, LeaseState, Measurement, TokenKind
 from services.db.session import transaction
 from services.lease.server import LeaseServer, make_server
@@ -86,7 +86,7 @@ def ready_batch(db_sessions):
 
     farm = make_farm(db_sessions, batches=1, candidates=2, agents=0)
     with transaction(db_sessions) as s:
-        _, token = queries.issue_token(s, kind=TokenKind.AGENT, label="shared")
+        _, token = tokens.issue_token(s, kind=TokenKind.AGENT, label="shared")
         class_name = s.get(DeviceClass, farm.device_class_id).name
     return farm, class_name, token
 
@@ -180,7 +180,7 @@ def test_a_flagged_agent_is_told_why_it_gets_no_batch_while_an_honest_one_gets_i
                                                                                   database_url, capsys):
     farm, class_name, token = ready_batch
     with transaction(db_sessions) as s:
-        _, honest_token = queries.issue_token(s, kind=TokenKind.AGENT, label="honest")
+        _, honest_token = tokens.issue_token(s, kind=TokenKind.AGENT, label="honest")
     with grpc.insecure_channel(lease_server.address) as channel:
         stub = pb_grpc.AgentServiceStub(channel)
         liar, liar_secret = _register(stub, token, class_name, f"{class_name}-liar")

@@ -22,7 +22,7 @@ from sqlalchemy import select
 from services.agent.channel import open_channel
 from services.agent.cli import main as agent_main
 from services.agent.settings import AgentSettings
-from services.db import queries
+from services.db import tokens
 from services.db.models import Agent, DeviceClass, TokenKind
 from services.db.session import transaction
 from services.lease.cli import main as lease_main
@@ -111,7 +111,7 @@ def ready_batch(db_sessions):
 
     farm = make_farm(db_sessions, batches=1, candidates=2, agents=0)
     with transaction(db_sessions) as s:
-        _, token = queries.issue_token(s, kind=TokenKind.AGENT, label="tls")
+        _, token = tokens.issue_token(s, kind=TokenKind.AGENT, label="tls")
         class_name = s.get(DeviceClass, farm.device_class_id).name
     return farm, class_name, token
 

@@ -135,7 +135,7 @@ def test_a_class_without_a_model_starts_from_its_nearest_classs_latest_version(d
     import numpy as np
 
     from services.api import admin
-    from services.db import queries
+    from services.db import cost_models
     from services.db.session import transaction
     from services.scheduler.shared_model import ClassModels
     from tunefarm.search.cost_model import XGBConfig, XGBCostModel
@@ -159,12 +159,12 @@ def test_a_class_without_a_model_starts_from_its_nearest_classs_latest_version(d
         path = tmp_path / f"{name}-{n}.npz"
         model.save(path)
         with transaction(db_sessions) as s:
-            versions[name] = queries.add_cost_model_version(
+            versions[name] = cost_models.add_cost_model_version(
                 s, device_class_id=ids[name], feature_version=FEATURE_VERSION, path=path.name, sha256="0" * 64,
                 size=1, trained_on=n, last_measurement_id=None,
             )  # fmt: skip
     with transaction(db_sessions) as s:
-        latest = {dc.name: v.version for dc, v in queries.latest_cost_models_of_classes(s, feature_version=FEATURE_VERSION)}
+        latest = {dc.name: v.version for dc, v in cost_models.latest_cost_models_of_classes(s, feature_version=FEATURE_VERSION)}
     assert latest == {"t-haswell": 2, "t-v2": 1}
 
     models = ClassModels(db_sessions, tmp_path, warmup=4, save_every=1000, catch_up_secs=60)
@@ -180,7 +180,7 @@ def test_a_class_without_a_model_starts_from_its_nearest_classs_latest_version(d
     shared.model.update(*programs(10))  # its own measurements: the saved version names its origin
     assert models.save(shared) == 1
     with transaction(db_sessions) as s:
-        saved = queries.latest_cost_model_version(s, device_class_id=ids["t-v3"])
+        saved = cost_models.latest_cost_model_version(s, device_class_id=ids["t-v3"])
         assert saved.transferred_from_id == versions["t-haswell"].id and saved.trained_on == 60
     again = ClassModels(db_sessions, tmp_path, warmup=4, save_every=1000, catch_up_secs=60).get(ids["t-v3"])
     assert again.version == 1 and again.transferred_from.device_class == "t-haswell"

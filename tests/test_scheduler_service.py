@@ -39,8 +39,8 @@ def test_a_workload_row_rebuilds_with_its_key():
     pytest.importorskip("tvm")
     from tvm import te
 
-    from tunefarm.workloads.base import workload_from_stored
     from tunefarm.workloads import workload_from_te
+    from tunefarm.workloads.base import workload_from_stored
 
     a = te.placeholder((8, 8), name="A")
     w = te.placeholder((8, 8), name="W")

@@ -599,11 +599,11 @@ def _farm_device_class(args: argparse.Namespace) -> int:
 
 
 def _farm_agent(args: argparse.Namespace) -> int:
-    from services.db import queries, trust
+    from services.db import agents, trust
     from services.db.exceptions import NotFound
 
-    act = {"quarantine": queries.quarantine_agent, "unquarantine": queries.lift_quarantine,
-           "unflag": queries.clear_flags}[args.agent_command]  # fmt: skip
+    act = {"quarantine": agents.quarantine_agent, "unquarantine": agents.lift_quarantine,
+           "unflag": agents.clear_flags}[args.agent_command]  # fmt: skip
 
     def work(s):
         try:

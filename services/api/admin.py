@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from services.db import liveness, queries
+from services.db import agents, liveness, tokens
 from services.db.exceptions import NotFound
 from services.db.models import Agent, AgentState, DeviceClass, Team, Token, TokenKind
 
@@ -31,24 +31,24 @@ def ensure_team(session: Session, *, name: str) -> Team:
 
 def issue_team_token(session: Session, *, team_id: int, label: str = "") -> str:
     """A new bearer token of the team (plain text; only its hash is stored)."""
-    return queries.issue_token(session, kind=TokenKind.TEAM, team_id=team_id, label=label)[1]
+    return tokens.issue_token(session, kind=TokenKind.TEAM, team_id=team_id, label=label)[1]
 
 
 def issue_agent_token(session: Session, *, label: str = "") -> str:
     """A new agent token: it registers agents on the lease service and nothing else."""
-    return queries.issue_token(session, kind=TokenKind.AGENT, label=label)[1]
+    return tokens.issue_token(session, kind=TokenKind.AGENT, label=label)[1]
 
 
 def register_token(session: Session, *, kind: TokenKind, plain: str, team_id: int | None = None, label: str = "") -> None:
     """Store a token chosen by the operator (a deployment's secret), if not stored yet.
     It must look like one of ours (`tft_`/`tfa_` and at least 32 characters)."""
-    prefix = queries.TOKEN_PREFIXES[kind]
+    prefix = tokens.TOKEN_PREFIXES[kind]
     if not plain.startswith(prefix) or len(plain) < len(prefix) + 32:
         raise ValueError(f"a {kind.value} token starts with {prefix} and has at least 32 characters after it")
     session.execute(
         pg_insert(Token)
-        .values(kind=kind, team_id=team_id, token_hash=queries.hash_token(plain),
-                prefix=plain[: queries.TOKEN_DISPLAY_CHARS], label=label)
+        .values(kind=kind, team_id=team_id, token_hash=tokens.hash_token(plain),
+                prefix=plain[: tokens.TOKEN_DISPLAY_CHARS], label=label)
         .on_conflict_do_nothing(index_elements=[Token.token_hash])
     )
 
@@ -80,12 +80,12 @@ def find_token(session: Session, *, ref: str) -> Token:
         if token is None:
             raise ValueError(f"no token with id {ref}")
         return token
-    if not ref.startswith(tuple(queries.TOKEN_PREFIXES.values())):
+    if not ref.startswith(tuple(tokens.TOKEN_PREFIXES.values())):
         raise ValueError(f"{ref!r} is not a token id, a token prefix (tft_..., tfa_...) or a token")
-    exact = session.scalars(select(Token).where(Token.token_hash == queries.hash_token(ref))).one_or_none()
+    exact = session.scalars(select(Token).where(Token.token_hash == tokens.hash_token(ref))).one_or_none()
     if exact is not None:
         return exact
-    if len(ref) > queries.TOKEN_DISPLAY_CHARS:
+    if len(ref) > tokens.TOKEN_DISPLAY_CHARS:
         raise ValueError("no such token")
     matches = list(session.scalars(select(Token).where(Token.prefix.startswith(ref, autoescape=True)).limit(10)))
     if not matches:
@@ -97,10 +97,10 @@ def find_token(session: Session, *, ref: str) -> Token:
 
 def revoke_token(session: Session, *, ref: str) -> Token:
     """Revoke the token `ref` names (`find_token`): the API and the lease service refuse it
-    at once, and an agent token's agents get no more work (`queries.revoke_token`)."""
+    at once, and an agent token's agents get no more work (`tokens.revoke_token`)."""
     token = find_token(session, ref=ref)
     try:
-        return queries.revoke_token(session, token_id=token.id)
+        return tokens.revoke_token(session, token_id=token.id)
     except NotFound as exc:  # deleted in between
         raise ValueError(str(exc)) from None
 
@@ -121,7 +121,7 @@ def ensure_device_class(
 def agent_token_id(session: Session, *, plain: str) -> int | None:
     """The id of the agent token `plain` (None: not a stored agent token)."""
     return session.scalar(
-        select(Token.id).where(Token.token_hash == queries.hash_token(plain), Token.kind == TokenKind.AGENT)
+        select(Token.id).where(Token.token_hash == tokens.hash_token(plain), Token.kind == TokenKind.AGENT)
     )
 
 
@@ -129,7 +129,7 @@ def claim_agent_names(
     session: Session, *, names: list[str], token_id: int, fresh_secs: float, ours: frozenset[int] = frozenset()
 ) -> list[str]:
     """Hand the agent names `names` to the agent token `token_id`, so that agents with
-    that token register under them (`queries.register_agent` refuses a name another
+    that token register under them (`agents.register_agent` refuses a name another
     token's agent holds). An operator's act: `farm up` issues a new agent token at each
     start, and the agents of its previous start, stopped by `farm down`, hold the names.
 
@@ -155,7 +155,7 @@ def claim_agent_names(
     for agent, _live in rows:
         if agent.token_id == token_id:
             continue
-        queries.release_agent_leases(session, agent_id=agent.id)
+        agents.release_agent_leases(session, agent_id=agent.id)
         agent.token_id = token_id
         if agent.state is not AgentState.DISABLED:
             agent.state = AgentState.OFFLINE

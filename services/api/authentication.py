@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.api.exceptions import ApiError, Forbidden, Unauthorized, error_response
-from services.db import queries
+from services.db import tokens
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import TokenKind
 from services.db.revocations import VerifiedTokens
@@ -56,7 +56,7 @@ async def team_of_token(request: Request, sessions: sessionmaker[Session], plain
     """The team of a plain team token (`Unauthorized`, or `Forbidden` for an agent
     token), through the process's token cache. The dashboard's login checks with it too."""
     cache: VerifiedTokens[Team] = request.app.state.token_cache
-    token_hash = queries.hash_token(plain)
+    token_hash = tokens.hash_token(plain)
     team = cache.get(token_hash)
     if team is None:
         team = await run_in_threadpool(_verify_team_token, sessions, plain)
@@ -66,9 +66,9 @@ async def team_of_token(request: Request, sessions: sessionmaker[Session], plain
 
 def _verify_team_token(sessions: sessionmaker[Session], plain: str) -> Team:
     with transaction(sessions) as db:
-        token = queries.verify_token(db, plain=plain, kind=TokenKind.TEAM)
+        token = tokens.verify_token(db, plain=plain, kind=TokenKind.TEAM)
         if token is None:
-            if queries.verify_token(db, plain=plain, kind=TokenKind.AGENT) is not None:
+            if tokens.verify_token(db, plain=plain, kind=TokenKind.AGENT) is not None:
                 raise Forbidden("an agent token cannot be used on the team API; use a team token")
             raise Unauthorized("unknown or revoked token")
         assert token.team_id is not None

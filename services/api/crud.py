@@ -6,7 +6,7 @@ Every read of a team's resource filters by the team: another team's id is `NotFo
 exactly like an id that does not exist.
 
 The job progress (`job_public`) reads precomputed rows only: the job, its `job_tasks`
-(kept up to date with each measurement by `services.db.queries.record_measurement`) and
+(kept up to date with each measurement by `services.db.measurements.record_measurement`) and
 its `job_progress` curve (a point per change of the estimate, at most ~50 more, written
 by the scheduler): one statement over indexed rows, whose cost does not depend on how
 many measurements the job has.

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from services.common import artifacts
-from services.db.queries import StoredFile
+from services.db.model_runs import StoredFile
 
 COPY_CHUNK_BYTES = 1 << 20
 

@@ -7,9 +7,25 @@
 | `session.py` | engine and session factory, `transaction()` (commit, rollback, typed errors) |
 | `exceptions.py` | `DatabaseError` and its subclasses |
 | `migrate.py` | Alembic from the package: `upgrade`, `check_schema`, `create_database`, ... |
-| `queries.py` | tokens, the batch state machine, leases, exactly-once measurements, cost models |
+| `statements.py` | the database clock (`db_now`) and locked row reads |
+| `tokens.py` | team and agent tokens: issue, verify, revoke |
+| `batches.py` | the batch state machine (`transition_batch`), a batch's unmeasured candidates |
+| `leases.py` | leasing batches (fair share, FIFO, `SKIP LOCKED`), heartbeats, expiry, `lease_withheld` |
+| `agents.py` | registration, releasing what an agent does not hold, quarantine and flags, offline |
+| `measurements.py` | exactly-once measurements and build errors, new bests, abandoned batches |
+| `cost_models.py` | saved versions of the class cost models |
+| `model_runs.py` | tuned models run on an agent of their class |
+| `confirmations.py`, `trust.py`, `timing_floor.py` | believing agents: confirmations, standing, the timing floor |
+| `liveness.py`, `revocations.py` | who is online; token revocations pushed to the lease services |
 | `codec.py` | the JSON forms of records kept in JSONB columns |
 | `migrations/` | env.py and the revisions |
+
+Operations work inside the caller's transaction (`session.transaction`) and commit nothing
+themselves. Lock order, kept by every operation here so that concurrent callers cannot deadlock:
+batches -> leases -> measurements -> confirmations -> job_tasks -> jobs -> model_runs -> agents.
+Code that locks several of these in one transaction keeps the same order. (A new best's
+confirmation is scheduled after its task's row is updated: it updates the measurement the
+same transaction has just inserted, which no other transaction can lock.)
 
 Nothing here starts a process or knows about HTTP, gRPC or RQ: the services build on it.
 """

@@ -2,7 +2,7 @@
 
 One agent with a valid token could otherwise report any time it likes and make every
 team's job on its class "succeed" with its kernels. So a measurement that becomes its
-task's best (`queries.record_measurements` sees it win) is measured again, through the
+task's best (`measurements.record_measurements` sees it win) is measured again, through the
 normal batch path:
 
     schedule(m)             a confirmation batch: one candidate, the same built kernel
@@ -31,7 +31,7 @@ flagged or quarantined agent's are not learnt at all. Vouching takes a per-class
 advisory lock, so numbers become visible in order and a reader's cursor skips none.
 
 Lock order: the measurement under confirmation (FOR UPDATE), then its confirmation row,
-then job tasks, then agents: the order `queries` keeps (measurements -> confirmations ->
+then job tasks, then agents: the order `services.db` keeps (measurements -> confirmations ->
 job_tasks -> jobs -> model_runs -> agents). `schedule` updates the measurement it
 schedules (`WHERE confirmation IS NULL`): one of the caller's own, just inserted, or one
 no confirmation is in flight for.

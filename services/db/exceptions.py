@@ -1,7 +1,7 @@
 """Errors of the farm's database layer: one root, small named subclasses.
 
 `session.transaction` turns driver errors into these, so callers never catch
-SQLAlchemy or psycopg2 exceptions; the helpers of `queries` raise them directly.
+SQLAlchemy or psycopg2 exceptions; the operations of `services.db` raise them directly.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, and_, func, select, update
 from sqlalchemy.orm import Session
 
-from services.db import queries
+from services.db import agents
 from services.db.models import Agent, AgentState
 
 LIVE_STATES = (AgentState.IDLE, AgentState.BUSY)
@@ -57,7 +57,7 @@ def go_offline(session: Session, *, agent_id: int) -> list[int]:
     and go back to the queue (another agent takes them at once, not after the lease
     window), and it is offline (a quarantined one stays disabled) until it registers
     again. Returns the batches released."""
-    released = queries.release_agent_leases(session, agent_id=agent_id)
+    released = agents.release_agent_leases(session, agent_id=agent_id)
     session.execute(
         update(Agent)
         .where(Agent.id == agent_id, Agent.state.in_(LIVE_STATES))

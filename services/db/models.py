@@ -248,7 +248,7 @@ class DeviceClass(Base):
 
 
 class Agent(Base):
-    """A board's agent. Counters are kept up to date by `queries.record_measurement` and,
+    """A board's agent. Counters are kept up to date by `measurements.record_measurement` and,
     for its timings' confirmations, `confirmations.record_confirmations`; whether its
     timings are believed follows from them (`services.db.trust`)."""
 
@@ -274,7 +274,7 @@ class Agent(Base):
     # Set by an operator (`tunefarm farm agent quarantine`): no leases (state disabled), and its
     # unconfirmed measurements count for nothing (no best, no training).
     quarantined_at: Mapped[datetime | None]
-    # sha256 of the secret its last registration was given (`queries.hash_token`): every
+    # sha256 of the secret its last registration was given (`tokens.hash_token`): every
     # call naming the agent must carry that secret; None: none issued yet.
     secret_hash: Mapped[str | None] = _sha256(nullable=True)
 

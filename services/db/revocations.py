@@ -2,7 +2,7 @@
 
 The API and the lease service keep tokens they verified in a `VerifiedTokens` cache (a
 poller's every request would otherwise cost a database round trip). Revoking a token
-(`queries.revoke_token`) sends `NOTIFY tunefarm_token_revoked, '<token hash>'` in the
+(`tokens.revoke_token`) sends `NOTIFY tunefarm_token_revoked, '<token hash>'` in the
 revoking transaction, which PostgreSQL delivers when it commits. A `RevocationListener`
 holds one connection of its own that LISTENs on that channel in a thread and drops each
 revoked token from the caches that subscribed, so a revoked token is refused from the

@@ -22,7 +22,7 @@ An agent's standing follows from its counters (`standing`, and `flagged_clause` 
 | standing | when | its measurements |
 |---|---|---|
 | quarantined | an operator said so (`tunefarm farm agent quarantine`) | no leases; its unconfirmed measurements count for nothing |
-| flagged | a result below the floor, or at least as many timings disputed by other parties as confirmed | shown on the dashboard and in `tunefarm devices`; leased nothing (`queries.lease_withheld`) until an operator unflags it; train no model |
+| flagged | a result below the floor, or at least as many timings disputed by other parties as confirmed | shown on the dashboard and in `tunefarm devices`; leased nothing (`leases.lease_withheld`) until an operator unflags it; train no model |
 | unconfirmed | no timing of it confirmed yet | train no model, yet |
 | trusted | otherwise | train the class's cost model |
 """

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.db import queries
+from services.db import tokens
 from services.db.models import Agent, Lease, LeaseState, TokenKind
 from services.db.revocations import RevocationListener, VerifiedTokens
 from services.db.session import transaction
@@ -82,14 +82,14 @@ class Auth:
         plain = wire.bearer_token(context.invocation_metadata() or ())
         if plain is None:
             raise Unauthenticated("no bearer token (metadata 'authorization: Bearer <agent token>')")
-        key = queries.hash_token(plain)
+        key = tokens.hash_token(plain)
         hit = self._tokens.get(key)
         if hit is not None:
             return hit
         with transaction(self.sessions) as s:
-            token = queries.verify_token(s, plain=plain, kind=TokenKind.AGENT)
+            token = tokens.verify_token(s, plain=plain, kind=TokenKind.AGENT)
             if token is None:
-                if queries.verify_token(s, plain=plain, kind=TokenKind.TEAM) is not None:
+                if tokens.verify_token(s, plain=plain, kind=TokenKind.TEAM) is not None:
                     raise PermissionDenied("a team token cannot act as a device agent; use an agent token")
                 raise Unauthenticated("unknown or revoked token")
             token_id = token.id
@@ -148,12 +148,12 @@ def _is_agents(info: AgentInfo, token_id: int, secret: str | None) -> bool:
     """Whether a call with this token and secret is the agent's own."""
     if info.token_id != token_id or info.secret_hash is None or not secret:
         return False
-    return hmac.compare_digest(queries.hash_token(secret), info.secret_hash)
+    return hmac.compare_digest(tokens.hash_token(secret), info.secret_hash)
 
 
 def new_agent_secret() -> str:
     """A registration's secret: 256 random bits (its unsalted sha256 is what is stored)."""
-    return wire.AGENT_SECRET_PREFIX + secrets.token_urlsafe(queries.TOKEN_BYTES)
+    return wire.AGENT_SECRET_PREFIX + secrets.token_urlsafe(tokens.TOKEN_BYTES)
 
 
 def held_lease(s: Session, lease_id: int, agent_id: int) -> Lease:

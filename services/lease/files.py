@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from services.common import artifacts
 from services.db import exceptions as db_exc
-from services.db import queries
+from services.db import model_runs
 from services.db.models import Batch, BatchCandidate, TaskData
 from services.lease.auth import AgentInfo, held_lease
 from services.protocol.errors import BadRequest, LeaseLost
@@ -76,7 +76,7 @@ def _model_run_paths(
     s: Session, request: pb.FetchRequest, agent: AgentInfo, root: str | os.PathLike[str]
 ) -> list[Path | str]:
     try:
-        run = queries.held_model_run(s, model_run_id=request.model_run_id, agent_id=agent.agent_id)
+        run = model_runs.held_model_run(s, model_run_id=request.model_run_id, agent_id=agent.agent_id)
     except (db_exc.LeaseNotHeld, db_exc.NotFound) as exc:
         raise LeaseLost(str(exc)) from None
     files = {pb.ARTIFACT_KIND_MODEL_LIBRARY: run.library_path, pb.ARTIFACT_KIND_MODEL_INPUTS: run.inputs_path}

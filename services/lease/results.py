@@ -34,7 +34,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from services.db import codec, queries
+from services.db import codec, leases, measurements
 from services.db.models import Batch, BatchCandidate, BatchState, DeviceClass, Measurement, Workload
 from services.lease.auth import AgentInfo, held_lease
 from services.protocol.errors import AlreadyMeasured, BadRequest
@@ -139,11 +139,11 @@ def store(
         s.execute(select(Batch.id).where(Batch.id == ctx.batch_id).with_for_update())
     stamp = time.time()
     records = [(bc_id, ctx.record(bc_id, run, stamp)) for bc_id, run in items]
-    queries.record_measurements(
+    measurements.record_measurements(
         s, lease_id=ctx.lease_id, agent_id=agent.agent_id, items=records, fingerprint=agent.fingerprint
     )
     if finish:
-        return queries.finish_lease(s, lease_id=ctx.lease_id, agent_id=agent.agent_id)
+        return leases.finish_lease(s, lease_id=ctx.lease_id, agent_id=agent.agent_id)
     return None
 
 

@@ -1,14 +1,14 @@
 """The lease service's RPCs (`AgentServicer`): those of proto/tunefarm/v1/measurer.proto.
 
 Thin: each call authenticates (services/lease/auth.py), does its database work in one
-transaction through `services.db.queries`, and maps exceptions to status codes
+transaction through `services.db`, and maps exceptions to status codes
 (`_status`). All state is in PostgreSQL, so the service can restart (or run as several
 replicas) at any time: an agent's calls fail with UNAVAILABLE meanwhile and it retries.
 
 - `LeaseBatch` is a long poll (`lease_wait_secs`) that asks the database only when the
   agent's class may have work (services/lease/work_board.py), with at most
   `grpc_max_workers - RPC_THREADS_KEPT_FREE` polls waiting at once. An agent that may be
-  leased nothing (flagged, quarantined: `queries.lease_withheld`) is answered at once
+  leased nothing (flagged, quarantined: `leases.lease_withheld`) is answered at once
   with why (`LeaseBatchResponse.withheld`): its timings are not believed, so any trial
   it ran would be spent for nothing.
 - Model runs: an agent that asks for them (`LeaseBatchRequest.model_runs`) gets its
@@ -49,7 +49,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
-from services.db import codec, liveness, queries
+from services.db import agents, batches, codec, leases, liveness, measurements, model_runs, tokens
 from services.db import exceptions as db_exc
 from services.db.models import (
     Agent,
@@ -220,9 +220,9 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                 dc = s.scalars(select(DeviceClass).where(DeviceClass.name == class_name)).one()
             _check_compatible(class_name, dc.target, caps)
             try:
-                agent = queries.register_agent(
+                agent = agents.register_agent(
                     s, name=name, device_class_id=dc.id, token_id=token_id, capabilities=caps,
-                    secret_hash=queries.hash_token(secret),
+                    secret_hash=tokens.hash_token(secret),
                 )
             except db_exc.Conflict as exc:
                 raise NameTaken(str(exc)) from None
@@ -247,7 +247,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         agent = self.auth.agent(request.agent_id, token_id, context)
         try:
             held = self._tx(
-                lambda s: queries.heartbeat(
+                lambda s: leases.heartbeat(
                     s,
                     agent_id=agent.agent_id,
                     lease_secs=self.settings.lease_secs,
@@ -323,7 +323,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         """Why the agent is leased nothing (flagged, quarantined...), answered at once
         instead of a long poll that could never lease it anything; None: it may be."""
         try:
-            reason = self._tx(lambda s: queries.lease_withheld(s, agent_id=agent.agent_id))
+            reason = self._tx(lambda s: leases.lease_withheld(s, agent_id=agent.agent_id))
         except db_exc.NotFound:
             self.auth.forget(agent.agent_id)
             raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again") from None
@@ -336,7 +336,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         it holds: granted by an earlier LeaseBatch whose answer never reached it (a server
         killed, a connection cut), so its batch waits for no one."""
         released = self._tx(
-            lambda s: queries.release_agent_leases(
+            lambda s: agents.release_agent_leases(
                 s,
                 agent_id=agent.agent_id,
                 keep_lease_ids=request.held_lease_ids,
@@ -365,7 +365,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         st = self.settings
         for _ in range(MAX_SKIPPED_PER_LEASE):
             try:
-                lease = queries.lease_next_batch(s, agent_id=agent.agent_id, lease_secs=st.lease_secs)
+                lease = leases.lease_next_batch(s, agent_id=agent.agent_id, lease_secs=st.lease_secs)
             except db_exc.NotFound:
                 self.auth.forget(agent.agent_id)
                 raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again") from None
@@ -373,19 +373,19 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                 return None
             batch = lease.batch
             if batch.attempts > st.max_lease_attempts:
-                n = queries.abandon_batch(s, batch_id=batch.id, reason=given_up_reason(batch.attempts - 1))
+                n = measurements.abandon_batch(s, batch_id=batch.id, reason=given_up_reason(batch.attempts - 1))
                 log.warning("batch %d given up after %d leases (%d candidates)", batch.id, batch.attempts - 1, n)
                 continue
-            candidates = queries.unmeasured_candidates(s, batch_id=batch.id)
+            candidates = batches.unmeasured_candidates(s, batch_id=batch.id)
             if not candidates:  # measured already; only its finish was lost
-                queries.finish_lease(s, lease_id=lease.id, agent_id=agent.agent_id)
+                leases.finish_lease(s, lease_id=lease.id, agent_id=agent.agent_id)
                 continue
             return self._leased(s, lease, batch, candidates)
         return None
 
     def _lease_model_run(self, s: Session, agent: AgentInfo) -> pb.LeasedModelRun | None:
         st = self.settings
-        run = queries.lease_model_run(
+        run = model_runs.lease_model_run(
             s, agent_id=agent.agent_id, lease_secs=st.lease_secs, max_attempts=st.max_lease_attempts
         )
         if run is None:
@@ -486,7 +486,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         run_id = request.model_run_id
         lease_error = (db_exc.LeaseNotHeld, db_exc.NotFound)
         try:
-            run = self._tx(lambda s: queries.held_model_run(s, model_run_id=run_id, agent_id=agent.agent_id))
+            run = self._tx(lambda s: model_runs.held_model_run(s, model_run_id=run_id, agent_id=agent.agent_id))
         except lease_error as exc:
             raise LeaseLost(str(exc)) from None
         outputs: str | None = None
@@ -504,7 +504,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         }
         try:
             self._tx(
-                lambda s: queries.finish_model_run(
+                lambda s: model_runs.finish_model_run(
                     s, model_run_id=run_id, agent_id=agent.agent_id, outputs_path=outputs, result=result,
                     error=request.error,
                 )

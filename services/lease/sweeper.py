@@ -1,6 +1,6 @@
 """The lease service's sweeper: a thread that expires leases whose heartbeats stopped
 (their batches go back to the queue), marks silent agents offline, and gives up batches
-leased `max_lease_attempts` times without being finished (`queries.abandon_batch`: their
+leased `max_lease_attempts` times without being finished (`measurements.abandon_batch`: their
 unmeasured candidates become run_crash results, so the scheduler still gets exactly one
 result per candidate).
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.db import agents, leases, measurements
 from services.db import exceptions as db_exc
-from services.db import queries
 from services.db.models import Batch, BatchState
 from services.db.session import transaction
 from services.lease.settings import LeaseServiceSettings
@@ -75,8 +75,8 @@ class Sweeper:
     def sweep(self) -> SweepReport:
         st = self.settings
         with transaction(self.sessions) as s:
-            requeued = queries.expire_leases(s)
-            offline = queries.mark_agents_offline(s, stale_secs=st.agent_stale_secs)
+            requeued = leases.expire_leases(s)
+            offline = agents.mark_agents_offline(s, stale_secs=st.agent_stale_secs)
         given_up = []
         with transaction(self.sessions) as s:
             rows = s.execute(
@@ -86,6 +86,6 @@ class Sweeper:
                 .limit(100)
             ).all()
             for batch_id, attempts in rows:
-                queries.abandon_batch(s, batch_id=batch_id, reason=given_up_reason(attempts))
+                measurements.abandon_batch(s, batch_id=batch_id, reason=given_up_reason(attempts))
                 given_up.append(batch_id)
         return SweepReport(requeued, offline, given_up)

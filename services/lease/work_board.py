@@ -16,12 +16,12 @@ import time
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.db import queries
+from services.db import leases
 from services.db.session import transaction
 
 
 class WorkBoard:
-    """Which device classes have something to lease (`queries.classes_with_work`), read
+    """Which device classes have something to lease (`leases.classes_with_work`), read
     at most once per `interval` for every waiting LeaseBatch together: a long poll asks
     the database to lease only when its class may have work, so many idle agents cost
     one query per interval, not one each (which starved heartbeats of connections)."""
@@ -37,6 +37,6 @@ class WorkBoard:
         with self._lock:  # one reader; the other waiting calls take its answer
             if time.monotonic() - self._read_at >= self.interval:
                 with transaction(self.sessions) as s:
-                    self._classes = queries.classes_with_work(s)
+                    self._classes = leases.classes_with_work(s)
                 self._read_at = time.monotonic()
             return device_class_id in self._classes

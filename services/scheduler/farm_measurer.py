@@ -14,7 +14,7 @@
 Every submitted input comes back exactly once: measured by an agent, a build error
 recorded by the build worker, an error the lease service recorded for a batch no agent
 could finish, or, for a batch whose build job failed for good, an error recorded here
-(`queries.abandon_batch`). Builds are watched (`_check_batches`, every
+(`measurements.abandon_batch`). Builds are watched (`_check_batches`, every
 `stuck_check_secs`): Postgres is the source of truth, Redis only carries the jobs. A batch
 proposed or building that no worker holds the build lock of (`services.worker.build_lock`)
 and whose RQ job is not waiting in its queue (its worker was killed, Redis lost its data,
@@ -46,7 +46,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
 from services.common.queues import BUILD_JOB, build_job_id
-from services.db import codec, queries
+from services.db import batches, codec, measurements
 from services.db.models import (
     Batch,
     BatchCandidate,
@@ -377,7 +377,7 @@ class FarmMeasurer(Measurer):
         n = 0
         with transaction(self.sessions) as s:
             for batch_id in sorted(self._flight):
-                n += queries.abandon_batch(s, batch_id=batch_id, reason=reason, error_kind=ErrorKind.RUN_ERROR)
+                n += measurements.abandon_batch(s, batch_id=batch_id, reason=reason, error_kind=ErrorKind.RUN_ERROR)
         return n
 
     # -- internals ----------------------------------------------------------------------
@@ -530,9 +530,9 @@ class FarmMeasurer(Measurer):
                 return  # built, or being built, after all
             again = count < limit
             if not again:
-                queries.abandon_batch(s, batch_id=batch_id, reason=reason, error_kind=ErrorKind.BUILD_ERROR)
+                measurements.abandon_batch(s, batch_id=batch_id, reason=reason, error_kind=ErrorKind.BUILD_ERROR)
             elif state is BatchState.BUILDING:
-                queries.transition_batch(s, batch_id=batch_id, to=BatchState.PROPOSED)
+                batches.transition_batch(s, batch_id=batch_id, to=BatchState.PROPOSED)
         if not again:
             self.log(f"{reason}; giving it up")
             return

@@ -23,7 +23,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from services.db import liveness, queries, trust
+from services.db import batches, liveness, trust
 from services.db.codec import record_from_json
 from services.db.confirmations import believed_clause, counted_clause
 from services.db.exceptions import InvalidTransition
@@ -239,7 +239,7 @@ def set_dead_reasons(session: Session, *, job_id: int, reasons: Mapping[str, str
 def live_agents_by_class(session: Session, *, fresh_secs: float) -> dict[int, int]:
     """Agents per device class that are live (`services.db.liveness`: idle or busy,
     heartbeated within `fresh_secs`) and may be leased work: a flagged agent heartbeats
-    but is leased nothing (`queries.lease_withheld`), so it neither earns its class a
+    but is leased nothing (`leases.lease_withheld`), so it neither earns its class a
     fair share of batches nor keeps a model run waiting for it."""
     rows = session.execute(
         select(Agent.device_class_id, func.count())
@@ -284,7 +284,7 @@ def fail_open_batches(session: Session, *, job_id: int, reason: str) -> int:
     n = 0
     for batch_id in open_ids:
         try:
-            queries.transition_batch(session, batch_id=batch_id, to=BatchState.FAILED, build_error=reason)
+            batches.transition_batch(session, batch_id=batch_id, to=BatchState.FAILED, build_error=reason)
             n += 1
         except InvalidTransition:  # finished meanwhile
             pass

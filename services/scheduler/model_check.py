@@ -52,7 +52,7 @@ import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
-from services.db import queries
+from services.db import model_runs
 from services.db.models import ModelRun, ModelRunState
 from services.db.session import transaction
 from services.protocol.signing import ArtifactSigner, SignedKind
@@ -159,12 +159,12 @@ def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray], *, timed:
     lib_sha, lib_size = artifacts.put(where.artifact_root, f"{rel}/{library.name}", library)
     in_sha, in_size = artifacts.put(where.artifact_root, f"{rel}/{artifacts.MODEL_RUN_INPUTS_NAME}", buffer.getvalue())
     with transaction(where.sessions) as s:
-        run = queries.create_model_run(
+        run = model_runs.create_model_run(
             s,
             job_id=where.job_id,
             device_class_id=where.device_class_id,
-            library=queries.StoredFile(f"{rel}/{library.name}", lib_sha, lib_size),
-            inputs=queries.StoredFile(f"{rel}/{artifacts.MODEL_RUN_INPUTS_NAME}", in_sha, in_size),
+            library=model_runs.StoredFile(f"{rel}/{library.name}", lib_sha, lib_size),
+            inputs=model_runs.StoredFile(f"{rel}/{artifacts.MODEL_RUN_INPUTS_NAME}", in_sha, in_size),
             repeat=where.repeat if timed else 0,
             warmup=where.warmup,
             timeout_secs=where.timeout_secs,
@@ -201,7 +201,7 @@ def _wait(where: DeviceRun, run_id: int) -> tuple[ModelRun | None, str]:
             why = f"not run: no agent of {where.device_class} ran it within {where.wait_secs:.0f} s"
         if why:
             with transaction(where.sessions) as s:
-                queries.give_up_model_run(s, model_run_id=run_id, reason=why)
+                model_runs.give_up_model_run(s, model_run_id=run_id, reason=why)
             return None, why
         if where.stop.wait(where.poll_secs):
             raise FinishInterrupted(f"the scheduler stopped while model run {run_id} was waiting")

@@ -12,7 +12,7 @@ One loop, one pass at a time (`SchedulerService.run_once`):
    gives each team an equal part of it, shared by the team's J running jobs: each job
    keeps ceil(batches_per_agent * A / T / J) batches in flight (at least one). The lease
    service hands a class's ready batches to the team holding the fewest of its agents,
-   then to that team's job holding the fewest (`queries.lease_next_batch`), so a team
+   then to that team's job holding the fewest (`leases.lease_next_batch`), so a team
    with 25 jobs and a team with one get the class's agents in turns, and a job alone on
    a class gets all of them;
 3. step every job once, round-robin (propose under its cap, collect what landed); a

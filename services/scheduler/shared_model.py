@@ -71,7 +71,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
-from services.db import confirmations, queries
+from services.db import confirmations, cost_models
 from services.db.codec import record_from_json
 from services.db.exceptions import DatabaseError
 from services.db.models import CostModelVersion, DeviceClass, Measurement, Workload
@@ -194,7 +194,7 @@ class ClassModels:
     def _load(self, device_class_id: int) -> ClassModel:
         with transaction(self.sessions) as s:
             target = s.scalar(select(DeviceClass.target).where(DeviceClass.id == device_class_id))
-            latest = queries.latest_cost_model_version(
+            latest = cost_models.latest_cost_model_version(
                 s, device_class_id=device_class_id, feature_version=rule_set_for(dict(target or {})).feature_version
             )
             source = _source(s, latest.transferred_from_id) if latest is not None else None
@@ -231,7 +231,7 @@ class ClassModels:
         with transaction(self.sessions) as s:
             others = [
                 (dc.name, dict(dc.target or {}), version)
-                for dc, version in queries.latest_cost_models_of_classes(
+                for dc, version in cost_models.latest_cost_models_of_classes(
                     s, feature_version=rule_set_for(target).feature_version
                 )
                 if dc.id != device_class_id
@@ -358,7 +358,7 @@ class ClassModels:
             Path(tmp).unlink(missing_ok=True)
             raise
         with transaction(self.sessions) as s:
-            row = queries.add_cost_model_version(
+            row = cost_models.add_cost_model_version(
                 s,
                 device_class_id=shared.device_class_id,
                 feature_version=rule_set_for(shared.target).feature_version,

@@ -48,7 +48,7 @@ from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
-from services.db import codec, queries
+from services.db import batches, codec, measurements
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import Batch, BatchState, DeviceClass, Workload
 from services.db.session import make_session_factory, retrying
@@ -204,7 +204,7 @@ def _claim(ctx: WorkerContext, s: Session, batch_id: int) -> _Plan | BatchState:
     if batch.state not in (BatchState.PROPOSED, BatchState.BUILDING):
         return batch.state
     if batch.state is BatchState.PROPOSED:
-        queries.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
+        batches.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
     name = s.scalar(select(Workload.name).where(Workload.id == batch.workload_id))
     module_json = (
         None
@@ -212,7 +212,7 @@ def _claim(ctx: WorkerContext, s: Session, batch_id: int) -> _Plan | BatchState:
         else s.scalar(select(Workload.module_json).where(Workload.id == batch.workload_id))
     )
     target = s.scalar(select(DeviceClass.target).where(DeviceClass.id == batch.device_class_id))
-    cands = queries.unmeasured_candidates(s, batch_id=batch_id)
+    cands = batches.unmeasured_candidates(s, batch_id=batch_id)
     return _Plan(
         batch_id=batch_id,
         workload_id=batch.workload_id,
@@ -281,5 +281,5 @@ def _store(
             record = MeasureRecord.of(
                 MeasureResult(inp, res, None), workload=plan.workload_name, target=plan.target, timestamp=stamp
             )
-            queries.record_build_error(s, batch_candidate_id=bc_id, record=record, fingerprint=fingerprint)
-    return queries.mark_batch_ready(s, batch_id=plan.batch_id)
+            measurements.record_build_error(s, batch_candidate_id=bc_id, record=record, fingerprint=fingerprint)
+    return batches.mark_batch_ready(s, batch_id=plan.batch_id)

@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 
 from tunefarm.errors import ModelError
+from tunefarm.gpu import is_gpu
 from tunefarm.isolation import IsolatedWorker
 from tunefarm.models import check
-from tunefarm.gpu import is_gpu
 from tunefarm.models.build import (
     build_default_library,
     build_model_library,

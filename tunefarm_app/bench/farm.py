@@ -159,7 +159,7 @@ class BenchFarm:
         self.tmp.cleanup()
 
     def _job(self) -> tuple[int, str]:
-        from services.db import queries
+        from services.db import tokens
         from services.db.models import Job, Model, Team, TokenKind
         from services.db.session import transaction
 
@@ -177,7 +177,7 @@ class BenchFarm:
             job = Job(team_id=team.id, model_id=model.id, device_class_id=cls, trial_budget=10**9)
             s.add(job)
             s.flush()
-            _, token = queries.issue_token(s, kind=TokenKind.AGENT, label="bench")
+            _, token = tokens.issue_token(s, kind=TokenKind.AGENT, label="bench")
             return job.id, token
 
     def device_class(self, name: str) -> int:

@@ -1,0 +1,103 @@
+"""A batch's life: the state machine (`BATCH_TRANSITIONS`, `transition_batch`), `mark_batch_ready`,
+`unmeasured_candidates`, and ending a batch's active lease.
+
+Every function works inside the caller's transaction and commits nothing itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import exists, select, update
+from sqlalchemy.orm import Session
+
+from services.db.exceptions import InvalidTransition, NotFound
+from services.db.models import Batch, BatchCandidate, BatchState, Confirmation, Lease, LeaseState, Measurement
+from services.db.statements import db_now
+
+BATCH_TRANSITIONS: Mapping[BatchState, frozenset[BatchState]] = {
+    BatchState.PROPOSED: frozenset({BatchState.BUILDING, BatchState.FAILED}),
+    # back to proposed: the build worker died and the build is queued again
+    BatchState.BUILDING: frozenset(
+        {BatchState.PROPOSED, BatchState.READY, BatchState.DONE, BatchState.FAILED}
+    ),
+    BatchState.READY: frozenset({BatchState.LEASED, BatchState.FAILED}),
+    # back to ready: the lease expired or ended with candidates unmeasured
+    BatchState.LEASED: frozenset({BatchState.READY, BatchState.DONE, BatchState.FAILED}),
+    BatchState.DONE: frozenset(),
+    BatchState.FAILED: frozenset(),
+}
+"""The batch states each state may move to."""
+
+
+def transition_batch(
+    session: Session,
+    *,
+    batch_id: int,
+    to: BatchState,
+    build_error: str | None = None,
+    now: datetime | None = None,
+) -> Batch:
+    """Move a batch to `to` if `BATCH_TRANSITIONS` allows it from its current state.
+
+    Entering ready sets `ready_at` the first time (its place in the queue), entering done
+    or failed sets `finished_at`, and leaving leased ends the batch's active lease (a
+    failed or cancelled batch takes no more results). Raises `NotFound`, `InvalidTransition`.
+    """
+    batch = session.scalars(
+        select(Batch).where(Batch.id == batch_id).with_for_update().execution_options(populate_existing=True)
+    ).one_or_none()
+    if batch is None:
+        raise NotFound(f"batch {batch_id}")
+    if to not in BATCH_TRANSITIONS[batch.state]:
+        raise InvalidTransition(f"batch {batch_id}: {batch.state} -> {to}")
+    values: dict[str, Any] = {"state": to}
+    if to is BatchState.READY and batch.ready_at is None:
+        values["ready_at"] = db_now(now)
+    if to.is_terminal:
+        values["finished_at"] = db_now(now)
+    if build_error is not None:
+        values["build_error"] = build_error
+    if batch.state is BatchState.LEASED:
+        end_active_lease(session, batch_id=batch_id, state=LeaseState.EXPIRED, now=now)
+    return session.scalars(
+        update(Batch).where(Batch.id == batch_id).values(**values).returning(Batch),
+        execution_options={"populate_existing": True},
+    ).one()
+
+
+def mark_batch_ready(session: Session, *, batch_id: int, now: datetime | None = None) -> BatchState:
+    """A built batch joins its class's queue; one with nothing left to measure (every build
+    failed and was recorded) is done instead. Returns the state reached."""
+    session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())
+    to = BatchState.READY if unmeasured_candidates(session, batch_id=batch_id) else BatchState.DONE
+    return transition_batch(session, batch_id=batch_id, to=to, now=now).state
+
+
+def unmeasured_candidates(session: Session, *, batch_id: int) -> list[BatchCandidate]:
+    """The batch's candidates without a measurement (or, in a confirmation batch, a
+    confirmation), in proposal order (what an agent runs)."""
+    measured = exists().where(Measurement.batch_candidate_id == BatchCandidate.id)
+    confirmed = exists().where(Confirmation.batch_candidate_id == BatchCandidate.id)
+    return list(
+        session.scalars(
+            select(BatchCandidate)
+            .where(BatchCandidate.batch_id == batch_id, ~measured, ~confirmed)
+            .order_by(BatchCandidate.position, BatchCandidate.id)
+        )
+    )
+
+
+def end_active_lease(
+    session: Session, *, batch_id: int, state: LeaseState, now: datetime | None, only_expired: bool = False
+) -> int | None:
+    """End the batch's active lease (the caller holds the batch's lock); its id, or None."""
+    at = db_now(now)
+    where = [Lease.batch_id == batch_id, Lease.state == LeaseState.ACTIVE]
+    if only_expired:
+        where.append(Lease.expires_at < at)
+    return session.scalars(
+        update(Lease).where(*where).values(state=state, finished_at=at).returning(Lease.id)
+    ).one_or_none()
