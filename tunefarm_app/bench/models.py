@@ -228,8 +228,8 @@ def time_builds(builds: dict[str, Path], onnx: Path, feeds, loaded, threads: int
     """The p50 of every build and of the peers ("onnxruntime", "openvino" when installed),
     timed in alternating blocks (`time_side_by_side`); a build whose output is wrong is
     dropped."""
-    from tunefarm.models.build import run_model, time_side_by_side
     from tunefarm.models.check import compare_outputs
+    from tunefarm.models.runtime import run_model, time_side_by_side
 
     want = loaded.reference(feeds)
     right = {}
