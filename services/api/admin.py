@@ -4,9 +4,10 @@ names handed to a new agent token: `services.db.tokens`; device classes:
 `services.db.device_classes`.
 
 Kept only while importers outside `services/api` still name this module
-(`tunefarm_app/farm_commands.py`, `farm_local.py`, `bench/farm_load.py`,
+(`tunefarm_app/operator_commands.py`, `farm_local.py`, `bench/farm.py`, `bench/farm_load.py`,
 `bench/farm_progress.py`; `tests/farm_state.py`, `test_farm.py`, `test_farm_isa.py`,
-`test_isa.py`, `test_trust.py`); delete it once they import from `services.db`.
+`test_isa.py`, `test_trust.py`); delete it once they import from `services.db`
+(`admin.revoke_token` is `tokens.revoke_token_by_ref` there).
 """
 
 from __future__ import annotations
