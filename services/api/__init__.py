@@ -16,6 +16,5 @@ follow them and fetch the tuned models.
 | `storage.py` | files under the artifact root (uploads, fused modules) |
 | `security_headers.py` | CSP, frame, nosniff and referrer headers on every response |
 | `limits.py` | the request body limit (413 while streaming) |
-| `admin.py` | the operator's actions by their old address (they are `services.db`'s now), until their importers move |
 | `exceptions.py` | `ApiError` and its subclasses, each with its HTTP status |
 """
