@@ -123,3 +123,7 @@ def translate(error: exc.SQLAlchemyError) -> DatabaseError:
     ):
         return Unavailable(message)
     return DatabaseError(message)
+
+
+SessionFactory = sessionmaker[Session]
+"""What `make_session_factory` returns, by the name callers outside `services.db` use."""
