@@ -125,5 +125,11 @@ def translate(error: exc.SQLAlchemyError) -> DatabaseError:
     return DatabaseError(message)
 
 
+SQLAlchemyError = exc.SQLAlchemyError
+"""SQLAlchemy's own root error, for callers outside `services.db` that report what escapes
+untranslated from outside a `transaction` (a malformed URL, Alembic's migrations).
+(`DatabaseError` here is `services.db.exceptions.DatabaseError`, what `translate` makes.)"""
+
+
 SessionFactory = sessionmaker[Session]
 """What `make_session_factory` returns, by the name callers outside `services.db` use."""
