@@ -881,7 +881,7 @@ def test_a_flagged_agent_is_leased_nothing_while_an_honest_one_is(db_sessions):
         assert leases.heartbeat(s, agent_id=liar, lease_secs=LEASE_SECS) == []  # it still heartbeats
         leases.heartbeat(s, agent_id=honest, lease_secs=LEASE_SECS)
     with transaction(db_sessions) as s:  # the scheduler counts the honest one only (fair share, model runs)
-        from services.scheduler import job_store
+        from services.db import job_store
 
         assert job_store.live_agents_by_class(s, fresh_secs=60).get(farm.device_class_id) == 1
     assert lease(db_sessions, honest).batch_id == farm.batch_ids[0]

@@ -10,6 +10,7 @@ from collections import Counter
 from farm_fixtures import placeholder_model
 
 from services.db import batches, codec, leases
+from services.db.job_store import RunningJob
 from services.db.models import (
     Agent,
     Batch,
@@ -22,7 +23,6 @@ from services.db.models import (
     Workload,
 )
 from services.db.session import transaction
-from services.scheduler.job_store import RunningJob
 from services.scheduler.service import fair_caps
 from tunefarm.records import Candidate, MeasureInput, TimingConfig
 

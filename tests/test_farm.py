@@ -1197,8 +1197,8 @@ def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(
     confirmation; an honest agent's best is confirmed by a second honest agent; the
     class's model learns the honest measurements only. Every candidate is measured once;
     a confirmation is a row of its own."""
+    from services.db import job_store
     from services.db.models import Confirmation, ConfirmationState
-    from services.scheduler import job_store
     from tunefarm.search.task import make_task
 
     wl = gemm(128)

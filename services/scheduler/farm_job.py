@@ -49,12 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from services.common import artifacts
+from services.db import job_store
+from services.db.job_store import JobSetup
 from services.db.models import JobState
 from services.db.session import transaction
 from services.protocol.signing import ArtifactSigner
-from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
-from services.scheduler.job_store import JobSetup
 from services.scheduler.model_check import DeviceRun, check_on_device
 from services.scheduler.shared_model import ClassModel, SharedModelView
 from tunefarm.errors import TunefarmError

@@ -40,24 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import exists, func, insert, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.orm import Session, sessionmaker
-
 from services.common import artifacts
 from services.common.queues import BUILD_JOB, build_job_id
-from services.db import batches, codec, measurements
-from services.db.models import (
-    Batch,
-    BatchCandidate,
-    BatchState,
-    DeviceClass,
-    JobTask,
-    Measurement,
-    TaskData,
-    Workload,
-)
-from services.db.session import transaction
+from services.db import batches, codec, farm_batches, farm_tasks, job_store, measurements
+from services.db.models import BatchState
+from services.db.session import Session, SessionFactory, transaction
 from services.worker import build_lock
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
@@ -114,7 +101,7 @@ class _InFlight:
 class FarmMeasurer(Measurer):
     def __init__(
         self,
-        sessions: sessionmaker[Session],
+        sessions: SessionFactory,
         redis: Redis,
         *,
         artifact_root: str | os.PathLike[str],
@@ -153,15 +140,13 @@ class FarmMeasurer(Measurer):
         self._closed = False
         self._last_check = time.monotonic()
         with transaction(sessions) as s:
-            dc = s.scalars(select(DeviceClass).where(DeviceClass.name == device_class)).one_or_none()
+            dc = farm_batches.device_class_named(s, name=device_class)
             if dc is None:
                 raise ValueError(f"device class {device_class!r} does not exist")
             self.device_class_id = dc.id
             self.target = dict(dc.target)
             if after_measurement_id is None:
-                after_measurement_id = s.scalar(
-                    select(func.coalesce(func.max(Measurement.id), 0)).where(Measurement.job_id == job_id)
-                )
+                after_measurement_id = job_store.last_measurement_id(s, job_id=job_id)
         self._last_id = int(after_measurement_id or 0)
 
     # -- preparing a task ---------------------------------------------------------------
@@ -169,40 +154,25 @@ class FarmMeasurer(Measurer):
     def prepare(self, workload: WorkloadSpec, task_key: str, target: dict[str, Any]) -> MeasureTask:
         """The workload row, its task data (computed once per workload, shared by every
         job), and this job's task row."""
+        fields = farm_tasks.WorkloadFields(
+            key=workload.key,
+            name=workload.name,
+            module_json=workload.to_json(),
+            flops=float(workload.flops),
+            n_inputs=len(workload.inputs),
+            n_outputs=len(workload.outputs),
+            io_bytes=sum(t.nbytes for t in (*workload.inputs, *workload.outputs)),
+        )
         with transaction(self.sessions) as s:
-            s.execute(
-                pg_insert(Workload)
-                .values(
-                    key=workload.key,
-                    name=workload.name,
-                    module_json=workload.to_json(),
-                    flops=float(workload.flops),
-                    n_inputs=len(workload.inputs),
-                    n_outputs=len(workload.outputs),
-                )
-                .on_conflict_do_nothing(index_elements=[Workload.key])
-            )
-            workload_id = s.scalar(select(Workload.id).where(Workload.key == workload.key))
-            io_bytes = sum(t.nbytes for t in (*workload.inputs, *workload.outputs))
-            s.execute(  # the timing floor's memory term (the API stores workloads without it)
-                update(Workload).where(Workload.id == workload_id, Workload.io_bytes.is_(None)).values(io_bytes=io_bytes)
-            )
-            td = s.scalars(select(TaskData).where(TaskData.workload_id == workload_id)).one_or_none()
+            workload_id = farm_tasks.store_workload(s, workload=fields)
+            assert workload_id is not None
+            td = farm_tasks.task_data_of(s, workload_id=workload_id)
             have = td is not None and _is_file(self.artifact_root, td.path)
-        assert workload_id is not None
         if not have:
             self._write_task_data(workload, workload_id, task_key)
         with transaction(self.sessions) as s:
-            td = s.scalars(select(TaskData).where(TaskData.workload_id == workload_id)).one()
-            position = s.scalar(select(func.count()).where(JobTask.job_id == self.job_id))
-            s.execute(
-                pg_insert(JobTask)
-                .values(job_id=self.job_id, workload_id=workload_id, task_key=task_key, position=position, weight=1)
-                .on_conflict_do_nothing(index_elements=[JobTask.job_id, JobTask.workload_id])
-            )
-            job_task_id = s.scalar(
-                select(JobTask.id).where(JobTask.job_id == self.job_id, JobTask.workload_id == workload_id)
-            )
+            td = farm_tasks.required_task_data(s, workload_id=workload_id)
+            job_task_id = farm_tasks.add_job_task(s, job_id=self.job_id, workload_id=workload_id, task_key=task_key)
             task = MeasureTask(
                 key=task_key,
                 workload=f"{WORKLOAD_REF}{workload_id}",
@@ -230,17 +200,10 @@ class FarmMeasurer(Measurer):
         tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
         shutil.copyfile(local.task_data, tmp)
         os.replace(tmp, dest)
-        values = {
-            "path": rel,
-            "sha256": artifacts.file_sha256(dest),
-            "size": dest.stat().st_size,
-            "has_expected": local.verify,
-        }
+        sha256, size = artifacts.file_sha256(dest), dest.stat().st_size
         with transaction(self.sessions) as s:
-            s.execute(
-                pg_insert(TaskData)
-                .values(workload_id=workload_id, **values)
-                .on_conflict_do_update(index_elements=[TaskData.workload_id], set_=values)
+            farm_tasks.store_task_data(
+                s, workload_id=workload_id, path=rel, sha256=sha256, size=size, has_expected=local.verify
             )
 
     def _reference_measurer(self) -> LocalMeasurer:
@@ -267,29 +230,17 @@ class FarmMeasurer(Measurer):
             raise RuntimeError("the measurer is closed")
         task = self._task(batch.task.key)
         inputs = list({m.key: m for m in batch.inputs}.values())  # a key once per batch
+        row = farm_batches.NewBatch(
+            job_id=self.job_id,
+            job_task_id=task.job_task_id,
+            workload_id=task.workload_id,
+            device_class_id=self.device_class_id,
+            timing=batch.timing,
+            build_timeout_secs=batch.build_timeout,
+            run_timeout_secs=batch.run_timeout,
+        )
         with transaction(self.sessions) as s:
-            batch_id = s.scalar(
-                insert(Batch)
-                .values(
-                    job_id=self.job_id,
-                    job_task_id=task.job_task_id,
-                    workload_id=task.workload_id,
-                    device_class_id=self.device_class_id,
-                    timing=codec.timing_to_json(batch.timing),
-                    build_timeout_secs=batch.build_timeout,
-                    run_timeout_secs=batch.run_timeout,
-                )
-                .returning(Batch.id)
-            )
-            assert batch_id is not None
-            if inputs:
-                s.execute(
-                    insert(BatchCandidate),
-                    [
-                        {"batch_id": batch_id, "position": i, "candidate_key": m.key, "input": codec.input_to_json(m)}
-                        for i, m in enumerate(inputs)
-                    ],
-                )
+            batch_id = farm_batches.add_batch(s, batch=row, inputs=inputs)
         self._flight[batch_id] = _InFlight(batch_id, {m.key for m in inputs}, inputs={m.key: m for m in inputs})
         self._enqueue(batch_id)
 
@@ -329,32 +280,12 @@ class FarmMeasurer(Measurer):
         """The job's batches that are not finished, with their unmeasured inputs, as
         `MeasureBatch`es (id "farm-<batch id>") for `TuningSession.adopt`; their results
         come from `collect` from now on."""
-        measured = exists().where(Measurement.batch_candidate_id == BatchCandidate.id)
         with transaction(self.sessions) as s:
-            batches = list(
-                s.scalars(
-                    select(Batch)
-                    .where(
-                        Batch.job_id == self.job_id,
-                        Batch.state.not_in([BatchState.DONE, BatchState.FAILED]),
-                        Batch.confirms_measurement_id.is_(None),
-                    )
-                    .order_by(Batch.id)
-                )
-            )
-            ids = [b.id for b in batches]
-            cands = s.execute(
-                select(BatchCandidate.batch_id, BatchCandidate.input)
-                .where(BatchCandidate.batch_id.in_(ids), ~measured)
-                .order_by(BatchCandidate.batch_id, BatchCandidate.position)
-            ).all()
-            tasks = {b.job_task_id: self._task_of_row(s, b.job_task_id) for b in batches}
-        by_batch: dict[int, list[MeasureInput]] = {}
-        for batch_id, data in cands:
-            by_batch.setdefault(batch_id, []).append(codec.input_from_json(data))
+            open_ = farm_batches.open_search_batches(s, job_id=self.job_id)
+            tasks = {o.batch.job_task_id: self._task_of_row(s, o.batch.job_task_id) for o in open_}
         out = []
-        for b in batches:
-            inputs = by_batch.get(b.id, [])
+        for o in open_:
+            b, inputs = o.batch, o.unmeasured
             if not inputs:
                 continue
             task = tasks[b.job_task_id]
@@ -386,9 +317,7 @@ class FarmMeasurer(Measurer):
         task = self._tasks.get(task_key)
         if task is None:
             with transaction(self.sessions) as s:
-                job_task_id = s.scalar(
-                    select(JobTask.id).where(JobTask.job_id == self.job_id, JobTask.task_key == task_key)
-                )
+                job_task_id = farm_tasks.job_task_id(s, job_id=self.job_id, task_key=task_key)
                 if job_task_id is None:
                     raise KeyError(f"task {task_key!r} was not prepared for job {self.job_id}")
                 task = self._task_of_row(s, job_task_id)
@@ -399,26 +328,19 @@ class FarmMeasurer(Measurer):
         for task in self._tasks.values():
             if task.job_task_id == job_task_id:
                 return task
-        row = s.execute(
-            select(JobTask.task_key, Workload.id, Workload.name, Workload.n_inputs, Workload.n_outputs, TaskData.id,
-                   TaskData.has_expected)
-            .join(Workload, Workload.id == JobTask.workload_id)
-            .outerjoin(TaskData, TaskData.workload_id == Workload.id)
-            .where(JobTask.id == job_task_id)
-        ).one()
-        task_key, workload_id, workload_name, n_in, n_out, td_id, has_expected = row
+        row = farm_tasks.prepared_task(s, job_task_id=job_task_id)
         measure_task = MeasureTask(
-            key=task_key,
-            workload=f"{WORKLOAD_REF}{workload_id}",
-            workload_name=workload_name,
+            key=row.task_key,
+            workload=f"{WORKLOAD_REF}{row.workload_id}",
+            workload_name=row.workload_name,
             target=self.target,
-            task_data=f"{TASK_DATA_REF}{td_id}",
-            n_inputs=n_in,
-            n_outputs=n_out,
-            verify=bool(has_expected),
+            task_data=f"{TASK_DATA_REF}{row.task_data_id}",
+            n_inputs=row.n_inputs,
+            n_outputs=row.n_outputs,
+            verify=bool(row.has_expected),
         )
-        task = _Task(workload_id, job_task_id, measure_task)
-        self._tasks[task_key] = task
+        task = _Task(row.workload_id, job_task_id, measure_task)
+        self._tasks[row.task_key] = task
         return task
 
     def _enqueue(self, batch_id: int) -> None:
@@ -447,13 +369,7 @@ class FarmMeasurer(Measurer):
     def _poll(self) -> list[MeasureRecord]:
         """The job's measurements after the last one seen, for batches in flight."""
         with transaction(self.sessions) as s:
-            rows = s.execute(
-                select(Measurement.id, BatchCandidate.batch_id, BatchCandidate.artifact_path, Measurement.record)
-                .join(BatchCandidate, BatchCandidate.id == Measurement.batch_candidate_id)
-                .where(Measurement.job_id == self.job_id, Measurement.id > self._last_id)
-                .order_by(Measurement.id)
-                .limit(MAX_POLL_ROWS)
-            ).all()
+            rows = farm_batches.measurements_after(s, job_id=self.job_id, after_id=self._last_id, limit=MAX_POLL_ROWS)
         out = []
         for mid, batch_id, artifact, data in rows:
             self._last_id = max(self._last_id, mid)
@@ -485,7 +401,7 @@ class FarmMeasurer(Measurer):
             return []
         unbuilt = (BatchState.PROPOSED, BatchState.BUILDING)
         with transaction(self.sessions) as s:
-            states = dict(s.execute(select(Batch.id, Batch.state).where(Batch.id.in_(ids))).all())
+            states = farm_batches.batch_states(s, batch_ids=ids)
             building = build_lock.held(s, [i for i, st in states.items() if st in unbuilt])
         out: list[MeasureRecord] = []
         suspects: set[int] = set()
@@ -525,7 +441,7 @@ class FarmMeasurer(Measurer):
         count, limit = (flight.requeues, self.max_requeues) if failed else (flight.lost, self.max_lost_builds)
         reason = f"the build of batch {batch_id} {'failed' if failed else 'was lost'}: {why}"
         with transaction(self.sessions) as s:
-            state = s.scalar(select(Batch.state).where(Batch.id == batch_id).with_for_update())
+            state = farm_batches.locked_batch_state(s, batch_id=batch_id)
             if state not in (BatchState.PROPOSED, BatchState.BUILDING) or build_lock.held(s, [batch_id]):
                 return  # built, or being built, after all
             again = count < limit
@@ -565,12 +481,8 @@ class FarmMeasurer(Measurer):
         if flight is None:
             return out
         with transaction(self.sessions) as s:
-            rows = s.execute(
-                select(BatchCandidate.candidate_key, BatchCandidate.artifact_path, BatchCandidate.input, Measurement.record)
-                .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
-                .where(BatchCandidate.batch_id == batch_id, BatchCandidate.candidate_key.in_(sorted(flight.waiting)))
-            ).all()
-            reason = s.scalar(select(Batch.build_error).where(Batch.id == batch_id)) or "the batch failed"
+            rows = farm_batches.candidates_left(s, batch_id=batch_id, keys=sorted(flight.waiting))
+            reason = farm_batches.batch_build_error(s, batch_id=batch_id) or "the batch failed"
         for key, artifact, data, record in rows:
             if record is not None:
                 out.append(codec.record_from_json(record))

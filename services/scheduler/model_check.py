@@ -49,14 +49,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
-from services.db import model_runs
+from services.db import job_store, model_checks, model_runs
 from services.db.models import ModelRun, ModelRunState
-from services.db.session import transaction
+from services.db.session import SessionFactory, transaction
 from services.protocol.signing import ArtifactSigner, SignedKind
-from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.models import check
 from tunefarm.models.finish import LoadedModel, ModelOutcome, check_inputs, failed_library_name
@@ -74,7 +72,7 @@ DEVICE_RUNS = 100
 class DeviceRun:
     """Where a model runs when this host cannot run it: a device class's agents."""
 
-    sessions: sessionmaker[Session]
+    sessions: SessionFactory
     artifact_root: Path
     job_id: int
     device_class_id: int
@@ -183,11 +181,10 @@ def _wait(where: DeviceRun, run_id: int) -> tuple[ModelRun | None, str]:
     deadline = start + where.wait_secs
     while True:
         with transaction(where.sessions) as s:
-            row = s.get(ModelRun, run_id)
+            row = model_checks.read_model_run(s, model_run_id=run_id)
             if row is None:
                 raise JobFailed(f"model run {run_id} vanished")
             if row.state.is_terminal:
-                s.expunge(row)
                 return row, ""
             waiting = row.state is ModelRunState.READY
             live = job_store.live_agents_by_class(s, fresh_secs=where.no_agent_secs).get(where.device_class_id, 0)

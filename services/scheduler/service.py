@@ -43,18 +43,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.engine import Connection
-from sqlalchemy.orm import Session, sessionmaker
-
+from services.db import job_store
 from services.db.exceptions import Contention, DatabaseError, Unavailable
+from services.db.job_locks import JobLocks
+from services.db.job_store import JobSetup, RunningJob
 from services.db.models import JobState
-from services.db.session import make_session_factory, transaction
+from services.db.session import SessionFactory, make_session_factory, transaction
 from services.protocol.signing import ArtifactSigner, KeyFileError
-from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed, JobVanished
 from services.scheduler.farm_job import FarmJob, MeasurerFactory, RunnerContext
-from services.scheduler.job_store import JobSetup, RunningJob
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.shared_model import ClassModels
 
@@ -62,9 +59,6 @@ log = logging.getLogger("tunefarm.scheduler")
 
 FINISHING_THREADS = 4
 """Jobs finished at the same time (each builds its model in a child process)."""
-
-LOCK_NAMESPACE = 0x74660001
-"""First key of the per-job advisory locks (`pg_try_advisory_lock(LOCK_NAMESPACE, job id)`)."""
 
 
 def fair_share(batches_per_agent: int, live_agents: int, team_jobs: int, teams: int = 1) -> int:
@@ -92,7 +86,7 @@ def fair_caps(batches_per_agent: int, live_agents: dict[int, int], running: list
 
 
 def farm_measurer_factory(
-    settings: SchedulerSettings, sessions: sessionmaker[Session], redis: Any, logger: Callable[[str], None]
+    settings: SchedulerSettings, sessions: SessionFactory, redis: Any, logger: Callable[[str], None]
 ) -> MeasurerFactory:
     """Jobs measure through the farm: Postgres, the class's RQ build queue, the agents."""
     from services.scheduler.farm_measurer import FarmMeasurer
@@ -118,7 +112,7 @@ class SchedulerService:
         self,
         settings: SchedulerSettings,
         *,
-        sessions: sessionmaker[Session] | None = None,
+        sessions: SessionFactory | None = None,
         measurer_factory: MeasurerFactory | None = None,
         logger: Callable[[str], None] | None = None,
     ):
@@ -156,8 +150,7 @@ class SchedulerService:
         self.finishing: dict[int, tuple[FarmJob, Future[None]]] = {}
         # Finishing jobs: one may wait long for an agent to run its model while others build.
         self._executor = ThreadPoolExecutor(max_workers=FINISHING_THREADS, thread_name_prefix="finish")
-        self._locks: Connection | None = None
-        self._held: set[int] = set()
+        self._locks = JobLocks(self.sessions)  # the jobs this process runs (`services.db.job_locks`)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -251,6 +244,8 @@ class SchedulerService:
         try:
             with transaction(self.sessions) as db:
                 setup = job_store.claim_job(db, job_id=job_id)
+            if setup is None:
+                raise JobVanished(f"job {job_id} is no longer runnable")
             shared = self.models.get(setup.device_class_id)
             runner = FarmJob(self.ctx, setup, shared)
             runner.start()
@@ -377,53 +372,19 @@ class SchedulerService:
 
     # -- locks ------------------------------------------------------------------------------
 
-    def _lock_connection(self) -> Connection:
-        if self._locks is None or self._locks.closed or self._locks.invalidated:
-            engine = self.sessions.kw["bind"]
-            self._locks = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-            self._held.clear()
-        return self._locks
-
     def _lock(self, job_id: int) -> bool:
-        if job_id in self._held:
-            return True
-        try:
-            got = bool(
-                self._lock_connection()
-                .execute(text("SELECT pg_try_advisory_lock(:ns, :id)"), {"ns": LOCK_NAMESPACE, "id": job_id})
-                .scalar()
-            )
-        except Exception as exc:
-            raise Unavailable(f"advisory lock: {exc}") from exc
-        if got:
-            self._held.add(job_id)
-        return got
+        """Hold the job (no other scheduler runs it); raises `Unavailable`."""
+        return self._locks.try_lock(job_id)
 
     def _unlock(self, job_id: int) -> None:
-        if job_id not in self._held:
-            return
-        self._held.discard(job_id)
-        try:
-            self._lock_connection().execute(
-                text("SELECT pg_advisory_unlock(:ns, :id)"), {"ns": LOCK_NAMESPACE, "id": job_id}
-            )
-        except Exception:
+        if not self._locks.unlock(job_id):
             self._drop_locks()
 
     def _drop_locks(self) -> None:
         """The lock connection is gone (and its locks with it): stop running the jobs."""
         for job_id in list(self.runners):
             self._drop(job_id)
-        self._close_lock_connection()
-
-    def _close_lock_connection(self) -> None:
-        if self._locks is not None:
-            try:
-                self._locks.close()
-            except Exception:
-                pass
-        self._locks = None
-        self._held.clear()
+        self._locks.close()
 
     # -- shutting down ----------------------------------------------------------------------
 
@@ -436,7 +397,7 @@ class SchedulerService:
         self._executor.shutdown(wait=False, cancel_futures=True)
         for class_id in list(self.models.models):
             self._save_class_model(class_id)
-        self._close_lock_connection()
+        self._locks.close()
         if self._redis is not None:
             self._redis.close()
 

@@ -67,15 +67,12 @@ from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
-from services.db import confirmations, cost_models
+from services.db import class_models, confirmations, cost_models
 from services.db.codec import record_from_json
 from services.db.exceptions import DatabaseError
-from services.db.models import CostModelVersion, DeviceClass, Measurement, Workload
-from services.db.session import transaction
+from services.db.session import Session, SessionFactory, transaction
 from tunefarm.errors import TargetError
 from tunefarm.records import MeasureRecord
 from tunefarm.search.cost_model import CostModel, XGBConfig, XGBCostModel, transfer
@@ -159,7 +156,7 @@ class SharedModelView(CostModel):
 class ClassModels:
     def __init__(
         self,
-        sessions: sessionmaker[Session],
+        sessions: SessionFactory,
         artifact_root: Path,
         *,
         warmup: int,
@@ -193,7 +190,7 @@ class ClassModels:
 
     def _load(self, device_class_id: int) -> ClassModel:
         with transaction(self.sessions) as s:
-            target = s.scalar(select(DeviceClass.target).where(DeviceClass.id == device_class_id))
+            target = class_models.class_target(s, device_class_id=device_class_id)
             latest = cost_models.latest_cost_model_version(
                 s, device_class_id=device_class_id, feature_version=rule_set_for(dict(target or {})).feature_version
             )
@@ -273,16 +270,9 @@ class ClassModels:
         learnt = 0
         while True:
             with transaction(self.sessions) as s:
-                rows = s.execute(
-                    select(Measurement.vouched_seq, Measurement.workload_id, Measurement.record)
-                    .where(
-                        Measurement.device_class_id == shared.device_class_id,
-                        Measurement.vouched_seq > shared.seen_through,
-                        confirmations.believed_clause(),
-                    )
-                    .order_by(Measurement.vouched_seq)
-                    .limit(CATCH_UP_CHUNK)
-                ).all()
+                rows = class_models.vouched_measurements(
+                    s, device_class_id=shared.device_class_id, after_seq=shared.seen_through, limit=CATCH_UP_CHUNK
+                )
             if not rows:
                 break
             feats, costs, groups = [], [], []
@@ -318,11 +308,7 @@ class ClassModels:
         task = None
         try:
             with transaction(self.sessions) as s:
-                row = s.execute(
-                    select(Workload.key, Workload.name, Workload.module_json, Workload.n_outputs).where(
-                        Workload.id == workload_id
-                    )
-                ).one()
+                row = class_models.stored_workload(s, workload_id=workload_id)
             workload = workload_from_stored(key=row.key, name=row.name, module_json=row.module_json, n_outputs=row.n_outputs)
             task = make_task(workload, shared.target)
             if task.key != key:
@@ -383,12 +369,8 @@ def _source(s: Session, version_id: int | None) -> TransferSource | None:
     """The transfer source a version names (None for a version of the class's own data)."""
     if version_id is None:
         return None
-    row = s.execute(
-        select(CostModelVersion.version, DeviceClass.name)
-        .join(DeviceClass, DeviceClass.id == CostModelVersion.device_class_id)
-        .where(CostModelVersion.id == version_id)
-    ).one()
-    return TransferSource(version_id, row.name, row.version)
+    version, device_class = class_models.version_origin(s, version_id=version_id)
+    return TransferSource(version_id, device_class, version)
 
 
 def _sha256(path: str) -> str:

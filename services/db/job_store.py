@@ -1,8 +1,8 @@
-"""The scheduler service's database work: small keyword-only functions over the caller's
-session (`services.db.session.transaction`), none of which commits.
+"""A job's run (the scheduler's side of jobs): small keyword-only functions over the
+caller's session (`services.db.session.transaction`), none of which commits.
 
 - picking jobs: `runnable_jobs`, `claim_job` (queued -> running, with everything the
-  job's session needs: `JobSetup`);
+  job's session needs: `JobSetup`; None for a job no longer runnable);
 - resuming: `last_measurement_id`, `job_records` (the job's measurements in id order);
 - transfer: `best_records_of_class` (another class's best programs of the job's workloads);
 - progress: `write_progress` (a curve point and the job's estimate), `set_dead_reasons`,
@@ -41,7 +41,6 @@ from services.db.models import (
     Model,
     Workload,
 )
-from services.scheduler.exceptions import JobVanished
 from tunefarm.records import ErrorKind, MeasureRecord
 
 RUNNABLE = (JobState.QUEUED, JobState.RUNNING, JobState.FINISHING)
@@ -99,13 +98,13 @@ def runnable_jobs(session: Session, *, limit: int) -> list[RunnableJob]:
     return [RunnableJob(r.id, r.state, r.cancel_requested, r.device_class_id) for r in rows]
 
 
-def claim_job(session: Session, *, job_id: int) -> JobSetup:
+def claim_job(session: Session, *, job_id: int) -> JobSetup | None:
     """Start (or take over after a restart) a job: queued becomes running with its start
-    time; running and finishing stay as they are. Raises `JobVanished` if the job is no
-    longer runnable."""
+    time; running and finishing stay as they are. None (nothing changed) if the job is
+    gone or no longer runnable."""
     job = session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
     if job is None or job.state not in RUNNABLE:
-        raise JobVanished(f"job {job_id} is {'gone' if job is None else job.state.value}")
+        return None
     if job.state is JobState.QUEUED:
         session.execute(
             update(Job)
