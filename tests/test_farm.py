@@ -1146,11 +1146,14 @@ def _standing(farm: Farm, agent_id: int):
         return next(d for d in crud.list_devices(s, fresh_secs=60.0) if d.id == agent_id)
 
 
-def _class_model_learns(farm: Farm, device_class_id: int) -> int:
-    """Programs the class's shared cost model learns from Postgres now (a fresh scheduler's view)."""
+def _class_model_learns(farm: Farm, device_class_id: int, decoded=None) -> int:
+    """Programs the class's shared cost model learns from Postgres now (a fresh scheduler's
+    view, or, with `decoded`, that of the scheduler whose measurer decoded those records)."""
     from services.scheduler.shared_model import ClassModels
 
-    models = ClassModels(farm.sessions, farm.root, warmup=1, save_every=10**6, catch_up_secs=0, transfer=False)
+    models = ClassModels(
+        farm.sessions, farm.root, warmup=1, save_every=10**6, catch_up_secs=0, transfer=False, decoded=decoded
+    )
     return models.get(device_class_id).model.num_samples
 
 
@@ -1253,6 +1256,7 @@ def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(
     assert checks == [(honest2, ConfirmationState.DISPUTED, 3.1e-4), (honest, ConfirmationState.DISPUTED, 3.2e-4),
                       (honest2, ConfirmationState.CONFIRMED, 3.05e-4)]  # fmt: skip
     assert sorted(r.key for r in collect_all(measurer, 5, timeout=10)) == sorted(m.key for m in inputs)
+    assert measurer.decoded.decoded == 5  # each measurement's record decoded once by its job
     liar_row, honest_row = _standing(farm, liar), _standing(farm, honest)
     assert liar_row.confirmations_disputed == 2 and liar_row.confirmations_agreed == 0
     assert any("disputed by other agents" in r for r in liar_row.flag_reasons)
@@ -1261,6 +1265,10 @@ def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(
     # The class's model learns the honest agent's two measurements, none of the liar's
     # (not even the one nobody disputed: an agent none of whose times was confirmed).
     assert _class_model_learns(farm, measurer.device_class_id) == 2
+    # In the scheduler that polled them, the class's model takes the records its job
+    # decoded: nothing is decoded a second time.
+    assert _class_model_learns(farm, measurer.device_class_id, measurer.decoded) == 2
+    assert measurer.decoded.decoded == 5
     with transaction(farm.sessions) as s:
         vouched = dict(s.execute(select(Measurement.candidate_key, Measurement.vouched_seq)
                                  .where(Measurement.job_id == farm.job_id)).all())  # fmt: skip

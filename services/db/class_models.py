@@ -8,6 +8,7 @@ Every function works inside the caller's transaction and commits nothing itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +36,12 @@ def version_origin(session: Session, *, version_id: int) -> tuple[int, str]:
 
 def vouched_measurements(
     session: Session, *, device_class_id: int, after_seq: int, limit: int
-) -> list[tuple[int, int, dict[str, Any]]]:
-    """(vouched_seq, workload id, stored record) of the class's first `limit` measurements
-    vouched for after `after_seq`, in that order, that are still believed."""
+) -> list[tuple[int, int, int]]:
+    """(vouched_seq, measurement id, workload id) of the class's first `limit` measurements
+    vouched for after `after_seq`, in that order, that are still believed (their records:
+    `measurement_records`, for those the caller has not decoded already)."""
     rows = session.execute(
-        select(Measurement.vouched_seq, Measurement.workload_id, Measurement.record)
+        select(Measurement.vouched_seq, Measurement.id, Measurement.workload_id)
         .where(
             Measurement.device_class_id == device_class_id,
             Measurement.vouched_seq > after_seq,
@@ -48,7 +50,15 @@ def vouched_measurements(
         .order_by(Measurement.vouched_seq)
         .limit(limit)
     ).all()
-    return [(seq, workload_id, record) for seq, workload_id, record in rows]
+    return [(seq, measurement_id, workload_id) for seq, measurement_id, workload_id in rows]
+
+
+def measurement_records(session: Session, *, measurement_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """The stored record (its JSON) of each of these measurements, by id."""
+    if not measurement_ids:
+        return {}
+    rows = session.execute(select(Measurement.id, Measurement.record).where(Measurement.id.in_(measurement_ids)))
+    return {measurement_id: record for measurement_id, record in rows}
 
 
 @dataclass(frozen=True)

@@ -101,17 +101,17 @@ def open_search_batches(session: Session, *, job_id: int) -> list[OpenBatch]:
 
 def measurements_after(
     session: Session, *, job_id: int, after_id: int, limit: int
-) -> list[tuple[int, int, str | None, dict[str, Any]]]:
-    """(measurement id, batch id, the candidate's kernel path, stored record) of the job's
-    first `limit` measurements with an id above `after_id`, in id order."""
+) -> list[tuple[int, int, dict[str, Any]]]:
+    """(measurement id, batch id, stored record) of the job's first `limit` measurements
+    with an id above `after_id`, in id order."""
     rows = session.execute(
-        select(Measurement.id, BatchCandidate.batch_id, BatchCandidate.artifact_path, Measurement.record)
+        select(Measurement.id, BatchCandidate.batch_id, Measurement.record)
         .join(BatchCandidate, BatchCandidate.id == Measurement.batch_candidate_id)
         .where(Measurement.job_id == job_id, Measurement.id > after_id)
         .order_by(Measurement.id)
         .limit(limit)
     ).all()
-    return [(mid, batch_id, artifact, record) for mid, batch_id, artifact, record in rows]
+    return [(mid, batch_id, record) for mid, batch_id, record in rows]
 
 
 def batch_states(session: Session, *, batch_ids: Sequence[int]) -> dict[int, BatchState]:

@@ -45,6 +45,7 @@ from services.common.queues import BUILD_JOB, build_job_id
 from services.db import batches, codec, farm_batches, farm_tasks, job_store, measurements
 from services.db.models import BatchState
 from services.db.session import Session, SessionFactory, transaction
+from services.scheduler.decoded_records import DecodedRecords
 from services.worker import build_lock
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
@@ -115,12 +116,15 @@ class FarmMeasurer(Measurer):
         max_lost_builds: int = 10,
         build_job_timeout: int = 1800,
         after_measurement_id: int | None = None,
+        decoded: DecodedRecords | None = None,
         log: Callable[[str], None] = lambda msg: None,
     ):
         """`after_measurement_id`: results are the job's measurements after this id (a
         restarted scheduler passes the last one it resumed from); default: the job's
-        newest measurement now."""
+        newest measurement now. `decoded`: the process's decoded records (shared with the
+        class model, `DecodedRecords`)."""
         self.sessions = sessions
+        self.decoded = decoded if decoded is not None else DecodedRecords()
         self.redis = redis
         self.artifact_root = Path(artifact_root)
         self.job_id = job_id
@@ -371,16 +375,16 @@ class FarmMeasurer(Measurer):
         with transaction(self.sessions) as s:
             rows = farm_batches.measurements_after(s, job_id=self.job_id, after_id=self._last_id, limit=MAX_POLL_ROWS)
         out = []
-        for mid, batch_id, artifact, data in rows:
+        for mid, batch_id, data in rows:
             self._last_id = max(self._last_id, mid)
-            result = self._take(batch_id, artifact, data)
+            result = self._take(mid, batch_id, data)
             if result is not None:
                 out.append(result)
         return out
 
-    def _take(self, batch_id: int, artifact: str | None, data: dict[str, Any]) -> MeasureRecord | None:
+    def _take(self, measurement_id: int, batch_id: int, data: dict[str, Any]) -> MeasureRecord | None:
         flight = self._flight.get(batch_id)
-        record = codec.record_from_json(data)
+        record = self.decoded.decode(measurement_id, data)
         if flight is None or record.candidate.key not in flight.waiting:
             return None
         flight.waiting.discard(record.candidate.key)

@@ -50,6 +50,7 @@ from services.db.job_store import JobSetup, RunningJob
 from services.db.models import JobState
 from services.db.session import SessionFactory, make_session_factory, transaction
 from services.protocol.signing import ArtifactSigner, KeyFileError
+from services.scheduler.decoded_records import DecodedRecords
 from services.scheduler.exceptions import FinishInterrupted, JobFailed, JobVanished
 from services.scheduler.farm_job import FarmJob, MeasurerFactory, RunnerContext
 from services.scheduler.settings import SchedulerSettings
@@ -86,7 +87,8 @@ def fair_caps(batches_per_agent: int, live_agents: dict[int, int], running: list
 
 
 def farm_measurer_factory(
-    settings: SchedulerSettings, sessions: SessionFactory, redis: Any, logger: Callable[[str], None]
+    settings: SchedulerSettings, sessions: SessionFactory, redis: Any, logger: Callable[[str], None],
+    decoded: DecodedRecords,
 ) -> MeasurerFactory:
     """Jobs measure through the farm: Postgres, the class's RQ build queue, the agents."""
     from services.scheduler.farm_measurer import FarmMeasurer
@@ -101,6 +103,7 @@ def farm_measurer_factory(
             queue_prefix=settings.queue_prefix,
             stuck_check_secs=settings.build_check_secs,
             after_measurement_id=seen,
+            decoded=decoded,
             log=lambda msg: logger(f"job {setup.job_id}: {msg}"),
         )
 
@@ -121,11 +124,12 @@ class SchedulerService:
         self.sessions = sessions or make_session_factory(settings)
         settings.artifact_root.mkdir(parents=True, exist_ok=True)
         self._redis = None
+        decoded = DecodedRecords()  # one decoding of each measurement, for its job and its class model
         if measurer_factory is None:
             import redis
 
             self._redis = redis.Redis.from_url(settings.redis_url)
-            measurer_factory = farm_measurer_factory(settings, self.sessions, self._redis, self.log)
+            measurer_factory = farm_measurer_factory(settings, self.sessions, self._redis, self.log, decoded)
         self.ctx = RunnerContext(
             sessions=self.sessions,
             artifact_root=settings.artifact_root,
@@ -144,6 +148,7 @@ class SchedulerService:
             save_every=settings.cost_model_save_every,
             catch_up_secs=settings.cost_model_catch_up_secs,
             transfer=settings.cost_model_transfer,
+            decoded=decoded,
             log=self.log,
         )
         self.runners: dict[int, FarmJob] = {}

@@ -70,9 +70,9 @@ import numpy as np
 
 from services.common import artifacts
 from services.db import class_models, confirmations, cost_models
-from services.db.codec import record_from_json
 from services.db.exceptions import DatabaseError
 from services.db.session import Session, SessionFactory, transaction
+from services.scheduler.decoded_records import DecodedRecords
 from tunefarm.errors import TargetError
 from tunefarm.records import MeasureRecord
 from tunefarm.search.cost_model import CostModel, XGBConfig, XGBCostModel, transfer
@@ -164,9 +164,12 @@ class ClassModels:
         catch_up_secs: float,
         seed: int = 43,
         transfer: bool = True,
+        decoded: DecodedRecords | None = None,
         log: Callable[[str], None] = lambda msg: None,
     ):
+        """`decoded`: the process's decoded records, shared with its jobs' measurers."""
         self.sessions = sessions
+        self.decoded = decoded if decoded is not None else DecodedRecords()
         self.root = Path(artifact_root)
         self.warmup = warmup
         self.save_every = save_every
@@ -273,13 +276,17 @@ class ClassModels:
                 rows = class_models.vouched_measurements(
                     s, device_class_id=shared.device_class_id, after_seq=shared.seen_through, limit=CATCH_UP_CHUNK
                 )
+                decoded = self.decoded.known(mid for _seq, mid, _wid in rows)
+                stored = class_models.measurement_records(
+                    s, measurement_ids=[mid for _seq, mid, _wid in rows if mid not in decoded]
+                )
             if not rows:
                 break
             feats, costs, groups = [], [], []
             by_task: dict[str, list[MeasureRecord]] = {}
             workloads: dict[str, int] = {}
-            for _id, workload_id, data in rows:
-                record = record_from_json(data)
+            for _seq, mid, workload_id in rows:
+                record = decoded.get(mid) or self.decoded.decode(mid, stored[mid])
                 if record.emulated:  # the emulator's cost, not the device's: never learnt
                     continue
                 by_task.setdefault(record.task, []).append(record)
