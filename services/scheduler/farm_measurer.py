@@ -16,7 +16,7 @@ recorded by the build worker, an error the lease service recorded for a batch no
 could finish, or, for a batch whose build job failed for good, an error recorded here
 (`measurements.abandon_batch`). Builds are watched (`_check_batches`, every
 `stuck_check_secs`): Postgres is the source of truth, Redis only carries the jobs. A batch
-proposed or building that no worker holds the build lock of (`services.worker.build_lock`)
+proposed or building that no worker holds the build lock of (`services.db.build_locks`)
 and whose RQ job is not waiting in its queue (its worker was killed, Redis lost its data,
 the job failed; a job started by a worker that has not taken the lock at two checks in a
 row) is enqueued again: up to `max_requeues` times after failed jobs,
@@ -46,7 +46,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
 from services.common.queues import BUILD_JOB, build_job_id
-from services.db import batches, codec, measurements
+from services.db import batches, build_locks, codec, measurements
 from services.db.models import (
     Batch,
     BatchCandidate,
@@ -58,7 +58,6 @@ from services.db.models import (
     Workload,
 )
 from services.db.session import transaction
-from services.worker import build_lock
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
 from tunefarm.records import (
@@ -474,7 +473,7 @@ class FarmMeasurer(Measurer):
 
     def _check_batches(self) -> list[MeasureRecord]:
         """Finished batches whose results were missed, and builds nobody is doing: a
-        batch proposed or building whose build lock no worker holds (`build_lock`) and
+        batch proposed or building whose build lock no worker holds (`build_locks`) and
         whose RQ job is not waiting in its queue (gone with Redis's data, left started
         by a killed worker, failed) is enqueued again."""
         from redis.exceptions import RedisError
@@ -486,7 +485,7 @@ class FarmMeasurer(Measurer):
         unbuilt = (BatchState.PROPOSED, BatchState.BUILDING)
         with transaction(self.sessions) as s:
             states = dict(s.execute(select(Batch.id, Batch.state).where(Batch.id.in_(ids))).all())
-            building = build_lock.held(s, [i for i, st in states.items() if st in unbuilt])
+            building = build_locks.held(s, [i for i, st in states.items() if st in unbuilt])
         out: list[MeasureRecord] = []
         suspects: set[int] = set()
         for batch_id in ids:
@@ -526,7 +525,7 @@ class FarmMeasurer(Measurer):
         reason = f"the build of batch {batch_id} {'failed' if failed else 'was lost'}: {why}"
         with transaction(self.sessions) as s:
             state = s.scalar(select(Batch.state).where(Batch.id == batch_id).with_for_update())
-            if state not in (BatchState.PROPOSED, BatchState.BUILDING) or build_lock.held(s, [batch_id]):
+            if state not in (BatchState.PROPOSED, BatchState.BUILDING) or build_locks.held(s, [batch_id]):
                 return  # built, or being built, after all
             again = count < limit
             if not again:
