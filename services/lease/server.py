@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from sqlalchemy.orm import Session, sessionmaker
 
 from services.db.revocations import RevocationListener
-from services.db.session import make_session_factory
+from services.db.session import Session, make_session_factory, sessionmaker
 from services.lease.servicer import AgentServicer
 from services.lease.settings import LeaseServiceSettings
 from services.lease.sweeper import Sweeper

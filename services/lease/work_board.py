@@ -14,10 +14,8 @@ import math
 import threading
 import time
 
-from sqlalchemy.orm import Session, sessionmaker
-
 from services.db import leases
-from services.db.session import transaction
+from services.db.session import Session, sessionmaker, transaction
 
 
 class WorkBoard:
