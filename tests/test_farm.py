@@ -661,7 +661,7 @@ class LoseTheFirstGrant(grpc.UnaryUnaryClientInterceptor):
 def test_a_lease_whose_grant_never_reached_the_agent_is_leased_again_at_once(farm, tmp_path, agent_caps, lease_settings, db_sessions):
     # Leases last 30 s and heartbeats come every 0.3 s: heartbeats that renewed every
     # active lease of the agent would keep the lost one alive for ever.
-    from services.agent.agent import Agent
+    from services.agent.agent import DeviceAgent
 
     settings = lease_settings.model_copy(update={"lease_bind": f"127.0.0.1:{free_port()}", "lease_secs": 30.0})
     server = make_server(settings, sessions=db_sessions)
@@ -674,7 +674,7 @@ def test_a_lease_whose_grant_never_reached_the_agent_is_leased_again_at_once(far
     measurer.submit(MeasureBatch(id="0:1", task=task, inputs=tuple(inputs), timing=FAST))
     farm.build()
     stop = threading.Event()
-    agent = Agent(farm.agent_settings(f"{farm.device_class}-lost", tmp_path / "lost"), capabilities=agent_caps, stop=stop)
+    agent = DeviceAgent(farm.agent_settings(f"{farm.device_class}-lost", tmp_path / "lost"), capabilities=agent_caps, stop=stop)
     dropper = LoseTheFirstGrant()
     agent.stub = pb_grpc.AgentServiceStub(grpc.intercept_channel(agent.channel, dropper))
     errors: list = []

@@ -117,7 +117,7 @@ def test_a_model_is_tuned_for_the_aarch64_class_through_the_emulated_agent(
     feeds = random_inputs({"x": (1, 3, 8, 8)}, {"x": "float32"}, seed=11)
     np.savez(tmp_path / "inputs.npz", feeds["x"])
     code = (
-        "import sys, numpy as np; from tunefarm.models.build import run_job; "
+        "import sys, numpy as np; from tunefarm.models.runtime import run_job; "
         "outs = run_job(sys.argv[1], sys.argv[2], 0, 1)[0]; np.savez(sys.argv[3], *outs)"
     )
     ran = subprocess.run(

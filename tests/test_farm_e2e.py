@@ -35,10 +35,10 @@ from sqlalchemy import func, select  # noqa: E402
 
 from services.db.models import BatchCandidate, CostModelVersion, Measurement  # noqa: E402
 from services.db.session import transaction  # noqa: E402
-from tunefarm.models.build import run_model  # noqa: E402
 from tunefarm.models.check import compare_outputs  # noqa: E402
 from tunefarm.models.finish import extract_archive  # noqa: E402
 from tunefarm.models.importer import random_inputs, run_onnxruntime  # noqa: E402
+from tunefarm.models.runtime import run_model  # noqa: E402
 from tunefarm.records import MeasureRecord  # noqa: E402
 from tunefarm_app.cli import main as cli  # noqa: E402
 from tunefarm_app.farm_client import FarmClient  # noqa: E402

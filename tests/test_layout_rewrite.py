@@ -204,8 +204,9 @@ def test_model_built_with_rewritten_weights_matches_onnxruntime(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("onnxruntime")
     from tunefarm.models import examples
-    from tunefarm.models.build import apply_schedules, build_model_library, check_library
+    from tunefarm.models.build import apply_schedules, build_model_library
     from tunefarm.models.importer import import_model
+    from tunefarm.models.runtime import check_library
     from tunefarm.models.tasks import extract_tasks
 
     path = examples.export_example("conv_bn_relu", tmp_path / "m.onnx")

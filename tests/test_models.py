@@ -20,13 +20,9 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from tunefarm.errors import ModelError, UsageError  # noqa: E402
 from tunefarm.models import examples  # noqa: E402
-from tunefarm.models.build import (  # noqa: E402
-    apply_schedules,
-    build_model_library,
-    check_library,
-    run_model,
-)
+from tunefarm.models.build import apply_schedules, build_model_library  # noqa: E402
 from tunefarm.models.importer import import_model, random_inputs, run_onnxruntime  # noqa: E402
+from tunefarm.models.runtime import check_library, run_model  # noqa: E402
 from tunefarm.models.tasks import canonical_name, extract_tasks, merge_tasks  # noqa: E402
 
 TARGET = {"kind": "llvm", "num-cores": 2}

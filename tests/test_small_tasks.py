@@ -139,9 +139,10 @@ def _c2f_like_onnx(piece_from_input: bool = False):
 
 
 def _build_and_check(data: bytes, out):
-    from tunefarm.models.build import build_default_library, run_model
+    from tunefarm.models.build import build_default_library
     from tunefarm.models.check import compare_outputs
     from tunefarm.models.finish import load_model, model_inputs
+    from tunefarm.models.runtime import run_model
 
     m = load_model(data, name="c2f", conv_layouts=None)  # NCHW: channel concats are contiguous
     build_default_library(

@@ -104,7 +104,7 @@ def test_vector_split_prefers_real_vectors():
 
 
 def test_parallel_range_gives_every_core_work_and_stops_at_16_jobs_per_core():
-    from tunefarm.search.space.loopnest import parallel_range
+    from tunefarm.search.space.annotate import parallel_range
 
     # extents of the leading loops (e.g. a tiled conv: n0=1, f0=2, y0=7, x0=1, ...)
     assert parallel_range([1, 2, 7, 1, 1, 4], num_cores=2) == (2, 6)

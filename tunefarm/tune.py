@@ -141,7 +141,7 @@ def tune_tasks(
         f"{config.trials} trials, seed {config.seed}, {config.strategy} task scheduler"
     )
     log("config " + json.dumps(config.as_dict(), separators=(",", ":"), default=str))
-    model = cost_model_cache.load_model(cost_model_path, target, seed=config.seed, batch_size=config.batch_size, log=log)
+    model = cost_model_cache.load_cost_model(cost_model_path, target, seed=config.seed, batch_size=config.batch_size, log=log)
     learnt = cost_model_cache.learnt_programs(model)
     cores = targets.num_cores(target)
     timeline = Timeline()

@@ -224,10 +224,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tunefarm.gpu import is_gpu
-    from tunefarm.models.build import load_manifest, model_threads, run_model, time_side_by_side
     from tunefarm.models.check import random_inputs
     from tunefarm.models.finish import REFERENCE_NAME
     from tunefarm.models.peers import available_peers, latency_key
+    from tunefarm.models.runtime import load_manifest, model_threads, run_model, time_side_by_side
     from tunefarm_app.tuned_report import latency_lines
 
     if args.repeat is not None and args.repeat < 1:

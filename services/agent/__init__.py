@@ -6,7 +6,7 @@ runs whole tuned models the scheduler cannot run itself.
 
 | module | what it holds |
 |---|---|
-| `agent.py` | the loop: register, lease, measure, model runs, heartbeats and the leases it holds (`Agent`, `run_agent`) |
+| `agent.py` | the loop: register, lease, measure, model runs, heartbeats and the leases it holds (`DeviceAgent`, `run_agent`) |
 | `settings.py` | `AgentSettings`: flags and TUNEFARM_AGENT_* variables, and what they refuse |
 | `channel.py` | the channel to the lease service (TLS or not), backoff, the errors no retry fixes |
 | `files.py` | downloads (one Fetch stream per lease), and which files are accepted (digest, signature) |

@@ -90,7 +90,7 @@ GO_OFFLINE_TIMEOUT_SECS = 5.0
 """How long a stopping agent waits for the server to take its leases back."""
 
 
-class Agent:
+class DeviceAgent:
     """Registers, leases, fetches, runs and reports until `stop` is set.
 
     `runner` defaults to a sandboxed `LocalRunner` with `num_threads` TVM threads;
@@ -579,4 +579,4 @@ def run_agent(
 ) -> None:
     """Run an agent until `stop` is set (or a fatal error: a bad token, a taken name, a
     device class this machine cannot serve, which raise)."""
-    Agent(settings, runner=runner, capabilities=capabilities, stop=stop).run()
+    DeviceAgent(settings, runner=runner, capabilities=capabilities, stop=stop).run()

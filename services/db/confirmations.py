@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, exists, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, Row, and_, exists, func, insert, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -63,6 +63,7 @@ from services.db.models import (
     JobTask,
     Measurement,
 )
+from services.db.statements import db_now
 from services.db.trust import good_standing_clause, same_party, verdict
 from tunefarm.records import ErrorKind, MeasureRecord
 
@@ -79,36 +80,13 @@ class Stored:
     created: bool  # False: the candidate already had its confirmation; nothing was written
 
 
-def _now(now: datetime | None) -> Any:
-    return now if now is not None else func.now()
-
-
 # -- scheduling -------------------------------------------------------------------------------
 
 
 def schedule(session: Session, *, measurement_id: int, now: datetime | None = None) -> int | None:
     """Queue a confirmation of an agent's measurement (see the module doc); its batch id,
     or None when it has one already (or no agent measured it)."""
-    row = session.execute(
-        select(
-            Measurement.agent_id,
-            Measurement.job_id,
-            Measurement.job_task_id,
-            Measurement.workload_id,
-            Measurement.device_class_id,
-            BatchCandidate.candidate_key,
-            BatchCandidate.input,
-            BatchCandidate.artifact_path,
-            BatchCandidate.artifact_signature,
-            BatchCandidate.build,
-            Batch.timing,
-            Batch.build_timeout_secs,
-            Batch.run_timeout_secs,
-        )
-        .join(BatchCandidate, BatchCandidate.id == Measurement.batch_candidate_id)
-        .join(Batch, Batch.id == BatchCandidate.batch_id)
-        .where(Measurement.id == measurement_id)
-    ).one()
+    row = _measured_candidate(session, measurement_id)
     if row.agent_id is None:
         return None
     marked = session.scalar(
@@ -119,7 +97,7 @@ def schedule(session: Session, *, measurement_id: int, now: datetime | None = No
     )
     if marked is None:
         return None
-    at = _now(now)
+    at = db_now(now)
     batch_id = session.scalar(
         insert(Batch)
         .values(
@@ -149,6 +127,31 @@ def schedule(session: Session, *, measurement_id: int, now: datetime | None = No
         )
     )
     return batch_id
+
+
+def _measured_candidate(session: Session, measurement_id: int) -> Row[Any]:
+    """What a confirmation batch copies from the measurement it checks: its agent, job,
+    task, workload and class, its candidate (input, artifact, build) and its batch's timing."""
+    return session.execute(
+        select(
+            Measurement.agent_id,
+            Measurement.job_id,
+            Measurement.job_task_id,
+            Measurement.workload_id,
+            Measurement.device_class_id,
+            BatchCandidate.candidate_key,
+            BatchCandidate.input,
+            BatchCandidate.artifact_path,
+            BatchCandidate.artifact_signature,
+            BatchCandidate.build,
+            Batch.timing,
+            Batch.build_timeout_secs,
+            Batch.run_timeout_secs,
+        )
+        .join(BatchCandidate, BatchCandidate.id == Measurement.batch_candidate_id)
+        .join(Batch, Batch.id == BatchCandidate.batch_id)
+        .where(Measurement.id == measurement_id)
+    ).one()
 
 
 # -- results ----------------------------------------------------------------------------------

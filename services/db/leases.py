@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, case, exists, func, insert, literal, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, case, exists, func, insert, literal, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -72,32 +72,11 @@ def lease_next_batch(
     if not may_lease(session, agent):
         return None
     at = db_now(now)
-    expired = exists().where(
-        Lease.batch_id == Batch.id, Lease.state == LeaseState.ACTIVE, Lease.expires_at < at
-    )
-    team_held, job_held = _agents_held(session, device_class_id=agent.device_class_id, at=at)
-    confirmable = _confirmations_for(session, agent)
+    queue = _lease_queue(session, agent, at)
     passed_over: list[int] = []
     for _ in range(MAX_LEASE_PROBES):
-        query = (
-            select(Batch)
-            .join(Job, Job.id == Batch.job_id)
-            .where(
-                Batch.device_class_id == agent.device_class_id,
-                Batch.state.in_([BatchState.READY, BatchState.LEASED]),
-                or_(Batch.state == BatchState.READY, expired),
-                confirmable,
-            )
-        )
-        if passed_over:
-            query = query.where(Batch.id.not_in(passed_over))
-        batch = session.scalars(
-            query.order_by(*_fewest_held_first(team_held, Job.team_id), *_fewest_held_first(job_held, Batch.job_id),
-                           Batch.ready_at, Batch.id)
-            .limit(1)
-            .with_for_update(of=Batch, skip_locked=True)
-            .execution_options(populate_existing=True)
-        ).one_or_none()
+        head = queue.where(Batch.id.not_in(passed_over)) if passed_over else queue
+        batch = session.scalars(head).one_or_none()
         if batch is None:
             return None
         if batch.state is BatchState.LEASED and not end_active_lease(
@@ -105,28 +84,57 @@ def lease_next_batch(
         ):
             passed_over.append(batch.id)  # renewed since the scan
             continue
-        lease = session.scalars(
-            insert(Lease)
-            .values(
-                batch_id=batch.id,
-                agent_id=agent_id,
-                state=LeaseState.ACTIVE,
-                granted_at=at,
-                expires_at=at + timedelta(seconds=lease_secs),
-            )
-            .returning(Lease)
-        ).one()
-        session.execute(
-            update(Batch)
-            .where(Batch.id == batch.id)
-            .values(state=BatchState.LEASED, attempts=Batch.attempts + 1),
-            execution_options={"synchronize_session": False},
-        )
-        session.refresh(batch)
-        mark_busy(session, agent_id)
-        set_committed_value(lease, "batch", batch)  # loaded, not a change to flush
-        return lease
+        return _grant(session, batch, agent_id=agent_id, at=at, lease_secs=lease_secs)
     return None
+
+
+def _lease_queue(session: Session, agent: Agent, at: Now) -> Select[tuple[Batch]]:
+    """The agent's class's queue head as a locking query: a batch ready, or leased under
+    an expired lease, that the agent may take, fair share then FIFO, `SKIP LOCKED`."""
+    expired = exists().where(
+        Lease.batch_id == Batch.id, Lease.state == LeaseState.ACTIVE, Lease.expires_at < at
+    )
+    team_held, job_held = _agents_held(session, device_class_id=agent.device_class_id, at=at)
+    return (
+        select(Batch)
+        .join(Job, Job.id == Batch.job_id)
+        .where(
+            Batch.device_class_id == agent.device_class_id,
+            Batch.state.in_([BatchState.READY, BatchState.LEASED]),
+            or_(Batch.state == BatchState.READY, expired),
+            _confirmations_for(session, agent),
+        )
+        .order_by(*_fewest_held_first(team_held, Job.team_id), *_fewest_held_first(job_held, Batch.job_id),
+                  Batch.ready_at, Batch.id)
+        .limit(1)
+        .with_for_update(of=Batch, skip_locked=True)
+        .execution_options(populate_existing=True)
+    )
+
+
+def _grant(session: Session, batch: Batch, *, agent_id: int, at: Now, lease_secs: float) -> Lease:
+    """A new active lease of the (locked) batch to the agent; the batch is leased, the agent busy."""
+    lease = session.scalars(
+        insert(Lease)
+        .values(
+            batch_id=batch.id,
+            agent_id=agent_id,
+            state=LeaseState.ACTIVE,
+            granted_at=at,
+            expires_at=at + timedelta(seconds=lease_secs),
+        )
+        .returning(Lease)
+    ).one()
+    session.execute(
+        update(Batch)
+        .where(Batch.id == batch.id)
+        .values(state=BatchState.LEASED, attempts=Batch.attempts + 1),
+        execution_options={"synchronize_session": False},
+    )
+    session.refresh(batch)
+    mark_busy(session, agent_id)
+    set_committed_value(lease, "batch", batch)  # loaded, not a change to flush
+    return lease
 
 
 def _agents_held(session: Session, *, device_class_id: int, at: Now) -> tuple[dict[int, int], dict[int, int]]:

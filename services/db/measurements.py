@@ -163,6 +163,30 @@ def _store_results(
             fingerprint=fingerprint,
         )
         return [Recorded(measurement_id=c.confirmation_id, created=c.created) for c in stored]
+    lease_id = lease.id if lease is not None else None
+    ids = [bc_id for bc_id, _ in items]
+    created, existing = _insert_measurements(session, facts, agent_id, lease_id, items, fingerprint)
+    new = [(created[bc_id], rec) for bc_id, rec in items if bc_id in created]
+    if new:
+        _count_measurements(session, facts=facts, agent_id=agent_id, new=new)
+    return [
+        Recorded(measurement_id=created[i], created=True)
+        if i in created
+        else Recorded(measurement_id=existing[i], created=False)
+        for i in ids
+    ]
+
+
+def _insert_measurements(
+    session: Session,
+    facts: _BatchFacts,
+    agent_id: int | None,
+    lease_id: int | None,
+    items: Sequence[tuple[int, MeasureRecord]],
+    fingerprint: Mapping[str, Any],
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Insert the items' measurements, none twice: (candidate id -> new measurement id,
+    candidate id -> the measurement stored before for the others)."""
     rows = [
         {
             "batch_candidate_id": bc_id,
@@ -171,7 +195,7 @@ def _store_results(
             "workload_id": facts.workload_id,
             "device_class_id": facts.device_class_id,
             "agent_id": agent_id,
-            "lease_id": lease.id if lease is not None else None,
+            "lease_id": lease_id,
             "candidate_key": rec.candidate.key,  # the candidate's: checked by every caller
             "cost": rec.cost if math.isfinite(rec.cost) else None,
             "error_kind": rec.error_kind,
@@ -190,28 +214,13 @@ def _store_results(
             rows,
         ).all()
     )
-    ids = [bc_id for bc_id, _ in items]
-    missing = [i for i in ids if i not in created]
-    existing = (
-        dict(
-            session.execute(
-                select(Measurement.batch_candidate_id, Measurement.id).where(
-                    Measurement.batch_candidate_id.in_(missing)
-                )
-            ).all()
-        )
-        if missing
-        else {}
-    )
-    new = [(created[bc_id], rec) for bc_id, rec in items if bc_id in created]
-    if new:
-        _count_measurements(session, facts=facts, agent_id=agent_id, new=new)
-    return [
-        Recorded(measurement_id=created[i], created=True)
-        if i in created
-        else Recorded(measurement_id=existing[i], created=False)
-        for i in ids
-    ]
+    missing = [bc_id for bc_id, _ in items if bc_id not in created]
+    if not missing:
+        return created, {}
+    existing = session.execute(
+        select(Measurement.batch_candidate_id, Measurement.id).where(Measurement.batch_candidate_id.in_(missing))
+    ).all()
+    return created, dict(existing)
 
 
 def _new_best(cost: float, measurement_id: int, emulated: bool) -> dict[str, Any]:

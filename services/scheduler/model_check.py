@@ -59,8 +59,8 @@ from services.protocol.signing import ArtifactSigner, SignedKind
 from services.scheduler import job_store
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.models import check
-from tunefarm.models.build import RUN_TIMEOUT, load_manifest
 from tunefarm.models.finish import LoadedModel, ModelOutcome, check_inputs, failed_library_name
+from tunefarm.models.runtime import RUN_TIMEOUT, load_manifest
 from tunefarm.models.timing import Latency
 
 POLL_SECS = 0.5

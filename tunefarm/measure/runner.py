@@ -31,7 +31,7 @@ like a CPU kernel's. Without a GPU the run is a RUN_ERROR saying so (`NoGpuError
 A runner also runs whole tuned models for the farm (`run_model`, `ModelRunInput`): a
 model built for a device class the scheduler cannot run is sent to an agent of the
 class, which runs it once for its outputs and times `repeat` inferences
-(`tunefarm.models.build.run_job`, timed by `tunefarm.models.timing` as `tunefarm run`
+(`tunefarm.models.runtime.run_job`, timed by `tunefarm.models.timing` as `tunefarm run`
 is), in the same process and
 one at a time with the kernels.
 """
@@ -72,6 +72,7 @@ SANDBOX_PRELOAD = (
     "encodings.cp437",  # ... whose member names zipfile decodes with it
     "numpy.ma",  # comparing outputs
     "tunefarm.models.build",
+    "tunefarm.models.runtime",
     "tunefarm.models.timing",
 )
 """What a sandboxed runner imports before it gives up its rights: every module its jobs
@@ -317,7 +318,7 @@ def run_kernel(inp: RunInput) -> RunResult:
 def run_model_job(inp: ModelRunInput) -> list[float]:
     """Run a whole model in this process (see `ModelRunInput`); its latency samples.
     Exceptions (a library that does not load, wrong inputs) propagate."""
-    from tunefarm.models.build import run_job
+    from tunefarm.models.runtime import run_job
 
     outputs, samples, _threads = run_job(inp.library, inp.inputs, inp.repeat, inp.warmup)
     np.savez(inp.outputs, *outputs)

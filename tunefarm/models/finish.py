@@ -47,17 +47,10 @@ from tunefarm.errors import ModelError
 from tunefarm.gpu import is_gpu
 from tunefarm.isolation import IsolatedWorker
 from tunefarm.models import check
-from tunefarm.models.build import (
-    build_default_library,
-    build_model_library,
-    library_name,
-    model_threads,
-    model_worker,
-    run_model,
-    time_side_by_side,
-)
+from tunefarm.models.build import build_default_library, build_model_library, library_name
 from tunefarm.models.importer import ImportedModel, import_model
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, available_peers
+from tunefarm.models.runtime import model_threads, model_worker, run_model, time_side_by_side
 from tunefarm.models.suspects import Suspects, find_suspects
 from tunefarm.models.tasks import CONV_LAYOUTS, ModelTasks, extract_tasks
 from tunefarm.records import MeasureRecord

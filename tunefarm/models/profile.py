@@ -123,7 +123,7 @@ def profile_model(
 ) -> ModelProfile:
     """Profile the built model in `model_dir` on `inputs` (in the order `main` takes them);
     `kernels` are the names of its PrimFuncs (every other call is the VM's own)."""
-    from tunefarm.models.build import load_manifest
+    from tunefarm.models.runtime import load_manifest
 
     manifest = load_manifest(model_dir)
     tmp = tempfile.mkdtemp(prefix="tunefarm-profile-")

@@ -113,9 +113,9 @@ def bench_gpu_model(
     log: Log, compile_timeout: float = COMPILE_TIMEOUT,
 ) -> GpuModelRow:
     from tunefarm.isolation import IsolatedWorker
-    from tunefarm.models.build import _block, load_manifest, model_worker
     from tunefarm.models.examples import export_example
     from tunefarm.models.finish import load_model, model_inputs
+    from tunefarm.models.runtime import load_manifest, model_worker, timing_block
     from tunefarm.models.timing import round_ratios, time_interleaved
     from tunefarm.tune import tune_models
 
@@ -143,7 +143,7 @@ def bench_gpu_model(
             worker = model_worker(1)
             workers.append(worker)
             lib = str(Path(outcome.directory) / manifest["library"])
-            blocks["tunefarm"] = _block(worker, "tunefarm", "tunefarm.models.build:tvm_block_job", (lib, str(ordered)), 300.0)
+            blocks["tunefarm"] = timing_block(worker, "tunefarm", "tunefarm.models.runtime:tvm_block_job", (lib, str(ordered)), 300.0)
         for peer, mode in modes.items():
             worker = IsolatedWorker(name=peer)
             log(f"{peer}: loading{' and compiling (' + mode + ')' if mode else ''}")
@@ -155,7 +155,7 @@ def bench_gpu_model(
                 continue
             log(f"{peer}: ready in {time.perf_counter() - t0:.0f} s; its output differs from the model's by {ready.value:.2e} (max abs)")
             workers.append(worker)
-            blocks[peer] = _block(worker, peer, f"{__name__}:torch_block_job", (name, str(npz), mode), 300.0)
+            blocks[peer] = timing_block(worker, peer, f"{__name__}:torch_block_job", (name, str(npz), mode), 300.0)
         log(f"timing {', '.join(blocks)} in alternating blocks")
         timed = time_interleaved(blocks)
     finally:
@@ -198,10 +198,10 @@ def torch_block_job(
     name: str, inputs_npz: str, mode: str | None, runs: int | None, budget_secs: float, warmup_secs: float, min_runs: int
 ) -> tuple[list[float], int]:
     """Child side of one timing block of a PyTorch contender (see `tunefarm.models.timing`)."""
-    from tunefarm.models.build import _timed_block
+    from tunefarm.models.runtime import timed_block
 
     call, _ = _torch_call(name, inputs_npz, mode)
-    return _timed_block(call, runs, budget_secs, warmup_secs, min_runs), 1
+    return timed_block(call, runs, budget_secs, warmup_secs, min_runs), 1
 
 
 def _torch_call(name: str, inputs_npz: str, mode: str | None):

@@ -140,6 +140,9 @@ def run_models_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+VARIANT_BUILDS = {"ours": "ours", "rr": "round_robin", "off": "ablation_off"}
+"""The build key of each of our tuner's variants (its `ModelRow` field prefix -> `builds`)."""
+
 def bench_model(
     name: str, trials: int, work: Path, target: dict[str, Any], *, seed: int, metaschedule: bool,
     round_robin: bool, peak_gflops: float | None, log: Log, ablation: bool = False,
@@ -157,35 +160,21 @@ def bench_model(
     shapes = {t.name: list(t.shape) for t in loaded.imported.inputs}
     builds: dict[str, Path] = {}
 
-    log(f"tunefarm (gradient): {trials} trials")
-    t0 = time.perf_counter()
-    ours = tune_models([onnx], trials=trials, out=work / "ours" / name, target=target, seed=seed, log=log)
-    row.ours_tune_secs = time.perf_counter() - t0
+    def variant(label: str, key: str, **kwargs: Any):
+        """Tune the model with our tuner (`kwargs`: strategy or search settings), timed."""
+        log(f"tunefarm ({label}): {trials} trials")
+        t0 = time.perf_counter()
+        result = tune_models([onnx], trials=trials, out=work / key / name, target=target, seed=seed, log=log, **kwargs)
+        setattr(row, f"{key}_tune_secs", time.perf_counter() - t0)
+        _note_model(row, result, label)
+        if result.models[0].directory:
+            builds[VARIANT_BUILDS[key]] = result.models[0].directory
+        return result
+
+    ours = variant("gradient", "ours")
     row.search_share = ours.report.get("search_share")
-    _note_model(row, ours, "ours")
-    if ours.models[0].directory:
-        builds["ours"] = ours.models[0].directory
-    rr = None
-    if round_robin:
-        log(f"tunefarm (round-robin): {trials} trials")
-        t0 = time.perf_counter()
-        rr = tune_models(
-            [onnx], trials=trials, out=work / "rr" / name, target=target, seed=seed, strategy="round-robin", log=log
-        )
-        row.rr_tune_secs = time.perf_counter() - t0
-        _note_model(row, rr, "round-robin")
-        if rr.models[0].directory:
-            builds["round_robin"] = rr.models[0].directory
-    off = None
-    if ablation:
-        log(f"tunefarm (gradient, small-budget improvements off): {trials} trials")
-        t0 = time.perf_counter()
-        off = tune_models([onnx], trials=trials, out=work / "off" / name, target=target, seed=seed,
-                          search=ABLATION_OFF, log=log)  # fmt: skip
-        row.off_tune_secs = time.perf_counter() - t0
-        _note_model(row, off, "improvements off")
-        if off.models[0].directory:
-            builds["ablation_off"] = off.models[0].directory
+    rr = variant("round-robin", "rr", strategy="round-robin") if round_robin else None
+    off = variant("gradient, small-budget improvements off", "off", search=ABLATION_OFF) if ablation else None
     if metaschedule:
         log(f"MetaSchedule: tune_relax, {trials} trials (log {work / 'ms' / name / 'metaschedule.log'})")
         peer = run_metaschedule_model(onnx, shapes, target=target, trials=trials, out_dir=work / "ms" / name, seed=seed)
@@ -210,10 +199,16 @@ def bench_model(
     row.final_estimates = {k: final_estimate(t, name) for k, t in timelines.items() if t is not None}
     row.reach = reach_figures(row, timelines, name)
     row.tasks = holdbacks(ours.report, peak_gflops)
+    _note_held_out(row, work / "ours" / name / "records.jsonl", seed)
+    return row
+
+
+def _note_held_out(row: ModelRow, records: Path, seed: int) -> None:
+    """Each task's held-out ranking accuracy of the cost model on our run's records."""
     try:
         from tunefarm_app.bench.heldout import held_out_by_task
 
-        acc = held_out_by_task(work / "ours" / name / "records.jsonl", seed=seed)
+        acc = held_out_by_task(records, seed=seed)
         for t in row.tasks:
             a = next((v for k, v in acc.items() if k.startswith(t["key"] + "@")), None)
             t["heldout_pairwise"] = a.pairwise if a is not None and math.isfinite(a.pairwise) else None
@@ -221,15 +216,14 @@ def bench_model(
             t["heldout_pairs_dropped"] = f"{a.dropped}/{a.dropped + a.pairs}" if a is not None else None
     except Exception as exc:  # a metric, never a reason to lose the bench
         row.notes.append(f"held-out accuracy: {type(exc).__name__}: {exc}")
-    return row
 
 
 def time_builds(builds: dict[str, Path], onnx: Path, feeds, loaded, threads: int, log: Log) -> dict[str, float]:
     """The p50 of every build and of the peers ("onnxruntime", "openvino" when installed),
     timed in alternating blocks (`time_side_by_side`); a build whose output is wrong is
     dropped."""
-    from tunefarm.models.build import run_model, time_side_by_side
     from tunefarm.models.check import compare_outputs
+    from tunefarm.models.runtime import run_model, time_side_by_side
 
     want = loaded.reference(feeds)
     right = {}

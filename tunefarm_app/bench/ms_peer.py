@@ -130,9 +130,7 @@ def tune_metaschedule(
     target = metaschedule_gpu_target(target_dict) if gpu else tvm.target.Target(target_dict)
     if constants and not gpu:  # MetaSchedule's RewriteLayout postproc rewrites the inputs marked so
         workload_mod = tvm.IRModule({"main": workload_mod["main"].with_attr("layout_free_buffers", list(constants))})
-    if (work_dir / "database_tuning_record.json").exists():
-        raise FileExistsError(f"{work_dir} already holds a MetaSchedule database; use a fresh --work-dir")
-    work_dir.mkdir(parents=True, exist_ok=True)
+    _fresh_work_dir(work_dir)
     cores = physical_cores() if gpu else int(target_dict.get("num-cores") or 1)
     t0 = time.perf_counter()
     builder = ms.builder.LocalBuilder(max_workers=cores, f_build=build_without_intrin)
@@ -163,12 +161,21 @@ def tune_metaschedule(
     )
     if sch is None:
         return _with_note(outcome, "MetaSchedule's database has no valid schedule")
-    library.parent.mkdir(parents=True, exist_ok=True)
+    return _export_best(sch, outcome, target, target_dict, library)
+
+
+def _export_best(sch: Any, outcome: MetaScheduleOutcome, target: Any, target_dict: dict[str, Any],
+                 library: Path) -> MetaScheduleOutcome:
+    """Step 4: MetaSchedule's best schedule compiled and exported to `library`."""
+    import tvm
+
     from tunefarm import fastmath, layout
     from tunefarm.export import export_library
+    from tunefarm.gpu import is_gpu
 
+    library.parent.mkdir(parents=True, exist_ok=True)
     fastmath.install()
-    if gpu:
+    if is_gpu(target_dict):
         from tunefarm.cuda import use_nvcc
 
         use_nvcc(target_dict)
@@ -179,6 +186,12 @@ def tune_metaschedule(
     tvm.compile(layout.kernel_library_module(sch.mod), target=target).export_library(str(library))
     rewrites = layout.has_layout_rewrite(sch.mod["main"])
     return MetaScheduleOutcome(**{**outcome.as_dict(), "library": str(library), "layout_rewrite": rewrites})
+
+
+def _fresh_work_dir(work_dir: Path) -> None:
+    if (work_dir / "database_tuning_record.json").exists():
+        raise FileExistsError(f"{work_dir} already holds a MetaSchedule database; use a fresh --work-dir")
+    work_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _record_cost(record: Any) -> float:
@@ -228,8 +241,6 @@ def tune_metaschedule_model(
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
 
-    from tunefarm import fastmath, layout
-    from tunefarm.models.build import LIBRARY_NAME, write_manifest
     from tunefarm.models.importer import import_model
     from tunefarm.models.tasks import fuse
 
@@ -239,9 +250,7 @@ def tune_metaschedule_model(
     # the order its loops read them, as tunefarm may; the transforms are folded below.
     fused = relax.transform.AttachAttrLayoutFreeBuffers()(fuse(imported.mod))
     target = tvm.target.Target(target_dict)
-    if (work_dir / "database_tuning_record.json").exists():
-        raise FileExistsError(f"{work_dir} already holds a MetaSchedule database; use a fresh --work-dir")
-    work_dir.mkdir(parents=True, exist_ok=True)
+    _fresh_work_dir(work_dir)
     cores = int(target_dict.get("num-cores") or 1)
     n_tasks = len(ms.relax_integration.extract_tasks(fused, target))
     t0 = time.perf_counter()
@@ -257,6 +266,20 @@ def tune_metaschedule_model(
     )
     tune_secs = time.perf_counter() - t0
     n_records = len(database.get_all_tuning_records())
+    scheduled = _build_applied(fused, database, target, target_dict, imported, out_dir)
+    return MetaScheduleModelOutcome(n_records, trials, n_tasks, tune_secs, setup_secs, str(out_dir), scheduled)
+
+
+def _build_applied(fused: Any, database: Any, target: Any, target_dict: dict[str, Any], imported: Any,
+                   out_dir: Path) -> int:
+    """The fused model with the database's schedules applied, its weight layouts folded,
+    built into `out_dir` with a manifest; how many PrimFuncs took a schedule."""
+    import tvm
+    from tvm import relax
+
+    from tunefarm import fastmath, layout
+    from tunefarm.models.build import LIBRARY_NAME, write_manifest
+
     with target, database:
         applied = relax.transform.MetaScheduleApplyDatabase()(fused)
     applied = layout.fold_layout_rewrites(applied)
@@ -272,4 +295,4 @@ def tune_metaschedule_model(
         out_dir, name=f"{imported.name} (MetaSchedule)", target=target_dict, inputs=imported.inputs,
         outputs=imported.outputs, scheduled=[],
     )
-    return MetaScheduleModelOutcome(n_records, trials, n_tasks, tune_secs, setup_secs, str(out_dir), scheduled)
+    return scheduled

@@ -72,7 +72,7 @@ def fresh_model(seed: int, batch_size: int) -> XGBCostModel:
     )
 
 
-def load_model(
+def load_cost_model(
     path: Path | None, target: dict[str, Any], *, seed: int, batch_size: int, log: Callable[[str], None]
 ) -> XGBCostModel:
     """The model saved at `path` if it is there and fits this target and these features;

@@ -4,7 +4,7 @@ Map of this module (the `Program` it builds is `program.py`'s; GPU steps are
 `loopnest_gpu`'s):
   build(dag, sketch, decider, num_cores) -> Program    apply every step, filling slots
   _tile / _fuse_consumer / _compute_location / ...     one function per sketch step
-  _annotate, parallel_range                            vectorize, parallelize, unroll
+  annotate, parallel_range                            vectorize, parallelize, unroll
 
 Why a model: the evolutionary search scores thousands of programs per round, and
 replaying a schedule in TVM costs ~5 ms each on this machine, so the search works on
@@ -15,32 +15,26 @@ test checks that the model's loops match TVM's on random programs.
 Semantics mirrored from TVM's schedule primitives:
 - split loops keep extent-1 parts; `compute_at` / `reverse_compute_at` create one loop
   per block iterator whose region extent is > 1, in iterator order;
-- `rfactor` of a block with loops (spatial..., k) fused/split into (k0, k1) gives an
-  rf block with loops (spatial..., k0, k1) and a final block with (spatial..., rf);
 - `decompose_reduction` at the first reduction loop copies the spatial loops inside it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from tunefarm.gpu import GpuLimits
 from tunefarm.search.space import loopnest_gpu
+from tunefarm.search.space.annotate import annotate
 from tunefarm.search.space.dag import (
     AccessSpec,
     Affine,
-    BlockSpec,
     BufferSpec,
     ComputeDag,
-    IterSpec,
-    OpCounts,
     inline_into_consumers,
     is_elementwise_write,
 )
 from tunefarm.search.space.program import (
     MAX_INNERMOST_TILE,
-    MAX_UNROLLED_LANES,
     InvalidProgram,
     Loop,
     Nest,
@@ -50,8 +44,8 @@ from tunefarm.search.space.program import (
     touched_region,
     tvm_position,
     union_region,
-    unrolled_lanes,
 )
+from tunefarm.search.space.rfactor import rfactor
 from tunefarm.search.space.sketch import (
     FUSE_LEVELS,
     AnnotateStep,
@@ -69,16 +63,8 @@ from tunefarm.search.space.sketch import (
     apply_cache_write,
     cache_write_names,
     describe_step,
-    rfactor_names,
 )
-from tunefarm.search.space.slots import ChoiceDomain, Decider, IntRange, TileDomain
-
-UNROLL_STEPS = (0, 16, 64, 512)
-"""Candidate values of `pragma_auto_unroll_max_step` (Ansor CPU)."""
-
-MAX_VECTOR = 64
-"""Longest loop the model vectorizes (Ansor: max_innermost_split_factor)."""
-
+from tunefarm.search.space.slots import ChoiceDomain, Decider, TileDomain
 
 # ------------------------------------------------------------------------------ build
 
@@ -105,7 +91,7 @@ def build(
             case CacheWriteStep(block=b, scope=scope):
                 _cache_write(prog, b, scope)
             case RfactorStep(block=b, inner=inner):
-                _rfactor(prog, b, inner, decider)
+                rfactor(prog, b, inner, decider)
             case TileStep(block=b, structure=s):
                 if gpu is not None:
                     loopnest_gpu.draw_feasible_tiles(prog, b, s, decider, gpu)
@@ -119,7 +105,7 @@ def build(
                     _compute_location(prog, b, decider)
             case AnnotateStep(block=b):
                 if b in prog.nests:  # gone when a location decision inlined it
-                    _annotate(prog, b, decider, num_cores)
+                    annotate(prog, b, decider, num_cores)
             case CacheReadStep() | CrossThreadReductionStep() | ThreadBindStep():
                 if gpu is None:
                     raise InvalidProgram(f"{describe_step(step)}: a GPU step, and no GPU to build for")
@@ -167,125 +153,11 @@ def _cache_write(prog: Program, name: str, scope: str) -> None:
     add_root_nest(prog, prog.dag.block(copy_name), after=name)
 
 
-def _rfactor(prog: Program, name: str, inner: bool, decider: Decider) -> None:
-    spec = prog.nests[name].spec
-    total = math.prod(it.extent for it in spec.reduce)
-    f0, f1 = decider.decide(
-        f"{name}.rfactor", TileDomain(total, 2, MAX_INNERMOST_TILE if inner else total)
-    )
-    # The rf axis goes last when it is the vectorized one (contiguous partial sums),
-    # first when it is the parallel one (each thread owns a contiguous block).
-    factor_axis = len(spec.spatial) if inner else 0
-    prog.emit("rfactor", name, (f0, f1), inner, rfactor_names(name), len(spec.reduce), factor_axis)
-    rf_spec, final_spec = _rfactor_blocks(prog, spec, inner, (f0, f1), factor_axis)
-    _rfactor_nests(prog, spec, rf_spec, final_spec, inner, (f0, f1))
-
-
-def _rfactor_blocks(
-    prog: Program, spec: BlockSpec, inner: bool, factors: tuple[int, int], factor_axis: int
-) -> tuple[BlockSpec, BlockSpec]:
-    """The rf block and the final block that replace `spec` in the DAG (which gains the
-    rf buffer): the rf block reduces (rest) into rf partial sums, the final block sums
-    them."""
-    name = spec.name
-    f0, f1 = factors
-    rf_ext, rest_ext = (f1, f0) if inner else (f0, f1)
-    rf_iter = IterSpec(f"{name}.rf", rf_ext, "S")
-    rest_iter = IterSpec(f"{name}.rest", rest_ext, "R")
-    # Fused reduction index k = k0 * f1 + k1, with (k0, k1) = (rest, rf) or (rf, rest).
-    k = (
-        Affine.of({rest_iter.name: f1, rf_iter.name: 1})
-        if inner
-        else Affine.of({rf_iter.name: f1, rest_iter.name: 1})
-    )
-    red_names = [it.name for it in spec.reduce]
-    new_buffers = list(prog.dag.buffers)
-    reads = [_fuse_reduce_dims(prog.dag, acc, red_names, k, new_buffers) for acc in spec.reads]
-    rf_name = rfactor_names(name)
-    sp_shape = [it.extent for it in spec.spatial]
-    sp_index = [Affine.of({it.name: 1}) for it in spec.spatial]
-    rf_shape = (*sp_shape[:factor_axis], rf_ext, *sp_shape[factor_axis:])
-    new_buffers.append(BufferSpec(rf_name, rf_shape, prog.dag.buffer(spec.write.buffer).dtype, "intermediate"))
-    rf_index = (*sp_index[:factor_axis], Affine.of({rf_iter.name: 1}), *sp_index[factor_axis:])
-    rf_spec = BlockSpec(
-        name=rf_name,
-        iters=(rf_iter, *spec.spatial, rest_iter),
-        reads=tuple(reads),
-        write=AccessSpec(rf_name, rf_index),
-        ops=spec.ops,
-        has_init=True,
-        has_branch=spec.has_branch,
-        has_expensive_op=spec.has_expensive_op,
-    )
-    final_iter = IterSpec(f"{name}.rf", rf_ext, "R")
-    combine = OpCounts(float_cmp=1) if spec.ops.float_cmp and not spec.ops.float_add_sub else OpCounts(float_add_sub=1)
-    final_spec = replace(
-        spec,
-        iters=(final_iter, *spec.spatial),  # TVM's order; its loops stay (spatial..., rf)
-        reads=(AccessSpec(rf_name, (*sp_index[:factor_axis], Affine.of({final_iter.name: 1}), *sp_index[factor_axis:])),),
-        ops=combine,
-        has_branch=False,
-        has_expensive_op=False,
-    )
-    blocks = []
-    for b in prog.dag.blocks:
-        blocks.extend([rf_spec, final_spec] if b.name == name else [b])
-    prog.dag = prog.dag.replace_blocks(blocks, new_buffers)
-    return rf_spec, final_spec
-
-
-def _rfactor_nests(
-    prog: Program, spec: BlockSpec, rf_spec: BlockSpec, final_spec: BlockSpec, inner: bool, factors: tuple[int, int]
-) -> None:
-    """The loops of the two blocks that replace `spec`: the rf block's (spatial..., k0,
-    k1), the final block's (spatial..., rf)."""
-    name = spec.name
-    f0, f1 = factors
-    del prog.nests[name]
-    idx = prog.order.index(name)
-    prog.order.remove(name)
-    sp_loops = [prog.new_loop(it.extent, False) for it in spec.spatial]
-    k0 = prog.new_loop(f0, reduce=inner)
-    k1 = prog.new_loop(f1, reduce=not inner)
-    binding = {it.name: Affine.of({lp.key: 1}) for it, lp in zip(spec.spatial, sp_loops)}
-    binding[f"{name}.rf"] = Affine.of({(k1 if inner else k0).key: 1})
-    binding[f"{name}.rest"] = Affine.of({(k0 if inner else k1).key: 1})
-    prog.nests[rf_spec.name] = Nest(rf_spec, [*sp_loops, k0, k1], binding, rf_inner=inner)
-    fsp = [prog.new_loop(it.extent, False) for it in spec.spatial]
-    frf = prog.new_loop(f1 if inner else f0, True)
-    fbinding = {it.name: Affine.of({lp.key: 1}) for it, lp in zip(spec.spatial, fsp)}
-    fbinding[f"{name}.rf"] = Affine.of({frf.key: 1})
-    prog.nests[name] = Nest(final_spec, [*fsp, frf], fbinding)
-    prog.order[idx:idx] = [rf_spec.name, name]
-
-
-def _fuse_reduce_dims(dag: ComputeDag, acc: AccessSpec, red: list[str], k: Affine, new_buffers: list) -> AccessSpec:
-    """Rewrite an access so the fused reduction index `k` replaces the reduction
-    iterators: a single one is substituted; several (consecutive dimensions, checked by
-    `rfactor_possible`) are merged into one dimension of a flattened view."""
-    dims = [i for i, ix in enumerate(acc.indices) if ix.vars & set(red)]
-    if not dims:
-        return acc
-    if len(red) == 1:
-        return AccessSpec(acc.buffer, tuple(ix.substitute({red[0]: k}) for ix in acc.indices))
-    buf = dag.buffer(acc.buffer)
-    lo, hi = dims[0], dims[-1] + 1
-    merged = 1
-    for s in buf.shape[lo:hi]:
-        merged *= s
-    view = BufferSpec(f"{buf.name}", (*buf.shape[:lo], merged, *buf.shape[hi:]), buf.dtype, buf.role)
-    view_name = f"{buf.name}@{lo}:{hi}"
-    view = replace(view, name=view_name)
-    if all(b.name != view_name for b in new_buffers):
-        new_buffers.append(view)
-    return AccessSpec(view_name, (*acc.indices[:lo], k, *acc.indices[hi:]))
-
-
 def _tile(
     prog: Program, name: str, structure: str, decider: Decider, choose_inner_axis: bool = True, vector_bytes: int = 0
 ) -> None:
     """Multi-level tiling. The spatial iterator whose innermost tile becomes the
-    innermost loop (the one `_annotate` vectorizes) draws its factors with a preference
+    innermost loop (the one `annotate` vectorizes) draws its factors with a preference
     for whole vectors when the target's `vector_bytes` is known (`TileDomain.vector_lanes`):
     uniform draws rarely give an extent like 80 a 16-wide inner tile (3 tilings in 140),
     and a 10-wide one, which the search had settled on in a YOLO-like model, ran an
@@ -509,119 +381,13 @@ def _compute_location(prog: Program, name: str, decider: Decider) -> None:
     attach_region_nest(prog, name, _owner_of(prog, choice), choice, region)
 
 
-def _annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None:
-    """Ansor's InitVectorization, InitParallel and InitUnroll for one block, then the
-    reduction's init split off (decompose_reduction), all as `realize.py` does them."""
-    nest = prog.nests[name]
-    spec = nest.spec
-    at_root = nest.attach is None
-    attached = prog.attached_keys()
-    # -- vectorize
-    if nest.rf_inner and not at_root:
-        _rf_axis_innermost(prog, name)
-    if nest.loops:
-        last = nest.loops[-1]
-        if at_root and not nest.tiled and not nest.rf_inner and not last.reduce and last.extent > 1 and last.key not in attached:
-            outer_ext, vec = decider.decide(f"{name}.vector", TileDomain(last.extent, 2, MAX_VECTOR, min_innermost=2))
-            prog.emit("split_inner", name, (outer_ext, vec))
-            _split_last(prog, nest, outer_ext, vec)
-            if vec > 1:
-                nest.loops[-1].kind = "vectorized"
-                prog.emit("vectorize", name)
-        elif not last.reduce and 1 < last.extent <= MAX_VECTOR and last.key not in attached:
-            last.kind = "vectorized"
-            prog.emit("vectorize", name)
-    # -- parallel
-    if at_root:
-        prefix = 0
-        for lp in nest.loops:
-            if lp.reduce or lp.kind == "vectorized":
-                break
-            prefix += 1
-            if lp.key in attached:
-                break
-        if prefix:
-            lo, hi = parallel_range([lp.extent for lp in nest.loops[:prefix]], num_cores)
-            if math.prod(lp.extent for lp in nest.loops) <= SERIAL_WORK_LIMIT:
-                lo = 0  # small enough that one thread may beat waking the pool: the search decides
-            n = decider.decide(f"{name}.parallel", IntRange(lo, hi))
-            nest.parallel = n
-            for lp in nest.loops[:n]:
-                lp.kind = "parallel"
-            if n:
-                prog.emit("parallel", name, n)
-    # -- unroll
-    if (spec.is_reduction or nest.tiled) and nest.loops:
-        nest.unroll = UNROLL_STEPS[decider.decide(f"{name}.unroll", ChoiceDomain(len(UNROLL_STEPS)))]
-        if nest.unroll:
-            own = len(nest.loops) - max(nest.parallel - 1, 0)  # own loops after the parallel fuse
-            prog.emit("unroll", name, -own, nest.unroll)
-            lanes = unrolled_lanes(nest.loops, nest.unroll)
-            if lanes > MAX_UNROLLED_LANES:
-                raise InvalidProgram(f"{name}: auto-unroll {nest.unroll} gives {lanes} lanes of straight-line code")
     # The reduction's init is split off later, by `_decompose_reductions`.
 
 
-def _rf_axis_innermost(prog: Program, name: str) -> None:
-    """Move the rf axis of a computed-at rf block innermost, so that it can be vectorized.
-
-    `compute_at` recreates a block's loops in its iterator order, and an rf block's rf
-    iterator comes first: the vectorizable axis would end up outside the reduction loop
-    (a 16-lane max reduction becoming 16 scalar chains)."""
-    nest = prog.nests[name]
-    rf_vars = nest.binding[nest.spec.iters[0].name].vars
-    own = [i for i, lp in enumerate(nest.loops) if lp.key in rf_vars]
-    attached = prog.attached_keys()
-    if len(own) != 1 or own[0] == len(nest.loops) - 1:
-        return
-    idx = own[0]
-    if any(lp.key in attached for lp in nest.loops[idx:]):
-        return
-    pos = idx - len(nest.loops)
-    nest.loops.append(nest.loops.pop(idx))
-    prog.emit("move_innermost", name, pos)
 
 
-SERIAL_WORK_LIMIT = 1 << 18
-"""A root block whose loop nest runs at most this many iterations may also run on one
-thread (parallel decision 0). Waking TVM's thread pool and joining it costs microseconds
-per kernel, far more on a busy machine: on the shared 2-core VM this was written on (load
-~20), a vectorized elementwise kernel of 2^10 floats took 0.12 us serially and 25 us with
-a parallel loop, 2^16 floats 8.9 vs 74 us, 2^18 40 vs 388 us, 2^20 4.7 vs 4.5 ms. Below
-this bound one thread can win; which side does is measured, not assumed: 0 is one more
-value of the parallel slot. Bigger blocks are always parallel (their search space stays
-as it was)."""
-
-PARALLEL_JOBS_PER_CORE = 16
-"""Fusing outer loops past this many parallel jobs per core gains nothing (Ansor and
-MetaSchedule both stop at 16 x cores)."""
 
 
-def parallel_range(extents: list[int], num_cores: int) -> tuple[int, int]:
-    """How many leading loops the parallel loop may fuse: from the fewest that give every
-    core work to the fewest that give 16 jobs per core (Ansor's InitParallel default)."""
-    prod, lo, hi = 1, None, len(extents)
-    for k, e in enumerate(extents, 1):
-        prod *= e
-        if lo is None and prod >= num_cores:
-            lo = k
-        if prod > PARALLEL_JOBS_PER_CORE * num_cores:
-            hi = k
-            break
-    if lo is None:  # too little parallelism anywhere: fuse all of it
-        lo = hi
-    return lo, hi
 
 
-def _split_last(prog: Program, nest: Nest, outer_ext: int, inner_ext: int) -> None:
-    last = nest.loops[-1]
-    outer = prog.new_loop(outer_ext, last.reduce)
-    inner = prog.new_loop(inner_ext, last.reduce)
-    nest.loops[-1:] = [outer, inner]
-    for it, aff in list(nest.binding.items()):
-        c = aff.coeff(last.key)
-        if c:
-            terms = {v: x for v, x in aff.terms if v != last.key}
-            terms[outer.key] = c * inner_ext
-            terms[inner.key] = c
-            nest.binding[it] = Affine.of(terms, aff.const, aff.exact)
+

@@ -1,0 +1,146 @@
+"""The annotation step of the loop-nest model (Ansor's random annotation on CPU): which
+loops run in parallel, which innermost loop is vectorized, and how far the nest is unrolled
+(`pragma_auto_unroll_max_step`). `parallel_range` bounds the fused outer loops that run in
+parallel, from their work per core.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tunefarm.search.space.dag import (
+    Affine,
+)
+from tunefarm.search.space.program import (
+    MAX_UNROLLED_LANES,
+    InvalidProgram,
+    Nest,
+    Program,
+    unrolled_lanes,
+)
+from tunefarm.search.space.slots import ChoiceDomain, Decider, IntRange, TileDomain
+
+UNROLL_STEPS = (0, 16, 64, 512)
+"""Candidate values of `pragma_auto_unroll_max_step` (Ansor CPU)."""
+
+
+MAX_VECTOR = 64
+"""Longest loop the model vectorizes (Ansor: max_innermost_split_factor)."""
+
+
+def annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None:
+    """Ansor's InitVectorization, InitParallel and InitUnroll for one block, then the
+    reduction's init split off (decompose_reduction), all as `realize.py` does them."""
+    nest = prog.nests[name]
+    spec = nest.spec
+    at_root = nest.attach is None
+    attached = prog.attached_keys()
+    # -- vectorize
+    if nest.rf_inner and not at_root:
+        _rf_axis_innermost(prog, name)
+    if nest.loops:
+        last = nest.loops[-1]
+        if at_root and not nest.tiled and not nest.rf_inner and not last.reduce and last.extent > 1 and last.key not in attached:
+            outer_ext, vec = decider.decide(f"{name}.vector", TileDomain(last.extent, 2, MAX_VECTOR, min_innermost=2))
+            prog.emit("split_inner", name, (outer_ext, vec))
+            _split_last(prog, nest, outer_ext, vec)
+            if vec > 1:
+                nest.loops[-1].kind = "vectorized"
+                prog.emit("vectorize", name)
+        elif not last.reduce and 1 < last.extent <= MAX_VECTOR and last.key not in attached:
+            last.kind = "vectorized"
+            prog.emit("vectorize", name)
+    # -- parallel
+    if at_root:
+        prefix = 0
+        for lp in nest.loops:
+            if lp.reduce or lp.kind == "vectorized":
+                break
+            prefix += 1
+            if lp.key in attached:
+                break
+        if prefix:
+            lo, hi = parallel_range([lp.extent for lp in nest.loops[:prefix]], num_cores)
+            if math.prod(lp.extent for lp in nest.loops) <= SERIAL_WORK_LIMIT:
+                lo = 0  # small enough that one thread may beat waking the pool: the search decides
+            n = decider.decide(f"{name}.parallel", IntRange(lo, hi))
+            nest.parallel = n
+            for lp in nest.loops[:n]:
+                lp.kind = "parallel"
+            if n:
+                prog.emit("parallel", name, n)
+    # -- unroll
+    if (spec.is_reduction or nest.tiled) and nest.loops:
+        nest.unroll = UNROLL_STEPS[decider.decide(f"{name}.unroll", ChoiceDomain(len(UNROLL_STEPS)))]
+        if nest.unroll:
+            own = len(nest.loops) - max(nest.parallel - 1, 0)  # own loops after the parallel fuse
+            prog.emit("unroll", name, -own, nest.unroll)
+            lanes = unrolled_lanes(nest.loops, nest.unroll)
+            if lanes > MAX_UNROLLED_LANES:
+                raise InvalidProgram(f"{name}: auto-unroll {nest.unroll} gives {lanes} lanes of straight-line code")
+
+
+def _rf_axis_innermost(prog: Program, name: str) -> None:
+    """Move the rf axis of a computed-at rf block innermost, so that it can be vectorized.
+
+    `compute_at` recreates a block's loops in its iterator order, and an rf block's rf
+    iterator comes first: the vectorizable axis would end up outside the reduction loop
+    (a 16-lane max reduction becoming 16 scalar chains)."""
+    nest = prog.nests[name]
+    rf_vars = nest.binding[nest.spec.iters[0].name].vars
+    own = [i for i, lp in enumerate(nest.loops) if lp.key in rf_vars]
+    attached = prog.attached_keys()
+    if len(own) != 1 or own[0] == len(nest.loops) - 1:
+        return
+    idx = own[0]
+    if any(lp.key in attached for lp in nest.loops[idx:]):
+        return
+    pos = idx - len(nest.loops)
+    nest.loops.append(nest.loops.pop(idx))
+    prog.emit("move_innermost", name, pos)
+
+
+SERIAL_WORK_LIMIT = 1 << 18
+"""A root block whose loop nest runs at most this many iterations may also run on one
+thread (parallel decision 0). Waking TVM's thread pool and joining it costs microseconds
+per kernel, far more on a busy machine: on the shared 2-core VM this was written on (load
+~20), a vectorized elementwise kernel of 2^10 floats took 0.12 us serially and 25 us with
+a parallel loop, 2^16 floats 8.9 vs 74 us, 2^18 40 vs 388 us, 2^20 4.7 vs 4.5 ms. Below
+this bound one thread can win; which side does is measured, not assumed: 0 is one more
+value of the parallel slot. Bigger blocks are always parallel (their search space stays
+as it was)."""
+
+
+PARALLEL_JOBS_PER_CORE = 16
+"""Fusing outer loops past this many parallel jobs per core gains nothing (Ansor and
+MetaSchedule both stop at 16 x cores)."""
+
+
+def parallel_range(extents: list[int], num_cores: int) -> tuple[int, int]:
+    """How many leading loops the parallel loop may fuse: from the fewest that give every
+    core work to the fewest that give 16 jobs per core (Ansor's InitParallel default)."""
+    prod, lo, hi = 1, None, len(extents)
+    for k, e in enumerate(extents, 1):
+        prod *= e
+        if lo is None and prod >= num_cores:
+            lo = k
+        if prod > PARALLEL_JOBS_PER_CORE * num_cores:
+            hi = k
+            break
+    if lo is None:  # too little parallelism anywhere: fuse all of it
+        lo = hi
+    return lo, hi
+
+
+def _split_last(prog: Program, nest: Nest, outer_ext: int, inner_ext: int) -> None:
+    last = nest.loops[-1]
+    outer = prog.new_loop(outer_ext, last.reduce)
+    inner = prog.new_loop(inner_ext, last.reduce)
+    nest.loops[-1:] = [outer, inner]
+    for it, aff in list(nest.binding.items()):
+        c = aff.coeff(last.key)
+        if c:
+            terms = {v: x for v, x in aff.terms if v != last.key}
+            terms[outer.key] = c * inner_ext
+            terms[inner.key] = c
+            nest.binding[it] = Affine.of(terms, aff.const, aff.exact)
