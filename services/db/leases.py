@@ -312,19 +312,24 @@ def expire_leases(session: Session, *, now: datetime | None = None) -> list[int]
     )
     if not batch_ids:
         return []
-    session.execute(
-        update(Lease)
-        .where(Lease.batch_id.in_(batch_ids), Lease.state == LeaseState.ACTIVE, Lease.expires_at < at)
-        .values(state=LeaseState.EXPIRED, finished_at=at),
-        execution_options={"synchronize_session": False},
+    # A heartbeat (which locks no batch) may renew a lease after the scan: its batch stays leased.
+    expired = sorted(
+        session.scalars(
+            update(Lease)
+            .where(Lease.batch_id.in_(batch_ids), Lease.state == LeaseState.ACTIVE, Lease.expires_at < at)
+            .values(state=LeaseState.EXPIRED, finished_at=at)
+            .returning(Lease.batch_id),
+            execution_options={"synchronize_session": False},
+        )
     )
-    session.execute(
-        update(Batch)
-        .where(Batch.id.in_(batch_ids), Batch.state == BatchState.LEASED)
-        .values(state=BatchState.READY),
-        execution_options={"synchronize_session": False},
-    )
-    return batch_ids
+    if expired:
+        session.execute(
+            update(Batch)
+            .where(Batch.id.in_(expired), Batch.state == BatchState.LEASED)
+            .values(state=BatchState.READY),
+            execution_options={"synchronize_session": False},
+        )
+    return expired
 
 
 def finish_lease(
