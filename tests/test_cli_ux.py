@@ -51,7 +51,7 @@ def _missing_help(parser: argparse.ArgumentParser, path: str):
 def _service_parsers():
     """The parsers the process commands (`tunefarm api`, `worker`, ...) build in their `main`,
     caught at their parse_args call."""
-    from tunefarm_app.farm_commands import SERVICE_COMMANDS
+    from tunefarm_app.operator_commands import SERVICE_COMMANDS
 
     class Caught(Exception):
         pass

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from tunefarm.errors import TunefarmError, UsageError
-from tunefarm_app import farm_commands, model_commands
+from tunefarm_app import farm_commands, model_commands, operator_commands
 from tunefarm_app.bench import farm as bench_farm
 from tunefarm_app.bench import farm_load as bench_farm_load
 from tunefarm_app.bench import fastmath as bench_math
@@ -61,7 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     model_commands.add_commands(sub)
     farm_commands.add_commands(sub)
+    operator_commands.add_commands(sub)
+    _add_kernel_commands(sub)
+    _add_records_commands(sub)
+    _add_bench_commands(sub)
+    return p
 
+
+def _add_kernel_commands(sub) -> None:
+    """One operator's kernel on this machine, no model: `tune-op`, `apply-best`, `sketches`."""
     t = sub.add_parser("tune-op", help="tune one operator on this machine (its CPU, or with a CUDA target its GPU)")
     t.add_argument("workload", help="registry name (matmul, conv2d, ...), file.py:function or a TVMScript file.py")
     t.add_argument("--shape", help="shape parameters, e.g. M=1024,N=1024,K=1024")
@@ -88,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--const", action="append", metavar="NAME", help=CONST_HELP)
     s.add_argument("--target", help=TARGET_HELP)
 
+
+def _add_records_commands(sub) -> None:
+    """What was tuned, in other forms: `dataset`, `export-ms`, `report`."""
     d = sub.add_parser("dataset", help="write records as a columnar dataset (Parquet) for training cost models")
     d.add_argument("records", type=Path, nargs="+", help="records files (JSON lines, with their .workloads sidecar)")
     d.add_argument("--out", type=Path, required=True, help="the Parquet file to write (and FILE.json: how it was made)")
@@ -102,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--html", action="store_true", help="also write it as one self-contained HTML file")
     r.add_argument("--out", type=Path, help="where --html writes (default: DIRECTORY/report.html)")
 
+
+def _add_bench_commands(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks against TVM MetaSchedule and vendor libraries")
     bsub = b.add_subparsers(dest="suite", required=True, parser_class=_Parser)
     bo = bsub.add_parser("ops", help="tune the operator set and compare with the peers")
@@ -122,7 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_farm_load.add_command(bsub)
     bench_math.add_command(bsub)
     bench_transfer.add_command(bsub)
-    return p
 
 
 def version_text() -> str:
@@ -163,6 +175,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return model_commands.COMMANDS[args.command](args)
     if args.command in farm_commands.COMMANDS:
         return farm_commands.COMMANDS[args.command](args)
+    if args.command in operator_commands.COMMANDS:
+        return operator_commands.COMMANDS[args.command](args)
     if args.command == "tune-op":
         return _tune_op(args)
     if args.command == "apply-best":

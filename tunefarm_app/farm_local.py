@@ -69,6 +69,7 @@ from typing import Any
 
 from tunefarm.errors import UsageError
 from tunefarm.export import target_arch
+from tunefarm_app import local_processes
 from tunefarm_app.farm_redis import REDIS_PROCESS, OwnRedis, check_given, wait_ready
 
 FARM_FILE = "farm.json"
@@ -243,8 +244,8 @@ class LocalFarm:
     def _prepare_env(self, class_name: str, agent_token: str, redis_url: str) -> None:
         """Every process's TUNEFARM_* settings, and farm.json's addresses (`info`)."""
         c = self.config
-        api_bind = _with_free_port(c.api_bind)
-        lease_bind = _with_free_port(c.lease_bind)
+        api_bind = local_processes.with_free_port(c.api_bind)
+        lease_bind = local_processes.with_free_port(c.lease_bind)
         signing = signing_env(c.state_dir)
         self.env = {
             "TUNEFARM_DATABASE_URL": c.database_url,
@@ -253,7 +254,7 @@ class LocalFarm:
             "TUNEFARM_ARTIFACT_ROOT": str(c.artifact_root.resolve()),
             "TUNEFARM_API_BIND": api_bind,
             "TUNEFARM_LEASE_BIND": lease_bind,
-            "TUNEFARM_AGENT_SERVER": _connect_address(lease_bind),
+            "TUNEFARM_AGENT_SERVER": local_processes.connect_address(lease_bind),
             "TUNEFARM_AGENT_TOKEN": agent_token,
             "TUNEFARM_AGENT_DEVICE_CLASS": class_name,
             "TUNEFARM_AGENT_NAME": agent_base_name(c.state_dir),
@@ -264,8 +265,8 @@ class LocalFarm:
             **c.extra_env,
         }
         self.info = {
-            "api_url": f"http://{_connect_address(api_bind)}",
-            "grpc_address": _connect_address(lease_bind),
+            "api_url": f"http://{local_processes.connect_address(api_bind)}",
+            "grpc_address": local_processes.connect_address(lease_bind),
             "grpc_tls": c.tls is not None,
             "extra_classes": dict(c.extra_classes),
             "database_url": c.database_url,
@@ -363,7 +364,7 @@ class LocalFarm:
                 start_new_session=True,  # its own process group: `down` stops its children too
                 umask=PRIVATE_UMASK,
             )
-        process = Process(name, command, proc.pid, str(log_path), _started(proc.pid))
+        process = Process(name, command, proc.pid, str(log_path), local_processes.started_at(proc.pid))
         self.processes[name] = process
         self._popen[name] = proc
         if (self.config.state_dir / FARM_FILE).exists():  # a restart: keep farm.json's pids right
@@ -378,23 +379,23 @@ class LocalFarm:
 
     def _wait_own_redis(self) -> None:
         log = Path(self.processes[REDIS_PROCESS].log)
-        wait_ready(self.info["redis_url"], lambda: self.alive(REDIS_PROCESS), lambda: log_tail(log))
+        wait_ready(self.info["redis_url"], lambda: self.alive(REDIS_PROCESS), lambda: local_processes.log_tail(log))
 
     def alive(self, name: str) -> bool:
         proc = self._popen.get(name)
         if proc is not None:
             return proc.poll() is None
-        return _pid_alive(self.processes[name].pid)
+        return local_processes.pid_alive(self.processes[name].pid)
 
     def stop(self, name: str, *, sig: int = signal.SIGTERM, grace: float = STOP_GRACE_SECS) -> None:
         """Stop one process (its whole group); SIGKILL after `grace` seconds."""
         process = self.processes[name]
-        _signal_group(process.pid, sig)
+        local_processes.signal_group(process.pid, sig)
         deadline = time.monotonic() + grace
         while self.alive(name) and time.monotonic() < deadline:
             time.sleep(0.1)
         if self.alive(name):
-            _signal_group(process.pid, signal.SIGKILL)
+            local_processes.signal_group(process.pid, signal.SIGKILL)
             while self.alive(name):
                 time.sleep(0.05)
         proc = self._popen.pop(name, None)
@@ -406,7 +407,7 @@ class LocalFarm:
         once, so that its processes stop in parallel."""
         for group in stopping_order(list(self.processes)):
             for name in group:
-                _signal_group(self.processes[name].pid, signal.SIGTERM)
+                local_processes.signal_group(self.processes[name].pid, signal.SIGTERM)
             for name in group:
                 self.stop(name, grace=grace)
 
@@ -426,10 +427,10 @@ class LocalFarm:
                     reason = agent_exit_reason(log) if name.startswith("agent") else None
                     if reason:
                         raise UsageError(f"{name} exited during start-up: {reason} (log: {log})")
-                    raise UsageError(f"{name} exited during start-up:\n{log_tail(log)}")
-            if "api" in pending and _http_ok(self.info["api_url"] + "/healthz"):
+                    raise UsageError(f"{name} exited during start-up:\n{local_processes.log_tail(log)}")
+            if "api" in pending and local_processes.http_ok(self.info["api_url"] + "/healthz"):
                 pending.discard("api")
-            if "lease-service" in pending and _port_open(self.info["grpc_address"]):
+            if "lease-service" in pending and local_processes.port_open(self.info["grpc_address"]):
                 pending.discard("lease-service")
             pending -= {name for name in pending if name.startswith("agent") and self._agent_registered(name)}
             if not pending:
@@ -439,21 +440,9 @@ class LocalFarm:
             time.sleep(0.5)
 
     def _agent_registered(self, name: str) -> bool:
-        from sqlalchemy import create_engine, text
-        from sqlalchemy.pool import NullPool
+        from services.db.database_admin import agent_registered
 
-        engine = create_engine(self.config.database_url, poolclass=NullPool)
-        try:
-            with engine.connect() as conn:
-                n = conn.execute(
-                    text("SELECT count(*) FROM agents WHERE name = :n AND state IN ('idle', 'busy') AND token_id = :t"),
-                    {"n": self.registered_name(name), "t": self.agent_token_id},
-                ).scalar()
-                return bool(n)
-        except Exception:
-            return False
-        finally:
-            engine.dispose()
+        return agent_registered(self.config.database_url, name=self.registered_name(name), token_id=self.agent_token_id)
 
     # -- farm.json ----------------------------------------------------------------------------
 
@@ -486,7 +475,7 @@ def up(config: FarmConfig, *, log: Callable[[str], None] = print) -> LocalFarm:
     existing = config.state_dir / FARM_FILE
     if existing.exists():
         procs = read_state(config.state_dir).get("processes", {})
-        running = [n for n, p in procs.items() if p.get("running") and _is_ours(p)]
+        running = [n for n, p in procs.items() if p.get("running") and local_processes.is_ours(p)]
         if running:
             raise UsageError(f"a farm is already running from {config.state_dir} ({', '.join(running)}); run farm down first")
     farm = LocalFarm(config, log=log)
@@ -508,18 +497,18 @@ def down(state_dir: Path, *, grace: float = STOP_GRACE_SECS) -> list[str]:
     stopped = []
     procs = data.get("processes", {})
     for p in procs.values():
-        if p.get("running") and not _is_ours(p):
+        if p.get("running") and not local_processes.is_ours(p):
             p["running"] = False  # exited long ago; the pid may be another program's now
     for group in stopping_order([name for name, p in procs.items() if p.get("running")]):
         for name in group:
-            _signal_group(procs[name]["pid"], signal.SIGTERM)
+            local_processes.signal_group(procs[name]["pid"], signal.SIGTERM)
         deadline = time.monotonic() + grace
         for name in group:
             p = procs[name]
-            while _pid_alive(p["pid"]) and time.monotonic() < deadline:
+            while local_processes.pid_alive(p["pid"]) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if _pid_alive(p["pid"]):
-                _signal_group(p["pid"], signal.SIGKILL)
+            if local_processes.pid_alive(p["pid"]):
+                local_processes.signal_group(p["pid"], signal.SIGKILL)
             p["running"] = False
             stopped.append(name)
     path = state_dir / FARM_FILE
@@ -607,94 +596,3 @@ def detected_class_name(target: dict[str, Any]) -> str:
     (`services.agent.capabilities.default_device_class`): arch-cpu-cores."""
     arch = target_arch(target) or platform.machine()
     return f"{arch}-{target.get('mcpu', 'generic')}-{target.get('num-cores', 1)}c"
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def _with_free_port(bind: str) -> str:
-    host, _, port = bind.rpartition(":")
-    if port not in ("", "0"):
-        return bind
-    with socket.socket() as s:
-        s.bind((host or "127.0.0.1", 0))
-        return f"{host or '127.0.0.1'}:{s.getsockname()[1]}"
-
-
-def _connect_address(bind: str) -> str:
-    host, _, port = bind.rpartition(":")
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        host = "127.0.0.1"
-    return f"{host}:{port}"
-
-
-def _http_ok(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except Exception:
-        return False
-
-
-def _port_open(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not reaped) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def _started(pid: int) -> str | None:
-    """When the process `pid` started, in clock ticks after boot (/proc/PID/stat's 22nd
-    field); None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _is_ours(process: dict[str, Any]) -> bool:
-    """Whether a process of farm.json still runs (not a later process with its pid): its
-    start time is the one recorded (a farm.json without one: it runs a tunefarm command)."""
-    pid = process["pid"]
-    if process.get("started"):
-        return _started(pid) == process["started"]
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"tunefarm" in f.read()
-    except OSError:
-        return False
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    """Signal the process group led by `pid` (every process `farm up` started leads one)."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

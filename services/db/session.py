@@ -123,3 +123,9 @@ def translate(error: exc.SQLAlchemyError) -> DatabaseError:
     ):
         return Unavailable(message)
     return DatabaseError(message)
+
+
+SQLAlchemyError = exc.SQLAlchemyError
+"""SQLAlchemy's own root error, for callers outside `services.db` that report what escapes
+untranslated from outside a `transaction` (a malformed URL, Alembic's migrations).
+(`DatabaseError` here is `services.db.exceptions.DatabaseError`, what `translate` makes.)"""

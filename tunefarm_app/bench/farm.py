@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +107,15 @@ class BenchFarm:
 
     def __enter__(self) -> BenchFarm:
         from redis import Redis
-        from sqlalchemy import make_url
 
+        from services.db.database_admin import with_database
         from services.db.migrate import create_database, upgrade
         from services.db.session import make_session_factory
         from services.db.settings import DatabaseSettings
         from services.worker.settings import WorkerSettings
 
         self.uid = uuid.uuid4().hex[:8]
-        server = make_url(DatabaseSettings().database_url)
-        self.url = server.set(database=f"tunefarm_bench_{self.uid}").render_as_string(hide_password=False)
+        self.url = with_database(DatabaseSettings().database_url, f"tunefarm_bench_{self.uid}")
         create_database(self.url)
         upgrade(self.url)
         self.sessions = make_session_factory(self.url)
@@ -159,42 +158,27 @@ class BenchFarm:
         self.tmp.cleanup()
 
     def _job(self) -> tuple[int, str]:
-        from services.db import tokens
-        from services.db.models import Job, Model, Team, TokenKind
+        from services.api import admin
+        from services.db import synthetic_load, tokens
+        from services.db.models import TokenKind
         from services.db.session import transaction
 
+        cls = self.device_class("jobs")
         with transaction(self.sessions) as s:
-            team = Team(name=f"bench-{self.uid}")
-            s.add(team)
-            s.flush()
-            model = Model(
-                team_id=team.id, name="bench", input_shapes={}, onnx_path="-", onnx_sha256="0" * 64,
-                onnx_size=0, fused_path="-", fused_sha256="0" * 64, fused_size=0, task_table=[],
-            )  # fmt: skip
-            s.add(model)
-            s.flush()
-            cls = self.device_class("jobs")
-            job = Job(team_id=team.id, model_id=model.id, device_class_id=cls, trial_budget=10**9)
-            s.add(job)
-            s.flush()
+            team = admin.ensure_team(s, name=f"bench-{self.uid}")
+            [job_id] = synthetic_load.add_model_and_jobs(s, team_id=team.id, device_class_id=cls, name="bench",
+                                                         n_jobs=1, trial_budget=10**9)  # fmt: skip
             _, token = tokens.issue_token(s, kind=TokenKind.AGENT, label="bench")
-            return job.id, token
+            return job_id, token
 
     def device_class(self, name: str) -> int:
-        from sqlalchemy import select
-        from sqlalchemy.dialects.postgresql import insert
-
-        from services.db.models import DeviceClass
+        """The id of the class `name` (for this machine's CPU), made if it does not exist."""
+        from services.api import admin
         from services.db.session import transaction
         from tunefarm.target import host_target_dict
 
         with transaction(self.sessions) as s:
-            s.execute(
-                insert(DeviceClass)
-                .values(name=name, target=host_target_dict())
-                .on_conflict_do_nothing(index_elements=[DeviceClass.name])
-            )
-            return int(s.scalar(select(DeviceClass.id).where(DeviceClass.name == name)))
+            return int(admin.ensure_device_class(s, name=name, target=host_target_dict()).id)
 
     def start(self, label: str, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
         log = open(Path(self.tmp.name) / f"{label}.log", "ab")  # noqa: SIM115 (the process keeps it)
@@ -240,15 +224,13 @@ class BenchFarm:
 
     def wait_healthy(self, names: Sequence[str], timeout: float = 300.0) -> None:
         """Until every named agent has registered and reported a started runner."""
-        from sqlalchemy import select
-
-        from services.db.models import Agent
+        from services.db import synthetic_load
         from services.db.session import transaction
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with transaction(self.sessions) as s:
-                rows = s.execute(select(Agent.name, Agent.capabilities).where(Agent.name.in_(list(names)))).all()
+                rows = synthetic_load.agent_capabilities(s, names)
             ok = [n for n, caps in rows if (caps or {}).get("health", {}).get("status") == "HEALTH_STATUS_OK"]
             if len(ok) == len(names):
                 return
@@ -310,9 +292,8 @@ def _collect(measurer, n: int, timeout: float) -> list:
 
 
 def _throughput(farm: BenchFarm, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    from sqlalchemy import update
-
-    from services.db.models import Batch, BatchState
+    from services.db import synthetic_load
+    from services.db.models import BatchState
     from services.db.session import transaction
     from tunefarm.measure import MeasureBatch
     from tunefarm.records import ErrorKind, TimingConfig
@@ -347,7 +328,7 @@ def _throughput(farm: BenchFarm, counts: list[int], args: argparse.Namespace) ->
             farm.wait_healthy(names)
             t0 = time.perf_counter()
             with transaction(farm.sessions) as s:  # hand the built batches to the agents at once
-                s.execute(update(Batch).where(Batch.id.in_(mine)).values(device_class_id=run_class_id))
+                synthetic_load.move_batches(s, mine, run_class_id)
             results = _collect(measurer, total, timeout=600)
             wall = time.perf_counter() - t0
             errors = sum(r.error_kind is not ErrorKind.NONE for r in results)
@@ -366,25 +347,21 @@ def _throughput(farm: BenchFarm, counts: list[int], args: argparse.Namespace) ->
 
 
 def _batch_ids(farm: BenchFarm) -> set[int]:
-    from sqlalchemy import select
-
-    from services.db.models import Batch
+    from services.db import synthetic_load
     from services.db.session import transaction
 
     with transaction(farm.sessions) as s:
-        return set(s.scalars(select(Batch.id).where(Batch.job_id == farm.job_id)))
+        return synthetic_load.batch_ids(s, farm.job_id)
 
 
 def _wait_states(farm: BenchFarm, ids: list[int], states: set, timeout: float) -> None:
-    from sqlalchemy import select
-
-    from services.db.models import Batch
+    from services.db import synthetic_load
     from services.db.session import transaction
 
     deadline = time.monotonic() + timeout
     while True:
         with transaction(farm.sessions) as s:
-            got = list(s.scalars(select(Batch.state).where(Batch.id.in_(ids))))
+            got = synthetic_load.batch_states(s, ids)
         if all(st in states for st in got):
             return
         if time.monotonic() > deadline:
@@ -396,37 +373,14 @@ def _wait_states(farm: BenchFarm, ids: list[int], states: set, timeout: float) -
 
 
 def _dispatch(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
-    from tunefarm.measure import MeasureBatch
-    from tunefarm.records import TimingConfig
-    from tunefarm.target import host_target_dict
-
     cls = f"dispatch-{farm.uid}"
     farm.device_class(cls)
-    kernel = farm.root / "kernels" / "stand-in.so"
-    kernel.parent.mkdir(parents=True, exist_ok=True)
-    kernel.write_bytes(os.urandom(16 * 1024))  # the size of a small built kernel
-    code = "import sys; from tunefarm_app.bench.farm import {0}; {0}(sys.argv[1:])"
-    worker = farm.start("stub-worker", [sys.executable, "-c", code.format("stand_in_worker"), cls, str(kernel)])
     name = f"stub-agent-{farm.uid}"
-    agent = farm.start("stub-agent", [sys.executable, "-c", code.format("stand_in_agent"), *farm.agent_argv(name, cls)[3:]])
+    worker, agent = _start_stand_ins(farm, cls, name)
     try:
         farm.wait_healthy([name])
-        wl = tiny_workload()
         measurer = farm.measurer(cls, poll_interval=0.02)
-        task = measurer.prepare(wl, f"{wl.key}@dispatch", host_target_dict())
-        timing = TimingConfig()
-        key = 10**7
-
-        def run(n_batches: int) -> float:
-            nonlocal key
-            t0 = time.perf_counter()
-            for b in range(n_batches):
-                inputs = distinct_inputs(task.key, key, DISPATCH_BATCH)
-                key += DISPATCH_BATCH
-                measurer.submit(MeasureBatch(id=f"d{key}:{b}", task=task, inputs=tuple(inputs), timing=timing))
-            _collect(measurer, n_batches * DISPATCH_BATCH, timeout=300)
-            return time.perf_counter() - t0
-
+        run = _batch_runner(measurer)
         _say(f"dispatch: stand-in build and run, batches of {DISPATCH_BATCH}")
         run(2)  # warm-up: connections, caches, the first lease
         before = _batch_ids(farm)
@@ -434,9 +388,9 @@ def _dispatch(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
         phases = _phases(farm, sorted(_batch_ids(farm) - before))
         procs = {"scheduler (this process)": os.getpid(), "lease service": farm.lease_service.pid,
                  "build worker": worker.pid, "agent": agent.pid}  # fmt: skip
-        cpu0 = {k: _cpu_secs([pid]) for k, pid in procs.items()} | {"postgres, redis": _cpu_secs(_server_pids())}
+        cpu0 = _cpu_by_process(procs)
         pipelined = run(args.dispatch_batches)
-        cpu1 = {k: _cpu_secs([pid]) for k, pid in procs.items()} | {"postgres, redis": _cpu_secs(_server_pids())}
+        cpu1 = _cpu_by_process(procs)
         n = args.dispatch_batches * DISPATCH_BATCH
         cpu_ms = {k: (cpu1[k] - cpu0[k]) / n * 1e3 for k in cpu0}
         measurer.close()
@@ -457,6 +411,48 @@ def _dispatch(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
         "pipelined_cpu_ms_per_candidate": cpu_ms,
         "cores": os.cpu_count(),
     }
+
+
+def _start_stand_ins(farm: BenchFarm, cls: str, agent_name: str) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+    """A build worker and an agent for `cls` whose build and run take no time (`stand_ins`)."""
+    kernel = farm.root / "kernels" / "stand-in.so"
+    kernel.parent.mkdir(parents=True, exist_ok=True)
+    kernel.write_bytes(os.urandom(16 * 1024))  # the size of a small built kernel
+    code = "import sys; from tunefarm_app.bench.stand_ins import {0}; {0}(sys.argv[1:])"
+    worker = farm.start("stub-worker", [sys.executable, "-c", code.format("stand_in_worker"), cls, str(kernel)])
+    agent_argv = farm.agent_argv(agent_name, cls)[3:]
+    agent = farm.start("stub-agent", [sys.executable, "-c", code.format("stand_in_agent"), *agent_argv])
+    return worker, agent
+
+
+def _batch_runner(measurer) -> Callable[[int], float]:
+    """`run(n)`: submit `n` batches of `DISPATCH_BATCH` new candidates at once, collect
+    every result; the seconds it took."""
+    from tunefarm.measure import MeasureBatch
+    from tunefarm.records import TimingConfig
+    from tunefarm.target import host_target_dict
+
+    wl = tiny_workload()
+    task = measurer.prepare(wl, f"{wl.key}@dispatch", host_target_dict())
+    timing = TimingConfig()
+    key = 10**7
+
+    def run(n_batches: int) -> float:
+        nonlocal key
+        t0 = time.perf_counter()
+        for b in range(n_batches):
+            inputs = distinct_inputs(task.key, key, DISPATCH_BATCH)
+            key += DISPATCH_BATCH
+            measurer.submit(MeasureBatch(id=f"d{key}:{b}", task=task, inputs=tuple(inputs), timing=timing))
+        _collect(measurer, n_batches * DISPATCH_BATCH, timeout=300)
+        return time.perf_counter() - t0
+
+    return run
+
+
+def _cpu_by_process(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process, and of the database and queue servers."""
+    return {k: _cpu_secs([pid]) for k, pid in pids.items()} | {"postgres, redis": _cpu_secs(_server_pids())}
 
 
 def _cpu_secs(pids: Sequence[int]) -> float:
@@ -487,25 +483,11 @@ def _server_pids() -> list[int]:
 
 def _phases(farm: BenchFarm, batch_ids: list[int]) -> dict[str, float]:
     """Where one batch's time went, from the database's clocks (medians, ms)."""
-    from sqlalchemy import func, select
-
-    from services.db.models import Batch, BatchCandidate, Lease, Measurement
+    from services.db import synthetic_load
     from services.db.session import transaction
 
     with transaction(farm.sessions) as s:
-        rows = s.execute(
-            select(
-                Batch.created_at,
-                Batch.ready_at,
-                func.min(Lease.granted_at),
-                func.max(Measurement.created_at),
-            )
-            .join(Lease, Lease.batch_id == Batch.id)
-            .join(BatchCandidate, BatchCandidate.batch_id == Batch.id)
-            .join(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
-            .where(Batch.id.in_(batch_ids))
-            .group_by(Batch.id)
-        ).all()
+        rows = synthetic_load.batch_times(s, batch_ids)
     ms = [
         (
             (ready - created).total_seconds() * 1e3,
@@ -525,61 +507,6 @@ def bench_signing_env(directory: Path) -> dict[str, str]:
     private, public = directory / "farm-signing.key", directory / "farm-signing.pub"
     ensure_key_pair(private, public)
     return {"TUNEFARM_SIGNING_KEY_FILE": str(private), "TUNEFARM_AGENT_SIGNING_PUBLIC_KEY": str(public)}
-
-
-def stand_in_worker(argv: list[str]) -> None:
-    """An RQ SimpleWorker whose builds take no time: every candidate "builds" into the
-    same 16 KB file (the agent still fetches one per candidate)."""
-    from redis import Redis
-
-    from services.worker import jobs
-    from services.worker.build_job import build_worker
-    from services.worker.settings import WorkerSettings
-    from tunefarm.measure.builder import Builder
-    from tunefarm.records import BuildResult
-
-    device_class, kernel = argv
-
-    class StandInBuilder(Builder):
-        def build(self, inputs):
-            return [BuildResult(inp.candidate_key, kernel, 0.0) for inp in inputs]
-
-        def close(self) -> None:
-            pass
-
-    settings = WorkerSettings()
-    jobs.configure(settings, builder=StandInBuilder())
-    redis = Redis.from_url(settings.redis_url)
-    build_worker(redis, [device_class], settings.queue_prefix).work()
-
-
-def stand_in_agent(argv: list[str]) -> None:
-    """An agent whose runner answers at once (no TVM: nothing is loaded or run)."""
-    import threading
-
-    from services.agent import capabilities
-    from services.agent.agent import run_agent
-    from services.agent.cli import build_parser
-    from services.agent.settings import AgentSettings
-    from tunefarm.measure.runner import Runner
-    from tunefarm.records import RunResult
-
-    class InstantRunner(Runner):
-        def run(self, inputs):
-            return [RunResult(i.candidate_key, (1e-6, 1e-6, 1e-6), 0.0, verified=True) for i in inputs]
-
-        def close(self) -> None:
-            pass
-
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    settings = AgentSettings.from_env(**vars(args))
-    caps = {**capabilities.detect(probe=False), "tvm_version": "stand-in"}
-    run_agent(settings, runner=InstantRunner(), stop=stop, capabilities=caps)
 
 
 # -- output ---------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ Postgres and RQ, results back from Postgres), driven by this process with each j
 keeping the scheduler's fair share of batches in flight.
 
 Stand-ins, at the protocol level: builds take no time (every candidate "builds" into one
-16 KB file: `farm.stand_in_worker`), and the agents are simulated (`load_agents`: N
+16 KB file: `stand_ins.stand_in_worker`), and the agents are simulated (`load_agents`: N
 asyncio agents in one process that register, heartbeat, lease, fetch their batches'
 files and report a fixed cost per candidate without running anything). What is measured
 is the farm around the kernels: leases and results per second, the progress endpoint
@@ -74,44 +74,30 @@ def _say(msg: str) -> None:
 
 def _seed_jobs(farm: BenchFarm, class_id: int, n_jobs: int, budget: int) -> tuple[str, list[int]]:
     """A team with a token, a model, `n_jobs` running jobs on the class."""
-    from sqlalchemy import func
-
     from services.api import admin
-    from services.db.models import Job, JobState, Model
+    from services.db import synthetic_load
     from services.db.session import transaction
 
     with transaction(farm.sessions) as s:
         team = admin.ensure_team(s, name=f"load-{farm.uid}")
         token = admin.issue_team_token(s, team_id=team.id, label="bench farm-load")
-        model = Model(
-            team_id=team.id, name="load", input_shapes={}, onnx_path="-", onnx_sha256="0" * 64,
-            onnx_size=0, fused_path="-", fused_sha256="0" * 64, fused_size=0, task_table=[],
-        )  # fmt: skip
-        s.add(model)
-        s.flush()
-        jobs = [
-            Job(team_id=team.id, model_id=model.id, device_class_id=class_id, trial_budget=budget,
-                state=JobState.RUNNING, started_at=func.now())  # fmt: skip
-            for _ in range(n_jobs)
-        ]
-        s.add_all(jobs)
-        s.flush()
-        return token, [j.id for j in jobs]
+        job_ids = synthetic_load.add_model_and_jobs(s, team_id=team.id, device_class_id=class_id, name="load",
+                                                    n_jobs=n_jobs, trial_budget=budget, running=True)  # fmt: skip
+        return token, job_ids
 
 
 def _wait_ready(farm: BenchFarm, class_id: int, n_agents: int, queue: str, n_workers: int, procs: list,
                 timeout: float = 300.0) -> None:
     """Until the simulated agents have registered and the build workers listen."""
     from rq import Queue, Worker
-    from sqlalchemy import func, select
 
-    from services.db.models import Agent
+    from services.db import synthetic_load
     from services.db.session import transaction
 
     deadline = time.monotonic() + timeout
     while True:
         with transaction(farm.sessions) as s:
-            got = s.scalar(select(func.count()).select_from(Agent).where(Agent.device_class_id == class_id))
+            got = synthetic_load.agents_in_class(s, class_id)
         listening = Worker.count(connection=farm.redis, queue=Queue(queue, connection=farm.redis))
         if got >= n_agents and listening >= n_workers:
             return
@@ -198,24 +184,13 @@ def _run(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
 
     class_name = f"load-{farm.uid}"
     class_id = farm.device_class(class_name)
-    kernel = farm.root / "kernels" / "stand-in.so"
-    kernel.parent.mkdir(parents=True, exist_ok=True)
-    kernel.write_bytes(os.urandom(16 * 1024))
     budget = args.batches_per_job * args.batch_size
     team_token, job_ids = _seed_jobs(farm, class_id, args.jobs, budget)
     # The farm's processes stop with `farm` (BenchFarm.__exit__); the API here.
     api, base = farm_progress.start_api(farm.url, artifact_root=farm.root, timeout=300)
     driver = None
     try:
-        code = "import sys; from tunefarm_app.bench.farm import stand_in_worker; stand_in_worker(sys.argv[1:])"
-        workers = [farm.start(f"stand-in-worker-{i}", [sys.executable, "-c", code, class_name, str(kernel)])
-                   for i in range(args.workers)]  # fmt: skip
-        shares = [len(range(i, args.agents, args.agent_processes)) for i in range(args.agent_processes)]
-        agents = [farm.start(f"load-agents-{i}", [
-            sys.executable, "-m", "tunefarm_app.bench.load_agents", "--server", f"127.0.0.1:{farm.port}",
-            "--device-class", class_name, "--agents", str(n), "--name-prefix", f"load-{farm.uid}-{i}",
-            *(["--no-fetch"] if args.no_fetch else []),
-        ]) for i, n in enumerate(shares) if n]  # fmt: skip
+        workers, agents = _start_processes(farm, class_name, args)
         queue = build_queue_name(class_name, farm.prefix)
         _wait_ready(farm, class_id, args.agents, queue, args.workers, [*agents, *workers])
         in_flight = fair_share(SchedulerSettings().batches_per_agent, args.agents, args.jobs)
@@ -253,6 +228,24 @@ def _run(farm: BenchFarm, args: argparse.Namespace) -> dict[str, Any]:
         api.wait(timeout=30)
 
 
+def _start_processes(farm: BenchFarm, class_name: str, args: argparse.Namespace) -> tuple[list, list]:
+    """The stand-in build workers (`stand_ins.stand_in_worker`) and the processes of the
+    simulated agents (`load_agents`), the agents shared out among them."""
+    kernel = farm.root / "kernels" / "stand-in.so"
+    kernel.parent.mkdir(parents=True, exist_ok=True)
+    kernel.write_bytes(os.urandom(16 * 1024))
+    code = "import sys; from tunefarm_app.bench.stand_ins import stand_in_worker; stand_in_worker(sys.argv[1:])"
+    workers = [farm.start(f"stand-in-worker-{i}", [sys.executable, "-c", code, class_name, str(kernel)])
+               for i in range(args.workers)]  # fmt: skip
+    shares = [len(range(i, args.agents, args.agent_processes)) for i in range(args.agent_processes)]
+    agents = [farm.start(f"load-agents-{i}", [
+        sys.executable, "-m", "tunefarm_app.bench.load_agents", "--server", f"127.0.0.1:{farm.port}",
+        "--device-class", class_name, "--agents", str(n), "--name-prefix", f"load-{farm.uid}-{i}",
+        *(["--no-fetch"] if args.no_fetch else []),
+    ]) for i, n in enumerate(shares) if n]  # fmt: skip
+    return workers, agents
+
+
 def _agent_counts(proc) -> dict[str, int]:
     lines = [line for line in Path(proc.log_path).read_text(errors="replace").splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
@@ -260,43 +253,30 @@ def _agent_counts(proc) -> dict[str, int]:
 
 def _throughput(farm: BenchFarm, job_ids: list[int], secs: float) -> dict[str, Any]:
     """Leases and results per second over the load, from the database."""
-    from sqlalchemy import func, select
-
-    from services.db.models import Batch, Lease, LeaseState, Measurement
+    from services.db import synthetic_load
+    from services.db.models import LeaseState
     from services.db.session import transaction
 
     with transaction(farm.sessions) as s:
-        leases = Counter(dict(s.execute(
-            select(Lease.state, func.count()).join(Batch, Batch.id == Lease.batch_id)
-            .where(Batch.job_id.in_(job_ids)).group_by(Lease.state)
-        ).all()))  # fmt: skip
-        results = s.scalar(select(func.count()).select_from(Measurement).where(Measurement.job_id.in_(job_ids)))
+        leases = Counter(synthetic_load.lease_states(s, job_ids))
+        results = synthetic_load.measurement_count(s, job_ids)
     n_leases = sum(leases.values())
     return {
         "leases": n_leases, "leases_expired": leases.get(LeaseState.EXPIRED, 0), "leases_per_sec": n_leases / secs,
-        "results": int(results or 0), "results_per_sec": int(results or 0) / secs,
+        "results": results, "results_per_sec": results / secs,
     }  # fmt: skip
 
 
 def _lost(farm: BenchFarm, job_ids: list[int], driver: _Driver) -> dict[str, Any]:
     """Every candidate of every batch measured exactly once; each job got each of its
     results back once, none an error."""
-    from sqlalchemy import func, select
-
-    from services.db.models import Batch, BatchCandidate, BatchState, Measurement
+    from services.db import synthetic_load
     from services.db.session import transaction
     from tunefarm.records import ErrorKind
 
     with transaction(farm.sessions) as s:
-        per_candidate = Counter(s.scalars(
-            select(func.count(Measurement.id)).select_from(BatchCandidate)
-            .join(Batch, Batch.id == BatchCandidate.batch_id)
-            .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
-            .where(Batch.job_id.in_(job_ids)).group_by(BatchCandidate.id)
-        ))  # fmt: skip
-        not_done = s.scalar(
-            select(func.count()).select_from(Batch).where(Batch.job_id.in_(job_ids), Batch.state != BatchState.DONE)
-        )
+        per_candidate = Counter(synthetic_load.measurements_per_candidate(s, job_ids))
+        not_done = synthetic_load.batches_not_done(s, job_ids)
     submitted = driver.total() * len(job_ids)
     returned = [r for rs in driver.results for r in rs]
     keys = Counter((j, r.key) for j, rs in enumerate(driver.results) for r in rs)
@@ -305,7 +285,7 @@ def _lost(farm: BenchFarm, job_ids: list[int], driver: _Driver) -> dict[str, Any
         "measured_once": per_candidate.get(1, 0),
         "unmeasured": per_candidate.get(0, 0),
         "measured_more_than_once": sum(n for k, n in per_candidate.items() if k > 1),
-        "batches_not_done": int(not_done or 0),
+        "batches_not_done": not_done,
         "results_returned": len(returned),
         "results_returned_twice": sum(1 for n in keys.values() if n > 1),
         "error_results": sum(r.error_kind is not ErrorKind.NONE for r in returned),

@@ -45,33 +45,8 @@ class SeededJob:
 def seed_job(sessions, *, measurements: int, tasks: int = 8, curve_points: int = 60, team_token: str | None = None) -> SeededJob:
     """A team, a model with `tasks` tasks and a running job with `measurements`
     measurements and its precomputed progress, inserted in bulk."""
-    seeded = _seed_model_and_job(sessions, measurements=measurements, tasks=tasks, team_token=team_token)
-    best = [math.inf] * tasks
-    made = 0
-    while made < measurements:
-        i = (made // BATCH) % tasks
-        n = min(BATCH, measurements - made)
-        best[i] = min(best[i], *_seed_batch(sessions, seeded, i, made, n))
-        made += n
-    _seed_totals(sessions, seeded, best, measurements, curve_points)
-    return SeededJob(seeded.job_id, seeded.token, measurements)
-
-
-@dataclass(frozen=True)
-class _Seeded:
-    job_id: int
-    class_id: int
-    token: str
-    workload_ids: list[int]
-    job_task_ids: list[int]
-    table: list[dict]
-
-
-def _seed_model_and_job(sessions, *, measurements: int, tasks: int, team_token: str | None) -> _Seeded:
-    from sqlalchemy import insert
-
     from services.api import admin
-    from services.db.models import Job, JobState, JobTask, Model, ModelTask, Workload
+    from services.db import synthetic_load
     from services.db.session import transaction
 
     uid = uuid.uuid4().hex[:10]
@@ -79,102 +54,19 @@ def _seed_model_and_job(sessions, *, measurements: int, tasks: int, team_token: 
         team = admin.ensure_team(s, name=f"bench-{uid}")
         token = team_token or admin.issue_team_token(s, team_id=team.id)
         dc = admin.ensure_device_class(s, name=f"bench-class-{uid}", target={"kind": "llvm", "num-cores": 2})
-        wl_ids = list(
-            s.scalars(
-                insert(Workload).returning(Workload.id),
-                [
-                    {"key": f"bench_{uid}_{i}#{i:016x}", "name": f"bench_task_{i}", "module_json": "{}",
-                     "flops": 1e6 * (i + 1), "n_inputs": 2, "n_outputs": 1}
-                    for i in range(tasks)
-                ],
-            )
-        )
-        table = [
-            {"position": i, "name": f"bench_task_{i}", "key": f"bench_{uid}_{i}#{i:016x}", "shapes": "-",
-             "weight": 1, "flops": 1e6 * (i + 1), "share": 1 / tasks}
-            for i in range(tasks)
-        ]
-        model = Model(team_id=team.id, name=f"bench-{uid}", input_shapes={}, onnx_path="-", onnx_sha256="0" * 64,
-                      onnx_size=1, fused_path="-", fused_sha256="0" * 64, fused_size=1, task_table=table)
-        s.add(model)
-        s.flush()
-        s.execute(insert(ModelTask), [{"model_id": model.id, "workload_id": w, "position": i, "weight": 1,
-                                       "const_inputs": [], "global_vars": []} for i, w in enumerate(wl_ids)])
-        job = Job(team_id=team.id, model_id=model.id, device_class_id=dc.id, trial_budget=max(1, measurements),
-                  state=JobState.RUNNING, config={"strategy": "gradient", "seed": 1, "batch_size": BATCH})
-        s.add(job)
-        s.flush()
-        jt_ids = list(
-            s.scalars(
-                insert(JobTask).returning(JobTask.id),
-                [{"job_id": job.id, "workload_id": w, "task_key": f"{table[i]['key']}@bench", "position": i,
-                  "weight": 1} for i, w in enumerate(wl_ids)],
-            )
-        )
-        return _Seeded(job.id, dc.id, token, wl_ids, jt_ids, table)
-
-
-def _seed_batch(sessions, seeded: _Seeded, i: int, made: int, n: int) -> list[float]:
-    """One done batch of task `i` with `n` measurements; their costs."""
-    from sqlalchemy import insert
-
-    from services.db import codec
-    from services.db.models import Batch, BatchCandidate, BatchState, Measurement
-    from services.db.session import transaction
-    from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
-
-    task = f"{seeded.table[i]['key']}@bench"
+        job = synthetic_load.add_job_with_tasks(s, uid=uid, team_id=team.id, device_class_id=dc.id, tasks=tasks,
+                                                trial_budget=max(1, measurements), batch_size=BATCH)  # fmt: skip
+    best = [math.inf] * tasks
+    made = 0
+    while made < measurements:
+        i = (made // BATCH) % tasks
+        n = min(BATCH, measurements - made)
+        with transaction(sessions) as s:
+            best[i] = min(best[i], *synthetic_load.add_done_batch(s, job, i, made, n))
+        made += n
     with transaction(sessions) as s:
-        batch_id = s.scalar(
-            insert(Batch).values(job_id=seeded.job_id, job_task_id=seeded.job_task_ids[i],
-                                 workload_id=seeded.workload_ids[i], device_class_id=seeded.class_id,
-                                 state=BatchState.DONE, timing=codec.timing_to_json(TimingConfig()),
-                                 build_timeout_secs=60, run_timeout_secs=30)
-            .returning(Batch.id)
-        )
-        inputs = [MeasureInput(task, Candidate.make(0, {"t": made + k}), "sig", [["trace"]]) for k in range(n)]
-        cand_ids = list(
-            s.scalars(
-                insert(BatchCandidate).returning(BatchCandidate.id),
-                [{"batch_id": batch_id, "position": k, "candidate_key": m.key, "input": codec.input_to_json(m)}
-                 for k, m in enumerate(inputs)],
-            )
-        )
-        rows, costs = [], []
-        for k, (cid, m) in enumerate(zip(cand_ids, inputs)):
-            cost = 1e-4 * (1 + ((made + k) * 7919 % 1000) / 1000)
-            costs.append(cost)
-            rec = MeasureRecord(task=m.task, workload=seeded.table[i]["name"], target={"kind": "llvm"}, sketch=0,
-                                sketch_sig="sig", decisions=m.candidate.decisions, trace=m.trace, costs=(cost,),
-                                error_kind=ErrorKind.NONE, error_msg="", build_secs=0.1, run_secs=0.01,
-                                verified=True, timestamp=time.time())
-            rows.append({"batch_candidate_id": cid, "job_id": seeded.job_id, "job_task_id": seeded.job_task_ids[i],
-                         "workload_id": seeded.workload_ids[i], "device_class_id": seeded.class_id,
-                         "candidate_key": m.key, "cost": cost, "error_kind": ErrorKind.NONE,
-                         "record": codec.record_to_json(rec), "fingerprint": {"tvm": "bench"}})
-        s.execute(insert(Measurement), rows)
-    return costs
-
-
-def _seed_totals(sessions, seeded: _Seeded, best: list[float], measurements: int, curve_points: int) -> None:
-    """The job's and its tasks' counts and bests, and its progress curve."""
-    from sqlalchemy import func, insert, select, update
-
-    from services.db.models import Job, JobProgress, JobTask, Measurement
-    from services.db.session import transaction
-
-    with transaction(sessions) as s:
-        for i, jt in enumerate(seeded.job_task_ids):
-            trials = s.scalar(select(func.count()).where(Measurement.job_task_id == jt))
-            s.execute(update(JobTask).where(JobTask.id == jt).values(
-                trials=trials, best_cost=best[i] if math.isfinite(best[i]) else None))
-        est = sum(b for b in best if math.isfinite(b)) or None
-        s.execute(update(Job).where(Job.id == seeded.job_id).values(
-            trials_used=measurements, est_latency_secs=est, est_latency_start_secs=est and est * 2))
-        points = [{"job_id": seeded.job_id, "trials": max(1, measurements) * (p + 1) // curve_points,
-                   "elapsed_secs": p * 1.0, "est_latency_secs": est and est * (2 - p / curve_points)}
-                  for p in range(curve_points)]
-        s.execute(insert(JobProgress), list({p["trials"]: p for p in points}.values()))
+        synthetic_load.set_job_totals(s, job, best, measurements, curve_points)
+    return SeededJob(job.job_id, token, measurements)
 
 
 # -- the load ------------------------------------------------------------------------------------
@@ -279,14 +171,12 @@ def run_progress_bench(
 ) -> dict[str, Any]:
     """Seed a job per measurement count in a throw-away database, serve the API, poll.
     Returns {"rows": [PollStats as dicts], "target_p99_secs": ...}."""
-    from sqlalchemy import make_url
-
+    from services.db.database_admin import with_database
     from services.db.migrate import create_database, drop_database, upgrade
     from services.db.session import make_session_factory
     from services.db.settings import DatabaseSettings
 
-    server = make_url(database_server or DatabaseSettings().database_url)
-    url = server.set(database=f"tunefarm_bench_{uuid.uuid4().hex[:12]}").render_as_string(hide_password=False)
+    url = with_database(database_server or DatabaseSettings().database_url, f"tunefarm_bench_{uuid.uuid4().hex[:12]}")
     create_database(url)
     rows: list[PollStats] = []
     api = None
