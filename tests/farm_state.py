@@ -15,10 +15,10 @@ from datetime import timedelta
 
 from sqlalchemy import func, insert, select, update
 
-from services.api import admin, crud
+from services.api import crud
 from services.api.schemas import JobCreate
 from services.api.storage import StoredFile
-from services.db import agents, batches, codec, leases, measurements
+from services.db import agents, batches, codec, device_classes, leases, measurements, teams, tokens
 from services.db.models import Agent, Batch, BatchCandidate, BatchState, JobTask
 from services.db.session import transaction
 from services.scheduler import job_store
@@ -86,11 +86,11 @@ def _batch(s, *, job_id: int, job_task_id: int, workload_id: int, class_id: int,
 def seed_farm(sessions, *, trial_budget: int = 64) -> FarmState:
     uid = uuid.uuid4().hex[:8]
     with transaction(sessions) as s:
-        a = admin.ensure_team(s, name=f"ui-a-{uid}")
-        b = admin.ensure_team(s, name=f"ui-b-{uid}")
-        token_a, token_b = admin.issue_team_token(s, team_id=a.id), admin.issue_team_token(s, team_id=b.id)
-        agent_token = admin.issue_agent_token(s)
-        dc = admin.ensure_device_class(s, name=f"ui-class-{uid}", target={"kind": "llvm", "num-cores": 2})
+        a = teams.ensure_team(s, name=f"ui-a-{uid}")
+        b = teams.ensure_team(s, name=f"ui-b-{uid}")
+        token_a, token_b = tokens.issue_team_token(s, team_id=a.id), tokens.issue_team_token(s, team_id=b.id)
+        agent_token = tokens.issue_agent_token(s)
+        dc = device_classes.ensure_device_class(s, name=f"ui-class-{uid}", target={"kind": "llvm", "num-cores": 2})
         intake = {
             "tasks": [
                 {"position": i, "name": name, "key": f"{name}#{uid}{i}", "shapes": "-", "weight": w, "flops": f,

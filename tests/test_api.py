@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient  # noqa: E402
 from onnx_models import tiny_onnx  # noqa: E402
 from sqlalchemy import event, func, select, update  # noqa: E402
 
-from services.api import admin  # noqa: E402
 from services.api.app import create_app  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
+from services.db.device_classes import ensure_device_class  # noqa: E402
 from services.db.models import (  # noqa: E402
     Agent,
     AgentState,
@@ -31,6 +31,8 @@ from services.db.models import (  # noqa: E402
     Workload,
 )
 from services.db.session import transaction  # noqa: E402
+from services.db.teams import ensure_team  # noqa: E402
+from services.db.tokens import issue_agent_token, issue_team_token  # noqa: E402
 from tunefarm.records import MeasureRecord  # noqa: E402
 from tunefarm_app.bench.farm_progress import seed_job  # noqa: E402
 
@@ -47,14 +49,14 @@ def onnx_model(path: Path, *, op: str = "Relu", dynamic: bool = True) -> Path:
 def farm(database_url, db_sessions, tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
     with transaction(db_sessions) as s:
-        a, b = admin.ensure_team(s, name="team-a"), admin.ensure_team(s, name="team-b")
+        a, b = ensure_team(s, name="team-a"), ensure_team(s, name="team-b")
         tokens = {
-            "a": admin.issue_team_token(s, team_id=a.id),
-            "b": admin.issue_team_token(s, team_id=b.id),
-            "agent": admin.issue_agent_token(s),
+            "a": issue_team_token(s, team_id=a.id),
+            "b": issue_team_token(s, team_id=b.id),
+            "agent": issue_agent_token(s),
         }
-        admin.ensure_device_class(s, name=CLASS, target={"kind": "llvm", "num-cores": 2})
-        admin.ensure_device_class(s, name=GPU_CLASS, target={"kind": "cuda", "arch": "sm_80"})
+        ensure_device_class(s, name=CLASS, target={"kind": "llvm", "num-cores": 2})
+        ensure_device_class(s, name=GPU_CLASS, target={"kind": "cuda", "arch": "sm_80"})
     settings = ApiSettings(database_url=database_url, api_allowed_hosts=["testserver"], artifact_root=root, max_upload_bytes=MAX_UPLOAD, token_cache_secs=0)
     with TestClient(create_app(settings)) as client:
         yield {"client": client, "tokens": tokens, "root": root, "sessions": db_sessions}
@@ -175,8 +177,8 @@ def test_missing_wrong_and_agent_tokens_are_refused(farm, header, status, code):
 
 def test_a_revoked_token_is_refused(farm):
     with transaction(farm["sessions"]) as s:
-        team = admin.ensure_team(s, name="team-revoked")
-        plain = admin.issue_team_token(s, team_id=team.id)
+        team = ensure_team(s, name="team-revoked")
+        plain = issue_team_token(s, team_id=team.id)
     headers = {"Authorization": f"Bearer {plain}"}
     assert farm["client"].get("/v1/jobs", headers=headers).status_code == 200
     with transaction(farm["sessions"]) as s:
@@ -333,8 +335,8 @@ def test_cancel_a_queued_job_and_the_conflicts(farm, uploaded):
 def test_jobs_are_paginated_newest_first(farm, uploaded):
     c = farm["client"]
     with transaction(farm["sessions"]) as s:
-        team = admin.ensure_team(s, name="team-pages")
-        token = admin.issue_team_token(s, team_id=team.id)
+        team = ensure_team(s, name="team-pages")
+        token = issue_team_token(s, team_id=team.id)
     headers = {"Authorization": f"Bearer {token}"}
     model = c.post("/v1/models", headers=headers, files={"file": ("p.onnx", onnx_model(Path(farm["root"]) / "p.onnx",
                    dynamic=False).read_bytes())}).json()
@@ -401,7 +403,7 @@ def test_records_stream_as_a_records_file(farm):
 
 def test_devices_list_agents_and_classes(farm):
     with transaction(farm["sessions"]) as s:
-        dc = admin.ensure_device_class(s, name=CLASS, target={})
+        dc = ensure_device_class(s, name=CLASS, target={})
         s.add(Agent(device_class_id=dc.id, name="board-1", state=AgentState.BUSY, capabilities={"cores": 4},
                     measurements_done=7, errors_by_kind={"run_timeout": 2}, last_heartbeat_at=func.now()))
     c = farm["client"]
@@ -418,7 +420,7 @@ def test_an_agent_silent_past_the_freshness_window_is_offline_whatever_its_row_s
     same database) keeps `idle` in its row: it is shown offline and counted out of its
     class's agents online (TUNEFARM_AGENT_FRESH_SECS, 60 s by default)."""
     with transaction(farm["sessions"]) as s:
-        dc = admin.ensure_device_class(s, name="stale-class", target={"kind": "llvm", "num-cores": 2})
+        dc = ensure_device_class(s, name="stale-class", target={"kind": "llvm", "num-cores": 2})
         s.add(Agent(device_class_id=dc.id, name="gone-board", state=AgentState.IDLE, capabilities={},
                     last_heartbeat_at=func.now() - timedelta(minutes=10)))
     c = farm["client"]

@@ -21,11 +21,12 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from services.api import admin  # noqa: E402
 from services.api.app import create_app  # noqa: E402
 from services.api.limits import LINGER_BYTES  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
 from services.db.session import transaction  # noqa: E402
+from services.db.teams import ensure_team  # noqa: E402
+from services.db.tokens import issue_agent_token, issue_team_token  # noqa: E402
 
 MAX_UPLOAD = 64 * 1024
 CHUNK = 16 * 1024
@@ -51,8 +52,8 @@ def settings(database_url, tmp_path_factory) -> ApiSettings:
 @pytest.fixture(scope="module")
 def team_token(db_sessions) -> str:
     with transaction(db_sessions) as s:
-        team = admin.ensure_team(s, name="team-attack")
-        return admin.issue_team_token(s, team_id=team.id)
+        team = ensure_team(s, name="team-attack")
+        return issue_team_token(s, team_id=team.id)
 
 
 def _limit(settings: ApiSettings) -> int:
@@ -130,7 +131,7 @@ def test_an_unauthenticated_upload_is_refused_before_its_body_is_read(settings, 
     big = settings.model_copy(update={"max_upload_bytes": 64 * 1024 * 1024})
     offered = 24 * 1024 * 1024
     with transaction(db_sessions) as s:
-        agent = admin.issue_agent_token(s)
+        agent = issue_agent_token(s)
     token = {"no token": None, "unknown token": "tft_" + "x" * 43, "agent token": agent}[who]
     body = CountingBody(total=offered)
     headers = {"Content-Length": str(len(MULTIPART_HEAD) + offered)} if declared else {}
@@ -354,9 +355,9 @@ def test_a_revoked_team_token_is_refused_at_once_though_the_api_trusts_tokens_fo
     from tunefarm_app.cli import main
 
     with transaction(db_sessions) as s:
-        team = admin.ensure_team(s, name="team-revoked-at-once")
-        plain = admin.issue_team_token(s, team_id=team.id, label="laptop")
-        kept = admin.issue_team_token(s, team_id=team.id, label="ci")
+        team = ensure_team(s, name="team-revoked-at-once")
+        plain = issue_team_token(s, team_id=team.id, label="laptop")
+        kept = issue_team_token(s, team_id=team.id, label="ci")
     with TestClient(create_app(settings.model_copy(update={"token_cache_secs": 3600}))) as client:
         assert client.app.state.token_cache.listener.wait_connected(10)
         headers = {"Authorization": f"Bearer {plain}"}

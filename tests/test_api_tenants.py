@@ -19,11 +19,13 @@ from fastapi.testclient import TestClient  # noqa: E402
 from onnx_models import tiny_onnx  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 
-from services.api import admin  # noqa: E402
 from services.api.app import create_app  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
+from services.db.device_classes import ensure_device_class  # noqa: E402
 from services.db.models import Job, Model, Team  # noqa: E402
 from services.db.session import transaction  # noqa: E402
+from services.db.teams import ensure_team  # noqa: E402
+from services.db.tokens import issue_team_token  # noqa: E402
 
 SHAPES = json.dumps({"x": [1, 3, 8, 8]})
 
@@ -35,8 +37,8 @@ MAX_JOBS, MAX_TRIALS = 3, 1000
 @pytest.fixture(scope="module")
 def teams(db_sessions) -> dict[str, str]:
     with transaction(db_sessions) as s:
-        admin.ensure_device_class(s, name=CLASS, target={"kind": "llvm", "num-cores": 2})
-        return {who: admin.issue_team_token(s, team_id=admin.ensure_team(s, name=f"tenants-{who}").id)
+        ensure_device_class(s, name=CLASS, target={"kind": "llvm", "num-cores": 2})
+        return {who: issue_team_token(s, team_id=ensure_team(s, name=f"tenants-{who}").id)
                 for who in ("a", "b", "c")}
 
 

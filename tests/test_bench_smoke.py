@@ -22,7 +22,7 @@ from tunefarm_app.bench.table import render  # noqa: E402
 def test_bench_small_gemm_end_to_end(tmp_path):
     op = BenchOp("gemm128", "matmul", constants=("B",)).with_params(M=128, N=128, K=128)
     plan = BenchPlan(
-        ops=(op,), trials=8, seed=1, work_dir=tmp_path, target=host_target_dict(), ms_timeout=240
+        ops=(op,), trials=8, seed=1, work_dir=tmp_path, target=host_target_dict(), ms_timeout=600
     )
 
     (row,) = run_bench(plan, log=lambda msg: None)

@@ -16,12 +16,13 @@ pytest.importorskip("jinja2")
 from fastapi.testclient import TestClient  # noqa: E402
 from sqlalchemy import func, select, update  # noqa: E402
 
-from services.api import admin  # noqa: E402
 from services.api.app import create_app  # noqa: E402
 from services.api.routers.dashboard import COOKIE  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
 from services.db.models import DashboardSession, Token  # noqa: E402
 from services.db.session import transaction  # noqa: E402
+from services.db.teams import ensure_team  # noqa: E402
+from services.db.tokens import issue_team_token  # noqa: E402
 
 OWN = "http://testserver"
 EVIL = "https://evil.example"
@@ -40,8 +41,8 @@ def client(database_url, tmp_path_factory):
 @pytest.fixture
 def token(db_sessions) -> str:
     with transaction(db_sessions) as s:
-        team = admin.ensure_team(s, name="dashboard-security")
-        return admin.issue_team_token(s, team_id=team.id)
+        team = ensure_team(s, name="dashboard-security")
+        return issue_team_token(s, team_id=team.id)
 
 
 def sessions_stored(db_sessions) -> int:

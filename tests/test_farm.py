@@ -1016,7 +1016,6 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
     reaches the service at once (a PostgreSQL notification): the agent's next call is
     UNAUTHENTICATED, its lease ends (the batch goes to another agent without waiting for
     the lease to expire), and nothing it sends is stored."""
-    from services.api import admin
 
     assert lease_server.servicer.settings.token_cache_secs >= 30
     assert lease_server.revocations.wait_connected(10)
@@ -1036,7 +1035,7 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
         assert la.batch_id == batch_id
         stub.Heartbeat(pb.HeartbeatRequest(agent_id=a, held_lease_ids=[la.lease_id]), metadata=meta_a, timeout=10)  # the token is cached now
         with transaction(farm.sessions) as s:
-            revoked = admin.revoke_token(s, ref=farm.token)
+            revoked = tokens.revoke_token_by_ref(s, ref=farm.token)
             assert revoked.kind is TokenKind.AGENT and revoked.revoked_at is not None
         deadline = time.monotonic() + 10  # the notification's way: milliseconds, not the cache's 30 s
         while True:

@@ -161,7 +161,7 @@ def test_two_isa_classes_tune_side_by_side_each_for_its_own_isa(farm, client, se
 
 
 def test_an_agent_is_refused_a_class_whose_isa_this_cpu_lacks(farm, sessions, tmp_path):
-    from services.api import admin
+    from services.db import device_classes
 
     flags = isa.host_flags()
     candidates = [{"kind": "llvm", "mcpu": cpu} for cpu in ("skylake-avx512", "sapphirerapids", "znver5")]
@@ -170,7 +170,7 @@ def test_an_agent_is_refused_a_class_whose_isa_this_cpu_lacks(farm, sessions, tm
     assert target is not None, f"this CPU ({sorted(flags)[:8]}...) claims every candidate ISA"
     missing = isa.missing_extensions(isa.target_isa(target), flags)
     with transaction(sessions) as s:
-        admin.ensure_device_class(s, name="x86-too-new", target=target, description="")
+        device_classes.ensure_device_class(s, name="x86-too-new", target=target, description="")
     ran = subprocess.run(
         [sys.executable, "-m", "tunefarm_app.cli", "agent", "--device-class", "x86-too-new", "--name", "refused",
          "--work-dir", str(tmp_path / "agent")],
@@ -181,11 +181,11 @@ def test_an_agent_is_refused_a_class_whose_isa_this_cpu_lacks(farm, sessions, tm
 
 
 def test_a_new_class_starts_from_its_nearest_classs_model(farm, client, sessions, tmp_path):
-    from services.api import admin
+    from services.db import device_classes
 
     source = latest_version(sessions, AVX2)
     with transaction(sessions) as s:  # AVX2 too: nearer to haswell than to x86-64-v2
-        admin.ensure_device_class(s, name="x86-64-v3", target={"kind": "llvm", "mcpu": "x86-64-v3", "num-cores": 1})
+        device_classes.ensure_device_class(s, name="x86-64-v3", target={"kind": "llvm", "mcpu": "x86-64-v3", "num-cores": 1})
     model = client.upload_model(tiny_onnx(tmp_path / "tiny.onnx"), {"x": [1, 3, 8, 8]}, name="tiny-v3")
     job = client.create_job(model_id=model["id"], device_class="x86-64-v3", trial_budget=TRIALS)
     started = wait_for_job(client, job["id"], lambda j: j["cost_model"]["version_id"] is not None, timeout=60)

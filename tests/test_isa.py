@@ -134,8 +134,7 @@ def test_the_nearest_class_is_of_the_same_kind_then_family_then_isa_overlap():
 def test_a_class_without_a_model_starts_from_its_nearest_classs_latest_version(db_sessions, tmp_path):
     import numpy as np
 
-    from services.api import admin
-    from services.db import cost_models
+    from services.db import cost_models, device_classes
     from services.db.session import transaction
     from services.scheduler.shared_model import ClassModels
     from tunefarm.search.cost_model import XGBConfig, XGBCostModel
@@ -151,7 +150,7 @@ def test_a_class_without_a_model_starts_from_its_nearest_classs_latest_version(d
     with transaction(db_sessions) as s:
         for name, target in (("t-haswell", HASWELL), ("t-v2", X86_64_V2), ("t-v3", {**HASWELL, "mcpu": "x86-64-v3"}),
                              ("t-gpu", CUDA), ("t-gpu-new", {**CUDA, "arch": "sm_90"})):  # fmt: skip
-            ids[name] = admin.ensure_device_class(s, name=name, target=target).id
+            ids[name] = device_classes.ensure_device_class(s, name=name, target=target).id
     versions = {}
     for name, n in (("t-haswell", 40), ("t-haswell", 50), ("t-v2", 30)):  # haswell: two versions
         model = XGBCostModel(XGBConfig(num_warmup_samples=4, adaptive_training=False))

@@ -136,13 +136,13 @@ def api(database_url, db_sessions, tmp_path_factory):
 def test_devices_show_each_agents_standing_and_why_it_is_flagged(api, db_sessions):
     from sqlalchemy import func
 
-    from services.api import admin
+    from services.db import device_classes
     from services.db.models import Agent, AgentState
     from services.db.session import transaction
 
     client, job = api
     with transaction(db_sessions) as s:
-        dc = admin.ensure_device_class(s, name="trust-class", target={"kind": "llvm", "num-cores": 2})
+        dc = device_classes.ensure_device_class(s, name="trust-class", target={"kind": "llvm", "num-cores": 2})
         s.add_all([
             Agent(device_class_id=dc.id, name="liar", below_floor=3, confirmations_disputed=2,
                   errors_by_kind={"below_floor": 3}, last_heartbeat_at=func.now()),

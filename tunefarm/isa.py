@@ -117,7 +117,7 @@ def target_isa(target: dict[str, Any]) -> TargetISA:
         return TargetISA(family, frozenset())
     import tvm
 
-    from tunefarm.target import to_tvm_target
+    from tunefarm.tvm_target import to_tvm_target
 
     features = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(to_tvm_target(target))}
     return TargetISA(family, frozenset(features & table.keys()))

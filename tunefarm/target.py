@@ -9,6 +9,7 @@ from typing import Any
 
 from tunefarm.errors import TargetError
 from tunefarm.gpu import GpuLimits, is_gpu
+from tunefarm.tvm_target import to_tvm_target
 
 
 def physical_cores() -> int:
@@ -64,16 +65,6 @@ def parse_target(text: str | None) -> dict[str, Any]:
         GpuLimits.of(data)  # a CUDA target names its compute capability
     to_tvm_target(data)  # validate now, not in a worker
     return data
-
-
-def to_tvm_target(data: dict[str, Any]):
-    import tvm
-
-    try:
-        return tvm.target.Target(data)
-    except Exception as exc:  # TVM raises ValueError / TVMError with long texts
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TargetError(f"TVM rejects the target {json.dumps(data)}: {first}") from None
 
 
 def num_cores(target: dict[str, Any]) -> int:

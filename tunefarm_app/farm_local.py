@@ -27,7 +27,7 @@ with the public key, `D/signing/farm-signing.pub` (copy it to remote boards:
 Its agents' names are the host's, `D`'s name and a digest of `D`'s path
 (`agent_base_name`: two farms from `a/farm` and `b/farm` on one database do not share
 one), and every start issues a new agent token, to which `up` hands those names
-(`admin.claim_agent_names`; refused while a live agent of another farm holds one).
+(`tokens.claim_agent_names`; refused while a live agent of another farm holds one).
 
 `up` waits until the API answers, the lease service listens and every agent has
 registered with this start's token (an agent that exits first fails `up` with its
@@ -187,7 +187,7 @@ class LocalFarm:
 
     def prepare(self) -> dict[str, Any]:
         """Database (created and migrated), device class, team, tokens, ports, environment."""
-        from services.api import admin
+        from services.db import device_classes, teams, tokens
         from services.db.migrate import create_database, database_exists, upgrade
         from services.db.session import make_session_factory, transaction
         from tunefarm.target import host_target_dict
@@ -212,23 +212,23 @@ class LocalFarm:
         sessions = make_session_factory(c.database_url)
         try:
             with transaction(sessions) as s:
-                admin.ensure_device_class(s, name=class_name, target=target, description="this machine's CPU (farm up)")
+                device_classes.ensure_device_class(s, name=class_name, target=target, description="this machine's CPU (farm up)")
                 for name, extra in c.extra_classes.items():
-                    admin.ensure_device_class(s, name=name, target=extra, description="served here (farm up --extra-class)")
-                team = admin.ensure_team(s, name=c.team)
-                team_token = admin.issue_team_token(s, team_id=team.id, label="farm up")
-                agent_token = admin.issue_agent_token(s, label="farm up")
-                self.agent_token_id = admin.agent_token_id(s, plain=agent_token)
-                previous_id = admin.agent_token_id(s, plain=previous_token) if previous_token else None
+                    device_classes.ensure_device_class(s, name=name, target=extra, description="served here (farm up --extra-class)")
+                team = teams.ensure_team(s, name=c.team)
+                team_token = tokens.issue_team_token(s, team_id=team.id, label="farm up")
+                agent_token = tokens.issue_agent_token(s, label="farm up")
+                self.agent_token_id = tokens.agent_token_id(s, plain=agent_token)
+                previous_id = tokens.agent_token_id(s, plain=previous_token) if previous_token else None
                 self._prepare_env(class_name, agent_token, redis_url)
                 # The names its agents register with are the new token's (those of an
                 # earlier start from this state dir hold them; nothing is issued if a
                 # live agent of another farm holds one).
-                admin.claim_agent_names(
+                tokens.claim_agent_names(
                     s, names=self.all_agent_names(), token_id=self.agent_token_id, fresh_secs=self._fresh_secs(),
                     ours=frozenset({previous_id} - {None}),
                 )  # fmt: skip
-        except admin.AgentNamesInUse as exc:
+        except tokens.AgentNamesInUse as exc:
             raise UsageError(str(exc)) from None
         finally:
             sessions.kw["bind"].dispose()

@@ -274,51 +274,51 @@ def _farm_down(args: argparse.Namespace) -> int:
 
 
 def _farm_team(args: argparse.Namespace) -> int:
-    from services.api import admin
+    from services.db import teams, tokens
     from services.db.models import TokenKind
 
     value = read_secret_file(args.value_file) if args.value_file else None
 
     def work(s):
-        team = admin.ensure_team(s, name=args.name)
+        team = teams.ensure_team(s, name=args.name)
         if value:
-            admin.register_token(s, kind=TokenKind.TEAM, plain=value, team_id=team.id, label="tunefarm farm team")
+            tokens.register_token(s, kind=TokenKind.TEAM, plain=value, team_id=team.id, label="tunefarm farm team")
             return f"team       {team.name}: token stored"
-        return admin.issue_team_token(s, team_id=team.id, label="tunefarm farm team")
+        return tokens.issue_team_token(s, team_id=team.id, label="tunefarm farm team")
 
     print(_with_db(args.database_url, work))
     return 0
 
 
 def _farm_agent_token(args: argparse.Namespace) -> int:
-    from services.api import admin
+    from services.db import tokens
     from services.db.models import TokenKind
 
     value = read_secret_file(args.value_file) if args.value_file else None
 
     def work(s):
         if value:
-            admin.register_token(s, kind=TokenKind.AGENT, plain=value, label="tunefarm farm agent-token")
+            tokens.register_token(s, kind=TokenKind.AGENT, plain=value, label="tunefarm farm agent-token")
             return "agent token stored"
-        return admin.issue_agent_token(s, label="tunefarm farm agent-token")
+        return tokens.issue_agent_token(s, label="tunefarm farm agent-token")
 
     print(_with_db(args.database_url, work))
     return 0
 
 
 def _farm_token(args: argparse.Namespace) -> int:
-    from services.api import admin
+    from services.db import tokens
     from services.db.models import TokenKind
 
     if args.token_command == "revoke":
-        token = _with_db(args.database_url, lambda s: admin.revoke_token(s, ref=args.token))
+        token = _with_db(args.database_url, lambda s: tokens.revoke_token_by_ref(s, ref=args.token))
         print(f"revoked    token {token.id} ({token.kind}, {token.prefix}...) at {token.revoked_at:%Y-%m-%d %H:%M:%S %Z}")
         return 0
     kind = TokenKind(args.kind) if args.kind else None
-    tokens = _with_db(args.database_url, lambda s: admin.list_tokens(s, team=args.team, kind=kind))
-    if not tokens:
+    listed = _with_db(args.database_url, lambda s: tokens.list_tokens(s, team=args.team, kind=kind))
+    if not listed:
         print("no tokens")
-    for t in tokens:
+    for t in listed:
         owner = f"team {t.team.name}" if t.team is not None else "agents"
         state = f"revoked {t.revoked_at:%Y-%m-%d %H:%M}" if t.revoked_at else "active"
         label = f"  {t.label}" if t.label else ""
@@ -327,13 +327,13 @@ def _farm_token(args: argparse.Namespace) -> int:
 
 
 def _farm_device_class(args: argparse.Namespace) -> int:
-    from services.api import admin
+    from services.db import device_classes
     from tunefarm.target import parse_target
 
     target = parse_target(args.target)
     dc = _with_db(
         args.database_url,
-        lambda s: admin.ensure_device_class(s, name=args.name, target=target, description=args.description),
+        lambda s: device_classes.ensure_device_class(s, name=args.name, target=target, description=args.description),
     )
     print(f"class      {dc.name}: target {json.dumps(dc.target)}")
     return 0

@@ -20,7 +20,6 @@ import logging
 from dataclasses import dataclass
 
 from fastapi import Request
-from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -29,7 +28,7 @@ from services.db import tokens
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import TokenKind
 from services.db.revocations import VerifiedTokens
-from services.db.session import transaction
+from services.db.session import SessionFactory, transaction
 
 log = logging.getLogger("tunefarm.api")
 
@@ -52,7 +51,7 @@ def bearer_token(request: Request) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-async def team_of_token(request: Request, sessions: sessionmaker[Session], plain: str) -> Team:
+async def team_of_token(request: Request, sessions: SessionFactory, plain: str) -> Team:
     """The team of a plain team token (`Unauthorized`, or `Forbidden` for an agent
     token), through the process's token cache. The dashboard's login checks with it too."""
     cache: VerifiedTokens[Team] = request.app.state.token_cache
@@ -64,7 +63,7 @@ async def team_of_token(request: Request, sessions: sessionmaker[Session], plain
     return team
 
 
-def _verify_team_token(sessions: sessionmaker[Session], plain: str) -> Team:
+def _verify_team_token(sessions: SessionFactory, plain: str) -> Team:
     with transaction(sessions) as db:
         token = tokens.verify_token(db, plain=plain, kind=TokenKind.TEAM)
         if token is None:

@@ -22,18 +22,18 @@ from typing import Annotated
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session, sessionmaker
 
 from services.api.authentication import Team, authenticate
 from services.api.intake_pool import IntakePool
 from services.api.settings import ApiSettings
+from services.db.session import SessionFactory
 
 
 async def get_settings(request: Request) -> ApiSettings:
     return request.app.state.settings
 
 
-async def get_sessions(request: Request) -> sessionmaker[Session]:
+async def get_sessions(request: Request) -> SessionFactory:
     return request.app.state.sessions
 
 
@@ -42,7 +42,7 @@ async def get_intake(request: Request) -> IntakePool:
 
 
 SettingsDep = Annotated[ApiSettings, Depends(get_settings)]
-SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
+SessionsDep = Annotated[SessionFactory, Depends(get_sessions)]
 IntakeDep = Annotated[IntakePool, Depends(get_intake)]
 
 

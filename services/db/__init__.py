@@ -8,7 +8,7 @@
 | `exceptions.py` | `DatabaseError` and its subclasses |
 | `migrate.py` | Alembic from the package: `upgrade`, `check_schema`, `create_database`, ... |
 | `statements.py` | the database clock (`db_now`) and locked row reads |
-| `tokens.py` | team and agent tokens: issue, verify, revoke |
+| `tokens.py` | team and agent tokens: issue, verify, revoke; the operator's: register, list, find, agent names |
 | `batches.py` | the batch state machine (`transition_batch`), a batch's unmeasured candidates |
 | `leases.py` | leasing batches (fair share, FIFO, `SKIP LOCKED`), heartbeats, expiry, `lease_withheld` |
 | `agents.py` | registration, releasing what an agent does not hold, quarantine and flags, offline |
@@ -21,6 +21,12 @@
 | `confirmations.py`, `trust.py`, `timing_floor.py` | believing agents: confirmations, standing, the timing floor |
 | `liveness.py`, `revocations.py` | who is online; token revocations pushed to the lease services |
 | `codec.py` | the JSON forms of records kept in JSONB columns |
+| `teams.py` | teams, and what a team has in progress (its quota) |
+| `uploads.py` | the models teams upload: their task tables and workloads |
+| `jobs.py` | a team's jobs: created, listed, their progress (`job_overview`), cancelled, their records |
+| `devices.py` | the agents and device classes teams see, the database's clock |
+| `dashboard_sessions.py` | the dashboard's server-side sessions |
+| `database_metrics.py` | the farm's counts for `GET /metrics` |
 | `migrations/` | env.py and the revisions |
 
 Operations work inside the caller's transaction (`session.transaction`) and commit nothing

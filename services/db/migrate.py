@@ -24,6 +24,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, exc, make_url, text
 from sqlalchemy.engine import URL
+from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from services.db.exceptions import SchemaOutOfDate
@@ -124,3 +125,8 @@ def _admin(url: str | URL, statement: str) -> None:
         raise translate(error) from error
     finally:
         engine.dispose()
+
+
+def schema_revision(session: Session) -> str:
+    """The revision the session's database is at (it has been migrated: the API checked at start)."""
+    return str(session.execute(text("SELECT version_num FROM alembic_version")).scalar_one())

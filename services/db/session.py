@@ -129,3 +129,7 @@ SQLAlchemyError = exc.SQLAlchemyError
 """SQLAlchemy's own root error, for callers outside `services.db` that report what escapes
 untranslated from outside a `transaction` (a malformed URL, Alembic's migrations).
 (`DatabaseError` here is `services.db.exceptions.DatabaseError`, what `translate` makes.)"""
+
+
+SessionFactory = sessionmaker[Session]
+"""What `make_session_factory` returns, by the name callers outside `services.db` use."""

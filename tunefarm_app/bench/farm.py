@@ -158,14 +158,13 @@ class BenchFarm:
         self.tmp.cleanup()
 
     def _job(self) -> tuple[int, str]:
-        from services.api import admin
-        from services.db import synthetic_load, tokens
+        from services.db import synthetic_load, teams, tokens
         from services.db.models import TokenKind
         from services.db.session import transaction
 
         cls = self.device_class("jobs")
         with transaction(self.sessions) as s:
-            team = admin.ensure_team(s, name=f"bench-{self.uid}")
+            team = teams.ensure_team(s, name=f"bench-{self.uid}")
             [job_id] = synthetic_load.add_model_and_jobs(s, team_id=team.id, device_class_id=cls, name="bench",
                                                          n_jobs=1, trial_budget=10**9)  # fmt: skip
             _, token = tokens.issue_token(s, kind=TokenKind.AGENT, label="bench")
@@ -173,12 +172,12 @@ class BenchFarm:
 
     def device_class(self, name: str) -> int:
         """The id of the class `name` (for this machine's CPU), made if it does not exist."""
-        from services.api import admin
+        from services.db import device_classes
         from services.db.session import transaction
         from tunefarm.target import host_target_dict
 
         with transaction(self.sessions) as s:
-            return int(admin.ensure_device_class(s, name=name, target=host_target_dict()).id)
+            return int(device_classes.ensure_device_class(s, name=name, target=host_target_dict()).id)
 
     def start(self, label: str, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
         log = open(Path(self.tmp.name) / f"{label}.log", "ab")  # noqa: SIM115 (the process keeps it)

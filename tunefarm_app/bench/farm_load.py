@@ -74,13 +74,12 @@ def _say(msg: str) -> None:
 
 def _seed_jobs(farm: BenchFarm, class_id: int, n_jobs: int, budget: int) -> tuple[str, list[int]]:
     """A team with a token, a model, `n_jobs` running jobs on the class."""
-    from services.api import admin
-    from services.db import synthetic_load
+    from services.db import synthetic_load, teams, tokens
     from services.db.session import transaction
 
     with transaction(farm.sessions) as s:
-        team = admin.ensure_team(s, name=f"load-{farm.uid}")
-        token = admin.issue_team_token(s, team_id=team.id, label="bench farm-load")
+        team = teams.ensure_team(s, name=f"load-{farm.uid}")
+        token = tokens.issue_team_token(s, team_id=team.id, label="bench farm-load")
         job_ids = synthetic_load.add_model_and_jobs(s, team_id=team.id, device_class_id=class_id, name="load",
                                                     n_jobs=n_jobs, trial_budget=budget, running=True)  # fmt: skip
         return token, job_ids

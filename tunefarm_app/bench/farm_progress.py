@@ -45,15 +45,14 @@ class SeededJob:
 def seed_job(sessions, *, measurements: int, tasks: int = 8, curve_points: int = 60, team_token: str | None = None) -> SeededJob:
     """A team, a model with `tasks` tasks and a running job with `measurements`
     measurements and its precomputed progress, inserted in bulk."""
-    from services.api import admin
-    from services.db import synthetic_load
+    from services.db import device_classes, synthetic_load, teams, tokens
     from services.db.session import transaction
 
     uid = uuid.uuid4().hex[:10]
     with transaction(sessions) as s:
-        team = admin.ensure_team(s, name=f"bench-{uid}")
-        token = team_token or admin.issue_team_token(s, team_id=team.id)
-        dc = admin.ensure_device_class(s, name=f"bench-class-{uid}", target={"kind": "llvm", "num-cores": 2})
+        team = teams.ensure_team(s, name=f"bench-{uid}")
+        token = team_token or tokens.issue_team_token(s, team_id=team.id)
+        dc = device_classes.ensure_device_class(s, name=f"bench-class-{uid}", target={"kind": "llvm", "num-cores": 2})
         job = synthetic_load.add_job_with_tasks(s, uid=uid, team_id=team.id, device_class_id=dc.id, tasks=tasks,
                                                 trial_budget=max(1, measurements), batch_size=BATCH)  # fmt: skip
     best = [math.inf] * tasks

@@ -2,7 +2,7 @@
 the same team tokens as the JSON API.
 
 - `/ui/login`: the user pastes a team token; it is checked like a bearer token and
-  opens a server-side session (`dashboard_sessions.py`): the cookie holds the session's
+  opens a server-side session (`services/db/dashboard_sessions.py`): the cookie holds the session's
   random id, never the token (`HttpOnly`, `SameSite=Strict`, `Secure` over HTTPS, path
   `/ui`). Every page reads it; a request without a live session is sent to the login
   page (303). `Authorization: Bearer` works on the pages too (scripts, tests).
@@ -40,12 +40,13 @@ from fastapi import APIRouter, Form, Path, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from services.api import crud, dashboard_sessions
+from services.api import crud
 from services.api.authentication import Team, bearer_token, team_of_token
 from services.api.deps import SessionsDep, SettingsDep
 from services.api.exceptions import Forbidden, NotFound, Unauthorized
 from services.api.settings import ApiSettings
-from services.db.session import transaction
+from services.db import dashboard_sessions, devices
+from services.db.session import SessionFactory, transaction
 from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, format_duration, latency_curve_svg
 
 PREFIX = "/ui"
@@ -63,15 +64,15 @@ templates.env.filters["duration"] = format_duration
 templates.env.globals["css"] = PAGE_CSS + PLOT_CSS
 
 
-async def _team(request: Request, sessions) -> Team | None:
+async def _team(request: Request, sessions: SessionFactory) -> Team | None:
     """The team of the request's session cookie, else of its bearer header; None without
     a live session or a valid token."""
     session_id = request.cookies.get(COOKIE)
     if session_id:
         with transaction(sessions) as db:
-            team = dashboard_sessions.team_of_session(db, session_id=session_id)
-        if team is not None:
-            return team
+            owner = dashboard_sessions.team_of_session(db, session_id=session_id)
+        if owner is not None:
+            return Team(id=owner.team_id, token_id=owner.token_id)
     plain = bearer_token(request)
     if plain is None:
         return None
@@ -144,7 +145,9 @@ async def login(
             message = exc.message
         else:
             with transaction(sessions) as db:
-                session_id = dashboard_sessions.open_session(db, team=team, lifetime_secs=settings.ui_session_secs)
+                session_id = dashboard_sessions.open_session(
+                    db, team_id=team.id, token_id=team.token_id, lifetime_secs=settings.ui_session_secs
+                )
             response = RedirectResponse(f"{PREFIX}/jobs", status_code=303)
             response.set_cookie(COOKIE, session_id, path=PREFIX, max_age=int(settings.ui_session_secs),
                                 httponly=True, samesite="strict", secure=request.url.scheme == "https")
@@ -215,7 +218,7 @@ async def devices_page(request: Request, sessions: SessionsDep, settings: Settin
     with transaction(sessions) as db:
         classes = crud.list_device_classes(db, fresh_secs=settings.agent_fresh_secs)
         agents = crud.list_devices(db, fresh_secs=settings.agent_fresh_secs)
-        now = crud.database_now(db)
+        now = devices.database_now(db)
     return _page(request, "devices.html", here="devices", classes=classes, agents=agents,
                  heartbeat_age=lambda at: _age(now, at), refresh=REFRESH_SECS)
 

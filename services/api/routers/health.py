@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from services.api import crud
 from services.api.deps import SessionsDep
 from services.api.schemas import ErrorBody, Health
+from services.db.migrate import schema_revision
 from services.db.session import transaction
 
 router = APIRouter(tags=["health"])
@@ -15,4 +15,4 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz", responses={503: {"model": ErrorBody, "description": "the database cannot be reached"}})
 def health(sessions: SessionsDep) -> Health:
     with transaction(sessions) as db:
-        return Health(status="ok", schema_revision=crud.schema_revision(db))
+        return Health(status="ok", schema_revision=schema_revision(db))

@@ -13,10 +13,9 @@
 | `tunefarm_jobs` | gauge | state | jobs by state |
 
 Measurements per second is the counter's rate, taken by Prometheus:
-`rate(tunefarm_measurements_total[1m])` (errors alike). The counters are the agents'
-precomputed counts (kept with each measurement), so a scrape costs the same however many
-measurements the farm holds; failed builds (no agent) are counted from the measurements'
-agent index.
+`rate(tunefarm_measurements_total[1m])` (errors alike). The database's counts are
+`services.db.database_metrics`: a scrape costs the same however many measurements the
+farm holds.
 
 Auth: none by default — meant for an internal port or network, like most exporters; it
 shows counts per device class and no team's data. With `TUNEFARM_METRICS_TOKEN` set, a
@@ -30,38 +29,25 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from sqlalchemy import Integer, case, cast, func, literal_column, select
-from sqlalchemy.orm import Session
 
 from services.api.deps import SessionsDep, SettingsDep
 from services.api.exceptions import Unauthorized
 from services.api.routers.responses import errors
 from services.api.schemas import ErrorBody
 from services.common.queues import build_queue_name
-from services.db.models import (
-    Agent,
-    AgentState,
-    Batch,
-    BatchState,
-    DeviceClass,
-    Job,
-    JobState,
-    Lease,
-    LeaseState,
-    Measurement,
-)
+from services.db.database_metrics import OPEN_BATCH_STATES, FarmCounts, farm_counts
+from services.db.device_classes import device_class_names
+from services.db.models import AgentState, JobState
 from services.db.session import transaction
 
 log = logging.getLogger("tunefarm.api.metrics")
 
-OPEN_BATCH_STATES = (BatchState.PROPOSED, BatchState.BUILDING, BatchState.READY, BatchState.LEASED)
 REDIS_TIMEOUT_SECS = 1.0
 """A scrape does not wait longer than this for Redis (the database's metrics still come)."""
 
@@ -84,8 +70,9 @@ def metrics(request: Request, settings: SettingsDep, sessions: SessionsDep) -> R
     if settings.metrics_token and not bearer_matches(request.headers.get("authorization", ""), settings.metrics_token):
         raise Unauthorized("metrics need 'Authorization: Bearer <the farm's metrics token>'")
     with transaction(sessions) as db:
-        families = list(database_metrics(db, alive_secs=settings.lease_secs))
-        class_names = list(db.scalars(select(DeviceClass.name).order_by(DeviceClass.name)))
+        counts = farm_counts(db, alive_secs=settings.lease_secs)
+        class_names = device_class_names(db)
+    families = database_metrics(counts, alive_secs=settings.lease_secs)
     families += queue_metrics(request, settings.redis_url, settings.queue_prefix, class_names)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
@@ -112,93 +99,47 @@ class _Families:
         return iter(self.families)
 
 
-def database_metrics(db: Session, *, alive_secs: float) -> Iterator[Metric]:
-    names = dict(db.execute(select(DeviceClass.id, DeviceClass.name)).all())
-
+def database_metrics(counts: FarmCounts, *, alive_secs: float) -> list[Metric]:
+    """The database's metric families, for every class (absent means 0, not unknown)."""
+    names = counts.class_names
     batches = GaugeMetricFamily("tunefarm_batches", "batches not finished, by state", labels=["device_class", "state"])
-    counts = db.execute(
-        select(Batch.device_class_id, Batch.state, func.count())
-        .where(Batch.state.in_(OPEN_BATCH_STATES))
-        .group_by(Batch.device_class_id, Batch.state)
-    ).all()
-    by_state = {(c, s): n for c, s, n in counts}
-    for class_id, name in names.items():  # every state of every class: absent means 0, not unknown
-        for state in OPEN_BATCH_STATES:
-            batches.add_metric([name, state.value], by_state.get((class_id, state), 0))
-    yield batches
-
     leases = GaugeMetricFamily("tunefarm_leases_active", "active leases", labels=["device_class"])
-    active = dict(
-        db.execute(
-            select(Batch.device_class_id, func.count())
-            .select_from(Lease)
-            .join(Batch, Batch.id == Lease.batch_id)
-            .where(Lease.state == LeaseState.ACTIVE)
-            .group_by(Batch.device_class_id)
-        ).all()
+    for class_id, name in names.items():  # every state of every class
+        for state in OPEN_BATCH_STATES:
+            batches.add_metric([name, state.value], counts.open_batches.get((class_id, state), 0))
+        leases.add_metric([name], counts.active_leases.get(class_id, 0))
+    errors_family = CounterMetricFamily(
+        "tunefarm_measurement_errors", "measurements that are errors, by kind", labels=["device_class", "kind"]
     )
-    for class_id, name in names.items():
-        leases.add_metric([name], active.get(class_id, 0))
-    yield leases
+    for (class_id, kind), n in sorted(counts.errors.items()):
+        errors_family.add_metric([names[class_id], kind], n)
+    jobs = GaugeMetricFamily("tunefarm_jobs", "jobs by state", labels=["state"])
+    for state in JobState:
+        jobs.add_metric([state.value], counts.jobs.get(state, 0))
+    return [batches, leases, *agent_metrics(counts, alive_secs=alive_secs), errors_family, jobs]
 
+
+def agent_metrics(counts: FarmCounts, *, alive_secs: float) -> list[Metric]:
+    """Agents by class and state, those alive, and the candidates they measured."""
     agents = GaugeMetricFamily("tunefarm_agents", "agents by state", labels=["device_class", "state"])
     alive = GaugeMetricFamily(
         "tunefarm_agents_alive", f"agents that heartbeat within the lease window ({alive_secs:g} s)",
         labels=["device_class"],
     )
     measured = CounterMetricFamily("tunefarm_measurements", "candidates measured by agents", labels=["device_class"])
-    recent = Agent.last_heartbeat_at >= func.now() - timedelta(seconds=alive_secs)
-    rows = db.execute(
-        select(
-            Agent.device_class_id,
-            Agent.state,
-            func.count(),
-            func.sum(case((recent, 1), else_=0)),
-            func.sum(Agent.measurements_done),
-        ).group_by(Agent.device_class_id, Agent.state)
-    ).all()
-    per_class: dict[int, dict[str, Any]] = {c: {"alive": 0, "measured": 0, "states": {}} for c in names}
-    for class_id, state, n, n_alive, n_measured in rows:
-        entry = per_class[class_id]
-        entry["states"][state] = n
-        entry["alive"] += int(n_alive or 0)
-        entry["measured"] += int(n_measured or 0)
-    for class_id, name in names.items():
+    per_class: dict[int, dict[str, Any]] = {c: {"alive": 0, "measured": 0, "states": {}} for c in counts.class_names}
+    for row in counts.agents:
+        entry = per_class[row.device_class_id]
+        entry["states"][row.state] = row.agents
+        entry["alive"] += row.alive
+        entry["measured"] += row.measured
+    for class_id, name in counts.class_names.items():
         entry = per_class[class_id]
         for state in AgentState:
             agents.add_metric([name, state.value], entry["states"].get(state, 0))
         alive.add_metric([name], entry["alive"])
         measured.add_metric([name], entry["measured"])
-    yield from (agents, alive, measured)
-
-    errors_family = CounterMetricFamily(
-        "tunefarm_measurement_errors", "measurements that are errors, by kind", labels=["device_class", "kind"]
-    )
-    kinds: dict[tuple[int, str], int] = {}
-    each = func.jsonb_each_text(Agent.errors_by_kind).table_valued("key", "value").alias("e")
-    for class_id, kind, n in db.execute(
-        select(Agent.device_class_id, each.c.key, func.sum(cast(each.c.value, Integer)))
-        .select_from(Agent)
-        .join(each, literal_column("true"))
-        .group_by(Agent.device_class_id, each.c.key)
-    ).all():
-        kinds[(class_id, kind)] = kinds.get((class_id, kind), 0) + int(n)
-    for class_id, kind, n in db.execute(  # failed builds: measured by no agent
-        select(Measurement.device_class_id, Measurement.error_kind, func.count())
-        .where(Measurement.agent_id.is_(None))
-        .group_by(Measurement.device_class_id, Measurement.error_kind)
-    ).all():
-        key = (class_id, str(kind))
-        kinds[key] = kinds.get(key, 0) + int(n)
-    for (class_id, kind), n in sorted(kinds.items()):
-        errors_family.add_metric([names[class_id], kind], n)
-    yield errors_family
-
-    jobs = GaugeMetricFamily("tunefarm_jobs", "jobs by state", labels=["state"])
-    job_counts = dict(db.execute(select(Job.state, func.count()).group_by(Job.state)).all())
-    for state in JobState:
-        jobs.add_metric([state.value], job_counts.get(state, 0))
-    yield jobs
+    return [agents, alive, measured]
 
 
 def queue_metrics(request: Request, redis_url: str, prefix: str, class_names: list[str]) -> list[Metric]:

@@ -7,19 +7,19 @@ counts while it has not expired and its token is not revoked. Logging out delete
 so a copied cookie is worthless afterwards, and the team token never travels in a
 cookie (nor sits in the browser).
 
-Keyword-only functions over the caller's session, like `crud`.
+Every function works inside the caller's transaction and commits nothing itself.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+from dataclasses import dataclass
 from datetime import timedelta
 
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session
 
-from services.api.authentication import Team
 from services.db.models import DashboardSession, Token
 
 SESSION_ID_BYTES = 32
@@ -30,23 +30,32 @@ def _hash(session_id: str) -> str:
     return hashlib.sha256(session_id.encode()).hexdigest()
 
 
-def open_session(session: Session, *, team: Team, lifetime_secs: float) -> str:
-    """A new session of `team` for `lifetime_secs`; its id (for the cookie), never stored.
-    Expired sessions are deleted on the way."""
+@dataclass(frozen=True)
+class SessionTeam:
+    """Whose a dashboard session is: the team, and the token it was opened with."""
+
+    team_id: int
+    token_id: int
+
+
+def open_session(session: Session, *, team_id: int, token_id: int, lifetime_secs: float) -> str:
+    """A new session of the team `team_id`, opened with its token `token_id`, for
+    `lifetime_secs`; its id (for the cookie), never stored. Expired sessions are deleted
+    on the way."""
     session.execute(delete(DashboardSession).where(DashboardSession.expires_at < func.now()))
     session_id = secrets.token_urlsafe(SESSION_ID_BYTES)
     session.execute(
         insert(DashboardSession).values(
             session_hash=_hash(session_id),
-            team_id=team.id,
-            token_id=team.token_id,
+            team_id=team_id,
+            token_id=token_id,
             expires_at=func.now() + timedelta(seconds=lifetime_secs),
         )
     )
     return session_id
 
 
-def team_of_session(session: Session, *, session_id: str) -> Team | None:
+def team_of_session(session: Session, *, session_id: str) -> SessionTeam | None:
     """The team of a live session (not expired, its token not revoked); None otherwise."""
     row = session.execute(
         select(DashboardSession.team_id, DashboardSession.token_id)
@@ -57,7 +66,7 @@ def team_of_session(session: Session, *, session_id: str) -> Team | None:
             Token.revoked_at.is_(None),
         )
     ).one_or_none()
-    return None if row is None else Team(id=row.team_id, token_id=row.token_id)
+    return None if row is None else SessionTeam(team_id=row.team_id, token_id=row.token_id)
 
 
 def close_session(session: Session, *, session_id: str) -> bool:
