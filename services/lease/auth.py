@@ -27,7 +27,7 @@ import grpc
 from services.db import agents, leases, tokens
 from services.db.models import Agent, Lease, LeaseState, TokenKind
 from services.db.revocations import RevocationListener, VerifiedTokens
-from services.db.session import Session, sessionmaker, transaction
+from services.db.session import Session, SessionFactory, transaction
 from services.protocol import wire
 from services.protocol.errors import (
     UNKNOWN_AGENT_PREFIX,
@@ -70,7 +70,7 @@ class Auth:
     """Verifies bearer tokens and agent ownership, with a short-lived cache so that the
     hot calls (heartbeats, leases, results) do not ask the database every time."""
 
-    def __init__(self, sessions: sessionmaker[Session], ttl: float, revocations: RevocationListener | None = None):
+    def __init__(self, sessions: SessionFactory, ttl: float, revocations: RevocationListener | None = None):
         self.sessions = sessions
         self.ttl = ttl
         self._lock = threading.Lock()

@@ -59,7 +59,7 @@ from services.db import (
 from services.db import exceptions as db_exc
 from services.db.models import Agent, Batch, BatchCandidate, DeviceClass, Lease
 from services.db.revocations import RevocationListener
-from services.db.session import Session, sessionmaker, transaction
+from services.db.session import Session, SessionFactory, transaction
 from services.lease import files, results
 from services.lease.auth import AgentInfo, Auth, agent_info, new_agent_secret
 from services.lease.settings import LeaseServiceSettings
@@ -149,7 +149,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     def __init__(
         self,
         settings: LeaseServiceSettings,
-        sessions: sessionmaker[Session],
+        sessions: SessionFactory,
         revocations: RevocationListener | None = None,
     ):
         self.settings = settings

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from services.db import agents, batches, leases, measurements
 from services.db import exceptions as db_exc
-from services.db.session import Session, sessionmaker, transaction
+from services.db.session import SessionFactory, transaction
 from services.lease.settings import LeaseServiceSettings
 
 log = logging.getLogger("tunefarm.lease_service")
@@ -38,7 +38,7 @@ class Sweeper:
     agents offline, give up batches that were leased too often. Safe to run in several
     replicas at once (expire_leases skips batches another transaction holds)."""
 
-    def __init__(self, settings: LeaseServiceSettings, sessions: sessionmaker[Session]):
+    def __init__(self, settings: LeaseServiceSettings, sessions: SessionFactory):
         self.settings = settings
         self.sessions = sessions
         self._stop = threading.Event()

@@ -15,7 +15,7 @@ import threading
 import time
 
 from services.db import leases
-from services.db.session import Session, sessionmaker, transaction
+from services.db.session import SessionFactory, transaction
 
 
 class WorkBoard:
@@ -24,7 +24,7 @@ class WorkBoard:
     the database to lease only when its class may have work, so many idle agents cost
     one query per interval, not one each (which starved heartbeats of connections)."""
 
-    def __init__(self, sessions: sessionmaker[Session], interval: float):
+    def __init__(self, sessions: SessionFactory, interval: float):
         self.sessions = sessions
         self.interval = interval
         self._lock = threading.Lock()

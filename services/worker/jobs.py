@@ -48,7 +48,7 @@ from services.common import artifacts
 from services.db import batches, build_locks, codec, measurements
 from services.db.exceptions import DatabaseError, Unavailable
 from services.db.models import BatchState
-from services.db.session import Engine, Session, make_session_factory, retrying, sessionmaker
+from services.db.session import Engine, Session, SessionFactory, make_session_factory, retrying
 from services.protocol.signing import ArtifactSigner, SignedKind
 from services.worker.exceptions import BatchNotFound
 from services.worker.settings import WorkerSettings
@@ -64,7 +64,7 @@ class WorkerContext:
     """What a worker process keeps between jobs."""
 
     settings: WorkerSettings
-    sessions: sessionmaker[Session]
+    sessions: SessionFactory
     builder: Builder
     signer: ArtifactSigner | None = None  # signs each kernel (None: kernels go unsigned)
 
@@ -85,7 +85,7 @@ def configure(
     settings: WorkerSettings | None = None,
     *,
     builder: Builder | None = None,
-    sessions: sessionmaker[Session] | None = None,
+    sessions: SessionFactory | None = None,
 ) -> WorkerContext:
     """Set up this process for build jobs (the previous context's builder is closed).
     Without arguments: settings from the environment and a started `LocalBuilder`.
