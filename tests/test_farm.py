@@ -39,7 +39,7 @@ from tvm.script import tirx as T  # noqa: E402
 from services.agent import capabilities  # noqa: E402
 from services.agent.agent import run_agent  # noqa: E402
 from services.agent.settings import AgentSettings  # noqa: E402
-from services.db import agents, batches, leases, measurements, tokens  # noqa: E402
+from services.db import agents, batches, build_locks, leases, measurements, tokens  # noqa: E402
 from services.db.models import (  # noqa: E402
     Agent,
     AgentState,
@@ -61,7 +61,7 @@ from services.protocol import wire  # noqa: E402
 from services.protocol.generated import measurer_pb2 as pb  # noqa: E402
 from services.protocol.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
 from services.scheduler.farm_measurer import FarmMeasurer  # noqa: E402
-from services.worker import build_lock, jobs  # noqa: E402
+from services.worker import jobs  # noqa: E402
 from services.worker.build_job import build_worker  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
 from tunefarm.export import artifact_suffix  # noqa: E402
@@ -1062,21 +1062,21 @@ def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_wor
         assert agents.register("a", token_b) == a  # the board, given a new token, keeps its agent name
     assert _stored(farm) == {}
     measurer.close()
-# -- the build lock (services.worker.build_lock) ----------------------------------------------
+# -- the build lock (services.db.build_locks) ----------------------------------------------
 
 
 def build_locks_held(sessions, ids):
     with transaction(sessions) as s:
-        return build_lock.held(s, ids)
+        return build_locks.held(s, ids)
 
 
 def test_one_worker_holds_a_batch_and_the_scheduler_sees_it(db_sessions):
     engine = db_sessions.kw["bind"]
     big = 2**32 + 7  # ids beyond 32 bits share the low bits' lock, and are reported as asked
     assert build_locks_held(db_sessions, [7, 8, big]) == set()
-    with build_lock.holding(engine, 7) as mine:
+    with build_locks.holding(engine, 7) as mine:
         assert mine
-        with build_lock.holding(engine, 7) as theirs:  # another worker: another connection
+        with build_locks.holding(engine, 7) as theirs:  # another worker: another connection
             assert not theirs
         assert build_locks_held(db_sessions, [7, 8]) == {7}
         assert build_locks_held(db_sessions, [big]) == {big}
@@ -1087,14 +1087,14 @@ def test_a_lost_connection_releases_the_lock(db_sessions):
     from sqlalchemy import text
 
     engine = db_sessions.kw["bind"]
-    with build_lock.holding(engine, 11) as mine:
+    with build_locks.holding(engine, 11) as mine:
         assert mine and build_locks_held(db_sessions, [11]) == {11}
         with engine.connect() as admin:  # the worker's session ends, as when it is killed
             admin.execute(text(
                 "SELECT pg_terminate_backend(pid, 10000) FROM pg_locks WHERE locktype = 'advisory' AND objid = 11 "
                 "AND classid = CAST(:ns AS oid) AND database = (SELECT oid FROM pg_database "
                 "WHERE datname = current_database())"
-            ), {"ns": build_lock.BUILD_LOCK_NAMESPACE})  # fmt: skip
+            ), {"ns": build_locks.BUILD_LOCK_NAMESPACE})  # fmt: skip
             admin.commit()
         assert build_locks_held(db_sessions, [11]) == set()
     assert build_locks_held(db_sessions, [11]) == set()  # leaving the block after the loss is quiet

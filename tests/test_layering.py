@@ -199,3 +199,51 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert violations("tunefarm", ("services",)) == ["tunefarm/bad.py:1 imports services.scheduler.farm_job",
                                                      "tunefarm/bad.py:1 imports services.scheduler.farm_job.FarmJob"]
+
+
+def first_party_module_imports(root: Path) -> dict[str, set[str]]:
+    """Which first-party modules each module imports (`tunefarm.a.b` -> {`tunefarm.c`}),
+    from every import statement, those inside functions included; a name imported from a
+    package counts as its module when it is one."""
+    paths = {
+        ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+        for package in ("tunefarm", "tunefarm_app", "services")
+        for p in (root / package).rglob("*.py")
+        if "generated" not in p.parts and "migrations" not in p.parts
+    }
+    edges: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        for _, module in imported_modules(path):
+            while module and module not in paths:
+                module = module.rpartition(".")[0]
+            if module and module != name and not name.startswith(module + "."):
+                edges.setdefault(name, set()).add(module)
+    return edges
+
+
+def test_no_module_imports_itself_through_others():
+    assert import_cycles(first_party_module_imports(ROOT)) == []
+
+
+def test_the_module_cycle_checker_sees_a_lazy_cycle(tmp_path):
+    (tmp_path / "tunefarm").mkdir()
+    (tmp_path / "tunefarm" / "__init__.py").write_text("")
+    (tmp_path / "tunefarm" / "a.py").write_text("from tunefarm import b\n")
+    (tmp_path / "tunefarm" / "b.py").write_text("def f():\n    from tunefarm.a import g\n")
+    (tmp_path / "tunefarm" / "c.py").write_text("import tunefarm.a\n")
+    assert import_cycles(first_party_module_imports(tmp_path)) == [["tunefarm.a", "tunefarm.b"]]
+
+
+STORAGE_LIBRARIES = ("sqlalchemy", "psycopg2", "alembic")
+
+
+def test_only_the_database_package_imports_sqlalchemy():
+    """Storage sits behind one interface: `services/db` (tables, sessions, queries by
+    resource, migrations) is the only importer of SQLAlchemy, psycopg2 and Alembic."""
+    bad = [
+        v
+        for package in ("tunefarm", "tunefarm_app", "services")
+        for v in violations(package, STORAGE_LIBRARIES)
+        if not v.startswith("services/db/")
+    ]
+    assert bad == []

@@ -15,6 +15,9 @@
 | `measurements.py` | exactly-once measurements and build errors, new bests, abandoned batches |
 | `cost_models.py` | saved versions of the class cost models |
 | `model_runs.py` | tuned models run on an agent of their class |
+| `device_classes.py` | device classes by name, created when missing |
+| `stored_files.py` | the files rows name under the artifact root: a batch's kernels, a workload's task data |
+| `build_locks.py` | who is building a batch now (session-level advisory locks of the build workers) |
 | `confirmations.py`, `trust.py`, `timing_floor.py` | believing agents: confirmations, standing, the timing floor |
 | `liveness.py`, `revocations.py` | who is online; token revocations pushed to the lease services |
 | `codec.py` | the JSON forms of records kept in JSONB columns |

@@ -1,6 +1,7 @@
 """Agents: `register_agent`, `release_agent_leases` (everything an agent does not say it holds: a
 grant lost on its way, an agent restarted), `quarantine_agent` / `lift_quarantine` / `clear_flags`
-(an operator's verdict on an agent's timings), `mark_agents_offline`.
+(an operator's verdict on an agent's timings), `mark_agents_offline`; `find_agent`, and
+`record_health` (what an agent last said of its health).
 
 Every function works inside the caller's transaction and commits nothing itself.
 """
@@ -204,3 +205,18 @@ def mark_agents_offline(session: Session, *, stale_secs: float, now: datetime | 
             .returning(Agent.id)
         )
     )
+
+
+def find_agent(session: Session, *, agent_id: int) -> Agent | None:
+    """The agent (None: there is no such agent)."""
+    return session.get(Agent, agent_id)
+
+
+def record_health(session: Session, *, agent_id: int, health: dict[str, Any]) -> bool:
+    """Keep the agent's latest health report (with its capabilities, under "health": no
+    column of its own yet; operators read it there). False: there is no such agent."""
+    row = session.get(Agent, agent_id, with_for_update=True)
+    if row is None:
+        return False
+    row.capabilities = {**(row.capabilities or {}), "health": health}
+    return True

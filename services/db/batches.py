@@ -1,20 +1,32 @@
 """A batch's life: the state machine (`BATCH_TRANSITIONS`, `transition_batch`), `mark_batch_ready`,
-`unmeasured_candidates`, and ending a batch's active lease.
+`unmeasured_candidates`, and ending a batch's active lease; a build worker's side of it
+(`claim_for_build`, `build_source`, `set_builds`), and `lock_batch`, `overleased_batches`.
 
 Every function works inside the caller's transaction and commits nothing itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import exists, select, update
+from sqlalchemy import exists, select, text, update
 from sqlalchemy.orm import Session
 
 from services.db.exceptions import InvalidTransition, NotFound
-from services.db.models import Batch, BatchCandidate, BatchState, Confirmation, Lease, LeaseState, Measurement
+from services.db.models import (
+    Batch,
+    BatchCandidate,
+    BatchState,
+    Confirmation,
+    DeviceClass,
+    Lease,
+    LeaseState,
+    Measurement,
+    Workload,
+)
 from services.db.statements import db_now
 
 BATCH_TRANSITIONS: Mapping[BatchState, frozenset[BatchState]] = {
@@ -101,3 +113,89 @@ def end_active_lease(
     return session.scalars(
         update(Lease).where(*where).values(state=state, finished_at=at).returning(Lease.id)
     ).one_or_none()
+
+
+def lock_batch(session: Session, *, batch_id: int) -> BatchState | None:
+    """The batch's state, its row locked FOR UPDATE (None: there is no such batch)."""
+    return session.scalar(select(Batch.state).where(Batch.id == batch_id).with_for_update())
+
+
+def overleased_batches(session: Session, *, min_attempts: int, limit: int) -> list[tuple[int, int]]:
+    """(id, attempts) of the first `limit` ready batches leased `min_attempts` times or more."""
+    rows = session.execute(
+        select(Batch.id, Batch.attempts)
+        .where(Batch.state == BatchState.READY, Batch.attempts >= min_attempts)
+        .order_by(Batch.id)
+        .limit(limit)
+    ).all()
+    return [(batch_id, attempts) for batch_id, attempts in rows]
+
+
+def workload_and_target(session: Session, *, batch_id: int) -> tuple[str, dict[str, Any]]:
+    """The name of the batch's workload and its device class's target."""
+    name, target = session.execute(
+        select(Workload.name, DeviceClass.target)
+        .join(Batch, Batch.workload_id == Workload.id)
+        .join(DeviceClass, DeviceClass.id == Batch.device_class_id)
+        .where(Batch.id == batch_id)
+    ).one()
+    return name, target
+
+
+# -- a build worker's side ------------------------------------------------------------------
+
+
+def claim_for_build(session: Session, *, batch_id: int) -> Batch | None:
+    """The batch, locked FOR UPDATE (None: there is no such batch); a proposed one moves to
+    building. A batch in any other state is returned as it is."""
+    batch = session.scalars(select(Batch).where(Batch.id == batch_id).with_for_update()).one_or_none()
+    if batch is not None and batch.state is BatchState.PROPOSED:
+        transition_batch(session, batch_id=batch_id, to=BatchState.BUILDING)
+    return batch
+
+
+@dataclass(frozen=True)
+class BuildSource:
+    """What a batch's builds are made from, besides its candidates."""
+
+    workload_name: str
+    module_json: str | None  # the workload's IRModule JSON; None when not asked for
+    target: dict[str, Any]  # its device class's
+
+
+def build_source(session: Session, *, batch: Batch, with_module: bool) -> BuildSource:
+    """The batch's workload name (and IRModule JSON when `with_module`) and its class's target."""
+    name = session.scalar(select(Workload.name).where(Workload.id == batch.workload_id))
+    module_json = (
+        session.scalar(select(Workload.module_json).where(Workload.id == batch.workload_id))
+        if with_module
+        else None
+    )
+    target = session.scalar(select(DeviceClass.target).where(DeviceClass.id == batch.device_class_id))
+    return BuildSource(str(name), module_json, dict(target or {}))
+
+
+_SET_BUILDS = text(
+    "UPDATE batch_candidates AS bc SET artifact_path = v.path, build = CAST(v.build AS jsonb), "
+    "artifact_signature = v.signature "
+    "FROM unnest(CAST(:ids AS bigint[]), CAST(:paths AS text[]), CAST(:builds AS text[]), "
+    "CAST(:signatures AS text[])) AS v(id, path, build, signature) "
+    "WHERE bc.id = v.id"
+)
+
+
+def set_builds(
+    session: Session,
+    *,
+    ids: Sequence[int],
+    paths: Sequence[str | None],
+    builds: Sequence[str],
+    signatures: Sequence[str | None],
+) -> None:
+    """Each candidate's kernel path (relative to the artifact root), build result (JSON text)
+    and signature (hex), for a whole batch in one statement."""
+    if ids:
+        session.execute(
+            _SET_BUILDS,
+            {"ids": list(ids), "paths": list(paths), "builds": list(builds), "signatures": list(signatures)},
+        )

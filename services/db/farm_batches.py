@@ -16,13 +16,8 @@ from sqlalchemy import exists, insert, select
 from sqlalchemy.orm import Session
 
 from services.db import codec
-from services.db.models import Batch, BatchCandidate, BatchState, DeviceClass, Measurement
+from services.db.models import Batch, BatchCandidate, BatchState, Measurement
 from tunefarm.records import MeasureInput, TimingConfig
-
-
-def device_class_named(session: Session, *, name: str) -> DeviceClass | None:
-    """The device class `name` (None: there is none)."""
-    return session.scalars(select(DeviceClass).where(DeviceClass.name == name)).one_or_none()
 
 
 @dataclass(frozen=True)
@@ -117,11 +112,6 @@ def measurements_after(
 def batch_states(session: Session, *, batch_ids: Sequence[int]) -> dict[int, BatchState]:
     """The state of each batch of `batch_ids` that exists."""
     return {i: state for i, state in session.execute(select(Batch.id, Batch.state).where(Batch.id.in_(batch_ids)))}
-
-
-def locked_batch_state(session: Session, *, batch_id: int) -> BatchState | None:
-    """The batch's state, its row locked FOR UPDATE (None: there is no such batch)."""
-    return session.scalar(select(Batch.state).where(Batch.id == batch_id).with_for_update())
 
 
 def candidates_left(

@@ -1,5 +1,6 @@
 """Leases: `lease_next_batch` (fair share, FIFO, `FOR UPDATE SKIP LOCKED`), `heartbeat` (renews the
-leases the agent names, only those), `expire_leases`, `finish_lease`, `lease_withheld`, `classes_with_work`.
+leases the agent names, only those), `expire_leases`, `finish_lease`, `lease_withheld`, `classes_with_work`;
+`find_lease`, and `leased_work` (what an agent is handed with a lease besides its candidates).
 
 Lease rules. A lease is valid while its state is `active`: a result or heartbeat under an
 active lease is accepted even past `expires_at`, until someone else leases the batch or
@@ -12,6 +13,7 @@ Every function works inside the caller's transaction and commits nothing itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -30,11 +32,15 @@ from services.db.models import (
     Job,
     Lease,
     LeaseState,
+    Measurement,
     ModelRun,
     ModelRunState,
+    TaskData,
     Token,
+    Workload,
 )
 from services.db.statements import Now, db_now, get_row
+from services.db.stored_files import task_data_of
 
 MAX_LEASE_PROBES = 8
 """Queue heads `lease_next_batch` tries before giving up (a candidate is passed over when
@@ -306,19 +312,24 @@ def expire_leases(session: Session, *, now: datetime | None = None) -> list[int]
     )
     if not batch_ids:
         return []
-    session.execute(
-        update(Lease)
-        .where(Lease.batch_id.in_(batch_ids), Lease.state == LeaseState.ACTIVE, Lease.expires_at < at)
-        .values(state=LeaseState.EXPIRED, finished_at=at),
-        execution_options={"synchronize_session": False},
+    # A heartbeat (which locks no batch) may renew a lease after the scan: its batch stays leased.
+    expired = sorted(
+        session.scalars(
+            update(Lease)
+            .where(Lease.batch_id.in_(batch_ids), Lease.state == LeaseState.ACTIVE, Lease.expires_at < at)
+            .values(state=LeaseState.EXPIRED, finished_at=at)
+            .returning(Lease.batch_id),
+            execution_options={"synchronize_session": False},
+        )
     )
-    session.execute(
-        update(Batch)
-        .where(Batch.id.in_(batch_ids), Batch.state == BatchState.LEASED)
-        .values(state=BatchState.READY),
-        execution_options={"synchronize_session": False},
-    )
-    return batch_ids
+    if expired:
+        session.execute(
+            update(Batch)
+            .where(Batch.id.in_(expired), Batch.state == BatchState.LEASED)
+            .values(state=BatchState.READY),
+            execution_options={"synchronize_session": False},
+        )
+    return expired
 
 
 def finish_lease(
@@ -359,3 +370,36 @@ def held_lease(session: Session, *, lease_id: int, agent_id: int, lock: bool) ->
     if lease.state is not LeaseState.ACTIVE:
         raise LeaseNotHeld(f"lease {lease_id} is {lease.state}")
     return lease
+
+
+def find_lease(session: Session, *, lease_id: int) -> Lease | None:
+    """The lease, in whatever state (None: there is no such lease)."""
+    return session.get(Lease, lease_id)
+
+
+@dataclass(frozen=True)
+class LeasedWork:
+    """What an agent is handed with a lease of a batch, besides its candidates."""
+
+    workload_name: str
+    n_inputs: int
+    n_outputs: int
+    task_data: TaskData | None  # of the workload (None: it has none)
+    signed_as: int | None  # a confirmation's: the candidate its kernel was built and signed as
+
+
+def leased_work(session: Session, *, batch: Batch) -> LeasedWork:
+    """The batch's workload (name, inputs, outputs), its task data, and for a confirmation
+    batch the candidate whose measurement it confirms."""
+    wl = session.execute(
+        select(Workload.name, Workload.n_inputs, Workload.n_outputs).where(Workload.id == batch.workload_id)
+    ).one()
+    td = task_data_of(session, workload_id=batch.workload_id)
+    signed_as = (
+        session.scalar(
+            select(Measurement.batch_candidate_id).where(Measurement.id == batch.confirms_measurement_id)
+        )
+        if batch.confirms_measurement_id is not None
+        else None
+    )
+    return LeasedWork(wl.name, wl.n_inputs, wl.n_outputs, td, signed_as)

@@ -1,7 +1,8 @@
 """Measurements: `record_measurement` (exactly once, only under the sender's active lease),
 `record_measurements` (the same for many candidates of a lease in a few statements),
 `record_build_error` (a candidate that never reached an agent), `abandon_batch` (error results for
-what a batch that cannot be measured still lacks). Every agent's time is checked against the
+what a batch that cannot be measured still lacks), `candidate_results` (which candidates of a batch
+have a result, and under which lease). Every agent's time is checked against the
 class's timing floor first (`timing_floor`: below it, an error of kind below_floor); a measurement
 that becomes its task's best gets a confirmation batch, whose results are `Confirmation`s
 (`confirmations`: the same calls store them).
@@ -357,3 +358,30 @@ def abandon_batch(
         _store_results(session, batch_id=batch_id, lease=None, items=items, fingerprint=dict(fingerprint or {}))
     transition_batch(session, batch_id=batch_id, to=BatchState.FAILED, build_error=reason, now=now)
     return len(lost)
+
+
+@dataclass(frozen=True)
+class CandidateResult:
+    """A batch candidate and its measurement, if it has one."""
+
+    id: int
+    input: dict[str, Any]
+    build: dict[str, Any] | None
+    measurement_id: int | None  # None: not measured yet
+    lease_id: int | None  # the measurement's lease (None: not measured, or given up)
+
+
+def candidate_results(session: Session, *, batch_id: int) -> list[CandidateResult]:
+    """Every candidate of the batch, with its measurement's id and lease."""
+    rows = session.execute(
+        select(
+            BatchCandidate.id,
+            BatchCandidate.input,
+            BatchCandidate.build,
+            Measurement.id.label("measurement_id"),
+            Measurement.lease_id,
+        )
+        .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
+        .where(BatchCandidate.batch_id == batch_id)
+    ).all()
+    return [CandidateResult(r.id, r.input, r.build, r.measurement_id, r.lease_id) for r in rows]

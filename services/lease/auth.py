@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from sqlalchemy.orm import Session, sessionmaker
 
-from services.db import tokens
+from services.db import agents, leases, tokens
 from services.db.models import Agent, Lease, LeaseState, TokenKind
 from services.db.revocations import RevocationListener, VerifiedTokens
-from services.db.session import transaction
+from services.db.session import Session, SessionFactory, transaction
 from services.protocol import wire
 from services.protocol.errors import (
     UNKNOWN_AGENT_PREFIX,
@@ -71,7 +70,7 @@ class Auth:
     """Verifies bearer tokens and agent ownership, with a short-lived cache so that the
     hot calls (heartbeats, leases, results) do not ask the database every time."""
 
-    def __init__(self, sessions: sessionmaker[Session], ttl: float, revocations: RevocationListener | None = None):
+    def __init__(self, sessions: SessionFactory, ttl: float, revocations: RevocationListener | None = None):
         self.sessions = sessions
         self.ttl = ttl
         self._lock = threading.Lock()
@@ -110,7 +109,7 @@ class Auth:
         # Not cached, or refused by what is: a registration elsewhere (another replica)
         # may have changed the secret since; the database decides.
         with transaction(self.sessions) as s:
-            row = s.get(Agent, agent_id)
+            row = agents.find_agent(s, agent_id=agent_id)
             if row is None:
                 raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent_id}: register again")
             info = agent_info(row)
@@ -158,7 +157,7 @@ def new_agent_secret() -> str:
 
 def held_lease(s: Session, lease_id: int, agent_id: int) -> Lease:
     """The lease, if it is the agent's active one; otherwise `LeaseLost`."""
-    lease = s.get(Lease, lease_id)
+    lease = leases.find_lease(s, lease_id=lease_id)
     if lease is None or lease.agent_id != agent_id:
         raise LeaseLost(f"lease {lease_id} is not held by agent {agent_id}")
     if lease.state is not LeaseState.ACTIVE:

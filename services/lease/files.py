@@ -13,13 +13,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
 from services.common import artifacts
 from services.db import exceptions as db_exc
-from services.db import model_runs
-from services.db.models import Batch, BatchCandidate, TaskData
+from services.db import model_runs, stored_files
+from services.db.session import Session
 from services.lease.auth import AgentInfo, held_lease
 from services.protocol.errors import BadRequest, LeaseLost
 from services.protocol.generated import measurer_pb2 as pb
@@ -44,23 +41,15 @@ def fetch_paths(s: Session, request: pb.FetchRequest, agent: AgentInfo, root: st
     if request.model_run_id:
         return _model_run_paths(s, request, agent, root)
     lease = held_lease(s, request.lease_id, agent.agent_id)
-    batch = s.get(Batch, lease.batch_id)
-    assert batch is not None
     kernel_ids = [r.id for r in request.refs if r.kind == pb.ARTIFACT_KIND_KERNEL]
-    kernels = dict(
-        s.execute(
-            select(BatchCandidate.id, BatchCandidate.artifact_path).where(
-                BatchCandidate.batch_id == batch.id, BatchCandidate.id.in_(kernel_ids)
-            )
-        ).all()
-    )
-    td = s.scalars(select(TaskData).where(TaskData.workload_id == batch.workload_id)).one_or_none()
+    found = stored_files.batch_files(s, batch_id=lease.batch_id, kernel_ids=kernel_ids)
+    kernels, td = found.kernels, found.task_data
     out: list[Path | str] = []
     for ref in request.refs:
         rel: str | None
         if ref.kind == pb.ARTIFACT_KIND_KERNEL:
             if ref.id not in kernels:
-                raise BadRequest(f"candidate {ref.id} is not in the leased batch {batch.id}")
+                raise BadRequest(f"candidate {ref.id} is not in the leased batch {found.batch_id}")
             rel = kernels[ref.id]
         elif ref.kind == pb.ARTIFACT_KIND_TASK_DATA:
             if td is None or ref.id != td.id:

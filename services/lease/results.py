@@ -1,6 +1,6 @@
 """A results stream's side on the lease service (`ReportResults`): what it may store, and storing it.
 
-`ReportResults` stores a stream's results in groups (`results_flush_secs`,
+`ReportResults` stores a stream's results in groups (`acknowledged`: `results_flush_secs`,
 `results_flush_max`): one transaction for the results that arrived together, and the
 lease's finish in the same transaction as the last group (`store`). Every stored result
 is acknowledged; the agent resends what was not acknowledged after a reconnect, and the
@@ -24,22 +24,24 @@ acknowledgement) is acknowledged and stored once.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
-from services.db import codec, leases, measurements
-from services.db.models import Batch, BatchCandidate, BatchState, DeviceClass, Measurement, Workload
+from services.db import batches, codec, leases, measurements
+from services.db.models import BatchState
+from services.db.session import Session
 from services.lease.auth import AgentInfo, held_lease
+from services.protocol import wire
 from services.protocol.errors import AlreadyMeasured, BadRequest
 from services.protocol.generated import measurer_pb2 as pb
 from tunefarm.records import BuildResult, MeasureInput, MeasureRecord, MeasureResult, RunResult
+
+log = logging.getLogger("tunefarm.lease_service")
 
 
 @dataclass
@@ -96,23 +98,8 @@ def stream_context(s: Session, lease_id: int, agent: AgentInfo) -> StreamContext
     """What a stream of the lease needs, loaded once; `LeaseLost` unless the lease is the
     agent's active one."""
     lease = held_lease(s, lease_id, agent.agent_id)
-    name, target = s.execute(
-        select(Workload.name, DeviceClass.target)
-        .join(Batch, Batch.workload_id == Workload.id)
-        .join(DeviceClass, DeviceClass.id == Batch.device_class_id)
-        .where(Batch.id == lease.batch_id)
-    ).one()
-    rows = s.execute(
-        select(
-            BatchCandidate.id,
-            BatchCandidate.input,
-            BatchCandidate.build,
-            Measurement.id.label("measurement_id"),
-            Measurement.lease_id,
-        )
-        .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
-        .where(BatchCandidate.batch_id == lease.batch_id)
-    ).all()
+    name, target = batches.workload_and_target(s, batch_id=lease.batch_id)
+    rows = measurements.candidate_results(s, batch_id=lease.batch_id)
     return StreamContext(
         lease_id=lease.id,
         batch_id=lease.batch_id,
@@ -136,7 +123,7 @@ def store(
     """Store a group of a stream's results (and the lease's finish with the last); the
     batch's state when finished."""
     if finish:  # lock order: the batch before its lease (finish_lease locks both)
-        s.execute(select(Batch.id).where(Batch.id == ctx.batch_id).with_for_update())
+        batches.lock_batch(s, batch_id=ctx.batch_id)
     stamp = time.time()
     records = [(bc_id, ctx.record(bc_id, run, stamp)) for bc_id, run in items]
     measurements.record_measurements(
@@ -145,6 +132,61 @@ def store(
     if finish:
         return leases.finish_lease(s, lease_id=ctx.lease_id, agent_id=agent.agent_id)
     return None
+
+
+def acknowledged(
+    inbox: Inbox,
+    first: pb.ResultMessage,
+    ctx: StreamContext,
+    agent: AgentInfo,
+    store_group: Callable[[list[tuple[int, RunResult]], bool], BatchState | None],
+    is_active: Callable[[], bool],
+    *,
+    flush_max: int,
+    flush_secs: float,
+) -> Iterator[pb.ResultAck]:
+    """The acknowledgements of a stream's messages, `first` and then what `inbox` brings:
+    results are stored in groups (`store_group(items, finish)`, a transaction each) of at
+    most `flush_max` or what came within `flush_secs`, and each stored group is
+    acknowledged while the agent listens (`is_active`)."""
+    lease_id = ctx.lease_id
+    pending: dict[int, RunResult] = {}
+    opened = 0.0
+    finish = False
+    msg: object = first
+    while True:
+        if isinstance(msg, pb.ResultMessage):
+            if msg.lease_id != lease_id or msg.agent_id != agent.agent_id:
+                raise BadRequest("one results stream carries one lease")
+            body = msg.WhichOneof("body")
+            if body == "result":
+                bc_id = msg.result.batch_candidate_id
+                run = ctx.admit(bc_id, wire.run_result_from_pb(msg.result))
+                if not pending:
+                    opened = time.monotonic()
+                # An emulated agent's costs are the emulator's: its results say so.
+                pending[bc_id] = replace(run, emulated=agent.emulated)
+            elif body == "finish":
+                finish = True
+        elif isinstance(msg, BaseException):  # the agent went away: keep what it sent
+            log.info("results stream of lease %d broke: %s", lease_id, msg)
+        end = finish or msg is END or isinstance(msg, BaseException)
+        due = pending and (len(pending) >= flush_max or time.monotonic() - opened >= flush_secs)
+        if end or due:
+            if pending or finish:
+                items = list(pending.items())
+                pending.clear()
+                state = store_group(items, finish)
+                if is_active():
+                    yield pb.ResultAck(
+                        batch_candidate_ids=[i for i, _ in items],
+                        finished=finish,
+                        batch_state=str(state) if state is not None else "",
+                    )
+            if end:
+                return
+        timeout = None if not pending else max(0.0, opened + flush_secs - time.monotonic())
+        msg = inbox.get(timeout)
 
 
 END = object()

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from sqlalchemy.orm import Session, sessionmaker
 
 from services.db.revocations import RevocationListener
-from services.db.session import make_session_factory
+from services.db.session import SessionFactory, make_session_factory
 from services.lease.servicer import AgentServicer
 from services.lease.settings import LeaseServiceSettings
 from services.lease.sweeper import Sweeper
@@ -62,7 +61,7 @@ class LeaseServer:
 
 
 def make_server(
-    settings: LeaseServiceSettings | None = None, *, sessions: sessionmaker[Session] | None = None
+    settings: LeaseServiceSettings | None = None, *, sessions: SessionFactory | None = None
 ) -> LeaseServer:
     """The lease service for `settings`, bound but not started."""
     settings = settings or LeaseServiceSettings()

@@ -38,31 +38,28 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.orm import Session, sessionmaker
 
 from services.common import artifacts
-from services.db import agents, batches, codec, leases, liveness, measurements, model_runs, tokens
-from services.db import exceptions as db_exc
-from services.db.models import (
-    Agent,
-    Batch,
-    BatchCandidate,
-    DeviceClass,
-    Lease,
-    Measurement,
-    TaskData,
-    Workload,
+from services.db import (
+    agents,
+    batches,
+    codec,
+    device_classes,
+    leases,
+    liveness,
+    measurements,
+    model_runs,
+    tokens,
 )
+from services.db import exceptions as db_exc
+from services.db.models import Agent, Batch, BatchCandidate, DeviceClass, Lease
 from services.db.revocations import RevocationListener
-from services.db.session import transaction
+from services.db.session import Session, SessionFactory, transaction
 from services.lease import files, results
 from services.lease.auth import AgentInfo, Auth, agent_info, new_agent_secret
 from services.lease.settings import LeaseServiceSettings
@@ -82,7 +79,6 @@ from services.protocol.generated import measurer_pb2 as pb
 from services.protocol.generated import measurer_pb2_grpc as pb_grpc
 from tunefarm.export import arch_name, target_arch
 from tunefarm.gpu import gpu_compatible, is_gpu
-from tunefarm.records import RunResult
 
 log = logging.getLogger("tunefarm.lease_service")
 
@@ -153,7 +149,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     def __init__(
         self,
         settings: LeaseServiceSettings,
-        sessions: sessionmaker[Session],
+        sessions: SessionFactory,
         revocations: RevocationListener | None = None,
     ):
         self.settings = settings
@@ -200,24 +196,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         detected = _json_dict(caps.get("target_json", ""))
 
         def work(s: Session) -> tuple[Agent, dict[str, Any]]:
-            dc = s.scalars(select(DeviceClass).where(DeviceClass.name == class_name)).one_or_none()
-            if dc is None:
-                if not self.settings.auto_create_device_classes:
-                    known = ", ".join(s.scalars(select(DeviceClass.name).order_by(DeviceClass.name))) or "none yet"
-                    raise NotFound(
-                        f"device class {class_name!r} does not exist (existing classes: {known}): an operator "
-                        f"creates it (tunefarm farm device-class {class_name})"
-                    )
-                if not detected.get("kind"):
-                    raise BadRequest(f"device class {class_name!r} does not exist and the agent sent no target")
-                if not wire.valid_agent_name(class_name):  # a class an agent names is shown as its name is
-                    raise BadRequest(f"device class name {class_name[:130]!r} refused: a name is {wire.AGENT_NAME_RULE}")
-                s.execute(
-                    pg_insert(DeviceClass)
-                    .values(name=class_name, target=detected, description=f"created by agent {name}")
-                    .on_conflict_do_nothing(index_elements=[DeviceClass.name])
-                )
-                dc = s.scalars(select(DeviceClass).where(DeviceClass.name == class_name)).one()
+            dc = self._class_to_join(s, class_name, name, detected)
             _check_compatible(class_name, dc.target, caps)
             try:
                 agent = agents.register_agent(
@@ -240,6 +219,26 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             lease_secs=st.lease_secs,
             poll_interval_secs=st.lease_recheck_secs,
             agent_secret=secret,
+        )
+
+    def _class_to_join(self, s: Session, class_name: str, agent_name: str, detected: dict[str, Any]) -> DeviceClass:
+        """The device class an agent registers for; created from the target the agent
+        detected only when `auto_create_device_classes` lets agents create classes."""
+        dc = device_classes.find_device_class(s, name=class_name)
+        if dc is not None:
+            return dc
+        if not self.settings.auto_create_device_classes:
+            known = ", ".join(device_classes.device_class_names(s)) or "none yet"
+            raise NotFound(
+                f"device class {class_name!r} does not exist (existing classes: {known}): an operator "
+                f"creates it (tunefarm farm device-class {class_name})"
+            )
+        if not detected.get("kind"):
+            raise BadRequest(f"device class {class_name!r} does not exist and the agent sent no target")
+        if not wire.valid_agent_name(class_name):  # a class an agent names is shown as its name is
+            raise BadRequest(f"device class name {class_name[:130]!r} refused: a name is {wire.AGENT_NAME_RULE}")
+        return device_classes.ensure_device_class(
+            s, name=class_name, target=detected, description=f"created by agent {agent_name}"
         )
 
     @_unary
@@ -268,11 +267,8 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         health["reported_at"] = time.time()
 
         def work(s: Session) -> None:
-            row = s.get(Agent, agent.agent_id, with_for_update=True)
-            if row is None:
+            if not agents.record_health(s, agent_id=agent.agent_id, health=health):
                 raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again")
-            # Kept with the capabilities (no column of its own yet): operators read it there.
-            row.capabilities = {**(row.capabilities or {}), "health": health}
 
         self._tx(work)
         if request.status in (pb.HEALTH_STATUS_DEGRADED, pb.HEALTH_STATUS_FAILING):
@@ -410,10 +406,8 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         )
 
     def _leased(self, s: Session, lease: Lease, batch: Batch, candidates: list[BatchCandidate]) -> pb.LeasedBatch:
-        wl = s.execute(
-            select(Workload.name, Workload.n_inputs, Workload.n_outputs).where(Workload.id == batch.workload_id)
-        ).one()
-        td = s.scalars(select(TaskData).where(TaskData.workload_id == batch.workload_id)).one_or_none()
+        wl = leases.leased_work(s, batch=batch)
+        td = wl.task_data
         task_data = (
             pb.ArtifactRef(
                 kind=pb.ARTIFACT_KIND_TASK_DATA,
@@ -426,12 +420,6 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             else pb.ArtifactRef(kind=pb.ARTIFACT_KIND_TASK_DATA, id=0)
         )
         timing = codec.timing_from_json(batch.timing)
-        # A confirmation's kernel was built and signed as the candidate it confirms.
-        signed_as = (
-            s.scalar(select(Measurement.batch_candidate_id).where(Measurement.id == batch.confirms_measurement_id))
-            if batch.confirms_measurement_id is not None
-            else None
-        )
         return pb.LeasedBatch(
             lease_id=lease.id,
             batch_id=batch.id,
@@ -446,7 +434,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                         file_name=Path(c.artifact_path).name if c.artifact_path else "",
                         size=self._artifact_size(c.artifact_path),
                         signature=_signature(c.artifact_signature),
-                        signed_as=signed_as or 0,
+                        signed_as=wl.signed_as or 0,  # a confirmation's kernel: the candidate it confirms
                     ),
                 )
                 for c in candidates
@@ -457,7 +445,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             verify=bool(td is not None and td.has_expected),
             timing=wire.timing_to_pb(timing),
             run_timeout_secs=batch.run_timeout_secs,
-            workload_name=wl.name,
+            workload_name=wl.workload_name,
         )
 
     def _artifact_size(self, rel: str | None) -> int:
@@ -525,46 +513,17 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         if not isinstance(first, pb.ResultMessage):
             return  # the agent closed the stream without a message
         agent = self.auth.agent(first.agent_id, token_id, context)
-        lease_id = first.lease_id
-        ctx = self._tx(lambda s: results.stream_context(s, lease_id, agent))
-        st = self.settings
-        pending: dict[int, RunResult] = {}
-        opened = 0.0
-        finish = False
-        msg: object = first
-        while True:
-            if isinstance(msg, pb.ResultMessage):
-                if msg.lease_id != lease_id or msg.agent_id != agent.agent_id:
-                    raise BadRequest("one results stream carries one lease")
-                body = msg.WhichOneof("body")
-                if body == "result":
-                    bc_id = msg.result.batch_candidate_id
-                    run = ctx.admit(bc_id, wire.run_result_from_pb(msg.result))
-                    if not pending:
-                        opened = time.monotonic()
-                    # An emulated agent's costs are the emulator's: its results say so.
-                    pending[bc_id] = replace(run, emulated=agent.emulated)
-                elif body == "finish":
-                    finish = True
-            elif isinstance(msg, BaseException):  # the agent went away: keep what it sent
-                log.info("results stream of lease %d broke: %s", lease_id, msg)
-            end = finish or msg is results.END or isinstance(msg, BaseException)
-            due = pending and (len(pending) >= st.results_flush_max or time.monotonic() - opened >= st.results_flush_secs)
-            if end or due:
-                if pending or finish:
-                    items = list(pending.items())
-                    pending.clear()
-                    state = self._tx(lambda s, items=items, fin=finish: results.store(s, ctx, agent, items, fin))
-                    if context.is_active():
-                        yield pb.ResultAck(
-                            batch_candidate_ids=[i for i, _ in items],
-                            finished=finish,
-                            batch_state=str(state) if state is not None else "",
-                        )
-                if end:
-                    return
-            timeout = None if not pending else max(0.0, opened + st.results_flush_secs - time.monotonic())
-            msg = inbox.get(timeout)
+        ctx = self._tx(lambda s: results.stream_context(s, first.lease_id, agent))
+        yield from results.acknowledged(
+            inbox,
+            first,
+            ctx,
+            agent,
+            lambda items, fin: self._tx(lambda s: results.store(s, ctx, agent, items, fin)),
+            context.is_active,
+            flush_max=self.settings.results_flush_max,
+            flush_secs=self.settings.results_flush_secs,
+        )
 
 
 

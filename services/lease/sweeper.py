@@ -11,13 +11,9 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
-
-from services.db import agents, leases, measurements
+from services.db import agents, batches, leases, measurements
 from services.db import exceptions as db_exc
-from services.db.models import Batch, BatchState
-from services.db.session import transaction
+from services.db.session import SessionFactory, transaction
 from services.lease.settings import LeaseServiceSettings
 
 log = logging.getLogger("tunefarm.lease_service")
@@ -42,7 +38,7 @@ class Sweeper:
     agents offline, give up batches that were leased too often. Safe to run in several
     replicas at once (expire_leases skips batches another transaction holds)."""
 
-    def __init__(self, settings: LeaseServiceSettings, sessions: sessionmaker[Session]):
+    def __init__(self, settings: LeaseServiceSettings, sessions: SessionFactory):
         self.settings = settings
         self.sessions = sessions
         self._stop = threading.Event()
@@ -79,13 +75,7 @@ class Sweeper:
             offline = agents.mark_agents_offline(s, stale_secs=st.agent_stale_secs)
         given_up = []
         with transaction(self.sessions) as s:
-            rows = s.execute(
-                select(Batch.id, Batch.attempts)
-                .where(Batch.state == BatchState.READY, Batch.attempts >= st.max_lease_attempts)
-                .order_by(Batch.id)
-                .limit(100)
-            ).all()
-            for batch_id, attempts in rows:
+            for batch_id, attempts in batches.overleased_batches(s, min_attempts=st.max_lease_attempts, limit=100):
                 measurements.abandon_batch(s, batch_id=batch_id, reason=given_up_reason(attempts))
                 given_up.append(batch_id)
         return SweepReport(requeued, offline, given_up)

@@ -14,10 +14,8 @@ import math
 import threading
 import time
 
-from sqlalchemy.orm import Session, sessionmaker
-
 from services.db import leases
-from services.db.session import transaction
+from services.db.session import SessionFactory, transaction
 
 
 class WorkBoard:
@@ -26,7 +24,7 @@ class WorkBoard:
     the database to lease only when its class may have work, so many idle agents cost
     one query per interval, not one each (which starved heartbeats of connections)."""
 
-    def __init__(self, sessions: sessionmaker[Session], interval: float):
+    def __init__(self, sessions: SessionFactory, interval: float):
         self.sessions = sessions
         self.interval = interval
         self._lock = threading.Lock()

@@ -16,7 +16,7 @@ recorded by the build worker, an error the lease service recorded for a batch no
 could finish, or, for a batch whose build job failed for good, an error recorded here
 (`measurements.abandon_batch`). Builds are watched (`_check_batches`, every
 `stuck_check_secs`): Postgres is the source of truth, Redis only carries the jobs. A batch
-proposed or building that no worker holds the build lock of (`services.worker.build_lock`)
+proposed or building that no worker holds the build lock of (`services.db.build_locks`)
 and whose RQ job is not waiting in its queue (its worker was killed, Redis lost its data,
 the job failed; a job started by a worker that has not taken the lock at two checks in a
 row) is enqueued again: up to `max_requeues` times after failed jobs,
@@ -42,11 +42,19 @@ from typing import TYPE_CHECKING, Any
 
 from services.common import artifacts
 from services.common.queues import BUILD_JOB, build_job_id
-from services.db import batches, codec, farm_batches, farm_tasks, job_store, measurements
+from services.db import (
+    batches,
+    build_locks,
+    codec,
+    device_classes,
+    farm_batches,
+    farm_tasks,
+    job_store,
+    measurements,
+)
 from services.db.models import BatchState
 from services.db.session import Session, SessionFactory, transaction
 from services.scheduler.decoded_records import DecodedRecords
-from services.worker import build_lock
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer
 from tunefarm.records import (
@@ -144,7 +152,7 @@ class FarmMeasurer(Measurer):
         self._closed = False
         self._last_check = time.monotonic()
         with transaction(sessions) as s:
-            dc = farm_batches.device_class_named(s, name=device_class)
+            dc = device_classes.find_device_class(s, name=device_class)
             if dc is None:
                 raise ValueError(f"device class {device_class!r} does not exist")
             self.device_class_id = dc.id
@@ -394,7 +402,7 @@ class FarmMeasurer(Measurer):
 
     def _check_batches(self) -> list[MeasureRecord]:
         """Finished batches whose results were missed, and builds nobody is doing: a
-        batch proposed or building whose build lock no worker holds (`build_lock`) and
+        batch proposed or building whose build lock no worker holds (`build_locks`) and
         whose RQ job is not waiting in its queue (gone with Redis's data, left started
         by a killed worker, failed) is enqueued again."""
         from redis.exceptions import RedisError
@@ -406,7 +414,7 @@ class FarmMeasurer(Measurer):
         unbuilt = (BatchState.PROPOSED, BatchState.BUILDING)
         with transaction(self.sessions) as s:
             states = farm_batches.batch_states(s, batch_ids=ids)
-            building = build_lock.held(s, [i for i, st in states.items() if st in unbuilt])
+            building = build_locks.held(s, [i for i, st in states.items() if st in unbuilt])
         out: list[MeasureRecord] = []
         suspects: set[int] = set()
         for batch_id in ids:
@@ -445,8 +453,8 @@ class FarmMeasurer(Measurer):
         count, limit = (flight.requeues, self.max_requeues) if failed else (flight.lost, self.max_lost_builds)
         reason = f"the build of batch {batch_id} {'failed' if failed else 'was lost'}: {why}"
         with transaction(self.sessions) as s:
-            state = farm_batches.locked_batch_state(s, batch_id=batch_id)
-            if state not in (BatchState.PROPOSED, BatchState.BUILDING) or build_lock.held(s, [batch_id]):
+            state = batches.lock_batch(s, batch_id=batch_id)
+            if state not in (BatchState.PROPOSED, BatchState.BUILDING) or build_locks.held(s, [batch_id]):
                 return  # built, or being built, after all
             again = count < limit
             if not again:

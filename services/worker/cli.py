@@ -8,9 +8,8 @@ import argparse
 import logging
 
 from redis import Redis
-from sqlalchemy import select
 
-from services.db.models import DeviceClass
+from services.db.device_classes import device_class_names
 from services.db.session import make_session_factory, transaction
 from services.protocol.signing import KeyFileError
 from services.worker.build_job import build_worker
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     classes = args.device_class
     if not classes:
         with transaction(sessions) as s:
-            classes = list(s.scalars(select(DeviceClass.name).order_by(DeviceClass.id)))
+            classes = device_class_names(s, by_id=True)
         if not classes:
             print("tunefarm worker: error: no device class exists yet; pass --device-class", flush=True)
             return 2

@@ -4,7 +4,7 @@ A job carries a batch id and nothing else; everything it needs is in PostgreSQL 
 it makes goes to the artifact root:
 
     build_batch(batch_id):
-        take the batch's build lock (`build_lock`: held while this worker builds it, lost
+        take the batch's build lock (`services.db.build_locks`: held while this worker builds it, lost
         with the worker; a batch another worker holds is left to it)
         claim the batch (proposed -> building) and read its workload, its device class's
         target and its candidates                                     (one transaction)
@@ -44,16 +44,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, select, text
-from sqlalchemy.orm import Session, sessionmaker
-
 from services.common import artifacts
-from services.db import batches, codec, measurements
+from services.db import batches, build_locks, codec, measurements
 from services.db.exceptions import DatabaseError, Unavailable
-from services.db.models import Batch, BatchState, DeviceClass, Workload
-from services.db.session import make_session_factory, retrying
+from services.db.models import BatchState
+from services.db.session import Engine, Session, SessionFactory, make_session_factory, retrying
 from services.protocol.signing import ArtifactSigner, SignedKind
-from services.worker import build_lock
 from services.worker.exceptions import BatchNotFound
 from services.worker.settings import WorkerSettings
 from tunefarm.measure.builder import Builder, LocalBuilder
@@ -68,7 +64,7 @@ class WorkerContext:
     """What a worker process keeps between jobs."""
 
     settings: WorkerSettings
-    sessions: sessionmaker[Session]
+    sessions: SessionFactory
     builder: Builder
     signer: ArtifactSigner | None = None  # signs each kernel (None: kernels go unsigned)
 
@@ -89,7 +85,7 @@ def configure(
     settings: WorkerSettings | None = None,
     *,
     builder: Builder | None = None,
-    sessions: sessionmaker[Session] | None = None,
+    sessions: SessionFactory | None = None,
 ) -> WorkerContext:
     """Set up this process for build jobs (the previous context's builder is closed).
     Without arguments: settings from the environment and a started `LocalBuilder`.
@@ -189,7 +185,7 @@ def _lock(
     deadline = time.monotonic() + patience
     while True:
         try:
-            return stack.enter_context(build_lock.holding(ctx.engine, batch_id))
+            return stack.enter_context(build_locks.holding(ctx.engine, batch_id))
         except Unavailable as error:
             if time.monotonic() >= deadline:
                 raise
@@ -198,27 +194,19 @@ def _lock(
 
 
 def _claim(ctx: WorkerContext, s: Session, batch_id: int) -> _Plan | BatchState:
-    batch = s.scalars(select(Batch).where(Batch.id == batch_id).with_for_update()).one_or_none()
+    batch = batches.claim_for_build(s, batch_id=batch_id)
     if batch is None:
         raise BatchNotFound(f"batch {batch_id} does not exist")
     if batch.state not in (BatchState.PROPOSED, BatchState.BUILDING):
         return batch.state
-    if batch.state is BatchState.PROPOSED:
-        batches.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
-    name = s.scalar(select(Workload.name).where(Workload.id == batch.workload_id))
-    module_json = (
-        None
-        if _workload_path(ctx, batch.workload_id).is_file()
-        else s.scalar(select(Workload.module_json).where(Workload.id == batch.workload_id))
-    )
-    target = s.scalar(select(DeviceClass.target).where(DeviceClass.id == batch.device_class_id))
+    source = batches.build_source(s, batch=batch, with_module=not _workload_path(ctx, batch.workload_id).is_file())
     cands = batches.unmeasured_candidates(s, batch_id=batch_id)
     return _Plan(
         batch_id=batch_id,
         workload_id=batch.workload_id,
-        workload_name=str(name),
-        module_json=module_json,
-        target=dict(target or {}),
+        workload_name=source.workload_name,
+        module_json=source.module_json,
+        target=source.target,
         build_timeout=batch.build_timeout_secs,
         candidates=[(c.id, codec.input_from_json(c.input)) for c in cands],
     )
@@ -239,16 +227,6 @@ def _workload_file(ctx: WorkerContext, plan: _Plan) -> Path:
     return path
 
 
-_SET_BUILDS = text(
-    "UPDATE batch_candidates AS bc SET artifact_path = v.path, build = CAST(v.build AS jsonb), "
-    "artifact_signature = v.signature "
-    "FROM unnest(CAST(:ids AS bigint[]), CAST(:paths AS text[]), CAST(:builds AS text[]), "
-    "CAST(:signatures AS text[])) AS v(id, path, build, signature) "
-    "WHERE bc.id = v.id"
-)
-"""Each candidate's kernel path, build result and signature, for a whole batch in one statement."""
-
-
 def _signatures(ctx: WorkerContext, plan: _Plan, results: list[BuildResult]) -> list[str | None]:
     """Each built kernel's signature for its batch candidate (hex; None: unsigned)."""
     if ctx.signer is None:
@@ -265,7 +243,7 @@ def _store(
     root = ctx.artifact_root
     stamp = time.time()
     fingerprint = {"builder": socket.gethostname()}
-    state = s.scalar(select(Batch.state).where(Batch.id == plan.batch_id).with_for_update())
+    state = batches.lock_batch(s, batch_id=plan.batch_id)
     if state is not BatchState.BUILDING:  # failed or cancelled meanwhile
         return state if state is not None else BatchState.FAILED
     ids, paths, builds = [], [], []
@@ -274,8 +252,7 @@ def _store(
         ids.append(bc_id)
         paths.append(rel)
         builds.append(json.dumps(codec.build_to_json(replace(res, artifact=rel))))
-    if ids:  # one statement for the whole batch
-        s.execute(_SET_BUILDS, {"ids": ids, "paths": paths, "builds": builds, "signatures": signatures})
+    batches.set_builds(s, ids=ids, paths=paths, builds=builds, signatures=signatures)  # one statement
     for (bc_id, inp), res in zip(plan.candidates, results, strict=True):
         if res.error_kind.is_error:
             record = MeasureRecord.of(

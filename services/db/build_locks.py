@@ -1,4 +1,4 @@
-"""A batch's build lock: who is building it right now, as PostgreSQL sees it.
+"""Build locks: who is building a batch right now, as PostgreSQL sees it (`holding`, `held`).
 
 A build worker takes the lock (a session-level advisory lock on `(BUILD_LOCK_NAMESPACE,
 batch id)`, on a connection of its own) before it claims a batch and keeps it until the
