@@ -19,8 +19,9 @@ from services.api import crud
 from services.api.schemas import JobCreate
 from services.api.storage import StoredFile
 from services.db import agents, batches, codec, device_classes, job_store, leases, measurements, teams, tokens
-from services.db.models import Agent, Batch, BatchCandidate, BatchState, JobTask
+from services.db.models import Agent, Batch, BatchCandidate, JobTask
 from services.db.session import transaction
+from services.db.states import BatchState
 from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
 
 TASKS = (  # name, weight, flops per call

@@ -20,17 +20,9 @@ from sqlalchemy import event, func, select, update  # noqa: E402
 from services.api.app import create_app  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
 from services.db.device_classes import ensure_device_class  # noqa: E402
-from services.db.models import (  # noqa: E402
-    Agent,
-    AgentState,
-    Job,
-    JobTask,
-    Model,
-    ModelTask,
-    Token,
-    Workload,
-)
+from services.db.models import Agent, Job, JobTask, Model, ModelTask, Token, Workload  # noqa: E402
 from services.db.session import transaction  # noqa: E402
+from services.db.states import AgentState  # noqa: E402
 from services.db.teams import ensure_team  # noqa: E402
 from services.db.tokens import issue_agent_token, issue_team_token  # noqa: E402
 from tunefarm.records import MeasureRecord  # noqa: E402

@@ -296,8 +296,8 @@ def test_follow_survives_the_api_going_away_and_coming_back(database_url, db_ses
     from farm_state import seed_farm
 
     from services.db.job_store import set_job_state
-    from services.db.models import JobState
     from services.db.session import transaction
+    from services.db.states import JobState
     from tunefarm_app.bench.farm_progress import start_api
 
     state = seed_farm(db_sessions)

@@ -27,26 +27,22 @@ from services.db.exceptions import (
 from services.db.migrate import check_schema, current_revision, downgrade, head_revision, upgrade
 from services.db.models import (
     Agent,
-    AgentState,
     Base,
     Batch,
     BatchCandidate,
-    BatchState,
     DeviceClass,
     Job,
     JobTask,
     Lease,
-    LeaseState,
     Measurement,
     ModelRun,
-    ModelRunState,
     Team,
     Token,
-    TokenKind,
     Workload,
 )
 from services.db.session import transaction
 from services.db.settings import DatabaseSettings
+from services.db.states import AgentState, BatchState, LeaseState, ModelRunState, TokenKind
 from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
 
 LEASE_SECS = 60.0
@@ -668,7 +664,8 @@ def _confirmation_batch(factory, measurement_id: int) -> Batch | None:
 
 
 def test_a_new_best_is_confirmed_by_another_agent_in_a_row_of_its_own(db_sessions):
-    from services.db.models import Confirmation, ConfirmationState
+    from services.db.models import Confirmation
+    from services.db.states import ConfirmationState
 
     farm = make_farm(db_sessions, candidates=2)
     a, b = farm.agent_ids
@@ -711,7 +708,7 @@ def queries_candidates(factory, batch_id: int) -> list[int]:
 
 
 def test_an_agent_alone_confirms_its_own_best_on_a_later_lease_and_cannot_dispute_it(db_sessions):
-    from services.db.models import ConfirmationState
+    from services.db.states import ConfirmationState
 
     farm = make_farm(db_sessions, candidates=2, agents=1)
     (a,) = farm.agent_ids
@@ -749,7 +746,8 @@ def test_a_second_agent_of_the_same_token_never_confirms_the_first(db_sessions):
     `a`'s fake time while an agent of another token (`c`) is live to check it, and when
     only the party is live its word on `a` is a second word of `a`'s own (never a
     dispute, and no evidence: `trust.verdict(same_party=True)`)."""
-    from services.db.models import Confirmation, ConfirmationState
+    from services.db.models import Confirmation
+    from services.db.states import ConfirmationState
 
     farm = make_farm(db_sessions, candidates=2, agents=3)
     a, b, c = farm.agent_ids

@@ -11,18 +11,9 @@ from farm_fixtures import placeholder_model
 
 from services.db import batches, codec, leases
 from services.db.job_store import RunningJob
-from services.db.models import (
-    Agent,
-    Batch,
-    BatchCandidate,
-    BatchState,
-    DeviceClass,
-    Job,
-    JobTask,
-    Team,
-    Workload,
-)
+from services.db.models import Agent, Batch, BatchCandidate, DeviceClass, Job, JobTask, Team, Workload
 from services.db.session import transaction
+from services.db.states import BatchState
 from services.scheduler.service import fair_caps
 from tunefarm.records import Candidate, MeasureInput, TimingConfig
 

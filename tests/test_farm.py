@@ -40,21 +40,9 @@ from services.agent import capabilities  # noqa: E402
 from services.agent.agent import run_agent  # noqa: E402
 from services.agent.settings import AgentSettings  # noqa: E402
 from services.db import agents, batches, build_locks, leases, measurements, tokens  # noqa: E402
-from services.db.models import (  # noqa: E402
-    Agent,
-    AgentState,
-    Batch,
-    BatchCandidate,
-    BatchState,
-    DeviceClass,
-    Job,
-    Lease,
-    LeaseState,
-    Measurement,
-    Team,
-    TokenKind,
-)
+from services.db.models import Agent, Batch, BatchCandidate, DeviceClass, Job, Lease, Measurement, Team  # noqa: E402
 from services.db.session import transaction  # noqa: E402
+from services.db.states import AgentState, BatchState, LeaseState, TokenKind  # noqa: E402
 from services.lease.server import make_server  # noqa: E402
 from services.lease.settings import LeaseServiceSettings  # noqa: E402
 from services.protocol import wire  # noqa: E402
@@ -1201,7 +1189,8 @@ def test_a_lying_agents_fast_times_are_disputed_by_other_agents_and_never_count(
     class's model learns the honest measurements only. Every candidate is measured once;
     a confirmation is a row of its own."""
     from services.db import job_store
-    from services.db.models import Confirmation, ConfirmationState
+    from services.db.models import Confirmation
+    from services.db.states import ConfirmationState
     from tunefarm.search.task import make_task
 
     wl = gemm(128)

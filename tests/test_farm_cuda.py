@@ -39,8 +39,9 @@ from farm_fixtures import running_farm, team_client, wait_for_job  # noqa: E402
 from onnx_models import gpu_mix_onnx  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 
-from services.db.models import DeviceClass, ModelRun, ModelRunState  # noqa: E402
+from services.db.models import DeviceClass, ModelRun  # noqa: E402
 from services.db.session import make_session_factory, transaction  # noqa: E402
+from services.db.states import ModelRunState  # noqa: E402
 from tunefarm import cuda  # noqa: E402
 from tunefarm.models.build import CUDA_LIBRARY_NAME, LIBRARY_NAME  # noqa: E402
 from tunefarm.models.finish import extract_archive  # noqa: E402

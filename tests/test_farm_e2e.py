@@ -213,8 +213,9 @@ def test_the_scheduler_restarts_in_the_middle_of_a_job(farm, client, tiny):
 
 
 def test_a_running_job_is_cancelled(farm, client, tiny):
-    from services.db.models import Batch, BatchState
+    from services.db.models import Batch
     from services.db.session import make_session_factory
+    from services.db.states import BatchState
 
     model = client.upload_model(tiny, {"x": [1, 3, 8, 8]}, name="tiny-cancel")
     job = client.create_job(model_id=model["id"], device_class=farm.info["device_class"], trial_budget=400)

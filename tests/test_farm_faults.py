@@ -36,8 +36,9 @@ from onnx_models import tiny_onnx  # noqa: E402
 from private_services import PrivatePostgres, PrivateRedis, ServiceMissing, private_directory  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
-from services.db.models import Batch, BatchCandidate, BatchState, Lease, LeaseState, Measurement  # noqa: E402
+from services.db.models import Batch, BatchCandidate, Lease, Measurement  # noqa: E402
 from services.db.session import make_session_factory, transaction  # noqa: E402
+from services.db.states import BatchState, LeaseState  # noqa: E402
 from tunefarm_app.farm_local import LocalFarm  # noqa: E402
 
 pytestmark = pytest.mark.slow

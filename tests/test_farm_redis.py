@@ -32,8 +32,9 @@ from private_services import PrivateRedis, ServiceMissing  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 
 from services.common.queues import BUILD_JOB, build_job_id, build_queue_name  # noqa: E402
-from services.db.models import Batch, BatchState  # noqa: E402
+from services.db.models import Batch  # noqa: E402
 from services.db.session import make_session_factory, transaction  # noqa: E402
+from services.db.states import BatchState  # noqa: E402
 from services.worker.build_job import fetch_build_job  # noqa: E402
 from tunefarm.errors import UsageError  # noqa: E402
 from tunefarm_app.cli import main  # noqa: E402

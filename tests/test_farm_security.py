@@ -45,8 +45,9 @@ from services.agent.agent import run_agent
 from services.agent.cli import main as agent_main
 from services.agent.settings import AgentSettings
 from services.db import tokens
-from services.db.models import Agent, DeviceClass, Lease, LeaseState, Measurement, TokenKind
+from services.db.models import Agent, DeviceClass, Lease, Measurement
 from services.db.session import transaction
+from services.db.states import LeaseState, TokenKind
 from services.lease.server import LeaseServer, make_server
 from services.lease.settings import LeaseServiceSettings
 from services.protocol import wire

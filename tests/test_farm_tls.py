@@ -23,8 +23,9 @@ from services.agent.channel import open_channel
 from services.agent.cli import main as agent_main
 from services.agent.settings import AgentSettings
 from services.db import tokens
-from services.db.models import Agent, DeviceClass, TokenKind
+from services.db.models import Agent, DeviceClass
 from services.db.session import transaction
+from services.db.states import TokenKind
 from services.lease.cli import main as lease_main
 from services.lease.server import LeaseServer, make_server
 from services.lease.settings import LeaseServiceSettings

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.db import timing_floor, trust
-from services.db.models import ConfirmationState
+from services.db.states import ConfirmationState
 from tunefarm.records import Candidate, ErrorKind, MeasureRecord
 from tunefarm_app.farm_commands import _standing
 
@@ -137,8 +137,9 @@ def test_devices_show_each_agents_standing_and_why_it_is_flagged(api, db_session
     from sqlalchemy import func
 
     from services.db import device_classes
-    from services.db.models import Agent, AgentState
+    from services.db.models import Agent
     from services.db.session import transaction
+    from services.db.states import AgentState
 
     client, job = api
     with transaction(db_sessions) as s:

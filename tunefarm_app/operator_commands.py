@@ -275,7 +275,7 @@ def _farm_down(args: argparse.Namespace) -> int:
 
 def _farm_team(args: argparse.Namespace) -> int:
     from services.db import teams, tokens
-    from services.db.models import TokenKind
+    from services.db.states import TokenKind
 
     value = read_secret_file(args.value_file) if args.value_file else None
 
@@ -292,7 +292,7 @@ def _farm_team(args: argparse.Namespace) -> int:
 
 def _farm_agent_token(args: argparse.Namespace) -> int:
     from services.db import tokens
-    from services.db.models import TokenKind
+    from services.db.states import TokenKind
 
     value = read_secret_file(args.value_file) if args.value_file else None
 
@@ -308,7 +308,7 @@ def _farm_agent_token(args: argparse.Namespace) -> int:
 
 def _farm_token(args: argparse.Namespace) -> int:
     from services.db import tokens
-    from services.db.models import TokenKind
+    from services.db.states import TokenKind
 
     if args.token_command == "revoke":
         token = _with_db(args.database_url, lambda s: tokens.revoke_token_by_ref(s, ref=args.token))

@@ -26,9 +26,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.api.exceptions import ApiError, Forbidden, Unauthorized, error_response
 from services.db import tokens
 from services.db.exceptions import DatabaseError, Unavailable
-from services.db.models import TokenKind
 from services.db.revocations import VerifiedTokens
 from services.db.session import SessionFactory, transaction
+from services.db.states import TokenKind
 
 log = logging.getLogger("tunefarm.api")
 

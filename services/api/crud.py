@@ -37,8 +37,9 @@ from services.api.schemas import (
 from services.db import device_classes, devices, jobs, liveness, teams, trust, uploads
 from services.db.jobs import ACTIVE_JOB_STATES, TaskDetail
 from services.db.model_runs import StoredFile
-from services.db.models import Agent, DeviceClass, Job, JobState, Model
+from services.db.models import Agent, DeviceClass, Job, Model
 from services.db.session import Session, SessionFactory, transaction
+from services.db.states import JobState
 from tunefarm.models.finish import batch_size_for
 from tunefarm.search.task import target_key
 

@@ -3,7 +3,8 @@
 | module | what it holds |
 |---|---|
 | `settings.py` | `DatabaseSettings` (TUNEFARM_DATABASE_URL, pool sizes) |
-| `models.py` | the tables (SQLAlchemy 2 ORM), their states and invariants |
+| `models.py` | the tables (SQLAlchemy 2 ORM) and their invariants |
+| `states.py` | the states of their rows (tokens, agents, jobs, batches, leases, confirmations, model runs) |
 | `session.py` | engine and session factory, `transaction()` (commit, rollback, typed errors) |
 | `exceptions.py` | `DatabaseError` and its subclasses |
 | `migrate.py` | Alembic from the package: `upgrade`, `check_schema`, `create_database`, ... |

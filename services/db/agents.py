@@ -20,17 +20,9 @@ from services.db import confirmations
 from services.db.batches import transition_batch
 from services.db.exceptions import Conflict, NotFound
 from services.db.leases import token_revoked
-from services.db.models import (
-    Agent,
-    AgentState,
-    Batch,
-    BatchState,
-    Lease,
-    LeaseState,
-    ModelRun,
-    ModelRunState,
-)
+from services.db.models import Agent, Batch, Lease, ModelRun
 from services.db.statements import db_now
+from services.db.states import AgentState, BatchState, LeaseState, ModelRunState
 
 
 def register_agent(

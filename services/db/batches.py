@@ -16,18 +16,9 @@ from sqlalchemy import exists, select, text, update
 from sqlalchemy.orm import Session
 
 from services.db.exceptions import InvalidTransition, NotFound
-from services.db.models import (
-    Batch,
-    BatchCandidate,
-    BatchState,
-    Confirmation,
-    DeviceClass,
-    Lease,
-    LeaseState,
-    Measurement,
-    Workload,
-)
+from services.db.models import Batch, BatchCandidate, Confirmation, DeviceClass, Lease, Measurement, Workload
 from services.db.statements import db_now
+from services.db.states import BatchState, LeaseState
 
 BATCH_TRANSITIONS: Mapping[BatchState, frozenset[BatchState]] = {
     BatchState.PROPOSED: frozenset({BatchState.BUILDING, BatchState.FAILED}),

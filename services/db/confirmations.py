@@ -55,15 +55,13 @@ from services.db.models import (
     Agent,
     Batch,
     BatchCandidate,
-    BatchState,
     Confirmation,
-    ConfirmationState,
     Job,
-    JobState,
     JobTask,
     Measurement,
 )
 from services.db.statements import db_now
+from services.db.states import BatchState, ConfirmationState, JobState
 from services.db.trust import good_standing_clause, same_party, verdict
 from tunefarm.records import ErrorKind, MeasureRecord
 

@@ -14,18 +14,8 @@ from datetime import timedelta
 from sqlalchemy import Integer, case, cast, func, literal_column, select
 from sqlalchemy.orm import Session
 
-from services.db.models import (
-    Agent,
-    AgentState,
-    Batch,
-    BatchState,
-    DeviceClass,
-    Job,
-    JobState,
-    Lease,
-    LeaseState,
-    Measurement,
-)
+from services.db.models import Agent, Batch, DeviceClass, Job, Lease, Measurement
+from services.db.states import AgentState, BatchState, JobState, LeaseState
 
 OPEN_BATCH_STATES = (BatchState.PROPOSED, BatchState.BUILDING, BatchState.READY, BatchState.LEASED)
 """The states of a batch not finished."""

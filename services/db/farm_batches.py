@@ -16,7 +16,8 @@ from sqlalchemy import exists, insert, select
 from sqlalchemy.orm import Session
 
 from services.db import codec
-from services.db.models import Batch, BatchCandidate, BatchState, Measurement
+from services.db.models import Batch, BatchCandidate, Measurement
+from services.db.states import BatchState
 from tunefarm.records import MeasureInput, TimingConfig
 
 

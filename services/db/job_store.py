@@ -30,17 +30,15 @@ from services.db.exceptions import InvalidTransition
 from services.db.models import (
     Agent,
     Batch,
-    BatchState,
-    ConfirmationState,
     DeviceClass,
     Job,
     JobProgress,
-    JobState,
     JobTask,
     Measurement,
     Model,
     Workload,
 )
+from services.db.states import BatchState, ConfirmationState, JobState
 from tunefarm.records import ErrorKind, MeasureRecord
 
 RUNNABLE = (JobState.QUEUED, JobState.RUNNING, JobState.FINISHING)

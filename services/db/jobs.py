@@ -30,13 +30,13 @@ from services.db.models import (
     DeviceClass,
     Job,
     JobProgress,
-    JobState,
     JobTask,
     Measurement,
     Model,
     Workload,
 )
 from services.db.statements import db_now
+from services.db.states import JobState
 from services.db.uploads import StoredTask
 from tunefarm.records import ErrorKind, MeasureRecord
 

@@ -24,22 +24,9 @@ from sqlalchemy.orm.attributes import set_committed_value
 from services.db import trust
 from services.db.batches import end_active_lease, unmeasured_candidates
 from services.db.exceptions import LeaseNotHeld, NotFound, TokenRevoked
-from services.db.models import (
-    Agent,
-    AgentState,
-    Batch,
-    BatchState,
-    Job,
-    Lease,
-    LeaseState,
-    Measurement,
-    ModelRun,
-    ModelRunState,
-    TaskData,
-    Token,
-    Workload,
-)
+from services.db.models import Agent, Batch, Job, Lease, Measurement, ModelRun, TaskData, Token, Workload
 from services.db.statements import Now, db_now, get_row
+from services.db.states import AgentState, BatchState, LeaseState, ModelRunState
 from services.db.stored_files import task_data_of
 
 MAX_LEASE_PROBES = 8

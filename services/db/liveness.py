@@ -19,7 +19,8 @@ from sqlalchemy import ColumnElement, and_, func, select, update
 from sqlalchemy.orm import Session
 
 from services.db import agents
-from services.db.models import Agent, AgentState
+from services.db.models import Agent
+from services.db.states import AgentState
 
 LIVE_STATES = (AgentState.IDLE, AgentState.BUSY)
 

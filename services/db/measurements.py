@@ -32,7 +32,6 @@ from services.db.models import (
     Agent,
     Batch,
     BatchCandidate,
-    BatchState,
     DeviceClass,
     Job,
     JobTask,
@@ -40,6 +39,7 @@ from services.db.models import (
     Measurement,
     Workload,
 )
+from services.db.states import BatchState
 from tunefarm.records import BuildResult, ErrorKind, MeasureRecord, MeasureResult, RunResult
 
 

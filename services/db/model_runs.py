@@ -16,8 +16,9 @@ from sqlalchemy.orm import Session
 
 from services.db.exceptions import LeaseNotHeld, NotFound
 from services.db.leases import MAX_LEASE_PROBES, mark_busy, may_lease
-from services.db.models import Agent, ModelRun, ModelRunState
+from services.db.models import Agent, ModelRun
 from services.db.statements import db_now, get_row
+from services.db.states import ModelRunState
 
 
 @dataclass(frozen=True)

@@ -23,18 +23,16 @@ from services.db.models import (
     Agent,
     Batch,
     BatchCandidate,
-    BatchState,
     Job,
     JobProgress,
-    JobState,
     JobTask,
     Lease,
-    LeaseState,
     Measurement,
     Model,
     ModelTask,
     Workload,
 )
+from services.db.states import BatchState, JobState, LeaseState
 from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
 
 # -- making jobs up -----------------------------------------------------------------------------

@@ -23,9 +23,10 @@ from sqlalchemy.orm import Session
 from services.db.agents import release_agent_leases
 from services.db.exceptions import NotFound
 from services.db.liveness import live_clause
-from services.db.models import Agent, AgentState, Team, Token, TokenKind
+from services.db.models import Agent, Team, Token
 from services.db.revocations import CHANNEL as REVOCATION_CHANNEL
 from services.db.statements import db_now
+from services.db.states import AgentState, TokenKind
 
 TOKEN_PREFIXES: Mapping[TokenKind, str] = {TokenKind.TEAM: "tft_", TokenKind.AGENT: "tfa_"}
 """A token's kind is visible in its text, so a token pasted into the wrong place is obvious."""

@@ -34,7 +34,8 @@ from enum import StrEnum
 
 from sqlalchemy import ColumnElement, and_, or_
 
-from services.db.models import Agent, ConfirmationState
+from services.db.models import Agent
+from services.db.states import ConfirmationState
 from tunefarm.records import ErrorKind, MeasureRecord
 
 CONFIRM_TOLERANCE = 1.0

@@ -25,9 +25,10 @@ from typing import Any
 import grpc
 
 from services.db import agents, leases, tokens
-from services.db.models import Agent, Lease, LeaseState, TokenKind
+from services.db.models import Agent, Lease
 from services.db.revocations import RevocationListener, VerifiedTokens
 from services.db.session import Session, SessionFactory, transaction
+from services.db.states import LeaseState, TokenKind
 from services.protocol import wire
 from services.protocol.errors import (
     UNKNOWN_AGENT_PREFIX,

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.db import batches, codec, leases, measurements
-from services.db.models import BatchState
 from services.db.session import Session
+from services.db.states import BatchState
 from services.lease.auth import AgentInfo, held_lease
 from services.protocol import wire
 from services.protocol.errors import AlreadyMeasured, BadRequest

@@ -51,8 +51,8 @@ from typing import Any
 from services.common import artifacts
 from services.db import job_store
 from services.db.job_store import JobSetup
-from services.db.models import JobState
 from services.db.session import transaction
+from services.db.states import JobState
 from services.protocol.signing import ArtifactSigner
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from services.scheduler.model_check import DeviceRun, check_on_device

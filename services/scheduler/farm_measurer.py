@@ -52,8 +52,8 @@ from services.db import (
     job_store,
     measurements,
 )
-from services.db.models import BatchState
 from services.db.session import Session, SessionFactory, transaction
+from services.db.states import BatchState
 from services.scheduler.decoded_records import DecodedRecords
 from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.local import REFERENCE_TIMEOUT_SECS, LocalMeasurer

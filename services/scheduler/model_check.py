@@ -52,8 +52,9 @@ import numpy as np
 
 from services.common import artifacts
 from services.db import job_store, model_checks, model_runs
-from services.db.models import ModelRun, ModelRunState
+from services.db.models import ModelRun
 from services.db.session import SessionFactory, transaction
+from services.db.states import ModelRunState
 from services.protocol.signing import ArtifactSigner, SignedKind
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.models import check

@@ -47,8 +47,8 @@ from services.db import job_store
 from services.db.exceptions import Contention, DatabaseError, Unavailable
 from services.db.job_locks import JobLocks
 from services.db.job_store import JobSetup, RunningJob
-from services.db.models import JobState
 from services.db.session import SessionFactory, make_session_factory, transaction
+from services.db.states import JobState
 from services.protocol.signing import ArtifactSigner, KeyFileError
 from services.scheduler.decoded_records import DecodedRecords
 from services.scheduler.exceptions import FinishInterrupted, JobFailed, JobVanished

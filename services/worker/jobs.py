@@ -47,8 +47,8 @@ from typing import Any
 from services.common import artifacts
 from services.db import batches, build_locks, codec, measurements
 from services.db.exceptions import DatabaseError, Unavailable
-from services.db.models import BatchState
 from services.db.session import Engine, Session, SessionFactory, make_session_factory, retrying
+from services.db.states import BatchState
 from services.protocol.signing import ArtifactSigner, SignedKind
 from services.worker.exceptions import BatchNotFound
 from services.worker.settings import WorkerSettings

@@ -159,8 +159,8 @@ class BenchFarm:
 
     def _job(self) -> tuple[int, str]:
         from services.db import synthetic_load, teams, tokens
-        from services.db.models import TokenKind
         from services.db.session import transaction
+        from services.db.states import TokenKind
 
         cls = self.device_class("jobs")
         with transaction(self.sessions) as s:
@@ -292,8 +292,8 @@ def _collect(measurer, n: int, timeout: float) -> list:
 
 def _throughput(farm: BenchFarm, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     from services.db import synthetic_load
-    from services.db.models import BatchState
     from services.db.session import transaction
+    from services.db.states import BatchState
     from tunefarm.measure import MeasureBatch
     from tunefarm.records import ErrorKind, TimingConfig
     from tunefarm.target import host_target_dict

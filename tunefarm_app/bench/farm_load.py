@@ -253,8 +253,8 @@ def _agent_counts(proc) -> dict[str, int]:
 def _throughput(farm: BenchFarm, job_ids: list[int], secs: float) -> dict[str, Any]:
     """Leases and results per second over the load, from the database."""
     from services.db import synthetic_load
-    from services.db.models import LeaseState
     from services.db.session import transaction
+    from services.db.states import LeaseState
 
     with transaction(farm.sessions) as s:
         leases = Counter(synthetic_load.lease_states(s, job_ids))

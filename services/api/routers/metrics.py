@@ -43,8 +43,8 @@ from services.api.schemas import ErrorBody
 from services.common.queues import build_queue_name
 from services.db.database_metrics import OPEN_BATCH_STATES, FarmCounts, farm_counts
 from services.db.device_classes import device_class_names
-from services.db.models import AgentState, JobState
 from services.db.session import transaction
+from services.db.states import AgentState, JobState
 
 log = logging.getLogger("tunefarm.api.metrics")
 
