@@ -28,6 +28,10 @@
 | `devices.py` | the agents and device classes teams see, the database's clock |
 | `dashboard_sessions.py` | the dashboard's server-side sessions |
 | `database_metrics.py` | the farm's counts for `GET /metrics` |
+| `job_store.py`, `job_locks.py` | the scheduler's side of jobs: claiming, progress, finishing; the per-job advisory locks |
+| `farm_batches.py`, `farm_tasks.py` | what a job's farm measurer writes and polls: batches, workloads, task data, job tasks |
+| `class_models.py`, `model_checks.py` | what the class models learn from (vouched measurements); a tuned model's run |
+| `database_admin.py`, `synthetic_load.py` | `farm up`'s checks; the rows the farm benchmarks make up |
 | `migrations/` | env.py and the revisions |
 
 Operations work inside the caller's transaction (`session.transaction`) and commit nothing
