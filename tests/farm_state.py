@@ -18,7 +18,18 @@ from sqlalchemy import func, insert, select, update
 from services.api import crud
 from services.api.schemas import JobCreate
 from services.api.storage import StoredFile
-from services.db import agents, batches, codec, device_classes, job_store, leases, measurements, teams, tokens
+from services.db import (
+    agents,
+    batches,
+    codec,
+    device_classes,
+    job_store,
+    leases,
+    measurements,
+    teams,
+    tokens,
+    uploads,
+)
 from services.db.models import Agent, Batch, BatchCandidate, JobTask
 from services.db.session import transaction
 from services.db.states import BatchState
@@ -103,9 +114,9 @@ def seed_farm(sessions, *, trial_budget: int = 64) -> FarmState:
             "warnings": [],
         }
         stored = StoredFile(path=f"models/{uid}.onnx", sha256="0" * 64, size=1)
-        model_a = crud.store_model(s, team_id=a.id, name=f"cnn-{uid}", input_shapes={"x": [1, 3, 32, 32]},
+        model_a = uploads.store_model(s, team_id=a.id, name=f"cnn-{uid}", input_shapes={"x": [1, 3, 32, 32]},
                                    onnx=stored, fused=stored, intake=intake)
-        model_b = crud.store_model(s, team_id=b.id, name=f"other-{uid}", input_shapes={"x": [1, 3, 32, 32]},
+        model_b = uploads.store_model(s, team_id=b.id, name=f"other-{uid}", input_shapes={"x": [1, 3, 32, 32]},
                                    onnx=stored, fused=stored, intake=intake)
         body = JobCreate(model_id=model_a.id, device_class=dc.name, trial_budget=trial_budget)
         job_a = crud.create_job(s, team_id=a.id, body=body, max_trial_budget=10_000).id

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from services.api.exceptions import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from services.api.schemas import (
@@ -36,7 +35,6 @@ from services.api.schemas import (
 )
 from services.db import device_classes, devices, jobs, liveness, teams, trust, uploads
 from services.db.jobs import ACTIVE_JOB_STATES, TaskDetail
-from services.db.model_runs import StoredFile
 from services.db.models import Agent, DeviceClass, Job, Model
 from services.db.session import Session, SessionFactory, transaction
 from services.db.states import JobState
@@ -44,22 +42,6 @@ from tunefarm.models.finish import batch_size_for
 from tunefarm.search.task import target_key
 
 # -- models -----------------------------------------------------------------------------------
-
-
-def store_model(
-    session: Session,
-    *,
-    team_id: int,
-    name: str,
-    input_shapes: dict[str, list[int]],
-    onnx: StoredFile,
-    fused: StoredFile,
-    intake: dict[str, Any],
-) -> Model:
-    """Store a taken-in model, its task table and its workloads (`uploads.store_model`)."""
-    return uploads.store_model(
-        session, team_id=team_id, name=name, input_shapes=input_shapes, onnx=onnx, fused=fused, intake=intake
-    )
 
 
 def get_model(session: Session, *, team_id: int, model_id: int) -> Model:

@@ -12,6 +12,7 @@ from services.api.exceptions import PayloadTooLarge
 from services.api.intake import IntakeLimits, accept_upload
 from services.api.routers.responses import AUTH, errors
 from services.api.schemas import ModelPage, ModelPublic
+from services.db import uploads
 from services.db.session import transaction
 
 router = APIRouter(prefix="/v1/models", tags=["models"], responses=AUTH)
@@ -63,7 +64,7 @@ def upload_model(
             external_data=[(f.filename, f.file) for f in external_data],
         )
     with transaction(sessions) as db:
-        model = crud.store_model(
+        model = uploads.store_model(
             db,
             team_id=team.id,
             name=taken.name,
