@@ -20,7 +20,7 @@ from sqlalchemy import event, func, select, update  # noqa: E402
 from services.api.app import create_app  # noqa: E402
 from services.api.settings import ApiSettings  # noqa: E402
 from services.db.device_classes import ensure_device_class  # noqa: E402
-from services.db.models import Agent, Job, JobTask, Model, ModelTask, Token, Workload  # noqa: E402
+from services.db.models import Agent, Job, JobTask, Model, ModelTask, Token, WorkloadRow  # noqa: E402
 from services.db.session import transaction  # noqa: E402
 from services.db.states import AgentState  # noqa: E402
 from services.db.teams import ensure_team  # noqa: E402
@@ -76,7 +76,7 @@ def stored(farm) -> dict:
     root: Path = farm["root"]
     with transaction(farm["sessions"]) as s:
         rows = {m.__tablename__: s.scalar(select(func.count()).select_from(m))
-                for m in (Model, ModelTask, Workload, Job, JobTask, Token)}
+                for m in (Model, ModelTask, WorkloadRow, Job, JobTask, Token)}
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     return {"rows": rows, "files": files}
 

@@ -21,7 +21,7 @@ from services.db.exceptions import (
     ConstraintViolation,
     InvalidTransition,
     LeaseNotHeld,
-    NotFound,
+    RowNotFound,
     SchemaOutOfDate,
 )
 from services.db.migrate import check_schema, current_revision, downgrade, head_revision, upgrade
@@ -38,7 +38,7 @@ from services.db.models import (
     ModelRun,
     Team,
     Token,
-    Workload,
+    WorkloadRow,
 )
 from services.db.session import transaction
 from services.db.settings import DatabaseSettings
@@ -96,7 +96,7 @@ def make_farm(factory, *, batches: int = 1, candidates: int = 2, agents: int = 2
     with transaction(factory) as s:
         team = Team(name=f"team-{uid}")
         dc = DeviceClass(name=f"class-{uid}", target={"kind": "llvm"})
-        wl = Workload(key=f"w#{uid}", name="w", module_json="{}", flops=1e6, n_inputs=2, n_outputs=1)
+        wl = WorkloadRow(key=f"w#{uid}", name="w", module_json="{}", flops=1e6, n_inputs=2, n_outputs=1)
         s.add_all([team, dc, wl])
         s.flush()
         model = placeholder_model(team.id, {"x": [1, 3]})
@@ -856,7 +856,7 @@ def test_a_quarantined_agent_gets_no_lease_until_the_quarantine_is_lifted(db_ses
         assert s.get(JobTask, farm.job_task_id).best_cost == 0.002
         leases.heartbeat(s, agent_id=a, lease_secs=LEASE_SECS)
     assert lease(db_sessions, a) is not None
-    with pytest.raises(NotFound), transaction(db_sessions) as s:
+    with pytest.raises(RowNotFound), transaction(db_sessions) as s:
         agents.quarantine_agent(s, name="no such agent")
 
 

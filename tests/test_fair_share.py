@@ -11,7 +11,7 @@ from farm_fixtures import placeholder_model
 
 from services.db import batches, codec, leases
 from services.db.job_store import RunningJob
-from services.db.models import Agent, Batch, BatchCandidate, DeviceClass, Job, JobTask, Team, Workload
+from services.db.models import Agent, Batch, BatchCandidate, DeviceClass, Job, JobTask, Team, WorkloadRow
 from services.db.session import transaction
 from services.db.states import BatchState
 from services.scheduler.service import fair_caps
@@ -29,7 +29,7 @@ def seed_class(factory, *, jobs_per_team: dict[str, int], batches_per_job: int, 
     batch_ids: list[int] = []
     with transaction(factory) as s:
         dc = DeviceClass(name=f"fair-{uid}", target={"kind": "llvm"})
-        wl = Workload(key=f"w#{uid}", name="w", module_json="{}", flops=1e6, n_inputs=2, n_outputs=1)
+        wl = WorkloadRow(key=f"w#{uid}", name="w", module_json="{}", flops=1e6, n_inputs=2, n_outputs=1)
         s.add_all([dc, wl])
         s.flush()
         for name, n_jobs in jobs_per_team.items():

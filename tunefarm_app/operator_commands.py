@@ -341,7 +341,7 @@ def _farm_device_class(args: argparse.Namespace) -> int:
 
 def _farm_agent(args: argparse.Namespace) -> int:
     from services.db import agents, trust
-    from services.db.exceptions import NotFound
+    from services.db.exceptions import RowNotFound
 
     act = {"quarantine": agents.quarantine_agent, "unquarantine": agents.lift_quarantine,
            "unflag": agents.clear_flags}[args.agent_command]  # fmt: skip
@@ -349,7 +349,7 @@ def _farm_agent(args: argparse.Namespace) -> int:
     def work(s):
         try:
             agent = act(s, name=args.name)
-        except NotFound:
+        except RowNotFound:
             raise UsageError(f"no agent named {args.name!r} (tunefarm devices lists them)") from None
         return agent.name, agent.state.value, trust.standing(trust.AgentCounts.of(agent)).value
 

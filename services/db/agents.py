@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from services.db import confirmations
 from services.db.batches import transition_batch
-from services.db.exceptions import Conflict, NotFound
+from services.db.exceptions import Conflict, RowNotFound
 from services.db.leases import token_revoked
 from services.db.models import Agent, Batch, Lease, ModelRun
 from services.db.statements import db_now
@@ -87,7 +87,7 @@ def quarantine_agent(session: Session, *, name: str, now: datetime | None = None
     its leases and model runs end now and go back to the queue), and its unconfirmed
     measurements count for nothing: no best of an unfinished job (those are recomputed,
     their confirmations scheduled on other agents) and no cost model. Confirmations it
-    gave are undone. Again on a quarantined agent: nothing changes. Raises `NotFound`."""
+    gave are undone. Again on a quarantined agent: nothing changes. Raises `RowNotFound`."""
     agent_id = _agent_id(session, name)
     release_agent_leases(session, agent_id=agent_id, now=now)
     session.execute(
@@ -103,7 +103,7 @@ def quarantine_agent(session: Session, *, name: str, now: datetime | None = None
 def lift_quarantine(session: Session, *, name: str, now: datetime | None = None) -> Agent:
     """Take an agent out of quarantine: it leases again once it heartbeats (offline until
     then), and its measurements count again (the bests of unfinished jobs' tasks it
-    measured are recomputed). Raises `NotFound`."""
+    measured are recomputed). Raises `RowNotFound`."""
     agent_id = _agent_id(session, name)
     session.execute(
         update(Agent)
@@ -120,7 +120,7 @@ def clear_flags(session: Session, *, name: str) -> Agent:
     below the floor and its disputed timings no longer count against it, so it is leased
     work again (a flagged agent is leased nothing, so nothing else could clear them). Its
     measurements keep their verdicts: a disputed one stays disputed, one below the floor
-    an error. Raises `NotFound`."""
+    an error. Raises `RowNotFound`."""
     agent_id = _agent_id(session, name)
     session.execute(
         update(Agent).where(Agent.id == agent_id).values(below_floor=0, confirmations_disputed=0),
@@ -132,7 +132,7 @@ def clear_flags(session: Session, *, name: str) -> Agent:
 def _agent_id(session: Session, name: str) -> int:
     agent_id = session.scalar(select(Agent.id).where(Agent.name == name))
     if agent_id is None:
-        raise NotFound(f"agent {name!r}")
+        raise RowNotFound(f"agent {name!r}")
     return int(agent_id)
 
 

@@ -15,8 +15,16 @@ from typing import Any
 from sqlalchemy import exists, select, text, update
 from sqlalchemy.orm import Session
 
-from services.db.exceptions import InvalidTransition, NotFound
-from services.db.models import Batch, BatchCandidate, Confirmation, DeviceClass, Lease, Measurement, Workload
+from services.db.exceptions import InvalidTransition, RowNotFound
+from services.db.models import (
+    Batch,
+    BatchCandidate,
+    Confirmation,
+    DeviceClass,
+    Lease,
+    Measurement,
+    WorkloadRow,
+)
 from services.db.statements import db_now
 from services.db.states import BatchState, LeaseState
 
@@ -47,13 +55,13 @@ def transition_batch(
 
     Entering ready sets `ready_at` the first time (its place in the queue), entering done
     or failed sets `finished_at`, and leaving leased ends the batch's active lease (a
-    failed or cancelled batch takes no more results). Raises `NotFound`, `InvalidTransition`.
+    failed or cancelled batch takes no more results). Raises `RowNotFound`, `InvalidTransition`.
     """
     batch = session.scalars(
         select(Batch).where(Batch.id == batch_id).with_for_update().execution_options(populate_existing=True)
     ).one_or_none()
     if batch is None:
-        raise NotFound(f"batch {batch_id}")
+        raise RowNotFound(f"batch {batch_id}")
     if to not in BATCH_TRANSITIONS[batch.state]:
         raise InvalidTransition(f"batch {batch_id}: {batch.state} -> {to}")
     values: dict[str, Any] = {"state": to}
@@ -125,8 +133,8 @@ def overleased_batches(session: Session, *, min_attempts: int, limit: int) -> li
 def workload_and_target(session: Session, *, batch_id: int) -> tuple[str, dict[str, Any]]:
     """The name of the batch's workload and its device class's target."""
     name, target = session.execute(
-        select(Workload.name, DeviceClass.target)
-        .join(Batch, Batch.workload_id == Workload.id)
+        select(WorkloadRow.name, DeviceClass.target)
+        .join(Batch, Batch.workload_id == WorkloadRow.id)
         .join(DeviceClass, DeviceClass.id == Batch.device_class_id)
         .where(Batch.id == batch_id)
     ).one()
@@ -156,9 +164,9 @@ class BuildSource:
 
 def build_source(session: Session, *, batch: Batch, with_module: bool) -> BuildSource:
     """The batch's workload name (and IRModule JSON when `with_module`) and its class's target."""
-    name = session.scalar(select(Workload.name).where(Workload.id == batch.workload_id))
+    name = session.scalar(select(WorkloadRow.name).where(WorkloadRow.id == batch.workload_id))
     module_json = (
-        session.scalar(select(Workload.module_json).where(Workload.id == batch.workload_id))
+        session.scalar(select(WorkloadRow.module_json).where(WorkloadRow.id == batch.workload_id))
         if with_module
         else None
     )

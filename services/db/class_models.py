@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from services.db.confirmations import believed_clause
-from services.db.models import CostModelVersion, DeviceClass, Measurement, Workload
+from services.db.models import CostModelVersion, DeviceClass, Measurement, WorkloadRow
 
 
 def class_target(session: Session, *, device_class_id: int) -> dict[str, Any] | None:
@@ -74,6 +74,6 @@ class StoredWorkload:
 def stored_workload(session: Session, *, workload_id: int) -> StoredWorkload:
     """The workload row's key, name, IRModule JSON and output count."""
     row = session.execute(
-        select(Workload.key, Workload.name, Workload.module_json, Workload.n_outputs).where(Workload.id == workload_id)
+        select(WorkloadRow.key, WorkloadRow.name, WorkloadRow.module_json, WorkloadRow.n_outputs).where(WorkloadRow.id == workload_id)
     ).one()
     return StoredWorkload(row.key, row.name, row.module_json, row.n_outputs)

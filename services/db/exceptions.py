@@ -11,7 +11,7 @@ class DatabaseError(Exception):
     """Root of every error raised by `services.db`."""
 
 
-class NotFound(DatabaseError):
+class RowNotFound(DatabaseError):
     """A row the caller named does not exist."""
 
 

@@ -13,12 +13,12 @@ from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from services.db.models import JobTask, TaskData, Workload
+from services.db.models import JobTask, TaskDataRow, WorkloadRow
 
 
 @dataclass(frozen=True)
 class WorkloadFields:
-    """A workload row's values (`Workload`)."""
+    """A workload row's values (`WorkloadRow`)."""
 
     key: str
     name: str
@@ -34,7 +34,7 @@ def store_workload(session: Session, *, workload: WorkloadFields) -> int | None:
     `io_bytes`, the timing floor's memory term, is filled in if missing (the API stores
     workloads without it)."""
     session.execute(
-        pg_insert(Workload)
+        pg_insert(WorkloadRow)
         .values(
             key=workload.key,
             name=workload.name,
@@ -43,25 +43,25 @@ def store_workload(session: Session, *, workload: WorkloadFields) -> int | None:
             n_inputs=workload.n_inputs,
             n_outputs=workload.n_outputs,
         )
-        .on_conflict_do_nothing(index_elements=[Workload.key])
+        .on_conflict_do_nothing(index_elements=[WorkloadRow.key])
     )
-    workload_id = session.scalar(select(Workload.id).where(Workload.key == workload.key))
+    workload_id = session.scalar(select(WorkloadRow.id).where(WorkloadRow.key == workload.key))
     session.execute(
-        update(Workload)
-        .where(Workload.id == workload_id, Workload.io_bytes.is_(None))
+        update(WorkloadRow)
+        .where(WorkloadRow.id == workload_id, WorkloadRow.io_bytes.is_(None))
         .values(io_bytes=workload.io_bytes)
     )
     return workload_id
 
 
-def task_data_of(session: Session, *, workload_id: int) -> TaskData | None:
+def task_data_of(session: Session, *, workload_id: int) -> TaskDataRow | None:
     """The workload's task data row (None: none written yet)."""
-    return session.scalars(select(TaskData).where(TaskData.workload_id == workload_id)).one_or_none()
+    return session.scalars(select(TaskDataRow).where(TaskDataRow.workload_id == workload_id)).one_or_none()
 
 
-def required_task_data(session: Session, *, workload_id: int) -> TaskData:
+def required_task_data(session: Session, *, workload_id: int) -> TaskDataRow:
     """The workload's task data row; there must be one."""
-    return session.scalars(select(TaskData).where(TaskData.workload_id == workload_id)).one()
+    return session.scalars(select(TaskDataRow).where(TaskDataRow.workload_id == workload_id)).one()
 
 
 def store_task_data(
@@ -71,9 +71,9 @@ def store_task_data(
     it has one."""
     values = {"path": path, "sha256": sha256, "size": size, "has_expected": has_expected}
     session.execute(
-        pg_insert(TaskData)
+        pg_insert(TaskDataRow)
         .values(workload_id=workload_id, **values)
-        .on_conflict_do_update(index_elements=[TaskData.workload_id], set_=values)
+        .on_conflict_do_update(index_elements=[TaskDataRow.workload_id], set_=values)
     )
 
 
@@ -110,10 +110,10 @@ class PreparedTask:
 def prepared_task(session: Session, *, job_task_id: int) -> PreparedTask:
     """The job task row `job_task_id` (it must exist), its workload and its task data."""
     row = session.execute(
-        select(JobTask.task_key, Workload.id, Workload.name, Workload.n_inputs, Workload.n_outputs, TaskData.id,
-               TaskData.has_expected)
-        .join(Workload, Workload.id == JobTask.workload_id)
-        .outerjoin(TaskData, TaskData.workload_id == Workload.id)
+        select(JobTask.task_key, WorkloadRow.id, WorkloadRow.name, WorkloadRow.n_inputs, WorkloadRow.n_outputs, TaskDataRow.id,
+               TaskDataRow.has_expected)
+        .join(WorkloadRow, WorkloadRow.id == JobTask.workload_id)
+        .outerjoin(TaskDataRow, TaskDataRow.workload_id == WorkloadRow.id)
         .where(JobTask.id == job_task_id)
     ).one()
     return PreparedTask(*row)

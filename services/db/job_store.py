@@ -36,7 +36,7 @@ from services.db.models import (
     JobTask,
     Measurement,
     Model,
-    Workload,
+    WorkloadRow,
 )
 from services.db.states import BatchState, ConfirmationState, JobState
 from tunefarm.records import ErrorKind, MeasureRecord
@@ -116,8 +116,8 @@ def claim_job(session: Session, *, job_id: int) -> JobSetup | None:
     model = session.get_one(Model, job.model_id)
     device_class = session.get_one(DeviceClass, job.device_class_id)
     tasks = session.execute(
-        select(JobTask.id, JobTask.task_key, Workload.key, JobTask.position, JobTask.weight)
-        .join(Workload, Workload.id == JobTask.workload_id)
+        select(JobTask.id, JobTask.task_key, WorkloadRow.key, JobTask.position, JobTask.weight)
+        .join(WorkloadRow, WorkloadRow.id == JobTask.workload_id)
         .where(JobTask.job_id == job_id)
         .order_by(JobTask.position)
     ).all()
@@ -166,11 +166,11 @@ def best_records_of_class(
             .over(partition_by=Measurement.workload_id, order_by=(Measurement.cost, Measurement.id))
             .label("rank"),
         )
-        .join(Workload, Workload.id == Measurement.workload_id)
+        .join(WorkloadRow, WorkloadRow.id == Measurement.workload_id)
         .join(DeviceClass, DeviceClass.id == Measurement.device_class_id)
         .where(
             DeviceClass.name == device_class,
-            Workload.key.in_(keys),
+            WorkloadRow.key.in_(keys),
             Measurement.error_kind == ErrorKind.NONE,
             Measurement.cost.is_not(None),
             Measurement.vouched_seq.is_not(None),

@@ -33,7 +33,7 @@ from services.db.models import (
     JobTask,
     Measurement,
     Model,
-    Workload,
+    WorkloadRow,
 )
 from services.db.statements import db_now
 from services.db.states import JobState
@@ -149,12 +149,12 @@ def _json_rows(*columns: Any, order_by: Any) -> Any:
 def _tasks_json() -> Any:
     """The job's tasks as JSON (a scalar subquery correlated with `Job`)."""
     columns = (
-        JobTask.position, Workload.name, JobTask.task_key, JobTask.weight, JobTask.trials, JobTask.best_cost,
+        JobTask.position, WorkloadRow.name, JobTask.task_key, JobTask.weight, JobTask.trials, JobTask.best_cost,
         JobTask.dead_reason, JobTask.best_emulated, JobTask.best_confirmed, JobTask.confirmed_cost,
     )  # fmt: skip
     return (
         select(_json_rows(*columns, order_by=JobTask.position))
-        .join(Workload, Workload.id == JobTask.workload_id)
+        .join(WorkloadRow, WorkloadRow.id == JobTask.workload_id)
         .where(JobTask.job_id == Job.id)
         .scalar_subquery()
     )
@@ -236,8 +236,8 @@ def task_details(session: Session, *, job_id: int) -> dict[int, TaskDetail]:
     page, not for pollers."""
     flops = dict(
         session.execute(
-            select(JobTask.position, Workload.flops)
-            .join(Workload, Workload.id == JobTask.workload_id)
+            select(JobTask.position, WorkloadRow.flops)
+            .join(WorkloadRow, WorkloadRow.id == JobTask.workload_id)
             .where(JobTask.job_id == job_id)
         ).all()
     )

@@ -23,8 +23,18 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from services.db import trust
 from services.db.batches import end_active_lease, unmeasured_candidates
-from services.db.exceptions import LeaseNotHeld, NotFound, TokenRevoked
-from services.db.models import Agent, Batch, Job, Lease, Measurement, ModelRun, TaskData, Token, Workload
+from services.db.exceptions import LeaseNotHeld, RowNotFound, TokenRevoked
+from services.db.models import (
+    Agent,
+    Batch,
+    Job,
+    Lease,
+    Measurement,
+    ModelRun,
+    TaskDataRow,
+    Token,
+    WorkloadRow,
+)
 from services.db.statements import Now, db_now, get_row
 from services.db.states import AgentState, BatchState, LeaseState, ModelRunState
 from services.db.stored_files import task_data_of
@@ -50,12 +60,12 @@ def lease_next_batch(
 
     Batches are locked with `FOR UPDATE SKIP LOCKED`, so concurrent agents never get the
     same batch and never wait on each other. A re-leased batch's old lease becomes
-    `expired`. Returns the new lease, its `batch` loaded. Raises `NotFound` for an
+    `expired`. Returns the new lease, its `batch` loaded. Raises `RowNotFound` for an
     unknown agent.
     """
     agent = session.get(Agent, agent_id)
     if agent is None:
-        raise NotFound(f"agent {agent_id}")
+        raise RowNotFound(f"agent {agent_id}")
     if not may_lease(session, agent):
         return None
     at = db_now(now)
@@ -173,10 +183,10 @@ def _confirmations_for(session: Session, agent: Agent) -> ColumnElement[bool]:
 
 def lease_withheld(session: Session, *, agent_id: int) -> str | None:
     """Why the agent is leased nothing now, batches or model runs (None: it may be), in
-    words the agent logs. Raises `NotFound` for an unknown agent."""
+    words the agent logs. Raises `RowNotFound` for an unknown agent."""
     agent = session.get(Agent, agent_id)
     if agent is None:
-        raise NotFound(f"agent {agent_id}")
+        raise RowNotFound(f"agent {agent_id}")
     return _withheld(session, agent)
 
 
@@ -246,7 +256,7 @@ def heartbeat(
     leases and leased model runs that it names (`lease_ids`, `model_run_ids`: what it is
     working on). A lease it does not name is not renewed: its grant never reached the
     agent, and it expires at its deadline. Returns the ids of the leases extended. Raises
-    `NotFound` for an unknown agent, `TokenRevoked` (nothing changed: the revocation
+    `RowNotFound` for an unknown agent, `TokenRevoked` (nothing changed: the revocation
     left it offline, holding nothing) when its token was revoked."""
     at = db_now(now)
     token_id = session.scalar(select(Agent.token_id).where(Agent.id == agent_id))
@@ -279,7 +289,7 @@ def heartbeat(
         execution_options={"synchronize_session": False},
     ).first()
     if found is None:
-        raise NotFound(f"agent {agent_id}")
+        raise RowNotFound(f"agent {agent_id}")
     return sorted(extended)
 
 
@@ -327,7 +337,7 @@ def finish_lease(
     new state. Raises `LeaseNotHeld` unless the lease is the agent's and active."""
     batch_id = session.scalar(select(Lease.batch_id).where(Lease.id == lease_id))
     if batch_id is None:
-        raise NotFound(f"lease {lease_id}")
+        raise RowNotFound(f"lease {lease_id}")
     session.execute(select(Batch.id).where(Batch.id == batch_id).with_for_update())  # lock order
     lease = held_lease(session, lease_id=lease_id, agent_id=agent_id, lock=True)
     at = db_now(now)
@@ -347,11 +357,11 @@ def finish_lease(
 
 
 def held_lease(session: Session, *, lease_id: int, agent_id: int, lock: bool) -> Lease:
-    """The lease, if it is active and the agent's; else `LeaseNotHeld` (`NotFound` if absent).
+    """The lease, if it is active and the agent's; else `LeaseNotHeld` (`RowNotFound` if absent).
     `lock`: FOR UPDATE (the caller changes it), else FOR SHARE (it must not change under us)."""
     lease = get_row(session, Lease, lease_id, lock=lock)
     if lease is None:
-        raise NotFound(f"lease {lease_id}")
+        raise RowNotFound(f"lease {lease_id}")
     if lease.agent_id != agent_id:
         raise LeaseNotHeld(f"lease {lease_id} is not held by agent {agent_id}")
     if lease.state is not LeaseState.ACTIVE:
@@ -371,7 +381,7 @@ class LeasedWork:
     workload_name: str
     n_inputs: int
     n_outputs: int
-    task_data: TaskData | None  # of the workload (None: it has none)
+    task_data: TaskDataRow | None  # of the workload (None: it has none)
     signed_as: int | None  # a confirmation's: the candidate its kernel was built and signed as
 
 
@@ -379,7 +389,7 @@ def leased_work(session: Session, *, batch: Batch) -> LeasedWork:
     """The batch's workload (name, inputs, outputs), its task data, and for a confirmation
     batch the candidate whose measurement it confirms."""
     wl = session.execute(
-        select(Workload.name, Workload.n_inputs, Workload.n_outputs).where(Workload.id == batch.workload_id)
+        select(WorkloadRow.name, WorkloadRow.n_inputs, WorkloadRow.n_outputs).where(WorkloadRow.id == batch.workload_id)
     ).one()
     td = task_data_of(session, workload_id=batch.workload_id)
     signed_as = (

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from services.db import confirmations, timing_floor
 from services.db.batches import transition_batch, unmeasured_candidates
 from services.db.codec import build_from_json, input_from_json, record_to_json
-from services.db.exceptions import LeaseNotHeld, NotFound
+from services.db.exceptions import LeaseNotHeld, RowNotFound
 from services.db.leases import held_lease
 from services.db.models import (
     Agent,
@@ -37,7 +37,7 @@ from services.db.models import (
     JobTask,
     Lease,
     Measurement,
-    Workload,
+    WorkloadRow,
 )
 from services.db.states import BatchState
 from tunefarm.records import BuildResult, ErrorKind, MeasureRecord, MeasureResult, RunResult
@@ -91,12 +91,12 @@ def record_build_error(
 
 def _candidate_of(session: Session, *, batch_candidate_id: int, record: MeasureRecord, lease: Lease | None) -> int:
     """The batch of a candidate a record is given for, checked: the candidate exists
-    (`NotFound`), is on the lease's batch (`LeaseNotHeld`), and is the record's (`ValueError`)."""
+    (`RowNotFound`), is on the lease's batch (`LeaseNotHeld`), and is the record's (`ValueError`)."""
     row = session.execute(
         select(BatchCandidate.batch_id, BatchCandidate.candidate_key).where(BatchCandidate.id == batch_candidate_id)
     ).one_or_none()
     if row is None:
-        raise NotFound(f"batch candidate {batch_candidate_id}")
+        raise RowNotFound(f"batch candidate {batch_candidate_id}")
     if lease is not None and lease.batch_id != row.batch_id:
         raise LeaseNotHeld(f"lease {lease.id} is on batch {lease.batch_id}, not on batch {row.batch_id}")
     if record.candidate.key != row.candidate_key:
@@ -124,11 +124,11 @@ def _batch_facts(session: Session, batch_id: int) -> _BatchFacts:
             Batch.workload_id,
             Batch.device_class_id,
             Batch.confirms_measurement_id,
-            Workload.flops,
-            Workload.io_bytes,
+            WorkloadRow.flops,
+            WorkloadRow.io_bytes,
             DeviceClass.target,
         )
-        .join(Workload, Workload.id == Batch.workload_id)
+        .join(WorkloadRow, WorkloadRow.id == Batch.workload_id)
         .join(DeviceClass, DeviceClass.id == Batch.device_class_id)
         .where(Batch.id == batch_id)
     ).one()
@@ -333,12 +333,12 @@ def abandon_batch(
         select(Batch).where(Batch.id == batch_id).with_for_update().execution_options(populate_existing=True)
     ).one_or_none()
     if batch is None:
-        raise NotFound(f"batch {batch_id}")
+        raise RowNotFound(f"batch {batch_id}")
     if batch.state.is_terminal:
         return 0
     workload_name, target = session.execute(
-        select(Workload.name, DeviceClass.target)
-        .join(Batch, Batch.workload_id == Workload.id)
+        select(WorkloadRow.name, DeviceClass.target)
+        .join(Batch, Batch.workload_id == WorkloadRow.id)
         .join(DeviceClass, DeviceClass.id == Batch.device_class_id)
         .where(Batch.id == batch_id)
     ).one()

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import and_, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from services.db.exceptions import LeaseNotHeld, NotFound
+from services.db.exceptions import LeaseNotHeld, RowNotFound
 from services.db.leases import MAX_LEASE_PROBES, mark_busy, may_lease
 from services.db.models import Agent, ModelRun
 from services.db.statements import db_now, get_row
@@ -91,11 +91,11 @@ def lease_model_run(
     """Lease the oldest model run of the agent's class that is ready, or whose lease
     expired (its agent stopped heartbeating); None when there is none. A run already
     leased `max_attempts` times fails instead (no agent finishes it: it may be what kills
-    them). `FOR UPDATE SKIP LOCKED`, like `lease_next_batch`. Raises `NotFound` for an
+    them). `FOR UPDATE SKIP LOCKED`, like `lease_next_batch`. Raises `RowNotFound` for an
     unknown agent."""
     agent = session.get(Agent, agent_id)
     if agent is None:
-        raise NotFound(f"agent {agent_id}")
+        raise RowNotFound(f"agent {agent_id}")
     if not may_lease(session, agent):
         return None
     at = db_now(now)
@@ -147,10 +147,10 @@ def lease_model_run(
 
 def held_model_run(session: Session, *, model_run_id: int, agent_id: int, lock: bool = False) -> ModelRun:
     """The model run, if the agent holds it (leased to it, even past `expires_at` until
-    another agent leases it); else `LeaseNotHeld` (`NotFound` if absent)."""
+    another agent leases it); else `LeaseNotHeld` (`RowNotFound` if absent)."""
     run = get_row(session, ModelRun, model_run_id, lock=lock)
     if run is None:
-        raise NotFound(f"model run {model_run_id}")
+        raise RowNotFound(f"model run {model_run_id}")
     if run.agent_id != agent_id or run.state is not ModelRunState.LEASED:
         raise LeaseNotHeld(f"model run {model_run_id} is not held by agent {agent_id} ({run.state})")
     return run

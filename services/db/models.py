@@ -6,15 +6,15 @@ Map, by who writes what:
   `DashboardSession` (hashed);
 - the scheduler: `Job` state and progress, `JobTask` (per-task best), `JobProgress`
   (the curve), `Batch` + `BatchCandidate` (a proposed round), `CostModelVersion`;
-- the build workers: `Workload` task data (`TaskData`), `BatchCandidate` builds, `Batch`
+- the build workers: `WorkloadRow` task data (`TaskDataRow`), `BatchCandidate` builds, `Batch`
   building -> ready;
 - the lease service (agents): `Agent`, `Lease`, `Measurement`, `Confirmation`, and the
   confirmation `Batch`es a new best calls for (`services.db.confirmations`);
 - a tuned model for a class the scheduler cannot run itself: the scheduler writes a
   `ModelRun`, an agent of the class leases it and the lease service stores its outputs.
 
-Shared across teams and jobs: `Workload` (a fused subgraph, by its structural key),
-`DeviceClass`, `TaskData`, `CostModelVersion` (one series per device class) and the
+Shared across teams and jobs: `WorkloadRow` (a fused subgraph, by its structural key),
+`DeviceClass`, `TaskDataRow`, `CostModelVersion` (one series per device class) and the
 `Measurement`s of a class, which every new cost model version trains on.
 
 Large blobs (ONNX files, fused modules, built kernels, task data, cost models, tuned
@@ -237,10 +237,10 @@ class Agent(Base):
 # -- what is tuned ----------------------------------------------------------------------------
 
 
-class Workload(Base):
+class WorkloadRow(Base):
     """A tuning task's program, shared by every model and job that has it.
 
-    `key` is `Workload.key` (name#structural hash), independent of the target; the records'
+    `key` is the workload's key (`tunefarm.workloads.base.Workload.key`: name#structural hash), independent of the target; the records'
     task key adds the target (`JobTask.task_key`).
     """
 
@@ -259,7 +259,7 @@ class Workload(Base):
     created_at: Mapped[datetime] = _created()
 
 
-class TaskData(Base):
+class TaskDataRow(Base):
     """A workload's inputs (and reference outputs) as an .npz in the artifact directory."""
 
     __tablename__ = "task_data"
@@ -316,7 +316,7 @@ class ModelTask(Base):
     global_vars: Mapped[list[Any]]  # the fused module's PrimFunc names this task stands for
 
     model: Mapped[Model] = relationship(back_populates="tasks")
-    workload: Mapped[Workload] = relationship()
+    workload: Mapped[WorkloadRow] = relationship()
 
 
 # -- jobs -------------------------------------------------------------------------------------
@@ -408,7 +408,7 @@ class JobTask(Base):
     dead_reason: Mapped[str | None]  # why the search gave the task up (space exhausted, ...)
 
     job: Mapped[Job] = relationship(back_populates="tasks")
-    workload: Mapped[Workload] = relationship()
+    workload: Mapped[WorkloadRow] = relationship()
 
 
 class JobProgress(Base):

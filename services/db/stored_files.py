@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from services.db.models import Batch, BatchCandidate, TaskData
+from services.db.models import Batch, BatchCandidate, TaskDataRow
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class BatchFiles:
 
     batch_id: int
     kernels: dict[int, str | None]  # batch candidate id -> kernel path (None: no built kernel)
-    task_data: TaskData | None  # of the batch's workload
+    task_data: TaskDataRow | None  # of the batch's workload
 
 
 def batch_files(session: Session, *, batch_id: int, kernel_ids: Sequence[int]) -> BatchFiles:
@@ -39,6 +39,6 @@ def batch_files(session: Session, *, batch_id: int, kernel_ids: Sequence[int]) -
     return BatchFiles(batch.id, kernels, task_data_of(session, workload_id=batch.workload_id))
 
 
-def task_data_of(session: Session, *, workload_id: int) -> TaskData | None:
+def task_data_of(session: Session, *, workload_id: int) -> TaskDataRow | None:
     """The workload's task data (None: it has none)."""
-    return session.scalars(select(TaskData).where(TaskData.workload_id == workload_id)).one_or_none()
+    return session.scalars(select(TaskDataRow).where(TaskDataRow.workload_id == workload_id)).one_or_none()

@@ -30,7 +30,7 @@ from services.db.models import (
     Measurement,
     Model,
     ModelTask,
-    Workload,
+    WorkloadRow,
 )
 from services.db.states import BatchState, JobState, LeaseState
 from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
@@ -97,7 +97,7 @@ def add_job_with_tasks(
     """A model of `tasks` tasks (workloads named after `uid`) and a running job of it."""
     wl_ids = list(
         session.scalars(
-            insert(Workload).returning(Workload.id),
+            insert(WorkloadRow).returning(WorkloadRow.id),
             [
                 {"key": f"bench_{uid}_{i}#{i:016x}", "name": f"bench_task_{i}", "module_json": "{}",
                  "flops": 1e6 * (i + 1), "n_inputs": 2, "n_outputs": 1}

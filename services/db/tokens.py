@@ -21,7 +21,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from services.db.agents import release_agent_leases
-from services.db.exceptions import NotFound
+from services.db.exceptions import RowNotFound
 from services.db.liveness import live_clause
 from services.db.models import Agent, Team, Token
 from services.db.revocations import CHANNEL as REVOCATION_CHANNEL
@@ -94,12 +94,12 @@ def revoke_token(session: Session, *, token_id: int, now: datetime | None = None
     that caches verified tokens hears of it when this transaction commits
     (`revocations.CHANNEL`). The agents of an agent token hold nothing any more: their
     leases end now (the batches go back to the queue for other agents) and they are
-    offline. Raises `NotFound` for an unknown token."""
+    offline. Raises `RowNotFound` for an unknown token."""
     token = session.scalars(
         select(Token).where(Token.id == token_id).with_for_update().execution_options(populate_existing=True)
     ).one_or_none()
     if token is None:
-        raise NotFound(f"token {token_id}")
+        raise RowNotFound(f"token {token_id}")
     if token.revoked_at is None:
         token = session.scalars(
             update(Token).where(Token.id == token_id).values(revoked_at=db_now(now)).returning(Token),
@@ -195,7 +195,7 @@ def revoke_token_by_ref(session: Session, *, ref: str) -> Token:
     token = find_token(session, ref=ref)
     try:
         return revoke_token(session, token_id=token.id)
-    except NotFound as exc:  # deleted in between
+    except RowNotFound as exc:  # deleted in between
         raise ValueError(str(exc)) from None
 
 

@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from services.db.model_runs import StoredFile
-from services.db.models import Model, ModelTask, Workload
+from services.db.models import Model, ModelTask, WorkloadRow
 
 TASK_TABLE_COLUMNS = ("position", "name", "key", "shapes", "weight", "flops", "share")
 """What a model's task table (`Model.task_table`, for display) keeps of each task."""
@@ -74,7 +74,7 @@ def _store_workloads(session: Session, tasks: Sequence[dict[str, Any]]) -> dict[
     """The workloads of `tasks`, inserted unless stored already (by key); their ids by key."""
     for t in tasks:
         session.execute(
-            pg_insert(Workload)
+            pg_insert(WorkloadRow)
             .values(
                 key=t["key"],
                 name=t["name"],
@@ -83,10 +83,10 @@ def _store_workloads(session: Session, tasks: Sequence[dict[str, Any]]) -> dict[
                 n_inputs=t["n_inputs"],
                 n_outputs=t["n_outputs"],
             )
-            .on_conflict_do_nothing(index_elements=[Workload.key])
+            .on_conflict_do_nothing(index_elements=[WorkloadRow.key])
         )
     keys = [t["key"] for t in tasks]
-    return {key: wid for key, wid in session.execute(select(Workload.key, Workload.id).where(Workload.key.in_(keys)))}
+    return {key: wid for key, wid in session.execute(select(WorkloadRow.key, WorkloadRow.id).where(WorkloadRow.key.in_(keys)))}
 
 
 def get_model(session: Session, *, team_id: int, model_id: int) -> Model | None:
@@ -117,8 +117,8 @@ class StoredTask:
 def model_tasks(session: Session, *, model_id: int) -> list[StoredTask]:
     """The model's tasks, by position."""
     rows = session.execute(
-        select(ModelTask.workload_id, Workload.key, ModelTask.position, ModelTask.weight)
-        .join(Workload, Workload.id == ModelTask.workload_id)
+        select(ModelTask.workload_id, WorkloadRow.key, ModelTask.position, ModelTask.weight)
+        .join(WorkloadRow, WorkloadRow.id == ModelTask.workload_id)
         .where(ModelTask.model_id == model_id)
         .order_by(ModelTask.position)
     ).all()

@@ -66,7 +66,7 @@ def _model_run_paths(
 ) -> list[Path | str]:
     try:
         run = model_runs.held_model_run(s, model_run_id=request.model_run_id, agent_id=agent.agent_id)
-    except (db_exc.LeaseNotHeld, db_exc.NotFound) as exc:
+    except (db_exc.LeaseNotHeld, db_exc.RowNotFound) as exc:
         raise LeaseLost(str(exc)) from None
     files = {pb.ARTIFACT_KIND_MODEL_LIBRARY: run.library_path, pb.ARTIFACT_KIND_MODEL_INPUTS: run.inputs_path}
     out: list[Path | str] = []

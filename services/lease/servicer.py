@@ -88,7 +88,7 @@ STATUS_OF_DB_ERROR: tuple[tuple[type[db_exc.DatabaseError], grpc.StatusCode], ..
     (db_exc.TokenRevoked, grpc.StatusCode.UNAUTHENTICATED),
     (db_exc.LeaseNotHeld, grpc.StatusCode.FAILED_PRECONDITION),
     (db_exc.InvalidTransition, grpc.StatusCode.FAILED_PRECONDITION),
-    (db_exc.NotFound, grpc.StatusCode.NOT_FOUND),
+    (db_exc.RowNotFound, grpc.StatusCode.NOT_FOUND),
     (db_exc.Conflict, grpc.StatusCode.ALREADY_EXISTS),
     (db_exc.Contention, grpc.StatusCode.ABORTED),
     (db_exc.Unavailable, grpc.StatusCode.UNAVAILABLE),
@@ -254,7 +254,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                     model_run_ids=request.held_model_run_ids,
                 )
             )
-        except db_exc.NotFound:
+        except db_exc.RowNotFound:
             self.auth.forget(agent.agent_id)
             raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again") from None
         return pb.HeartbeatResponse(active_lease_ids=held)
@@ -320,7 +320,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         instead of a long poll that could never lease it anything; None: it may be."""
         try:
             reason = self._tx(lambda s: leases.lease_withheld(s, agent_id=agent.agent_id))
-        except db_exc.NotFound:
+        except db_exc.RowNotFound:
             self.auth.forget(agent.agent_id)
             raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again") from None
         if reason is not None:
@@ -362,7 +362,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         for _ in range(MAX_SKIPPED_PER_LEASE):
             try:
                 lease = leases.lease_next_batch(s, agent_id=agent.agent_id, lease_secs=st.lease_secs)
-            except db_exc.NotFound:
+            except db_exc.RowNotFound:
                 self.auth.forget(agent.agent_id)
                 raise UnknownAgent(f"{UNKNOWN_AGENT_PREFIX} {agent.agent_id}: register again") from None
             if lease is None:
@@ -472,7 +472,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     def ReportModelRun(self, request: pb.ModelRunResult, context: Any, token_id: int) -> pb.ModelRunAck:
         agent = self.auth.agent(request.agent_id, token_id, context)
         run_id = request.model_run_id
-        lease_error = (db_exc.LeaseNotHeld, db_exc.NotFound)
+        lease_error = (db_exc.LeaseNotHeld, db_exc.RowNotFound)
         try:
             run = self._tx(lambda s: model_runs.held_model_run(s, model_run_id=run_id, agent_id=agent.agent_id))
         except lease_error as exc:
