@@ -942,3 +942,36 @@ def test_a_finishing_job_waits_for_confirmations_and_builds_with_confirmed_bests
     confirm(b, 1, 0.0021)
     runner._await_confirmations()  # none open: returns at once
     assert runner._confirmed_bests() == {"w": records[1]}
+
+
+def test_a_lease_renewed_while_the_sweep_expires_it_keeps_its_batch_leased(db_sessions):
+    """The sweep locks the batches whose leases look expired, then expires those leases; a
+    heartbeat (which locks no batch) may renew one in between. That lease stays active,
+    so its batch must stay leased: requeued, the next agent's lease of it would break the
+    one-active-lease-per-batch rule (a Conflict the agent took for a name clash, and exited)."""
+    import time
+
+    farm = make_farm(db_sessions)
+    a, b = farm.agent_ids
+    held = lease(db_sessions, a)
+    t0 = db_now(db_sessions)
+    renewing = db_sessions()  # the heartbeat's transaction, left open: it holds the lease's row
+    assert leases.heartbeat(
+        renewing, agent_id=a, lease_secs=LEASE_SECS, lease_ids=[held.id], now=t0 + timedelta(seconds=1000)
+    ) == [held.id]
+    swept: dict[str, list[int]] = {}
+
+    def sweep() -> None:  # scans the committed (expired) lease, then waits on its row
+        with transaction(db_sessions) as s:
+            swept["expired"] = leases.expire_leases(s, now=t0 + timedelta(seconds=LEASE_SECS + 1))
+
+    sweeper = threading.Thread(target=sweep)
+    sweeper.start()
+    time.sleep(1.5)
+    renewing.commit()
+    renewing.close()
+    sweeper.join(30)
+    assert swept["expired"] == []
+    with transaction(db_sessions) as s:
+        assert s.get(Batch, held.batch_id).state is BatchState.LEASED
+    assert lease(db_sessions, b) is None
