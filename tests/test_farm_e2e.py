@@ -219,10 +219,10 @@ def test_a_running_job_is_cancelled(farm, client, tiny):
 
     model = client.upload_model(tiny, {"x": [1, 3, 8, 8]}, name="tiny-cancel")
     job = client.create_job(model_id=model["id"], device_class=farm.info["device_class"], trial_budget=400)
-    wait_for(client, job["id"], lambda j: j["state"] == "running", timeout=60)
+    wait_for(client, job["id"], lambda j: j["state"] == "running", timeout=240)
     asked = client.cancel(job["id"])
     assert asked["cancel_requested"] and asked["state"] in ("running", "cancelled")
-    job = wait_for(client, job["id"], timeout=60)
+    job = wait_for(client, job["id"], timeout=240)
     assert job["state"] == "cancelled" and job["finished_at"] and job["trials_used"] < 400
     sessions = make_session_factory(farm.config.database_url)
     try:

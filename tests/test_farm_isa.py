@@ -188,7 +188,7 @@ def test_a_new_class_starts_from_its_nearest_classs_model(farm, client, sessions
         device_classes.ensure_device_class(s, name="x86-64-v3", target={"kind": "llvm", "mcpu": "x86-64-v3", "num-cores": 1})
     model = client.upload_model(tiny_onnx(tmp_path / "tiny.onnx"), {"x": [1, 3, 8, 8]}, name="tiny-v3")
     job = client.create_job(model_id=model["id"], device_class="x86-64-v3", trial_budget=TRIALS)
-    started = wait_for_job(client, job["id"], lambda j: j["cost_model"]["version_id"] is not None, timeout=60)
+    started = wait_for_job(client, job["id"], lambda j: j["cost_model"]["version_id"] is not None, timeout=240)
     client.cancel(job["id"])  # the class has no agent here: its status is what this test reads
     assert started["cost_model"]["version_id"] == source.id
     assert started["cost_model"]["transferred_from"] == {"device_class": AVX2, "version": source.version}
