@@ -26,7 +26,8 @@ from rq.serializers import JSONSerializer  # noqa: E402
 
 from services.common.queues import BUILD_JOB, build_job_id, build_queue_name  # noqa: E402
 from services.worker import jobs  # noqa: E402
-from services.worker.build_job import BuildJob, build_queue, build_worker, fetch_build_job  # noqa: E402
+from services.worker.build_job import BuildJob, build_queue, fetch_build_job  # noqa: E402
+from services.worker.build_worker import build_worker  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
 from tunefarm.measure.builder import Builder  # noqa: E402
 

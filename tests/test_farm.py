@@ -50,7 +50,7 @@ from services.protocol.generated import measurer_pb2 as pb  # noqa: E402
 from services.protocol.generated import measurer_pb2_grpc as pb_grpc  # noqa: E402
 from services.scheduler.farm_measurer import FarmMeasurer  # noqa: E402
 from services.worker import jobs  # noqa: E402
-from services.worker.build_job import build_worker  # noqa: E402
+from services.worker.build_worker import build_worker  # noqa: E402
 from services.worker.settings import WorkerSettings  # noqa: E402
 from tunefarm.export import artifact_suffix  # noqa: E402
 from tunefarm.measure import MeasureBatch  # noqa: E402

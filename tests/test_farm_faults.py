@@ -6,6 +6,8 @@ candidate measured exactly once while something breaks in the middle of it:
 
 - Redis killed and started again empty (no persistence): the batches it lost are
   enqueued again from PostgreSQL;
+- Redis killed while a worker builds, and started again only once the worker finished
+  the build and waits for it: the worker records the job and goes on (the same process);
 - PostgreSQL restarted (an immediate shutdown: every connection dropped): every
   process rides it out;
 - the build worker building a batch killed (SIGKILL): another worker builds it;
@@ -19,6 +21,7 @@ The tests share one farm and run in order; the last checks no process died on th
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections import Counter
@@ -209,6 +212,54 @@ def test_redis_restarted_with_its_data_lost(farm, servers, client, model_id, ses
     job = wait_for_job(client, job_id, timeout=JOB_TIMEOUT)
     assert_measured_exactly_once(sessions, job)
     assert f"the build of batch {waiting} was lost: its build job is gone from Redis" in log_of(farm, "scheduler")
+
+
+def test_redis_restarted_while_a_worker_builds(farm, servers, client, model_id, sessions):
+    """A worker busy building when Redis goes away finishes the build, waits for Redis
+    (RQ writes the job's heartbeat and result then: with redis-py's few retries the
+    worker quit on them, "found an unhandled exception"), and serves its queue again once
+    Redis is back: the same process, every candidate measured once."""
+    _, redis = servers
+    pids = {name: farm.processes[name].pid for name in workers_of(farm)}
+    job_id = start_job(farm, client, model_id, seed=7)
+
+    def frozen_mid_build() -> int | None:
+        """A batch being built while the workers are frozen (SIGSTOP: they stay mid-build)."""
+        if batch_in(sessions, job_id, BatchState.BUILDING) is None:
+            return None
+        signal_workers(farm, signal.SIGSTOP)
+        batch_id = batch_in(sessions, job_id, BatchState.BUILDING)
+        if batch_id is None:  # stored before the workers stopped
+            signal_workers(farm, signal.SIGCONT)
+        return batch_id
+
+    batch_id = until("a batch being built", frozen_mid_build)
+    redis.kill()
+    signal_workers(farm, signal.SIGCONT)
+    built = re.compile(rf"batch {batch_id}: \d+ built")
+
+    def after_the_build(name: str) -> str:
+        """What the worker `name` logged after it built the batch ("" before)."""
+        text = log_of(farm, name)
+        found = built.search(text)
+        return text[found.end() :] if found else ""
+
+    def builder_waiting() -> str | None:
+        """The worker that built the batch, once it waits for Redis (or has exited)."""
+        for name in workers_of(farm):
+            if after_the_build(name) and ("does not answer" in after_the_build(name) or not farm.alive(name)):
+                return name
+        return None
+
+    try:
+        builder = until("the build to end while Redis is away", builder_waiting)
+    finally:
+        redis.start()
+    job = wait_for_job(client, job_id, timeout=JOB_TIMEOUT)
+    assert_measured_exactly_once(sessions, job)
+    until("the worker to find Redis again", lambda: "answers again" in after_the_build(builder) or not farm.alive(builder))
+    assert farm.alive(builder), log_of(farm, builder)[-3000:]
+    assert {name: farm.processes[name].pid for name in workers_of(farm)} == pids  # none was started again
 
 
 def test_postgres_restarted(farm, servers, client, model_id, sessions):

@@ -16,9 +16,9 @@ jobs are therefore JSON of one shape,
   `RefusedJob` and a log line before anything is imported or run.
 
 The enqueuer (the scheduler's `FarmMeasurer`) writes jobs with `build_queue`; the worker
-(`tunefarm worker`) reads them with `build_worker`. Jobs queued by an older farm (pickled)
-are refused like forged ones; the scheduler's batch check then sees their builds failed
-and enqueues them again, as JSON.
+(`tunefarm worker`, `services.worker.build_worker`) reads them through it too. Jobs queued
+by an older farm (pickled) are refused like forged ones; the scheduler's batch check then
+sees their builds failed and enqueues them again, as JSON.
 """
 
 from __future__ import annotations
@@ -145,12 +145,3 @@ def build_job_status(connection: Any, job_id: str) -> tuple[str | None, str]:
         return None, f"its build job in Redis is unreadable ({type(exc).__name__})"
     value = status.value if status is not None else None
     return value, f"its build job is {value} and no worker is building it"
-
-
-def build_worker(connection: Any, device_classes: list[str], prefix: str, *, name: str | None = None):
-    """An RQ `SimpleWorker` on the classes' build queues that runs `BuildJob`s only (see
-    `services.worker.jobs` for why a SimpleWorker)."""
-    from rq import SimpleWorker
-
-    queues = [build_queue(connection, c, prefix) for c in device_classes]
-    return SimpleWorker(queues, connection=connection, name=name, job_class=BuildJob, serializer=SERIALIZER)

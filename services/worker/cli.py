@@ -1,6 +1,7 @@
-"""`tunefarm worker` (`python -m services.worker`): an RQ SimpleWorker on the build queues
-of the farm's device classes, running `services.worker.jobs.build_batch` for the JSON
-build jobs it accepts (`services.worker.build_job`)."""
+"""`tunefarm worker` (`python -m services.worker`): a `BuildWorker` (an RQ SimpleWorker) on
+the build queues of the farm's device classes, running `services.worker.jobs.build_batch`
+for the JSON build jobs it accepts (`services.worker.build_job`), and waiting for Redis
+across a restart (`services.worker.redis_wait`)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from redis import Redis
 from services.db.device_classes import device_class_names
 from services.db.session import make_session_factory, transaction
 from services.protocol.signing import KeyFileError
-from services.worker.build_job import build_worker
+from services.worker.build_worker import build_worker
 from services.worker.jobs import configure, log, shutdown
 from services.worker.settings import WorkerSettings
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`tunefarm worker [--device-class C ...] [--burst] [--name N]`: an RQ SimpleWorker on
+    """`tunefarm worker [--device-class C ...] [--burst] [--name N]`: a build worker on
     the build queues of the given device classes (default: every class in the database
     when it starts)."""
     parser = argparse.ArgumentParser(prog="tunefarm worker", description="build batches for the farm's agents")

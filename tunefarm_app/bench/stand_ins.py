@@ -16,7 +16,7 @@ def stand_in_worker(argv: list[str]) -> None:
     from redis import Redis
 
     from services.worker import jobs
-    from services.worker.build_job import build_worker
+    from services.worker.build_worker import build_worker
     from services.worker.settings import WorkerSettings
     from tunefarm.measure.builder import Builder
     from tunefarm.records import BuildResult
