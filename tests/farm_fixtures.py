@@ -8,7 +8,9 @@
 - `running_farm(config_kwargs)`: `farm up` (tunefarm_app.farm_local) with its own Redis
   (or the one at `redis_url`, whose URL has a password) under a queue prefix of its own,
   `farm down` (and the prefix's keys removed from a given Redis) after;
-  `team_client(farm)` and `wait_for_job(client, job_id)` for talking to it over REST.
+  `team_client(farm)` and `wait_for_job(client, job_id)` for talking to it over REST;
+- `assert_measured_exactly_once(sessions, job)`: what a job that ran through faults must
+  show (every candidate measured once), and `measured(sessions, job_id)`.
 
 The server is the one `DatabaseSettings` names (TUNEFARM_DATABASE_URL); each database is
 `tunefarm_test_<uuid hex>` on it. Tests using these fixtures are skipped when the server
@@ -183,3 +185,53 @@ def wait_for_job(client: Any, job_id: int, done: Callable[[dict], bool] = _termi
             return job
         assert time.monotonic() < deadline, f"job {job_id} stuck: {json.dumps(job)[:600]}"
         time.sleep(0.5)
+
+
+def measured(sessions: Any, job_id: int) -> int:
+    """The job's measurements so far."""
+    from sqlalchemy import func, select
+
+    from services.db.models import Measurement
+    from services.db.session import transaction
+
+    with transaction(sessions) as s:
+        return int(s.scalar(select(func.count()).select_from(Measurement).where(Measurement.job_id == job_id)) or 0)
+
+
+def assert_measured_exactly_once(sessions: Any, job: dict, trials: int | None = None) -> None:
+    """The job succeeded; every batch is done (none given up), every candidate of every
+    search batch has exactly one measurement (and of every confirmation batch, exactly
+    one confirmation: services.db.confirmations), and no candidate was proposed twice;
+    `trials` (default: the job's budget) candidates in all."""
+    from collections import Counter
+
+    from sqlalchemy import func, select
+
+    from services.db.models import Batch, BatchCandidate, Confirmation, Measurement
+    from services.db.session import transaction
+    from services.db.states import BatchState
+
+    trials = job["trial_budget"] if trials is None else trials
+    assert job["state"] == "succeeded", job["error"]
+    with transaction(sessions) as s:
+        states = Counter(s.scalars(select(Batch.state).where(Batch.job_id == job["id"])))
+        rows = s.execute(
+            select(Batch.job_task_id, BatchCandidate.candidate_key, func.count(Measurement.id))
+            .join(Batch, Batch.id == BatchCandidate.batch_id)
+            .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
+            .where(Batch.job_id == job["id"], Batch.confirms_measurement_id.is_(None))
+            .group_by(BatchCandidate.id, Batch.job_task_id)
+        ).all()
+        confirmations = s.scalars(
+            select(func.count(Confirmation.id))
+            .select_from(BatchCandidate)
+            .join(Batch, Batch.id == BatchCandidate.batch_id)
+            .outerjoin(Confirmation, Confirmation.batch_candidate_id == BatchCandidate.id)
+            .where(Batch.job_id == job["id"], Batch.confirms_measurement_id.is_not(None))
+            .group_by(BatchCandidate.id)
+        ).all()
+    assert set(states) == {BatchState.DONE}, states
+    assert [n for _, _, n in rows] == [1] * len(rows)
+    assert confirmations and confirmations == [1] * len(confirmations)  # every best was measured again, once
+    assert len({(task, key) for task, key, _ in rows}) == len(rows) == trials
+    assert job["trials_used"] == trials == measured(sessions, job["id"])

@@ -34,12 +34,19 @@ pytest.importorskip("grpc")
 pytest.importorskip("rq")
 
 import httpx  # noqa: E402
-from farm_fixtures import running_farm, service_unavailable, team_client, wait_for_job  # noqa: E402
+from farm_fixtures import (  # noqa: E402
+    assert_measured_exactly_once,
+    measured,
+    running_farm,
+    service_unavailable,
+    team_client,
+    wait_for_job,
+)
 from onnx_models import tiny_onnx  # noqa: E402
 from private_services import PrivatePostgres, PrivateRedis, ServiceMissing, private_directory  # noqa: E402
-from sqlalchemy import func, select  # noqa: E402
+from sqlalchemy import select  # noqa: E402
 
-from services.db.models import Batch, BatchCandidate, Lease, Measurement  # noqa: E402
+from services.db.models import Batch, Lease, Measurement  # noqa: E402
 from services.db.session import make_session_factory, transaction  # noqa: E402
 from services.db.states import BatchState, LeaseState  # noqa: E402
 from tunefarm_app.farm_local import LocalFarm  # noqa: E402
@@ -134,42 +141,6 @@ def batch_in(sessions, job_id: int, *states: BatchState) -> int | None:
         return s.scalar(
             select(Batch.id).where(Batch.job_id == job_id, Batch.state.in_(states)).order_by(Batch.id).limit(1)
         )
-
-
-def measured(sessions, job_id: int) -> int:
-    with transaction(sessions) as s:
-        return int(s.scalar(select(func.count()).select_from(Measurement).where(Measurement.job_id == job_id)) or 0)
-
-
-def assert_measured_exactly_once(sessions, job: dict, trials: int = TRIALS) -> None:
-    """The job succeeded; every batch is done (none given up), every candidate of every
-    search batch has exactly one measurement (and of every confirmation batch, exactly
-    one confirmation: services.db.confirmations), and no candidate was proposed twice."""
-    from services.db.models import Confirmation
-
-    assert job["state"] == "succeeded", job["error"]
-    with transaction(sessions) as s:
-        states = Counter(s.scalars(select(Batch.state).where(Batch.job_id == job["id"])))
-        rows = s.execute(
-            select(Batch.job_task_id, BatchCandidate.candidate_key, func.count(Measurement.id))
-            .join(Batch, Batch.id == BatchCandidate.batch_id)
-            .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
-            .where(Batch.job_id == job["id"], Batch.confirms_measurement_id.is_(None))
-            .group_by(BatchCandidate.id, Batch.job_task_id)
-        ).all()
-        confirmations = s.scalars(
-            select(func.count(Confirmation.id))
-            .select_from(BatchCandidate)
-            .join(Batch, Batch.id == BatchCandidate.batch_id)
-            .outerjoin(Confirmation, Confirmation.batch_candidate_id == BatchCandidate.id)
-            .where(Batch.job_id == job["id"], Batch.confirms_measurement_id.is_not(None))
-            .group_by(BatchCandidate.id)
-        ).all()
-    assert set(states) == {BatchState.DONE}, states
-    assert [n for _, _, n in rows] == [1] * len(rows)
-    assert confirmations and confirmations == [1] * len(confirmations)  # every best was measured again, once
-    assert len({(task, key) for task, key, _ in rows}) == len(rows) == trials
-    assert job["trials_used"] == trials == measured(sessions, job["id"])
 
 
 def log_of(farm: LocalFarm, name: str) -> str:
