@@ -148,3 +148,29 @@ def test_an_agent_takes_host_port_and_grpc_targets():
 
     for server in ("127.0.0.1:50051", "localhost:50051", "dns:///127.0.0.1:50051", "unix:/tmp/lease.sock"):
         assert AgentSettings(server=server, token="tfa_x", accept_unsigned_code=True).server == server
+
+
+def test_farm_ups_supervisor_waits_longer_after_each_quick_death_and_gives_up_on_five_in_a_minute():
+    """`farm up`'s restart policy (tunefarm_app.farm_supervisor; a farm's processes under
+    it: tests/test_farm_ops.py): 1 s, doubling to 60 s; back to 1 s after a good run (a
+    minute); given up after five deaths within a minute."""
+    from tunefarm_app.farm_supervisor import ProcessLife, RestartPolicy
+
+    def lives(runs: list[float]) -> tuple[list[float | None], ProcessLife]:
+        """The delays after deaths following runs of `runs` seconds each."""
+        life, now, delays = ProcessLife(RestartPolicy(), started_at=0.0), 0.0, []
+        for run in runs:
+            now += run
+            delays.append(life.died(now))
+            if life.given_up:
+                break
+            now = life.start_at
+            life.started(now)
+        return delays, life
+
+    delays, life = lives([100.0, 1.0, 1.0, 1.0, 1.0])  # a good run, then four quick deaths
+    assert delays == [1.0, 2.0, 4.0, 8.0, None] and life.given_up and life.restarts == 4
+    delays, life = lives([20.0] * 10)  # dies after 20 s each time: at most 3 deaths a minute
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0, 60.0] and not life.given_up
+    delays, life = lives([20.0, 20.0, 20.0, 90.0, 20.0])  # a good run starts the delays over
+    assert delays == [1.0, 2.0, 4.0, 1.0, 2.0] and not life.given_up

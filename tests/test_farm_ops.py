@@ -7,28 +7,43 @@ used (issue 26).
   own and said nothing);
 - an agent that exits during `farm up` fails it with the agent's one-line reason;
 - an agent stopped with SIGTERM says so, goes offline at once and exits 0;
-- an agent naming a device class that does not exist stops, naming those that do.
+- an agent naming a device class that does not exist stops, naming those that do;
+- under `tunefarm farm up` (the command: its supervisor), a build worker and, separately,
+  the agent killed with SIGKILL come back by themselves and the job finishes; a process
+  that keeps dying is given up (farm.log and `farm status` say so), and `farm down`
+  stops the supervisor and the rest.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("grpc")
 
-from farm_fixtures import service_unavailable  # noqa: E402
+from farm_fixtures import assert_measured_exactly_once, service_unavailable, team_client, wait_for_job  # noqa: E402
+from onnx_models import tiny_onnx  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 
-from services.db.models import Agent, Token  # noqa: E402
+from services.db.models import Agent, Batch, Lease, Token  # noqa: E402
 from services.db.session import make_session_factory, transaction  # noqa: E402
+from services.db.states import BatchState, LeaseState  # noqa: E402
 from services.db.tokens import hash_token  # noqa: E402
 from tunefarm.errors import UsageError  # noqa: E402
-from tunefarm_app.farm_local import FarmConfig, LocalFarm, agent_base_name, down, up  # noqa: E402
+from tunefarm_app import local_processes  # noqa: E402
+from tunefarm_app.cli import main  # noqa: E402
+from tunefarm_app.farm_local import FarmConfig, LocalFarm, agent_base_name, down, read_state, up  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -133,3 +148,197 @@ def test_an_agent_naming_a_class_that_does_not_exist_stops_and_says_which_exist(
                               "(existing classes: "), message
     assert "ops-class" in message and "tunefarm farm device-class ops-clas" in message, message
 
+
+# -- under `tunefarm farm up`: its supervisor ------------------------------------------------
+
+HANG_GUARD = 300.0  # generous: an idle machine takes a small part of it
+
+QUICK_FARM = {  # the farm's processes read these from the environment farm up passes on
+    "TUNEFARM_POLL_INTERVAL_SECS": "0.1",
+    "TUNEFARM_BUILD_CHECK_SECS": "1",  # a build nobody is doing is noticed within a second
+    "TUNEFARM_BATCHES_PER_AGENT": "1",  # later batches come after the first results: kills hit mid-job
+    "TUNEFARM_CHECK_TUNED_MODEL": "false",
+    "TUNEFARM_HEARTBEAT_INTERVAL_SECS": "1",
+    "TUNEFARM_LEASE_SECS": "6",
+    "TUNEFARM_SWEEP_INTERVAL_SECS": "0.5",
+    "TUNEFARM_AGENT_RECONNECT_MAX_SECS": "1",
+    "TUNEFARM_COST_MODEL_WARMUP": "8",
+}
+
+
+def until(what: str, check, timeout: float = HANG_GUARD):
+    """Poll `check()` until it returns something true; that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def tunefarm(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tunefarm_app.cli", *argv], env=env, capture_output=True,
+                          text=True, timeout=HANG_GUARD)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def supervised(database_url, tmp_path_factory):
+    """`tunefarm farm up` (one worker, one agent, a device class of its own), as an
+    operator runs it; `farm down` after."""
+    state_dir = tmp_path_factory.mktemp("supervised") / "farm"
+    started = tunefarm("farm", "up", "--state-dir", str(state_dir), "--database-url", database_url, "--workers", "1",
+                       "--device-class", f"supervised-{uuid.uuid4().hex[:8]}", "--queue-prefix",
+                       f"tfsup{uuid.uuid4().hex[:8]}", env={**os.environ, **QUICK_FARM})  # fmt: skip
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        yield state_dir
+    finally:
+        tunefarm("farm", "down", "--state-dir", str(state_dir))
+
+
+@pytest.fixture(scope="module")
+def supervised_sessions(database_url):
+    factory = make_session_factory(database_url)
+    yield factory
+    factory.kw["bind"].dispose()
+
+
+@pytest.fixture(scope="module")
+def supervised_client(supervised):
+    with team_client(SimpleNamespace(info=read_state(supervised))) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tiny_model(supervised_client, tmp_path_factory) -> int:
+    tiny = tiny_onnx(tmp_path_factory.mktemp("model") / "tiny.onnx")
+    return supervised_client.upload_model(tiny, {"x": [1, 3, 8, 8]})["id"]
+
+
+def start_job(state_dir: Path, client, model_id: int, seed: int) -> int:
+    device_class = read_state(state_dir)["device_class"]
+    return client.create_job(model_id=model_id, device_class=device_class, trial_budget=16, seed=seed)["id"]
+
+
+def process_entry(state_dir: Path, name: str) -> dict:
+    return read_state(state_dir)["processes"][name]
+
+
+def started_again(state_dir: Path, name: str, dead_pid: int) -> int | None:
+    """The new pid of `name` once the supervisor started it again (farm.json has it)."""
+    entry = process_entry(state_dir, name)
+    return entry["pid"] if entry["pid"] != dead_pid and local_processes.is_ours(entry) else None
+
+
+def farm_log(state_dir: Path) -> str:
+    return (state_dir / "logs" / "farm.log").read_text(errors="replace")
+
+
+def farm_status(capsys, state_dir: Path) -> str:
+    capsys.readouterr()
+    assert main(["farm", "status", "--state-dir", str(state_dir)]) == 0
+    return capsys.readouterr().out
+
+
+def test_farm_up_fails_naming_a_process_that_exits_while_the_farm_starts(database_url, tmp_path):
+    """The command (whose supervisor starts the farm and hands back what failed): a process
+    that exits during start-up fails `farm up` (exit 2) with its name and the end of its
+    log, and nothing of the farm stays running."""
+    state_dir = tmp_path / "farm"
+    with socket.socket() as taken:  # the lease service's port: it cannot listen
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        failed = tunefarm("farm", "up", "--state-dir", str(state_dir), "--database-url", database_url,
+                          "--workers", "1", "--lease-bind", f"127.0.0.1:{port}",
+                          "--queue-prefix", f"tfsup{uuid.uuid4().hex[:8]}")  # fmt: skip
+    assert failed.returncode == 2, failed.stdout + failed.stderr
+    assert failed.stderr.startswith("tunefarm: error: lease-service exited during start-up:\n"), failed.stderr
+    assert f"bind to address 127.0.0.1:{port}" in failed.stderr  # the end of its log: gRPC's reason
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _cwd(pid) == state_dir.resolve()]
+
+
+def _cwd(pid: str) -> Path | None:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return None
+
+
+def test_a_worker_killed_under_farm_up_comes_back_and_the_job_finishes(
+    supervised, supervised_client, tiny_model, supervised_sessions, capsys
+):
+    """The only build worker killed mid-build: the supervisor starts it again, and the
+    job (which needs a worker for its later batches) finishes."""
+    job_id = start_job(supervised, supervised_client, tiny_model, seed=1)
+
+    def building() -> bool:
+        with transaction(supervised_sessions) as s:
+            return s.scalar(select(Batch.id).where(Batch.job_id == job_id, Batch.state == BatchState.BUILDING)) is not None
+
+    until("a batch being built", building)
+    dead = process_entry(supervised, "worker-1")["pid"]
+    os.killpg(dead, signal.SIGKILL)  # the worker and its build processes
+    until("worker-1 to be started again", lambda: started_again(supervised, "worker-1", dead))
+    job = wait_for_job(supervised_client, job_id, timeout=HANG_GUARD)
+    assert_measured_exactly_once(supervised_sessions, job)
+    assert "worker-1 was killed by SIGKILL" in farm_log(supervised) and "worker-1 started again" in farm_log(supervised)
+    line = next(ln for ln in farm_status(capsys, supervised).splitlines() if "worker-1:" in ln)
+    assert "running" in line and "started again 1 time (last: was killed by SIGKILL)" in line, line
+
+
+def test_the_agent_killed_under_farm_up_comes_back_and_the_job_finishes(
+    supervised, supervised_client, tiny_model, supervised_sessions
+):
+    """The only agent killed while it measures: the supervisor starts it again, it
+    registers under its name again (its leases end at once) and the job finishes."""
+    job_id = start_job(supervised, supervised_client, tiny_model, seed=2)
+
+    def measuring() -> bool:
+        with transaction(supervised_sessions) as s:
+            return s.scalar(
+                select(Lease.id).join(Batch, Batch.id == Lease.batch_id)
+                .where(Batch.job_id == job_id, Lease.state == LeaseState.ACTIVE).limit(1)
+            ) is not None  # fmt: skip
+
+    until("a batch being measured", measuring)
+    dead = process_entry(supervised, "agent")["pid"]
+    os.killpg(dead, signal.SIGKILL)  # the agent and its measuring processes
+    until("the agent to be started again", lambda: started_again(supervised, "agent", dead))
+    job = wait_for_job(supervised_client, job_id, timeout=HANG_GUARD)
+    assert_measured_exactly_once(supervised_sessions, job)
+    assert "agent was killed by SIGKILL" in farm_log(supervised) and "agent started again" in farm_log(supervised)
+
+
+def test_a_process_that_keeps_dying_is_given_up_and_farm_down_stops_the_rest(supervised, capsys):
+    """worker-1 killed each time it is started again: after five deaths within a minute
+    it is given up (farm.log and farm status say so); farm down stops the supervisor
+    first and then every process, and nothing is started again."""
+    killed: set[int] = set()
+
+    def next_start() -> int | str | None:
+        """The pid to kill next, or "given up" once the supervisor gave worker-1 up."""
+        entry = process_entry(supervised, "worker-1")
+        if entry.get("given_up"):
+            return "given up"
+        return entry["pid"] if entry["pid"] not in killed and local_processes.is_ours(entry) else None
+
+    while (pid := until("worker-1 to be started again or given up", next_start)) != "given up":
+        os.killpg(pid, signal.SIGKILL)
+        killed.add(pid)
+    assert "worker-1 was killed by SIGKILL" in farm_log(supervised) and "GIVEN UP" in farm_log(supervised)
+    status = farm_status(capsys, supervised)
+    assert "supervisor running" in status, status
+    line = next(ln for ln in status.splitlines() if "worker-1:" in ln)
+    assert "GIVEN UP: it died 5 times within 60 s (last: was killed by SIGKILL)" in line, line
+    state = read_state(supervised)
+    assert main(["farm", "down", "--state-dir", str(supervised)]) == 0
+    assert capsys.readouterr().out.startswith("stopped    supervisor, agent, ")
+    after = read_state(supervised)
+    assert not local_processes.pid_alive(state["supervisor"]["pid"])
+    assert {name: p["pid"] for name, p in after["processes"].items()} == {
+        name: p["pid"] for name, p in state["processes"].items()
+    }  # nothing was started again while stopping
+    assert not [name for name, p in after["processes"].items() if local_processes.pid_alive(p["pid"])]
+    assert "supervisor stopped" in farm_status(capsys, supervised)

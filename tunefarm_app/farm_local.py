@@ -37,9 +37,14 @@ team token and an agent token, the Redis URL, and the processes (pid, log, comma
 The secrets are in that file only (mode 0600) and in the processes' environment, never
 on a command line (`ps` shows those to every user). What the farm writes under `D`
 (logs, artifacts, the agent's work) is its user's only: the processes run with umask
-077, and a new `D` and its logs/ and artifacts/ are 0700. `down` stops the processes (SIGTERM to each group,
-SIGKILL after a grace period; the agents first, so that they go offline while the lease
-service answers) and marks them stopped in farm.json.
+077, and a new `D` and its logs/ and artifacts/ are 0700. `down` stops the farm's
+supervisor if it has one (below), then the processes (SIGTERM to each group, SIGKILL
+after a grace period; the agents first, so that they go offline while the lease service
+answers), and marks them stopped in farm.json.
+
+`tunefarm farm up` runs `up` in a detached supervisor that starts again the processes
+that die (`tunefarm_app.farm_supervisor`; farm.json's `supervisor`); `up` itself, as
+tests and benches call it, starts a farm nobody supervises.
 
 Further classes (`extra_classes`, name -> target; `farm up --extra-class NAME=TARGET`)
 are served here too, each by its own build worker and agent: x86 ISA classes whose code
@@ -73,6 +78,8 @@ from tunefarm_app import local_processes
 from tunefarm_app.farm_redis import REDIS_PROCESS, OwnRedis, check_given, wait_ready
 
 FARM_FILE = "farm.json"
+SUPERVISOR = "supervisor"
+"""farm.json's entry for `farm up`'s supervisor (tunefarm_app.farm_supervisor): pid, start, log."""
 LOGS_DIR = "logs"
 ARTIFACTS_DIR = "artifacts"
 SIGNING_DIR = "signing"
@@ -167,6 +174,7 @@ class Process:
     pid: int
     log: str
     started: str | None = None  # the kernel's start time of `pid` (a pid reused later differs)
+    since: float = field(default_factory=time.monotonic)  # when it started, on this process's monotonic clock
 
 
 class LocalFarm:
@@ -182,6 +190,11 @@ class LocalFarm:
         self.agent_token_id: int | None = None  # the agent token this start issued (prepare)
         self._starts: dict[str, int] = {}  # times each process was started
         self.own_redis: OwnRedis | None = None
+        # Under `farm up`'s supervisor (tunefarm_app.farm_supervisor): farm.json's
+        # "supervisor" entry, and what it notes about each process (restarts, last exit,
+        # given up) next to the process's entry.
+        self.supervisor: dict[str, Any] | None = None
+        self.supervision: dict[str, dict[str, Any]] = {}
 
     # -- setting up ---------------------------------------------------------------------------
 
@@ -387,6 +400,12 @@ class LocalFarm:
             return proc.poll() is None
         return local_processes.pid_alive(self.processes[name].pid)
 
+    def exit_status(self, name: str) -> int | None:
+        """How a process this object started ended (Popen's returncode: -N for signal N);
+        None while it runs, or for one started elsewhere."""
+        proc = self._popen.get(name)
+        return proc.poll() if proc is not None else None
+
     def stop(self, name: str, *, sig: int = signal.SIGTERM, grace: float = STOP_GRACE_SECS) -> None:
         """Stop one process (its whole group); SIGKILL after `grace` seconds."""
         process = self.processes[name]
@@ -451,9 +470,11 @@ class LocalFarm:
         data = {
             **self.info,
             "processes": {
-                p.name: {"pid": p.pid, "started": p.started, "log": p.log, "command": p.command, "running": True}
+                p.name: {"pid": p.pid, "started": p.started, "log": p.log, "command": p.command, "running": True,
+                         **self.supervision.get(p.name, {})}
                 for p in self.processes.values()
-            },
+            },  # fmt: skip
+            **({SUPERVISOR: self.supervisor} if self.supervisor is not None else {}),
         }
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds tokens
@@ -474,15 +495,16 @@ def up(config: FarmConfig, *, log: Callable[[str], None] = print) -> LocalFarm:
     """Start a farm (see the module docstring) and write farm.json; returns it running."""
     existing = config.state_dir / FARM_FILE
     if existing.exists():
-        procs = read_state(config.state_dir).get("processes", {})
+        state = read_state(config.state_dir)
+        procs = {**state.get("processes", {}), **({SUPERVISOR: state[SUPERVISOR]} if state.get(SUPERVISOR) else {})}
         running = [n for n, p in procs.items() if p.get("running") and local_processes.is_ours(p)]
         if running:
             raise UsageError(f"a farm is already running from {config.state_dir} ({', '.join(running)}); run farm down first")
     farm = LocalFarm(config, log=log)
     info = farm.prepare()
     log(f"starting the farm in {config.state_dir} (device class {info['device_class']})")
-    farm.start_all()
     try:
+        farm.start_all()
         farm.wait_healthy()
     except BaseException:
         farm.stop_all(grace=5.0)
@@ -492,9 +514,12 @@ def up(config: FarmConfig, *, log: Callable[[str], None] = print) -> LocalFarm:
 
 
 def down(state_dir: Path, *, grace: float = STOP_GRACE_SECS) -> list[str]:
-    """Stop the processes `farm up` started from `state_dir`; returns the names stopped."""
-    data = read_state(state_dir)
-    stopped = []
+    """Stop the processes `farm up` started from `state_dir`, its supervisor first (so
+    that nothing is started again meanwhile); returns the names stopped."""
+    stopped = [SUPERVISOR] if _stop_supervisor(state_dir, grace) else []
+    data = read_state(state_dir)  # as the supervisor left it
+    if data.get(SUPERVISOR):
+        data[SUPERVISOR]["running"] = False
     procs = data.get("processes", {})
     for p in procs.values():
         if p.get("running") and not local_processes.is_ours(p):
@@ -518,6 +543,27 @@ def down(state_dir: Path, *, grace: float = STOP_GRACE_SECS) -> list[str]:
         f.write("\n")
     os.replace(path.with_name(path.name + ".tmp"), path)
     return stopped
+
+
+def _stop_supervisor(state_dir: Path, grace: float) -> bool:
+    """SIGTERM to the farm's supervisor, if one runs (SIGKILL after `grace` seconds); True
+    if one did. It exits without stopping the processes."""
+    supervisor = read_state(state_dir).get(SUPERVISOR)
+    if not supervisor or not supervisor.get("running") or not local_processes.is_ours(supervisor):
+        return False
+    pid = supervisor["pid"]
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + grace
+    while local_processes.pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if local_processes.pid_alive(pid):
+        local_processes.signal_group(pid, signal.SIGKILL)  # it leads its own session and group
+        while local_processes.pid_alive(pid):
+            time.sleep(0.05)
+    return True
 
 
 def stopping_order(names: list[str]) -> list[list[str]]:

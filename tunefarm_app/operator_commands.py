@@ -3,7 +3,9 @@
   tunefarm farm up --state-dir D [--workers 2] [--agents 1] [--database-url URL]
                    [--redis-url redis://:PASSWORD@HOST:PORT/0 [--redis-without-password]]
                    [--tls-cert F --tls-key F [--tls-ca F] [--tls-client-ca F --agent-tls-cert F --agent-tls-key F]]
-  tunefarm farm down --state-dir D
+                   (a detached supervisor starts again what dies: its pid in D/farm.json, its log D/logs/farm.log)
+  tunefarm farm status --state-dir D      the farm's processes: running, started again, given up
+  tunefarm farm down --state-dir D        the supervisor first, then the processes
   tunefarm farm team NAME [--value-file F]    a team and a new team token (or store F's, - for stdin)
   tunefarm farm agent-token [--value-file F]  a new agent token (or store F's)
   tunefarm farm token list [--team T] [--kind team|agent]
@@ -67,6 +69,8 @@ def add_commands(sub) -> None:
     _add_farm_up(fsub)
     fd = fsub.add_parser("down", help="stop a farm started with farm up")
     fd.add_argument("--state-dir", type=Path, required=True, help="the --state-dir given to farm up")
+    fs = fsub.add_parser("status", help="the processes of a farm started with farm up: running, started again, given up")
+    fs.add_argument("--state-dir", type=Path, required=True, help="the --state-dir given to farm up")
     _add_token_commands(fsub)
     _add_agent_commands(fsub)
     fc = fsub.add_parser("device-class", help="create a device class")
@@ -199,10 +203,9 @@ def cmd_farm(args: argparse.Namespace) -> int:
 
 
 def _farm_up(args: argparse.Namespace) -> int:
-    from services.db.exceptions import DatabaseError
-    from services.db.session import SQLAlchemyError
-    from tunefarm_app.farm_local import FarmConfig, FarmTls, up
+    from tunefarm_app.farm_local import FarmConfig, FarmTls
     from tunefarm_app.farm_redis import redact
+    from tunefarm_app.farm_supervisor import up_supervised
 
     if args.workers < 1 or args.agents < 1:
         raise UsageError("--workers and --agents must be at least 1")
@@ -231,11 +234,7 @@ def _farm_up(args: argparse.Namespace) -> int:
         tls=tls,
         extra_classes=_extra_classes(args.extra_class),
     )
-    try:
-        farm = up(config)
-    except (DatabaseError, SQLAlchemyError) as exc:
-        raise UsageError(f"farm up: the database at {config.database_url}: {_first_line(exc)}") from None
-    info = farm.info
+    info = up_supervised(config.state_dir, lambda log: _up(config, log))
     print(f"api        {info['api_url']}")
     print(f"dashboard  {info['api_url']}/ui (log in with the team token in farm.json); metrics at /metrics")
     print(f"grpc       {info['grpc_address']}" + (" (TLS)" if info.get("grpc_tls") else " (plaintext)"))
@@ -243,10 +242,24 @@ def _farm_up(args: argparse.Namespace) -> int:
     print(f"class      {info['device_class']}")
     for name in info["extra_classes"]:
         print(f"class      {name} (extra)")
-    for p in farm.processes.values():
-        print(f"process    {p.name}: pid {p.pid}, log {p.log}")
+    for name, p in info["processes"].items():
+        print(f"process    {name}: pid {p['pid']}, log {p['log']}")
+    supervisor = info["supervisor"]
+    print(f"supervisor pid {supervisor['pid']}: starts again what exits (log {supervisor['log']}; tunefarm farm status)")
     print(f"state      {args.state_dir / 'farm.json'} (holds the team and agent tokens and the Redis password)")
     return 0
+
+
+def _up(config, log):
+    """`farm_local.up` (in farm up's supervisor), a database that fails it as a `UsageError`."""
+    from services.db.exceptions import DatabaseError
+    from services.db.session import SQLAlchemyError
+    from tunefarm_app.farm_local import up
+
+    try:
+        return up(config, log=log)
+    except (DatabaseError, SQLAlchemyError) as exc:
+        raise UsageError(f"farm up: the database at {config.database_url}: {_first_line(exc)}") from None
 
 
 def _extra_classes(values: list[str]) -> dict[str, dict]:
@@ -270,6 +283,14 @@ def _farm_down(args: argparse.Namespace) -> int:
 
     stopped = down(args.state_dir)
     print(f"stopped    {', '.join(stopped) if stopped else 'nothing (no process was running)'}")
+    return 0
+
+
+def _farm_status(args: argparse.Namespace) -> int:
+    from tunefarm_app.farm_status import farm_status, status_lines
+
+    for line in status_lines(farm_status(args.state_dir)):
+        print(line)
     return 0
 
 
@@ -406,6 +427,7 @@ FARM_COMMANDS = {
     "up": _farm_up,
     "signing-key": _farm_signing_key,
     "down": _farm_down,
+    "status": _farm_status,
     "team": _farm_team,
     "agent-token": _farm_agent_token,
     "token": _farm_token,
