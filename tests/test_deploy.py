@@ -54,7 +54,8 @@ def test_every_service_has_a_health_check_volumes_and_dependencies(compose):
     for name in LONG_RUNNING:
         check = services[name].get("healthcheck")
         assert check and check["test"], name
-    assert services["setup"]["restart"] == "no"
+        assert services[name].get("restart") in ("unless-stopped", "always", "on-failure"), name  # comes back
+    assert services["setup"]["restart"] == "no"  # a one-shot job: migrations, class, team, tokens, signing key
     assert "pgdata:/var/lib/postgresql/data" in services["postgres"]["volumes"]
     shared = {"api", "lease-service", "scheduler", "worker"}
     for name in shared:  # the artifact root every server-side process shares
