@@ -85,6 +85,52 @@ def test_settings_come_from_the_environment(monkeypatch):
     assert json.loads(s.model_dump_json())["server"] == "http://api:8000"
 
 
+def _no_farm_variables(monkeypatch) -> None:
+    for var in ("TUNEFARM_TOKEN", "TUNEFARM_SERVER", "TUNEFARM_STATE_DIR", "TUNEFARM_DATABASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _farm_json(tmp_path, **info) -> str:
+    state = tmp_path / "farm"
+    state.mkdir()
+    (state / "farm.json").write_text(json.dumps(info))
+    return str(state)
+
+
+def test_a_farm_started_here_is_found_by_its_state_dir(monkeypatch, tmp_path):
+    """`farm up` prints `export TUNEFARM_STATE_DIR=...`: the clients take the API's URL
+    and the team token from that farm.json; a flag or a variable still wins."""
+    _no_farm_variables(monkeypatch)
+    state = _farm_json(tmp_path, api_url="http://127.0.0.1:41234", team_token="tft_farm")
+    s = ClientSettings.load(state_dir=state)
+    assert (s.server, s.token) == ("http://127.0.0.1:41234", "tft_farm")
+    monkeypatch.setenv("TUNEFARM_STATE_DIR", state)
+    assert ClientSettings.load().token == "tft_farm"
+    monkeypatch.setenv("TUNEFARM_SERVER", "http://api:8000")
+    s = ClientSettings.load(token="tft_flag")
+    assert (s.server, s.token) == ("http://api:8000", "tft_flag")
+
+
+def test_a_state_dir_without_a_farm_is_one_line(monkeypatch, tmp_path, capsys):
+    _no_farm_variables(monkeypatch)
+    assert main(["status", "1", "--state-dir", str(tmp_path)]) == 2
+    one_line_error(capsys, "no farm in", "farm up")
+
+
+def test_operator_commands_never_guess_a_database(monkeypatch, tmp_path, capsys, database_url):
+    """Without --database-url, --state-dir or their variables a token or class would land in
+    some default database that serves no farm: refused, naming the ways to say which."""
+    _no_farm_variables(monkeypatch)
+    assert main(["farm", "token", "list"]) == 2
+    one_line_error(capsys, "which farm?", "--state-dir", "--database-url")
+    state = _farm_json(tmp_path, database_url=database_url)
+    assert main(["farm", "team", "state-dir-team", "--state-dir", state]) == 0
+    assert capsys.readouterr().out.startswith("tft_")
+    monkeypatch.setenv("TUNEFARM_STATE_DIR", state)
+    assert main(["farm", "token", "list", "--team", "state-dir-team"]) == 0
+    assert "team state-dir-team" in capsys.readouterr().out
+
+
 def _job(state: str, trials: int, waiting: str | None) -> dict:
     return {"id": 7, "state": state, "model_id": 1, "model_name": "m", "device_class": "c1", "trials_used": trials,
             "trial_budget": 64, "est_latency_secs": None, "est_latency_start_secs": None, "tasks": [],

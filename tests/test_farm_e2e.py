@@ -103,6 +103,20 @@ def test_farm_up_wrote_farm_json(farm):
     assert oct((farm.config.state_dir / "farm.json").stat().st_mode & 0o777) == "0o600"
 
 
+def test_the_clients_find_the_farm_by_its_state_dir(farm, monkeypatch, capsys):
+    """Nothing copied by hand: TUNEFARM_STATE_DIR (the line `farm up` prints) gives the
+    team's commands the API and the token, and the operator's the database."""
+    from tunefarm_app.cli import main
+
+    for var in ("TUNEFARM_TOKEN", "TUNEFARM_SERVER", "TUNEFARM_DATABASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TUNEFARM_STATE_DIR", str(farm.config.state_dir))
+    assert main(["devices"]) == 0
+    assert f"class      {farm.info['device_class']}" in capsys.readouterr().out
+    assert main(["farm", "token", "list", "--kind", "agent"]) == 0
+    assert "agents" in capsys.readouterr().out
+
+
 def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     info = farm.info
     model = client.upload_model(tiny, {"x": [1, 3, 8, 8]})

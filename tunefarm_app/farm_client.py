@@ -47,14 +47,18 @@ class TransientFarmError(FarmError):
 
 class ClientSettings(BaseSettings):
     """Where the farm's API is and the team token to use: flags win, then TUNEFARM_SERVER
-    and TUNEFARM_TOKEN. The only reader of those variables."""
+    and TUNEFARM_TOKEN, then the farm.json of a farm started here (`--state-dir`,
+    TUNEFARM_STATE_DIR). The only reader of those variables."""
 
     model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
 
     # Base URL of the API (http://host:port); a bare host:port gets http://.
     server: str = DEFAULT_SERVER
     # A team token (tft_...); a secret: no default.
-    token: str
+    token: str = ""
+    # The state dir of a farm started with `tunefarm farm up --state-dir D`: its farm.json
+    # gives the API's URL and the team token that neither a flag nor a variable gives.
+    state_dir: Path | None = None
     # Seconds one HTTP request may take (uploads of large models take longer to import).
     http_timeout_secs: float = 600.0
     # Seconds between two polls of a followed job (`--follow`).
@@ -69,20 +73,40 @@ class ClientSettings(BaseSettings):
 
     @classmethod
     def load(
-        cls, *, server: str | None = None, token: str | None = None, follow_retry_secs: float | None = None
+        cls, *, server: str | None = None, token: str | None = None, follow_retry_secs: float | None = None,
+        state_dir: Path | None = None,
     ) -> ClientSettings:
-        given: dict[str, Any] = {k: v for k, v in {"server": server, "token": token}.items() if v}
+        given: dict[str, Any] = {k: v for k, v in {"server": server, "token": token, "state_dir": state_dir}.items() if v}
         if follow_retry_secs is not None:
             given["follow_retry_secs"] = follow_retry_secs
         try:
             settings = cls(**given)
-        except ValidationError:
-            settings = None
-        if settings is None or not settings.token.strip():
-            raise UsageError("no team token: set TUNEFARM_TOKEN or pass --token-file PATH")
+        except ValidationError as exc:
+            raise UsageError(f"client settings: {_first_problem(exc)}") from None
+        if settings.state_dir is not None:
+            settings = settings.with_local_farm()
+        if not settings.token.strip():
+            raise UsageError(
+                "no team token: set TUNEFARM_TOKEN, pass --token-file PATH, or name a farm started here "
+                "with --state-dir D (or TUNEFARM_STATE_DIR)"
+            )
         if "://" not in settings.server:
             settings.server = f"http://{settings.server}"
         return settings
+
+    def with_local_farm(self) -> ClientSettings:
+        """The API's URL and the team token from the farm.json in `state_dir`, where
+        neither was given (a flag or TUNEFARM_SERVER / TUNEFARM_TOKEN wins)."""
+        from tunefarm_app.farm_local import read_state
+
+        assert self.state_dir is not None
+        info = read_state(self.state_dir)
+        update: dict[str, Any] = {}
+        if "server" not in self.model_fields_set and info.get("api_url"):
+            update["server"] = info["api_url"]
+        if not self.token.strip() and info.get("team_token"):
+            update["token"] = info["team_token"]
+        return self.model_copy(update=update)
 
 
 class FarmClient:
@@ -293,3 +317,10 @@ def model_external_files(path: Path) -> list[tuple[str, Path]]:
     except Exception:  # not ONNX: the farm says what is wrong with it
         return []
     return external_files(model, path.parent)
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """A settings validation error as one line: the variable and what is wrong with it."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error.get("loc", ())) or "value"
+    return f"TUNEFARM_{where.upper()}: {error.get('msg', 'invalid')}"

@@ -76,7 +76,10 @@ def _follow_args(p) -> None:
 
 
 def _client_args(p) -> None:
-    p.add_argument("--server", help="the farm's API, http://HOST:PORT (default: TUNEFARM_SERVER)")
+    p.add_argument("--server", help="the farm's API, http://HOST:PORT or HOST:PORT (default: TUNEFARM_SERVER)")
+    p.add_argument("--state-dir", type=Path,
+                   help="a farm started here with `tunefarm farm up --state-dir D`: its API and team token "
+                        "(default: TUNEFARM_STATE_DIR; --server, --token-file and their variables win)")
     p.add_argument("--token-file", metavar="PATH",
                    help="a file holding your team token (- reads stdin; default: TUNEFARM_TOKEN)")
     refuse_on_command_line(p, "--token", instead="TUNEFARM_TOKEN or --token-file PATH")
@@ -89,7 +92,9 @@ def _client(args: argparse.Namespace):
     if retry is not None and not (math.isfinite(retry) and retry >= 0):
         raise UsageError("--retry-secs must be a number of seconds, 0 or more")
     token = read_secret_file(args.token_file, "team token") if args.token_file else None
-    return FarmClient(ClientSettings.load(server=args.server, token=token, follow_retry_secs=retry))
+    return FarmClient(
+        ClientSettings.load(server=args.server, token=token, follow_retry_secs=retry, state_dir=args.state_dir)
+    )
 
 
 def _follow(client, job_id: int) -> dict:
