@@ -24,28 +24,48 @@ def one_line_error(capsys, *words: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("argv", "words"),
+    ("argv", "status", "words"),
     [
-        (["status", "1"], ["no team token", "TUNEFARM_TOKEN"]),
-        (["status", "1", "--token-file", "{token}", "--server", "http://127.0.0.1:1"], ["cannot reach the farm"]),
-        (["status", "1", "--token-file", "{missing}"], ["cannot read the team token file", "missing"]),
-        (["status", "1", "--token-file", "{empty}"], ["the team token file", "is empty"]),
-        (["submit", "m.onnx", "--device-class", "c", "--trials", "0", "--token-file", "{token}"], ["--trials"]),
+        (["status", "1"], 2, ["no team token", "TUNEFARM_TOKEN"]),
+        (["status", "1", "--token-file", "{token}", "--server", "http://127.0.0.1:1"], 3, ["cannot reach the farm"]),
+        (["status", "1", "--token-file", "{token}", "--server", "127.0.0.1:1"], 3, ["cannot reach the farm"]),
+        (["status", "1", "--token-file", "{missing}"], 2, ["cannot read the team token file", "missing"]),
+        (["status", "1", "--token-file", "{empty}"], 2, ["the team token file", "is empty"]),
+        (["submit", "m.onnx", "--device-class", "c", "--trials", "0", "--token-file", "{token}"], 2, ["--trials"]),
         (["submit", "missing.onnx", "--device-class", "c", "--trials", "5", "--token-file", "{token}",
-          "--server", "http://127.0.0.1:1"], ["no such model file"]),
+          "--server", "http://127.0.0.1:1"], 2, ["no such model file"]),
         (["submit", "m.onnx", "--device-class", "c", "--trials", "5", "--latency-target", "-1",
-          "--token-file", "{token}"], ["--latency-target"]),
-        (["fetch", "1", "--token-file", "{token}"], ["--out"]),
+          "--token-file", "{token}"], 2, ["--latency-target"]),
+        (["fetch", "1", "--token-file", "{token}"], 2, ["--out"]),
     ],
 )
-def test_client_commands_fail_in_one_line(argv, words, capsys, monkeypatch, tmp_path):
+def test_client_commands_fail_in_one_line(argv, status, words, capsys, monkeypatch, tmp_path):
+    """Exit 2: the command is wrong; exit 3: the farm does not answer (try again later)."""
     monkeypatch.delenv("TUNEFARM_TOKEN", raising=False)
     monkeypatch.delenv("TUNEFARM_SERVER", raising=False)
+    monkeypatch.delenv("TUNEFARM_STATE_DIR", raising=False)
     (tmp_path / "token").write_text("tft_x\n")
     (tmp_path / "empty").write_text("\n")
     files = {name: str(tmp_path / name) for name in ("token", "missing", "empty")}
-    assert main([a.format(**files) for a in argv]) == 2
+    assert main([a.format(**files) for a in argv]) == status
     one_line_error(capsys, *words)
+
+
+def test_the_farm_refusing_a_request_is_exit_2_and_failing_it_exit_1(monkeypatch, capsys):
+    from tunefarm_app import farm_commands
+
+    answers = {"/v1/jobs/7": (404, "job 7 not found"), "/v1/jobs/8": (500, "the database is away")}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        code, message = answers[request.url.path]
+        return httpx.Response(code, json={"error": {"code": "x", "message": message}})
+
+    settings = ClientSettings.load(server="farm.example:8000", token="tft_secret")
+    monkeypatch.setattr(farm_commands, "_client", lambda args: FarmClient(settings, transport=httpx.MockTransport(answer)))
+    assert main(["status", "7"]) == 2
+    one_line_error(capsys, "job 7 not found (HTTP 404)")
+    assert main(["status", "8"]) == 1
+    one_line_error(capsys, "the database is away (HTTP 500)")
 
 
 def test_farm_down_without_a_farm(tmp_path, capsys):

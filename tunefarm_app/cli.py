@@ -14,7 +14,9 @@
   tunefarm bench gpu-models [--trials N] [--models yolov8n_like] [--no-compile]   # on an NVIDIA GPU
   tunefarm bench transfer [--source T] [--dest T] [--trials N] [--workloads gemm256,...]
 
-Bad input exits with status 2 and one line on stderr; nothing already stored is lost.
+Every error is one line on stderr, and nothing already stored is lost. The exit status
+says whose it is: 2 a bad command (a flag, a file, a shape), 1 a failure of the work
+itself, 3 a farm that cannot be reached.
 """
 
 from __future__ import annotations
@@ -155,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return _dispatch(args)
-    except TunefarmError as exc:
+    except TunefarmError as exc:  # one line; the status says whose fault (`tunefarm.errors`)
         print(f"tunefarm: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print(
             "\ntunefarm: interrupted; every measurement made so far is in the records file: "

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tunefarm.errors import UsageError
+from tunefarm.errors import UNREACHABLE_EXIT, USAGE_EXIT, TunefarmError, UsageError
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 
@@ -36,13 +36,25 @@ RETRY_PAUSES_SECS = (1.0, 2.0, 4.0, 8.0, 15.0)
 """Pauses before the 1st, 2nd, ... retry of a poll that failed; the last one repeats."""
 
 
-class FarmError(UsageError):
-    """The farm answered with an error, or could not be reached."""
+class FarmError(TunefarmError):
+    """The farm answered with an error, or what it sent is unusable (exit 1)."""
+
+
+class FarmRefused(FarmError):
+    """The farm refused the request (HTTP 4xx: no such job, a bad token, a bad model):
+    the command is at fault (exit 2)."""
+
+    exit_code = USAGE_EXIT
 
 
 class TransientFarmError(FarmError):
-    """The farm could not be reached, the request broke off or timed out, or the farm
-    answered 5xx: worth asking again."""
+    """The request broke off or timed out, or the farm answered 5xx: worth asking again."""
+
+
+class FarmUnreachable(TransientFarmError):
+    """No answer from the farm at all (refused connection, unknown host, timeout): exit 3."""
+
+    exit_code = UNREACHABLE_EXIT
 
 
 class ClientSettings(BaseSettings):
@@ -192,6 +204,8 @@ class FarmClient:
                     response.read()
                     raise self._error(response)
                 yield from response.iter_lines()
+        except httpx.TransportError as exc:
+            raise FarmUnreachable(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
 
@@ -218,7 +232,7 @@ class FarmClient:
                 down = now - failing_since
                 pause = RETRY_PAUSES_SECS[min(attempt, len(RETRY_PAUSES_SECS) - 1)]
                 if down + pause > self.settings.follow_retry_secs:
-                    raise FarmError(
+                    raise FarmUnreachable(
                         f"gave up following job {job_id}: no answer from the farm for {down:.0f} s "
                         f"(last: {exc}); `tunefarm status {job_id} --follow` picks it up again"
                     ) from None
@@ -260,7 +274,7 @@ class FarmClient:
                     sink.write(chunk)
                 expected = response.headers.get("x-content-sha256")
         except httpx.TransportError as exc:
-            raise TransientFarmError(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
+            raise FarmUnreachable(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
         if expected and expected != digest.hexdigest():
@@ -273,7 +287,7 @@ class FarmClient:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise TransientFarmError(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
+            raise FarmUnreachable(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
         if response.status_code >= 400:
@@ -286,7 +300,7 @@ class FarmClient:
             message = response.json()["error"]["message"]
         except Exception:
             message = response.text.strip()[:300] or response.reason_phrase
-        kind = TransientFarmError if response.status_code >= 500 else FarmError
+        kind = TransientFarmError if response.status_code >= 500 else FarmRefused
         return kind(f"{message} (HTTP {response.status_code})")
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tunefarm.cuda import CUDA_KERNEL_SUFFIX
-from tunefarm.errors import ModelError
+from tunefarm.errors import ModelError, ModelRunError
 from tunefarm.isolation import IsolatedWorker, summarize_error
 from tunefarm.models import check
 from tunefarm.models.build import MANIFEST_NAME, call_isolated, child_error_text
@@ -107,7 +107,7 @@ def run_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if not outcome.ok:
-        raise ModelError(f"running {model_dir} failed ({outcome.status}): {child_error_text(outcome.message)}")
+        raise ModelRunError(f"running {model_dir} failed ({outcome.status}): {child_error_text(outcome.message)}")
     outs, samples, used = outcome.value
     return ModelRun(tuple(outs), Latency.of(samples, used) if samples else None)
 
@@ -263,7 +263,7 @@ def timing_block(worker: IsolatedWorker, name: str, job: str, args: tuple, timeo
     def block(runs: int | None, budget_secs: float, warmup_secs: float, min_runs: int) -> tuple[list[float], int]:
         outcome = worker.call(job, *args, runs, budget_secs, warmup_secs, min_runs, timeout=timeout)
         if not outcome.ok:
-            raise ModelError(f"timing {name} failed ({outcome.status}): {child_error_text(outcome.message)}")
+            raise ModelRunError(f"timing {name} failed ({outcome.status}): {child_error_text(outcome.message)}")
         # its thread pool spins on after the last call: the next contender must not pay for it
         worker.wait_idle()
         return outcome.value
