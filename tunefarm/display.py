@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from html import escape
 
 
@@ -88,44 +89,83 @@ def latency_curve_svg(
         out.append(f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle" class="empty">'
                    "no estimate yet</text></svg>")
         return "\n".join(out)
-    x_hi = max(pts[-1][0], 1.0)
-    ys = [s for _, s in pts] + ([target_secs] if target_secs else [])
-    y_lo, y_hi = min(ys), max(ys)
-    pad = (y_hi - y_lo) * 0.1 or y_hi * 0.1
-    y_lo = 0.0 if y_lo - pad < y_hi * 0.3 else y_lo - pad
-    y_hi += pad
-
-    def x_of(t: float) -> float:
-        return left + pw * t / x_hi
-
-    def y_of(s: float) -> float:
-        return top + ph * (1 - (s - y_lo) / (y_hi - y_lo))
-
-    for v in nice_ticks(y_lo, y_hi):
-        if y_lo <= v <= y_hi:
-            y = y_of(v)
-            out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
-            out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" class="tick">{format_cost(v)}</text>')
-    for v in nice_ticks(0.0, x_hi):
-        if 0 <= v <= x_hi:
-            x = x_of(v)
-            out.append(f'<text x="{x:.1f}" y="{top + ph + 16}" text-anchor="middle" class="tick">{v:g}</text>')
+    y_lo, y_hi = _latency_range([s for _, s in pts] + ([target_secs] if target_secs else []))
+    frame = _PlotFrame(left, top, pw, ph, x_hi=max(pts[-1][0], 1.0), y_lo=y_lo, y_hi=y_hi)
+    out += _axis_ticks(frame)
     out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle" class="axis">trials</text>')
     if target_secs:
-        y = y_of(target_secs)
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" class="target"/>')
-        out.append(f'<text x="{left + pw - 4}" y="{y - 4:.1f}" text-anchor="end" class="tick">'
-                   f"target {format_cost(target_secs)}</text>")
-    # A step line: the estimate holds until the next round changes it.
+        out += _target_line(frame, target_secs)
+    out += _step_line(frame, pts)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class _PlotFrame:
+    """Where a plot's frame lies in the SVG (pixels) and what it shows: trials from 0 to
+    `x_hi` across, seconds from `y_lo` to `y_hi` up."""
+
+    left: int
+    top: int
+    width: int
+    height: int
+    x_hi: float
+    y_lo: float
+    y_hi: float
+
+    def x_of(self, t: float) -> float:
+        return self.left + self.width * t / self.x_hi
+
+    def y_of(self, s: float) -> float:
+        return self.top + self.height * (1 - (s - self.y_lo) / (self.y_hi - self.y_lo))
+
+
+def _latency_range(latencies: Sequence[float]) -> tuple[float, float]:
+    """The seconds a plot of `latencies` spans: their range padded by a tenth of it (of the
+    highest, when all are equal), from 0 when it would start below 30% of its top."""
+    y_lo, y_hi = min(latencies), max(latencies)
+    pad = (y_hi - y_lo) * 0.1 or y_hi * 0.1
+    y_lo = 0.0 if y_lo - pad < y_hi * 0.3 else y_lo - pad
+    return y_lo, y_hi + pad
+
+
+def _axis_ticks(frame: _PlotFrame) -> list[str]:
+    """Grid lines labelled with their latency up the left, trial counts along the bottom."""
+    left, pw = frame.left, frame.width
+    out = []
+    for v in nice_ticks(frame.y_lo, frame.y_hi):
+        if frame.y_lo <= v <= frame.y_hi:
+            y = frame.y_of(v)
+            out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
+            out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" class="tick">{format_cost(v)}</text>')
+    for v in nice_ticks(0.0, frame.x_hi):
+        if 0 <= v <= frame.x_hi:
+            x = frame.x_of(v)
+            out.append(f'<text x="{x:.1f}" y="{frame.top + frame.height + 16}" text-anchor="middle" class="tick">{v:g}</text>')
+    return out
+
+
+def _target_line(frame: _PlotFrame, target_secs: float) -> list[str]:
+    y = frame.y_of(target_secs)
+    return [
+        f'<line x1="{frame.left}" x2="{frame.left + frame.width}" y1="{y:.1f}" y2="{y:.1f}" class="target"/>',
+        f'<text x="{frame.left + frame.width - 4}" y="{y - 4:.1f}" text-anchor="end" class="tick">'
+        f"target {format_cost(target_secs)}</text>",
+    ]
+
+
+def _step_line(frame: _PlotFrame, pts: Sequence[tuple[float, float]]) -> list[str]:
+    """The curve through `pts` (sorted by trials) as a step line: the estimate holds until
+    the next round changes it; a circle on each point, titled with its value."""
+    x_of, y_of = frame.x_of, frame.y_of
     path = [f"M{x_of(pts[0][0]):.1f},{y_of(pts[0][1]):.1f}"]
     for t, s in pts[1:]:
         path.append(f"H{x_of(t):.1f}V{y_of(s):.1f}")
-    out.append(f'<path d="{"".join(path)}" class="line"/>')
+    out = [f'<path d="{"".join(path)}" class="line"/>']
     for t, s in pts:
         out.append(f'<circle cx="{x_of(t):.1f}" cy="{y_of(s):.1f}" r="3" class="point">'
                    f"<title>{t:g} trials: {format_cost(s)}</title></circle>")
-    out.append("</svg>")
-    return "\n".join(out)
+    return out
 
 
 PLOT_CSS = """

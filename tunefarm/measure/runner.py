@@ -52,7 +52,7 @@ from tunefarm import cuda, layout
 from tunefarm.digest import digest
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
 from tunefarm.measure.task_data import TaskData, read_task_data, save_outputs
-from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, failure_kind
+from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, TimingConfig, failure_kind
 from tunefarm.sandbox import Sandbox, SandboxStatus
 
 VERIFY_RTOL = 1e-3
@@ -254,8 +254,6 @@ def run_kernel(inp: RunInput) -> RunResult:
     `run_secs` is this function's wall time; `LocalRunner` replaces it with the time the
     parent saw. Exceptions (a missing file, a kernel that raises) propagate.
     """
-    import tvm
-
     t0 = time.perf_counter()
     data = _load_task_data(inp.task_data)
     if len(data.inputs) != inp.n_inputs or len(data.output_specs) != inp.n_outputs:
@@ -264,18 +262,7 @@ def run_kernel(inp: RunInput) -> RunResult:
             f"the kernel takes {inp.n_inputs} and {inp.n_outputs}"
         )
     on_gpu = inp.artifact.endswith(cuda.CUDA_KERNEL_SUFFIX)
-    if on_gpu:  # NoGpuError on a machine without one: a RUN_ERROR naming why
-        dev = cuda.cuda_device()
-        lib = cuda.load_kernel(inp.artifact, Path(inp.artifact).with_suffix(".unpacked"))
-        args = [tvm.runtime.tensor(a, dev) for a in data.inputs]
-    else:
-        dev = tvm.cpu(0)
-        lib = tvm.runtime.load_module(inp.artifact)
-        # A kernel that takes a constant input in a rewritten layout gets it transformed
-        # once, here, by the library's own transform (tunefarm.layout); only the kernel
-        # is timed.
-        args = layout.pretransform(lib, [tvm.runtime.tensor(a, dev) for a in data.inputs])
-    args += [tvm.runtime.empty(shape, dtype, dev) for shape, dtype in data.output_specs]
+    dev, lib, args = _load_kernel(inp.artifact, data, on_gpu=on_gpu)
     func = lib["main"]
 
     warm0 = time.perf_counter()
@@ -301,6 +288,35 @@ def run_kernel(inp: RunInput) -> RunResult:
     timing = inp.timing
     if timing.repeat == 0:  # an output-only run (a reference): the warm-up is its only call
         return RunResult(inp.candidate_key, (warmup_secs,), time.perf_counter() - t0, verified=verified, digest=fingerprint)
+    costs = _timed_costs(lib, dev, args, timing, on_gpu=on_gpu, warmup_secs=warmup_secs)
+    return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint)
+
+
+def _load_kernel(artifact: str, data: TaskData, *, on_gpu: bool) -> tuple[Any, Any, list[Any]]:
+    """The device, the loaded library and the call's arguments: the task data's inputs on
+    the device, then empty output tensors."""
+    import tvm
+
+    if on_gpu:  # NoGpuError on a machine without one: a RUN_ERROR naming why
+        dev = cuda.cuda_device()
+        lib = cuda.load_kernel(artifact, Path(artifact).with_suffix(".unpacked"))
+        args = [tvm.runtime.tensor(a, dev) for a in data.inputs]
+    else:
+        dev = tvm.cpu(0)
+        lib = tvm.runtime.load_module(artifact)
+        # A kernel that takes a constant input in a rewritten layout gets it transformed
+        # once, here, by the library's own transform (tunefarm.layout); only the kernel
+        # is timed.
+        args = layout.pretransform(lib, [tvm.runtime.tensor(a, dev) for a in data.inputs])
+    args += [tvm.runtime.empty(shape, dtype, dev) for shape, dtype in data.output_specs]
+    return dev, lib, args
+
+
+def _timed_costs(
+    lib, dev, args: list[Any], timing: TimingConfig, *, on_gpu: bool, warmup_secs: float
+) -> tuple[float, ...]:
+    """The kernel's times (seconds per call) from TVM's time_evaluator, as `timing` asks: a
+    kernel whose warm-up took longer than `slow_cutoff_secs` is timed once."""
     slow = warmup_secs > timing.slow_cutoff_secs
     evaluator = lib.time_evaluator(
         "main",
@@ -311,8 +327,7 @@ def run_kernel(inp: RunInput) -> RunResult:
         # CPU caches only: a GPU's L2 is not flushed (time_evaluator syncs the device)
         f_preproc="cache_flush_cpu_non_first_arg" if timing.flush_cache and not on_gpu else "",
     )
-    costs = tuple(float(c) for c in evaluator(*args).results)
-    return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint)
+    return tuple(float(c) for c in evaluator(*args).results)
 
 
 def run_model_job(inp: ModelRunInput) -> list[float]:
