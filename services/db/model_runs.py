@@ -15,8 +15,8 @@ from sqlalchemy import and_, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from services.db.exceptions import LeaseNotHeld, RowNotFound
-from services.db.leases import MAX_LEASE_PROBES, mark_busy, may_lease
-from services.db.models import Agent, ModelRun
+from services.db.leases import MAX_LEASE_PROBES, agent_to_lease_to, mark_busy
+from services.db.models import ModelRun
 from services.db.statements import db_now, get_row
 from services.db.states import ModelRunState
 
@@ -93,10 +93,8 @@ def lease_model_run(
     leased `max_attempts` times fails instead (no agent finishes it: it may be what kills
     them). `FOR UPDATE SKIP LOCKED`, like `lease_next_batch`. Raises `RowNotFound` for an
     unknown agent."""
-    agent = session.get(Agent, agent_id)
+    agent = agent_to_lease_to(session, agent_id)
     if agent is None:
-        raise RowNotFound(f"agent {agent_id}")
-    if not may_lease(session, agent):
         return None
     at = db_now(now)
     for _ in range(MAX_LEASE_PROBES):
