@@ -214,3 +214,64 @@ def test_an_agent_takes_host_port_and_grpc_targets():
 
     for server in ("127.0.0.1:50051", "localhost:50051", "dns:///127.0.0.1:50051", "unix:/tmp/lease.sock"):
         assert AgentSettings(server=server, token="tfa_x", accept_unsigned_code=True).server == server
+
+
+def _mock_farm(monkeypatch, routes: dict) -> list[str]:
+    """The client commands talk to `routes` (path -> JSON); returns the requests made."""
+    from tunefarm_app import farm_commands
+
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.path}")
+        return httpx.Response(200, json=routes[request.url.path])
+
+    settings = ClientSettings.load(server="farm.example:8000", token="tft_secret")
+    monkeypatch.setattr(farm_commands, "_client", lambda args: FarmClient(settings, transport=httpx.MockTransport(answer)))
+    return seen
+
+
+def test_submit_to_an_unknown_class_uploads_nothing(monkeypatch, tmp_path, capsys):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"not read")
+    seen = _mock_farm(monkeypatch, {"/v1/device-classes": [{"name": "x86-avx2"}, {"name": "rpi4"}]})
+    assert main(["submit", str(model), "--device-class", "x86-avx", "--trials", "8"]) == 2
+    one_line_error(capsys, "no device class 'x86-avx'", "rpi4, x86-avx2", "farm device-class")
+    assert seen == ["GET /v1/device-classes"]
+
+
+@pytest.mark.parametrize(("given", "words"), [("m=0", ["positive"]), ("other=5", ["names no model: other"]),
+                                              ("fast", ["not a number"])])
+def test_submit_takes_tunes_latency_target_grammar(given, words, tmp_path, capsys, monkeypatch):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"not read")
+    seen = _mock_farm(monkeypatch, {})
+    assert main(["submit", str(model), "--device-class", "c", "--trials", "8", "--latency-target", given]) == 2
+    one_line_error(capsys, "--latency-target", *words)
+    assert seen == []
+
+
+def test_jobs_and_devices_print_headed_readable_tables_and_json(monkeypatch, capsys):
+    from datetime import UTC, datetime, timedelta
+
+    beat = (datetime.now(UTC) - timedelta(seconds=30)).isoformat()
+    flags = ["sse", "sse2", "sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "bmi2"]
+    agent = {"name": "box", "device_class": "c1", "state": "idle", "measurements_done": 3, "errors_by_kind": {},
+             "last_heartbeat_at": beat, "capabilities": {"arch": "x86_64", "logical_cores": 2, "isa_features": flags}}
+    job = {"id": 7, "state": "running", "model_id": 1, "model_name": "resnet", "device_class": "c1", "trial_budget": 64,
+           "trials_used": 8, "est_latency_start_secs": 0.002, "est_latency_secs": 0.001}
+    _mock_farm(monkeypatch, {"/v1/jobs": {"items": [job], "next_cursor": None},
+                             "/v1/device-classes": [{"name": "c1", "agents_online": 1, "target": {"kind": "llvm"}}],
+                             "/v1/devices": [agent]})
+    assert main(["jobs"]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[:3] == ["job", "state", "trials"] and "model" in header
+    assert row.split()[:5] == ["7", "running", "8/64", "c1", "resnet"]
+    assert main(["devices"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("agent"))
+    assert "avx512_vnni avx512f" in line and "bmi2" not in line and "sse" not in line  # the widest two, not all
+    assert "last heartbeat 30 s ago" in line or "last heartbeat 31 s ago" in line
+    assert main(["devices", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["agents"][0]["capabilities"]["isa_features"] == flags
+    assert main(["jobs", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["items"][0]["model_name"] == "resnet"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tunefarm.display import printable
@@ -34,7 +35,8 @@ def add_commands(sub) -> None:
                    help="the shape of an input with dynamic dimensions (once per such input)")
     s.add_argument("--device-class", required=True, help="where to tune (tunefarm devices lists the classes)")
     s.add_argument("--trials", type=int, required=True, help="measurements in total over all the model's tasks")
-    s.add_argument("--latency-target", type=float, metavar="MS", help="stop once the estimated latency is at most MS")
+    s.add_argument("--latency-target", metavar="[MODEL=]MS",
+                   help="stop once the estimated latency is at most MS milliseconds (as tune takes it)")
     s.add_argument("--strategy", choices=["gradient", "round-robin"], default="gradient", help="task scheduler")
     s.add_argument("--seed", type=int, default=1, help="seed of the job's search (default 1)")
     s.add_argument("--name", help="the model's name (default: the file name)")
@@ -63,9 +65,11 @@ def add_commands(sub) -> None:
 
     j = sub.add_parser("jobs", help="your team's jobs, newest first")
     j.add_argument("--limit", type=int, default=20, help="jobs to list (default 20)")
+    j.add_argument("--json", action="store_true", help="print the API's JSON")
     _client_args(j)
 
     d = sub.add_parser("devices", help="the farm's agents and device classes")
+    d.add_argument("--json", action="store_true", help="print the API's JSON (every CPU flag included)")
     _client_args(d)
 
 
@@ -116,13 +120,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
-    target = None
-    if args.latency_target is not None:
-        if not math.isfinite(args.latency_target) or args.latency_target <= 0:
-            raise UsageError("--latency-target must be a positive number of milliseconds")
-        target = args.latency_target / 1e3
+    target = _latency_target(args.latency_target, args.name or args.model.stem)
+    if not args.model.is_file():
+        raise UsageError(f"no such model file: {args.model}")
     shapes = parse_input_shapes(args.input_shape)
     with _client(args) as client:
+        _check_device_class(client, args.device_class)  # before the upload: nothing stored for a typo
         model = client.upload_model(args.model, shapes, args.name)
         print(f"model      {model['id']}: {model['name']}, {len(model['tasks'])} tasks")
         for t in model["tasks"]:
@@ -143,6 +146,27 @@ def cmd_submit(args: argparse.Namespace) -> int:
             return 0
         final = _follow(client, job["id"])
     return _print_end(final)
+
+
+def _latency_target(given: str | None, model: str) -> float | None:
+    """`--latency-target [MODEL=]MS` in seconds, with `tune`'s grammar; MODEL, when
+    named, must be the model submitted."""
+    from tunefarm_app.model_commands import parse_latency_targets
+
+    if given is None:
+        return None
+    (name, secs), = parse_latency_targets([given], [model]).items()
+    if name != model:
+        raise UsageError(f"--latency-target names no model: {name} (this model is {model})")
+    return secs
+
+
+def _check_device_class(client, name: str) -> None:
+    names = sorted(c["name"] for c in client.device_classes())
+    if name not in names:
+        known = ", ".join(names) if names else "none yet"
+        raise UsageError(f"no device class {name!r} on this farm (classes: {known}; "
+                         "an operator creates one with tunefarm farm device-class NAME)")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -188,11 +212,18 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         page = client.jobs(limit=args.limit)
+    if args.json:
+        print(json.dumps(page, indent=1))
+        return 0
     if not page["items"]:
         print("no jobs yet")
+        return 0
+    print(f"{'job':>6}  {'state':<10} {'trials':>13}  {'device class':<24} {'model':<24} est. latency")
     for j in page["items"]:
         est = format_cost(j["est_latency_secs"]) if j["est_latency_secs"] else "-"
-        print(f"{j['id']:>6}  {j['state']:<10} {j['trials_used']:>6}/{j['trial_budget']:<6} {j['device_class']:<24} est {est}")
+        trials = f"{j['trials_used']}/{j['trial_budget']}"
+        print(printable(f"{j['id']:>6}  {j['state']:<10} {trials:>13}  {j['device_class']:<24} "
+                        f"{j['model_name']:<24} {est}"))
     if page["next_cursor"]:
         print(f"(more: older than job {page['next_cursor']})")
     return 0
@@ -202,24 +233,60 @@ def cmd_devices(args: argparse.Namespace) -> int:
     with _client(args) as client:
         classes = client.device_classes()
         agents = client.devices()
+    if args.json:
+        print(json.dumps({"device_classes": classes, "agents": agents}, indent=1))
+        return 0
     for c in classes:
         print(f"class      {c['name']}: {c['agents_online']} agent(s) online, target {json.dumps(c['target'])}")
+    now = datetime.now(UTC)
     for a in agents:
         errors = ", ".join(f"{k} {v}" for k, v in sorted(a["errors_by_kind"].items())) or "no errors"
-        seen = a["last_heartbeat_at"] or "never"
-        caps = a["capabilities"]
-        machine = f"{caps.get('arch', '?')}, {caps.get('logical_cores', '?')} cores"
-        if caps.get("isa_features"):
-            machine += f", {' '.join(caps['isa_features'])}"
-        if caps.get("emulated"):
-            machine += ", EMULATED (timings are the emulator's)"
         # The name and capabilities are the agent's word: printed escaped (no terminal escapes).
-        print(printable(f"agent      {a['name']} ({a['device_class']}; {machine}): {a['state']}, "
-                        f"{a['measurements_done']} measured, {errors}; last heartbeat {seen}", 2000))
+        print(printable(f"agent      {a['name']} ({a['device_class']}; {_machine(a['capabilities'])}): {a['state']}, "
+                        f"{a['measurements_done']} measured, {errors}; last heartbeat "
+                        f"{_ago(a['last_heartbeat_at'], now)}", 2000))
         print(f"  timings  {_standing(a)}")
     if not classes and not agents:
         print("no device classes or agents yet")
     return 0
+
+
+VECTOR_ISA_ORDER = ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "avx", "sse4_2", "sve2", "sve",
+                    "asimddp", "asimd", "neon")
+"""The vector ISA features worth a word in a machine's line, widest first (an agent
+reports dozens of CPU flags; `--json` has them all)."""
+
+
+def _machine(caps: dict) -> str:
+    """An agent's machine in a few words: arch, cores, its widest vector ISA, emulation."""
+    machine = f"{caps.get('arch', '?')}, {caps.get('logical_cores', '?')} cores"
+    features = set(caps.get("isa_features") or ())
+    widest = [f for f in VECTOR_ISA_ORDER if f in features][:2]
+    if widest:
+        machine += f", {' '.join(widest)}"
+    if caps.get("emulated"):
+        machine += ", EMULATED (timings are the emulator's)"
+    return machine
+
+
+def _ago(stamp: str | None, now: datetime) -> str:
+    """An API timestamp as the time since it ("12 s ago"); "never" for none."""
+    if not stamp:
+        return "never"
+    try:
+        then = datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
+    secs = max(0.0, (now - then).total_seconds())
+    if secs < 120:
+        return f"{secs:.0f} s ago"
+    if secs < 7200:
+        return f"{secs / 60:.0f} min ago"
+    if secs < 172800:
+        return f"{secs / 3600:.0f} h ago"
+    return f"{then:%Y-%m-%d %H:%M} UTC"
 
 
 def _standing(agent: dict) -> str:
