@@ -2,7 +2,7 @@
 
   tunefarm tasks MODEL.onnx [--input-shape x=1,3,224,224]
   tunefarm tune MODEL.onnx [MORE.onnx] [--input-shape ...] --trials N --out DIR
-  tunefarm run DIR [--input x=x.npy] [--output out.npz]
+  tunefarm run DIR [--input x=x.npy] [--out out.npz]
   tunefarm tune-op WORKLOAD [--shape M=..,N=..] [--trials N] [--records F] [--json F]
   tunefarm apply-best RECORDS --out LIB [--workload NAME]
   tunefarm sketches WORKLOAD [--shape ...]

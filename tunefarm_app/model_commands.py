@@ -2,7 +2,7 @@
 
   tunefarm tasks MODEL.onnx [--input-shape x=1,3,224,224]...
   tunefarm tune MODEL.onnx [MODEL2.onnx ...] [--input-shape ...] --trials N --out DIR
-  tunefarm run DIR [--input x=x.npy]... [--output out.npz] [--threads N] [--repeat N]
+  tunefarm run DIR [--input x=x.npy]... [--out out.npz] [--threads N] [--repeat N]
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def add_commands(sub) -> None:
     r = sub.add_parser("run", help="run a tuned model and print its latency")
     r.add_argument("directory", type=Path, help="a directory written by `tunefarm tune`")
     r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input (default: random)")
-    r.add_argument("--output", type=Path, help="write the outputs to this .npz")
+    r.add_argument("--out", "--output", dest="out", type=Path,
+                   help="write the outputs to this .npz (--out names what a command writes, as on tune and report)")
     r.add_argument(
         "--repeat", type=int, help="timed inferences (default: as many as fit in about a second, at least 20), "
         "in 5 blocks alternating with onnxruntime's"
@@ -272,10 +273,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(line)
     for s, out in zip(manifest["outputs"], run.outputs):
         print(f"output     {s['name']}: {out.dtype}{list(out.shape)}")
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(args.output, **{s["name"]: o for s, o in zip(manifest["outputs"], run.outputs)})
-        print(f"written    {args.output}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(args.out, **{s["name"]: o for s, o in zip(manifest["outputs"], run.outputs)})
+        print(f"written    {args.out}")
     if missing:
         print("inputs     " + ", ".join(s["name"] for s in missing) + " random (standard normal, seed 0)")
     return 0
