@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, latency_curve_svg
+from tunefarm.display import PAGE_CSS, PLOT_CSS, CurveSeries, format_cost, latency_curve_svg
 from tunefarm.errors import UsageError
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
 from tunefarm.models.timing import round_ratios, speedup
@@ -291,7 +291,8 @@ def html_report(report: Mapping[str, Any], file: Path) -> str:
         {
             "data": m,
             "tasks": task_lines(m),
-            "plot": latency_curve_svg(curve_points(report, m["name"]), title=f"{m['name']}: estimated latency"),
+            "plot": latency_curve_svg([CurveSeries(m["name"], curve_points(report, m["name"]))],
+                                      title=f"{m['name']}: estimated latency"),
             "vs_untuned": speedup(m.get("untuned_latency"), m.get("latency")),
             "latency": latency_text(m["latency"]) if m.get("latency") else "",
             "peers": [

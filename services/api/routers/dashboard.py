@@ -47,7 +47,7 @@ from services.api.exceptions import Forbidden, NotFound, Unauthorized
 from services.api.settings import ApiSettings
 from services.db import dashboard_sessions, devices
 from services.db.session import SessionFactory, transaction
-from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, format_duration, latency_curve_svg
+from tunefarm.display import PAGE_CSS, PLOT_CSS, CurveSeries, format_cost, format_duration, latency_curve_svg
 
 PREFIX = "/ui"
 COOKIE = "tunefarm_session"
@@ -204,8 +204,8 @@ async def job_page(
             "errors": sum(errors.values()),
             "errors_text": ", ".join(f"{k} {n}" for k, n in sorted(errors.items())),
         })
-    plot = latency_curve_svg([(p.trials, p.est_latency_secs) for p in job.curve],
-                             target_secs=job.latency_target_secs, title="estimated latency over trials")
+    curve = CurveSeries(f"job {job.id}", [(p.trials, p.est_latency_secs) for p in job.curve])
+    plot = latency_curve_svg([curve], target_secs=job.latency_target_secs, title="estimated latency over trials")
     return _page(request, "job.html", here="jobs", job=job, rows=rows, plot=plot,
                  refresh=REFRESH_SECS if job.state in ACTIVE_STATES else None)
 
