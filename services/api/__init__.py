@@ -5,7 +5,7 @@ follow them and fetch the tuned models.
 |---|---|
 | `settings.py` | `ApiSettings` (bind address, artifact root, upload and budget limits) |
 | `app.py` | `create_app(settings)`, the error handlers, `main` (`tunefarm api`, uvicorn) |
-| `routers/` | one router per resource: `models`, `jobs`, `devices`, `health`; `metrics` (Prometheus), `dashboard` (HTML pages) |
+| `routers/` | one router per resource: `models`, `jobs`, `devices`, `health`; `metrics` (Prometheus); `dashboard` (the HTML pages' session and helpers), `dashboard_jobs`, `dashboard_devices` (the pages) |
 | `templates/` | the dashboard's Jinja2 pages |
 | `authentication.py` | the team of a request, from its headers, before its body is read |
 | `deps.py` | the `Annotated` dependencies: settings, database session, team, page |

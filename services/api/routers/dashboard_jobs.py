@@ -1,0 +1,74 @@
+"""The dashboard's pages of a team's jobs (`routers/dashboard.py` has the session and
+the helpers every page shares).
+
+- `/ui/jobs`: the team's jobs: state, trials used of the budget as a bar, the estimated
+  latency at the start and now.
+- `/ui/jobs/{id}`: one job: the estimated latency over trials (its curve, as the inline
+  SVG of `tunefarm.display.latency_curve_svg`, the same plot as `tunefarm report --html`)
+  and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+from fastapi.responses import HTMLResponse, Response
+
+from services.api import crud
+from services.api.deps import SessionsDep, SettingsDep
+from services.api.exceptions import NotFound
+from services.api.routers.dashboard import (
+    ACTIVE_STATES,
+    JOBS_PER_PAGE,
+    PREFIX,
+    REFRESH_SECS,
+    page,
+    page_team,
+    to_login,
+)
+from services.db.session import transaction
+from tunefarm.display import CurveSeries, latency_curve_svg
+
+router = APIRouter(prefix=PREFIX, include_in_schema=False)
+
+
+@router.get("/jobs", response_class=HTMLResponse)
+async def jobs_page(request: Request, sessions: SessionsDep, cursor: int | None = None) -> Response:
+    team = await page_team(request, sessions)
+    if team is None:
+        return to_login(request)
+    with transaction(sessions) as db:
+        items, next_cursor = crud.list_jobs(db, team_id=team.id, limit=JOBS_PER_PAGE, cursor=cursor)
+    active = any(j.state in ACTIVE_STATES for j in items)
+    return page(request, "jobs.html", here="jobs", jobs=items, next_cursor=next_cursor,
+                refresh=REFRESH_SECS if active else None)
+
+
+@router.get("/jobs/{job_id}", response_class=HTMLResponse)
+async def job_page(
+    request: Request, sessions: SessionsDep, settings: SettingsDep, job_id: Annotated[int, Path(ge=1)]
+) -> Response:
+    team = await page_team(request, sessions)
+    if team is None:
+        return to_login(request)
+    try:
+        with transaction(sessions) as db:
+            job = crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs)
+            details = crud.job_task_details(db, team_id=team.id, job_id=job_id)
+    except NotFound as exc:
+        return page(request, "error.html", status=404, here="jobs", message=exc.message)
+    rows = []
+    for t in job.tasks:
+        d = details.get(t.position)
+        errors = d.errors_by_kind if d else {}
+        rows.append({
+            "task": t,
+            "gflops": d.flops / t.best_secs / 1e9 if d and t.best_secs else None,
+            "errors": sum(errors.values()),
+            "errors_text": ", ".join(f"{k} {n}" for k, n in sorted(errors.items())),
+        })
+    curve = CurveSeries(f"job {job.id}", [(p.trials, p.est_latency_secs) for p in job.curve])
+    plot = latency_curve_svg([curve], target_secs=job.latency_target_secs, title="estimated latency over trials")
+    return page(request, "job.html", here="jobs", job=job, rows=rows, plot=plot,
+                refresh=REFRESH_SECS if job.state in ACTIVE_STATES else None)
