@@ -11,6 +11,7 @@ another site's form cannot log the browser in, and writes a screenshot of every 
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 
 import pytest
@@ -20,7 +21,7 @@ pytest.importorskip("jinja2")
 
 import httpx  # noqa: E402
 from browser import SCREENSHOTS, chrome, screenshot  # noqa: E402
-from farm_state import CURVE, TASKS, seed_farm  # noqa: E402
+from farm_state import CURVE, TASKS, seed_farm, seed_finished_job  # noqa: E402
 
 from tunefarm_app.bench.farm_progress import start_api  # noqa: E402
 
@@ -28,14 +29,26 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def served(database_url, db_sessions, tmp_path_factory):
+def artifact_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="module")
+def served(database_url, db_sessions, artifact_root):
     state = seed_farm(db_sessions)
-    proc, base = start_api(database_url, artifact_root=tmp_path_factory.mktemp("artifacts"))
+    proc, base = start_api(database_url, artifact_root=artifact_root)
     try:
         yield state, base
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def finished(served, db_sessions, artifact_root):
+    """Team A's job that succeeded on a second class, with its archive (farm_state.py)."""
+    state, _ = served
+    return seed_finished_job(db_sessions, state, artifact_root)
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +241,39 @@ def test_pages_carry_the_security_headers(served):
         r = httpx.get(base + page, headers={"Authorization": f"Bearer {state.team_a_token}"}, follow_redirects=False)
         assert "frame-ancestors 'none'" in r.headers["content-security-policy"], page
         assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+
+
+def session_cookie(driver) -> dict[str, str]:
+    """The browser's session cookie, for a plain HTTP client acting as that browser."""
+    return {"tunefarm_session": driver.get_cookie("tunefarm_session")["value"]}
+
+
+def test_the_job_page_downloads_the_tuned_model_with_the_session(served, finished, browser, tmp_path):
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    browser.get(f"{base}/ui/jobs/{state.job_a}")
+    assert not by_css(browser, "#download-artifact")  # running: nothing to download yet
+    browser.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(tmp_path)})
+    browser.get(f"{base}/ui/jobs/{finished.job_id}")
+    assert by_css(browser, "#artifact-sha256")[0].text == finished.sha256
+    screenshot(browser, "job-succeeded")
+    by_css(browser, "#download-artifact")[0].click()
+    saved = tmp_path / f"job-{finished.job_id}-tuned.tar.gz"
+    wait_until(browser, lambda d: saved.exists() and not list(tmp_path.glob("*.crdownload")))
+    data = saved.read_bytes()
+    assert data == finished.archive and hashlib.sha256(data).hexdigest() == finished.sha256
+    # The same download as the JSON API's (streamed, the sha256 in its header), for the cookie.
+    r = httpx.get(f"{base}/ui/jobs/{finished.job_id}/artifact", cookies=session_cookie(browser))
+    assert r.status_code == 200 and r.content == finished.archive
+    api = httpx.get(f"{base}/v1/jobs/{finished.job_id}/artifact",
+                    headers={"Authorization": f"Bearer {state.team_a_token}"})
+    for header in ("x-content-sha256", "content-type", "content-disposition", "content-length"):
+        assert r.headers[header] == api.headers[header], header
+    assert r.headers["x-content-sha256"] == finished.sha256
+    # Another team's session: not found; a job without a tuned model yet: not possible now.
+    other = httpx.get(f"{base}/ui/jobs/{finished.job_id}/artifact",
+                      headers={"Authorization": f"Bearer {state.team_b_token}"})
+    assert other.status_code == 404 and finished.archive not in other.content
+    running = httpx.get(f"{base}/ui/jobs/{state.job_a}/artifact", cookies=session_cookie(browser))
+    assert running.status_code == 409 and "no tuned model yet" in running.text
+    assert httpx.get(f"{base}/ui/jobs/{finished.job_id}/artifact", follow_redirects=False).status_code == 303

@@ -9,8 +9,8 @@ the same team tokens as the JSON API.
   `/ui/logout` deletes the session.
 - the pages: the team's jobs (`dashboard_jobs.py`) and the farm's devices
   (`dashboard_devices.py`), each a router of its own on the helpers here: `page_team`
-  (who is asking), `to_login`, `page` (a template), `cross_site` and
-  `refuse_cross_site` (form posts).
+  (who is asking), `to_login`, `page` (a template), `error_page` (an API error as a
+  page), `cross_site` and `refuse_cross_site` (form posts).
 
 Cross-site requests: a POST (login, logout) must come from a page of this site: its
 `Origin` header (else its `Referer`'s origin) must be the request's own origin or one of
@@ -36,7 +36,7 @@ from fastapi.templating import Jinja2Templates
 
 from services.api.authentication import Team, bearer_token, team_of_token
 from services.api.deps import SessionsDep, SettingsDep
-from services.api.exceptions import Forbidden, Unauthorized
+from services.api.exceptions import ApiError, Forbidden, Unauthorized
 from services.api.settings import ApiSettings
 from services.db import dashboard_sessions
 from services.db.session import SessionFactory, transaction
@@ -86,6 +86,15 @@ def page(request: Request, name: str, status: int = 200, **context) -> HTMLRespo
     return templates.TemplateResponse(request, name, context, status_code=status)
 
 
+ERROR_TITLES = {400: "Not understood", 404: "Not found", 409: "Not possible now"}
+
+
+def error_page(request: Request, exc: ApiError, *, here: str = "jobs") -> HTMLResponse:
+    """The API's error `exc` as a page, with its status and message."""
+    return page(request, "error.html", status=exc.status, here=here, title=ERROR_TITLES.get(exc.status, "Error"),
+                message=exc.message)
+
+
 def _origin_of(url: str) -> str | None:
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}".lower() if parts.scheme and parts.netloc else None
@@ -109,7 +118,7 @@ def cross_site(request: Request, settings: ApiSettings) -> str | None:
 
 def refuse_cross_site(request: Request, why: str) -> HTMLResponse:
     return page(request, "error.html", status=403, title="Refused",
-                 message=f"This form post was refused: {why}. Log in from this site's own login page.")
+                message=f"This form post was refused: {why}. Log in from this site's own login page.")
 
 
 @router.get("", response_class=RedirectResponse)

@@ -5,7 +5,11 @@ the helpers every page shares).
   latency at the start and now.
 - `/ui/jobs/{id}`: one job: the estimated latency over trials (its curve, as the inline
   SVG of `tunefarm.display.latency_curve_svg`, the same plot as `tunefarm report --html`)
-  and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors).
+  and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors);
+  a link to its tuned model once it succeeded.
+- `/ui/jobs/{id}/artifact`: the tuned model archive, for the session's team: the same
+  download as `GET /v1/jobs/{id}/artifact` (`services.api.downloads`: streamed, its
+  sha256 in `X-Content-SHA256`), which answers only a bearer token.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from fastapi.responses import HTMLResponse, Response
 
 from services.api import crud
 from services.api.deps import SessionsDep, SettingsDep
-from services.api.exceptions import NotFound
+from services.api.downloads import artifact_download
+from services.api.exceptions import Conflict, NotFound
 from services.api.routers.dashboard import (
     ACTIVE_STATES,
     JOBS_PER_PAGE,
     PREFIX,
     REFRESH_SECS,
+    error_page,
     page,
     page_team,
     to_login,
@@ -31,6 +37,8 @@ from services.db.session import transaction
 from tunefarm.display import CurveSeries, latency_curve_svg
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
+
+JobId = Annotated[int, Path(ge=1)]
 
 
 @router.get("/jobs", response_class=HTMLResponse)
@@ -47,7 +55,7 @@ async def jobs_page(request: Request, sessions: SessionsDep, cursor: int | None 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 async def job_page(
-    request: Request, sessions: SessionsDep, settings: SettingsDep, job_id: Annotated[int, Path(ge=1)]
+    request: Request, sessions: SessionsDep, settings: SettingsDep, job_id: JobId
 ) -> Response:
     team = await page_team(request, sessions)
     if team is None:
@@ -72,3 +80,14 @@ async def job_page(
     plot = latency_curve_svg([curve], target_secs=job.latency_target_secs, title="estimated latency over trials")
     return page(request, "job.html", here="jobs", job=job, rows=rows, plot=plot,
                 refresh=REFRESH_SECS if job.state in ACTIVE_STATES else None)
+
+
+@router.get("/jobs/{job_id}/artifact", response_class=Response)
+async def artifact(request: Request, sessions: SessionsDep, settings: SettingsDep, job_id: JobId) -> Response:
+    team = await page_team(request, sessions)
+    if team is None:
+        return to_login(request)
+    try:
+        return artifact_download(sessions, settings, team_id=team.id, job_id=job_id)
+    except (NotFound, Conflict) as exc:
+        return error_page(request, exc)
