@@ -192,19 +192,18 @@ def test_logging_out_ends_the_session(served, browser):
 
 
 @pytest.fixture(scope="module")
-def other_site(served):
-    """A page of another site (localhost, not 127.0.0.1) with a form that posts team B's
-    token to the dashboard's login: a login CSRF."""
+def other_site_pages():
+    """Another site (localhost, not 127.0.0.1): its base URL, and its pages by path (a
+    test adds the page it needs)."""
     import http.server
     import threading
 
-    state, base = served
-    page = (f'<!doctype html><form method="post" action="{base}/ui/login"><input type="hidden" name="token" '
-            f'value="{state.team_b_token}"><button id="go" type="submit">win a prize</button></form>').encode()
+    pages: dict[str, bytes] = {}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            self.send_response(200)
+            page = pages.get(self.path, b"not here")
+            self.send_response(200 if self.path in pages else 404)
             self.send_header("Content-Type", "text/html")
             self.send_header("Content-Length", str(len(page)))
             self.end_headers()
@@ -217,9 +216,26 @@ def other_site(served):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://localhost:{server.server_address[1]}/"
+        yield f"http://localhost:{server.server_address[1]}", pages
     finally:
         server.shutdown()
+
+
+def post_form(action: str, **fields: str) -> bytes:
+    """Another site's page with a form that posts `fields` to `action` (button #go)."""
+    inputs = "".join(f'<input type="hidden" name="{k}" value="{v}">' for k, v in fields.items())
+    return (f'<!doctype html><form method="post" action="{action}">{inputs}'
+            '<button id="go" type="submit">win a prize</button></form>').encode()
+
+
+@pytest.fixture(scope="module")
+def other_site(served, other_site_pages):
+    """A page of another site with a form that posts team B's token to the dashboard's
+    login: a login CSRF."""
+    state, base = served
+    site, pages = other_site_pages
+    pages["/"] = post_form(f"{base}/ui/login", token=state.team_b_token)
+    return f"{site}/"
 
 
 def test_another_sites_form_cannot_log_the_browser_in_to_its_team(served, browser, other_site):
@@ -277,3 +293,80 @@ def test_the_job_page_downloads_the_tuned_model_with_the_session(served, finishe
     running = httpx.get(f"{base}/ui/jobs/{state.job_a}/artifact", cookies=session_cookie(browser))
     assert running.status_code == 409 and "no tuned model yet" in running.text
     assert httpx.get(f"{base}/ui/jobs/{finished.job_id}/artifact", follow_redirects=False).status_code == 303
+
+
+def _job_of_team_a(db_sessions, state, *, start: bool) -> int:
+    """A new job of team A on the farm's class: queued, or running (`start`: claimed as the scheduler does)."""
+    from services.api import crud
+    from services.api.schemas import JobCreate
+    from services.db import job_store
+    from services.db.models import Job
+    from services.db.session import transaction
+
+    with transaction(db_sessions) as s:
+        job = s.get(Job, state.job_a)
+        body = JobCreate(model_id=job.model_id, device_class=state.device_class, trial_budget=8)
+        job_id = crud.create_job(s, team_id=job.team_id, body=body, max_trial_budget=10_000).id
+    if start:
+        with transaction(db_sessions) as s:
+            job_store.claim_job(s, job_id=job_id)
+    return job_id
+
+
+def _job_row(db_sessions, job_id: int):
+    from services.db.models import Job
+    from services.db.session import transaction
+
+    with transaction(db_sessions) as s:
+        job = s.get(Job, job_id)
+        return job.state.value, job.cancel_requested
+
+
+def test_a_running_job_is_cancelled_from_its_page(served, browser, db_sessions):
+    from services.db import job_store
+    from services.db.session import transaction
+    from services.db.states import JobState
+
+    state, base = served
+    running, queued = _job_of_team_a(db_sessions, state, start=True), _job_of_team_a(db_sessions, state, start=False)
+    log_in(browser, base, state.team_a_token)
+    browser.get(f"{base}/ui/jobs/{running}")
+    assert by_css(browser, "#job-state")[0].text == "running"
+    screenshot(browser, "job-cancel")
+    by_css(browser, "#cancel-job")[0].click()
+    wait_until(browser, lambda d: by_css(d, "#cancel-requested"))
+    assert browser.current_url == f"{base}/ui/jobs/{running}" and not by_css(browser, "#cancel-job")
+    assert _job_row(db_sessions, running) == ("running", True)  # the scheduler stops it when it next looks
+    with transaction(db_sessions) as s:  # ... as the scheduler does (services/scheduler/service.py)
+        assert running in job_store.cancel_requests(s, job_ids=[running])
+        job_store.fail_open_batches(s, job_id=running, reason="the job was cancelled")
+        job_store.set_job_state(s, job_id=running, state=JobState.CANCELLED)
+    browser.get(f"{base}/ui/jobs/{running}")
+    assert by_css(browser, "#job-state")[0].text == "cancelled" and not by_css(browser, "#cancel-job")
+    # A queued job is cancelled at once, as by POST /v1/jobs/{id}/cancel.
+    browser.get(f"{base}/ui/jobs/{queued}")
+    by_css(browser, "#cancel-job")[0].click()
+    wait_until(browser, lambda d: by_css(d, "#job-state") and by_css(d, "#job-state")[0].text == "cancelled")
+    assert _job_row(db_sessions, queued) == ("cancelled", True)
+    # Cancelling a job that has ended: the API's 409, as a page.
+    r = httpx.post(f"{base}/ui/jobs/{queued}/cancel", cookies=session_cookie(browser), headers={"Origin": base})
+    assert r.status_code == 409 and "already cancelled" in r.text
+
+
+def test_another_sites_form_cannot_cancel_a_job(served, browser, db_sessions, other_site_pages):
+    state, base = served
+    site, pages = other_site_pages
+    job_id = _job_of_team_a(db_sessions, state, start=True)
+    pages["/cancel"] = post_form(f"{base}/ui/jobs/{job_id}/cancel")
+    log_in(browser, base, state.team_a_token)
+    browser.get(f"{site}/cancel")
+    by_css(browser, "#go")[0].click()
+    wait_until(browser, lambda d: d.current_url.startswith(base))
+    assert "refused" in by_css(browser, "#error")[0].text
+    assert _job_row(db_sessions, job_id) == ("running", False)
+    # Not even with the session's cookie and a bearer token: the Origin decides.
+    for headers in ({"Origin": site}, {"Referer": f"{site}/cancel"}, {}):
+        r = httpx.post(f"{base}/ui/jobs/{job_id}/cancel", cookies=session_cookie(browser),
+                       headers={**headers, "Authorization": f"Bearer {state.team_a_token}"}, follow_redirects=False)
+        assert r.status_code == 403 and "refused" in r.text, headers
+    assert _job_row(db_sessions, job_id) == ("running", False)

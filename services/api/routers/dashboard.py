@@ -12,11 +12,12 @@ the same team tokens as the JSON API.
   (who is asking), `to_login`, `page` (a template), `error_page` (an API error as a
   page), `cross_site` and `refuse_cross_site` (form posts).
 
-Cross-site requests: a POST (login, logout) must come from a page of this site: its
-`Origin` header (else its `Referer`'s origin) must be the request's own origin or one of
-`ApiSettings.ui_trusted_origins` (a proxy's public origin); otherwise it is refused
-(403) and changes nothing: another site can neither log a visitor in to its own team
-(login CSRF) nor out. Every response carries the security headers of
+Cross-site requests: a POST (login, logout, cancelling a job) must come from a page of
+this site: its `Origin` header (else its `Referer`'s origin) must be the request's own
+origin or one of `ApiSettings.ui_trusted_origins` (a proxy's public origin); otherwise it
+is refused (403) and changes nothing: another site can neither log a visitor in to its
+own team (login CSRF) nor out, nor cancel a job (the `SameSite=Strict` cookie is not
+sent with another site's post either). Every response carries the security headers of
 `security_headers.py` (no script, no framing).
 
 Pages of running jobs and the devices page reload themselves every few seconds (a meta
@@ -118,7 +119,7 @@ def cross_site(request: Request, settings: ApiSettings) -> str | None:
 
 def refuse_cross_site(request: Request, why: str) -> HTMLResponse:
     return page(request, "error.html", status=403, title="Refused",
-                message=f"This form post was refused: {why}. Log in from this site's own login page.")
+                message=f"This form post was refused: {why}. Use this site's own pages (log in from its login page).")
 
 
 @router.get("", response_class=RedirectResponse)

@@ -7,6 +7,10 @@ the helpers every page shares).
   SVG of `tunefarm.display.latency_curve_svg`, the same plot as `tunefarm report --html`)
   and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors);
   a link to its tuned model once it succeeded.
+- `/ui/jobs/{id}/cancel` (POST, from the job page's form): cancels the job as
+  `POST /v1/jobs/{id}/cancel` does (`crud.request_cancel`: a queued job at once, a
+  running one when the scheduler next looks); refused from another site
+  (`dashboard.cross_site`).
 - `/ui/jobs/{id}/artifact`: the tuned model archive, for the session's team: the same
   download as `GET /v1/jobs/{id}/artifact` (`services.api.downloads`: streamed, its
   sha256 in `X-Content-SHA256`), which answers only a bearer token.
@@ -17,7 +21,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from services.api import crud
 from services.api.deps import SessionsDep, SettingsDep
@@ -28,9 +32,11 @@ from services.api.routers.dashboard import (
     JOBS_PER_PAGE,
     PREFIX,
     REFRESH_SECS,
+    cross_site,
     error_page,
     page,
     page_team,
+    refuse_cross_site,
     to_login,
 )
 from services.db.session import transaction
@@ -78,8 +84,9 @@ async def job_page(
         })
     curve = CurveSeries(f"job {job.id}", [(p.trials, p.est_latency_secs) for p in job.curve])
     plot = latency_curve_svg([curve], target_secs=job.latency_target_secs, title="estimated latency over trials")
+    active = job.state in ACTIVE_STATES
     return page(request, "job.html", here="jobs", job=job, rows=rows, plot=plot,
-                refresh=REFRESH_SECS if job.state in ACTIVE_STATES else None)
+                can_cancel=active and not job.cancel_requested, refresh=REFRESH_SECS if active else None)
 
 
 @router.get("/jobs/{job_id}/artifact", response_class=Response)
@@ -91,3 +98,19 @@ async def artifact(request: Request, sessions: SessionsDep, settings: SettingsDe
         return artifact_download(sessions, settings, team_id=team.id, job_id=job_id)
     except (NotFound, Conflict) as exc:
         return error_page(request, exc)
+
+
+@router.post("/jobs/{job_id}/cancel", response_class=RedirectResponse)
+async def cancel(request: Request, sessions: SessionsDep, settings: SettingsDep, job_id: JobId) -> Response:
+    why = cross_site(request, settings)
+    if why is not None:
+        return refuse_cross_site(request, why)
+    team = await page_team(request, sessions)
+    if team is None:
+        return to_login(request)
+    try:
+        with transaction(sessions) as db:
+            crud.request_cancel(db, team_id=team.id, job_id=job_id)
+    except (NotFound, Conflict) as exc:
+        return error_page(request, exc)
+    return RedirectResponse(f"{PREFIX}/jobs/{job_id}", status_code=303)
