@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from services.api.exceptions import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from services.api.schemas import (
@@ -39,6 +40,7 @@ from services.db.models import Agent, DeviceClass, Job, Model
 from services.db.session import Session, SessionFactory, transaction
 from services.db.states import JobState
 from tunefarm.models.finish import batch_size_for
+from tunefarm.models.timing import speedup
 from tunefarm.search.task import target_key
 
 # -- models -----------------------------------------------------------------------------------
@@ -190,10 +192,19 @@ def job_public(session: Session, *, team_id: int, job_id: int, fresh_secs: float
             size=job.artifact_size,
         ),
         result=job.result,
+        speedup_vs_onnxruntime=speedup_vs_onnxruntime(job.result),
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
     )
+
+
+def speedup_vs_onnxruntime(result: dict[str, Any] | None) -> float | None:
+    """A finished job's tuned model measured against onnxruntime (`timing.speedup`: p50
+    over p50, as `tunefarm report` states it); None until both were measured."""
+    if not result:
+        return None
+    return speedup(result.get("onnxruntime_latency"), result.get("latency"))
 
 
 def _cost_model_public(seen: jobs.JobOverview) -> CostModelPublic:
@@ -230,6 +241,7 @@ def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None)
             trials_used=r.trials_used,
             est_latency_start_secs=r.est_latency_start_secs,
             est_latency_secs=r.est_latency_secs,
+            speedup_vs_onnxruntime=speedup_vs_onnxruntime(r.result),
             created_at=r.created_at,
             finished_at=r.finished_at,
         )

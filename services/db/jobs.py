@@ -95,7 +95,8 @@ def find_job(session: Session, *, team_id: int, job_id: int, lock: bool = False)
 
 def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None) -> tuple[list[Any], int | None]:
     """A page of the team's jobs, newest first (ids below `cursor`), and the cursor of the
-    next page (None: the last). Rows with the job's columns and `model_name`, `device_class`."""
+    next page (None: the last). Rows with the job's columns (its `result` too) and
+    `model_name`, `device_class`."""
     query = (
         select(
             Job.id,
@@ -107,6 +108,7 @@ def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None)
             Job.trials_used,
             Job.est_latency_start_secs,
             Job.est_latency_secs,
+            Job.result,
             Job.created_at,
             Job.finished_at,
         )

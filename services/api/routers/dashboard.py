@@ -56,6 +56,14 @@ templates = Jinja2Templates(directory=FsPath(__file__).resolve().parents[1] / "t
 templates.env.filters["cost"] = format_cost
 templates.env.filters["duration"] = format_duration
 templates.env.globals["css"] = PAGE_CSS + PLOT_CSS
+templates.env.globals["progress_help"] = (
+    "the search's estimated latency at the start over its estimate now: how far the search has come on its own "
+    "cost estimate, not a measured speed-up"
+)
+templates.env.globals["speedup_help"] = (
+    "the tuned model measured against onnxruntime on the same input and threads: onnxruntime's p50 over the "
+    "tuned model's"
+)
 
 
 async def page_team(request: Request, sessions: SessionFactory) -> Team | None:
