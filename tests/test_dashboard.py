@@ -21,7 +21,7 @@ pytest.importorskip("jinja2")
 
 import httpx  # noqa: E402
 from browser import SCREENSHOTS, chrome, screenshot  # noqa: E402
-from farm_state import CURVE, TASKS, seed_farm, seed_finished_job  # noqa: E402
+from farm_state import CURVE, MEASURED, TASKS, seed_farm, seed_finished_job  # noqa: E402
 
 from tunefarm_app.bench.farm_progress import start_api  # noqa: E402
 
@@ -132,9 +132,9 @@ def test_job_page_plots_the_curve_and_lists_the_tasks(served, browser):
     state, base = served
     log_in(browser, base, state.team_a_token)
     browser.get(f"{base}/ui/jobs/{state.job_a}")
-    svg = by_css(browser, "svg.curve")[0]
+    svg = by_css(browser, "#job-curve svg.curve")[0]
     assert svg.get_attribute("data-points") == str(len(CURVE))
-    assert len(by_css(browser, "svg.curve circle.point")) == len(CURVE)
+    assert len(by_css(browser, "#job-curve svg.curve circle.point")) == len(CURVE)
     assert by_css(browser, "#est-now")[0].text == "42.0 us"
     rows = by_css(browser, "tr.task")
     assert [r.find_element("css selector", ".task-name").text for r in rows] == [t[0] for t in TASKS]
@@ -398,3 +398,35 @@ def test_the_measured_speedup_is_told_apart_from_the_searchs_progress(served, fi
     listed = {j["id"]: j for j in httpx.get(f"{base}/v1/jobs", headers=auth).json()["items"]}
     assert listed[finished.job_id]["speedup_vs_onnxruntime"] == pytest.approx(2.5)
     assert listed[state.job_a]["speedup_vs_onnxruntime"] is None
+
+
+def best_steps(measured) -> list[tuple[int, float]]:
+    """(trial, best so far) where the best improved, and at the last trial."""
+    steps, best = [], None
+    for trial, (cost, _) in enumerate(measured, start=1):
+        improved = cost is not None and (best is None or cost < best)
+        best = cost if improved else best
+        if best is not None and (improved or trial == len(measured)):
+            steps.append((trial, best))
+    return steps
+
+
+def test_the_job_page_draws_each_tasks_best_latency_over_its_trials(served, browser):
+    from tunefarm.display import format_cost
+
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    browser.get(f"{base}/ui/jobs/{state.job_a}")
+    figures = by_css(browser, "figure.task-curve")
+    assert [int(f.get_attribute("data-position")) for f in figures] == list(range(len(TASKS)))
+    for figure, (name, _, _), measured in zip(figures, TASKS, MEASURED):
+        assert name in by_css(figure, "figcaption")[0].text
+        steps = best_steps(measured)
+        svg = by_css(figure, "svg.curve")[0]
+        assert svg.get_attribute("data-points") == str(len(steps)), name
+        titles = [c.get_attribute("textContent") for c in by_css(figure, "circle.point title")]
+        assert titles == [f"{t} trials: {format_cost(b)}" for t, b in steps], name
+        if not steps:
+            assert "no valid measurement yet" in svg.get_attribute("textContent")
+    assert best_steps(MEASURED[0]) == [(1, 4e-5), (2, 3e-5), (4, 3e-5)]  # the rule, spelled out once
+    screenshot(browser, "job-task-curves")

@@ -257,6 +257,13 @@ def job_task_details(session: Session, *, team_id: int, job_id: int) -> dict[int
     return jobs.task_details(session, job_id=job_id)
 
 
+def job_task_curves(session: Session, *, team_id: int, job_id: int) -> dict[int, list[tuple[int, float]]]:
+    """Per task position of the team's job: its best latency over its trials
+    (`jobs.task_best_curves`: for the dashboard's job page, not for pollers)."""
+    _owned_job(session, team_id=team_id, job_id=job_id)
+    return jobs.task_best_curves(session, job_id=job_id)
+
+
 def request_cancel(session: Session, *, team_id: int, job_id: int) -> None:
     """Ask the scheduler to stop the job; a job still queued is cancelled at once."""
     job = _owned_job(session, team_id=team_id, job_id=job_id, lock=True)

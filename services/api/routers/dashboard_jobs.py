@@ -5,7 +5,8 @@ the helpers every page shares).
   latency at the start and now.
 - `/ui/jobs/{id}`: one job: the estimated latency over trials (its curve, as the inline
   SVG of `tunefarm.display.latency_curve_svg`, the same plot as `tunefarm report --html`)
-  and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors);
+  and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors),
+  each task's best latency over its trials (small multiples, `jobs.task_best_curves`);
   a link to its tuned model once it succeeded.
 - `/ui/jobs/{id}/cancel` (POST, from the job page's form): cancels the job as
   `POST /v1/jobs/{id}/cancel` does (`crud.request_cancel`: a queued job at once, a
@@ -18,7 +19,7 @@ the helpers every page shares).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -39,12 +40,17 @@ from services.api.routers.dashboard import (
     refuse_cross_site,
     to_login,
 )
+from services.api.schemas import JobPublic, JobTaskPublic
+from services.db.jobs import TaskDetail
 from services.db.session import transaction
 from tunefarm.display import CurveSeries, latency_curve_svg
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
 JobId = Annotated[int, Path(ge=1)]
+
+TASK_PLOT_WIDTH, TASK_PLOT_HEIGHT = 360, 200
+"""The viewBox of one task's curve on the job page (they scale to their grid cell)."""
 
 
 @router.get("/jobs", response_class=HTMLResponse)
@@ -60,9 +66,7 @@ async def jobs_page(request: Request, sessions: SessionsDep, cursor: int | None 
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-async def job_page(
-    request: Request, sessions: SessionsDep, settings: SettingsDep, job_id: JobId
-) -> Response:
+async def job_page(request: Request, sessions: SessionsDep, settings: SettingsDep, job_id: JobId) -> Response:
     team = await page_team(request, sessions)
     if team is None:
         return to_login(request)
@@ -70,8 +74,19 @@ async def job_page(
         with transaction(sessions) as db:
             job = crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs)
             details = crud.job_task_details(db, team_id=team.id, job_id=job_id)
+            curves = crud.job_task_curves(db, team_id=team.id, job_id=job_id)
     except NotFound as exc:
-        return page(request, "error.html", status=404, here="jobs", message=exc.message)
+        return error_page(request, exc)
+    curve = CurveSeries(f"job {job.id}", [(p.trials, p.est_latency_secs) for p in job.curve])
+    plot = latency_curve_svg([curve], target_secs=job.latency_target_secs, title="estimated latency over trials")
+    active = job.state in ACTIVE_STATES
+    return page(request, "job.html", here="jobs", job=job, rows=_task_rows(job, details), plot=plot,
+                task_plots=_task_plots(job, curves), can_cancel=active and not job.cancel_requested,
+                refresh=REFRESH_SECS if active else None)
+
+
+def _task_rows(job: JobPublic, details: dict[int, TaskDetail]) -> list[dict[str, Any]]:
+    """The task table's rows: the task, its GFLOPS at its best, its errors (count and text)."""
     rows = []
     for t in job.tasks:
         d = details.get(t.position)
@@ -82,11 +97,17 @@ async def job_page(
             "errors": sum(errors.values()),
             "errors_text": ", ".join(f"{k} {n}" for k, n in sorted(errors.items())),
         })
-    curve = CurveSeries(f"job {job.id}", [(p.trials, p.est_latency_secs) for p in job.curve])
-    plot = latency_curve_svg([curve], target_secs=job.latency_target_secs, title="estimated latency over trials")
-    active = job.state in ACTIVE_STATES
-    return page(request, "job.html", here="jobs", job=job, rows=rows, plot=plot,
-                can_cancel=active and not job.cancel_requested, refresh=REFRESH_SECS if active else None)
+    return rows
+
+
+def _task_plots(job: JobPublic, curves: dict[int, list[tuple[int, float]]]) -> list[tuple[JobTaskPublic, str]]:
+    """Each task and the SVG of its best latency over its trials (small multiples)."""
+    return [
+        (t, latency_curve_svg([CurveSeries(t.name, curves.get(t.position, []))], width=TASK_PLOT_WIDTH,
+                              height=TASK_PLOT_HEIGHT, title="best latency over its trials",
+                              empty="no valid measurement yet"))
+        for t in job.tasks
+    ]
 
 
 @router.get("/jobs/{job_id}/artifact", response_class=Response)
