@@ -21,7 +21,7 @@ pytest.importorskip("jinja2")
 
 import httpx  # noqa: E402
 from browser import SCREENSHOTS, chrome, screenshot  # noqa: E402
-from farm_state import CURVE, MEASURED, TASKS, seed_farm, seed_finished_job  # noqa: E402
+from farm_state import CURVE, FINISHED_CURVE, MEASURED, TASKS, seed_farm, seed_finished_job  # noqa: E402
 
 from tunefarm_app.bench.farm_progress import start_api  # noqa: E402
 
@@ -430,3 +430,51 @@ def test_the_job_page_draws_each_tasks_best_latency_over_its_trials(served, brow
             assert "no valid measurement yet" in svg.get_attribute("textContent")
     assert best_steps(MEASURED[0]) == [(1, 4e-5), (2, 3e-5), (4, 3e-5)]  # the rule, spelled out once
     screenshot(browser, "job-task-curves")
+
+
+def test_jobs_ticked_in_the_list_are_compared(served, finished, browser):
+    from urllib.parse import parse_qs, urlsplit
+
+    from tunefarm.display import format_cost
+
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    for _ in range(3):  # the list reloads itself while a job runs: tick again if it did meanwhile
+        browser.get(f"{base}/ui/jobs")
+        for job_id in (state.job_a, finished.job_id):
+            by_css(browser, f"tr#job-{job_id} input.compare-pick")[0].click()
+        by_css(browser, "#compare-jobs")[0].click()
+        wait_until(browser, lambda d: "/ui/compare" in d.current_url)
+        if by_css(browser, "#compare-curve"):
+            break
+    ids = [int(i) for i in parse_qs(urlsplit(browser.current_url).query)["jobs"]]
+    assert sorted(ids) == sorted([state.job_a, finished.job_id])  # a plain GET form: jobs=..&jobs=..
+    svg = by_css(browser, "#compare-curve svg.curve")[0]
+    assert svg.get_attribute("data-series") == "2"
+    labels = {state.job_a: f"job {state.job_a}: {state.model_name} on {state.device_class}",
+              finished.job_id: f"job {finished.job_id}: {state.model_name} on {finished.device_class}"}
+    points = {g.get_attribute("data-label"): int(g.get_attribute("data-points")) for g in by_css(svg, "g.series")}
+    assert points == {labels[state.job_a]: len(CURVE), labels[finished.job_id]: len(FINISHED_CURVE)}
+    assert [t.text for t in by_css(svg, ".legend text")] == [labels[i] for i in ids]  # the legend names both
+    styles = {g.get_attribute("class") for g in by_css(svg, ".legend-item")}
+    assert len(styles) == 2  # each its own line style
+    bests = {state.job_a: state.best_by_task, finished.job_id: finished.best_by_task}
+    rows = by_css(browser, "tr.compared-task")
+    assert [by_css(r, ".task-name")[0].text for r in rows] == [t[0] for t in TASKS]  # one model: tasks line up
+    for position, row in enumerate(rows):
+        cells = by_css(row, ".task-best")
+        assert [c.text for c in cells] == [format_cost(bests[i][position]) for i in ids], position
+        faster = [i for i, c in zip(ids, cells) if "better" in c.get_attribute("class")]
+        both = [bests[i][position] for i in ids]
+        if None in both:
+            assert faster == []
+        else:
+            assert faster == [min(ids, key=lambda i: bests[i][position])]
+    screenshot(browser, "compare")
+    cookies = session_cookie(browser)
+    r = httpx.get(f"{base}/ui/compare?jobs={state.job_a},{finished.job_id}", cookies=cookies)
+    assert r.status_code == 200 and all(label in r.text for label in labels.values())
+    r = httpx.get(f"{base}/ui/compare?jobs={state.job_a}", cookies=cookies)
+    assert r.status_code == 422 and "pick 2 to 8 jobs" in r.text
+    r = httpx.get(f"{base}/ui/compare?jobs={state.job_a},{state.job_b}", cookies=cookies)
+    assert r.status_code == 404 and f"job {state.job_b} not found" in r.text  # another team's job

@@ -95,7 +95,7 @@ def page(request: Request, name: str, status: int = 200, **context) -> HTMLRespo
     return templates.TemplateResponse(request, name, context, status_code=status)
 
 
-ERROR_TITLES = {400: "Not understood", 404: "Not found", 409: "Not possible now"}
+ERROR_TITLES = {404: "Not found", 409: "Not possible now", 422: "Not understood"}
 
 
 def error_page(request: Request, exc: ApiError, *, here: str = "jobs") -> HTMLResponse:

@@ -8,6 +8,11 @@ the helpers every page shares).
   and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors),
   each task's best latency over its trials (small multiples, `jobs.task_best_curves`);
   a link to its tuned model once it succeeded.
+- `/ui/compare?jobs=1,2`: two or more of the team's jobs side by side: their estimated
+  latency curves overlaid (one `latency_curve_svg`, a legend naming each job), their
+  facts (state, trials, estimate, measured speed-up) and each task's best latency per job
+  (tasks matched by workload, so one model tuned on two classes lines up). The jobs list
+  reaches it with checkboxes and a button: a plain GET form (`jobs=1&jobs=2` works too).
 - `/ui/jobs/{id}/cancel` (POST, from the job page's form): cancels the job as
   `POST /v1/jobs/{id}/cancel` does (`crud.request_cancel`: a queued job at once, a
   running one when the scheduler next looks); refused from another site
@@ -19,15 +24,17 @@ the helpers every page shares).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from services.api import crud
 from services.api.deps import SessionsDep, SettingsDep
 from services.api.downloads import artifact_download
-from services.api.exceptions import Conflict, NotFound
+from services.api.exceptions import Conflict, InvalidRequest, NotFound
 from services.api.routers.dashboard import (
     ACTIVE_STATES,
     JOBS_PER_PAGE,
@@ -135,3 +142,81 @@ async def cancel(request: Request, sessions: SessionsDep, settings: SettingsDep,
     except (NotFound, Conflict) as exc:
         return error_page(request, exc)
     return RedirectResponse(f"{PREFIX}/jobs/{job_id}", status_code=303)
+
+
+COMPARE_MAX = 8
+"""Jobs one comparison shows at most (each its own line style)."""
+
+
+@dataclass(frozen=True)
+class TaskComparison:
+    """One task (a workload) across the compared jobs: its best latency in each (None:
+    not measured yet, or not a task of that job: `in_job`), and which job is fastest."""
+
+    name: str
+    bests: list[float | None]
+    in_job: list[bool]
+    fastest: int | None  # index into the jobs
+
+
+@router.get("/compare", response_class=HTMLResponse)
+async def compare_page(
+    request: Request, sessions: SessionsDep, settings: SettingsDep, jobs: Annotated[list[str], Query()] = ()
+) -> Response:
+    team = await page_team(request, sessions)
+    if team is None:
+        return to_login(request)
+    try:
+        ids = compared_job_ids(jobs)
+        with transaction(sessions) as db:
+            found = [crud.job_public(db, team_id=team.id, job_id=i, fresh_secs=settings.agent_fresh_secs) for i in ids]
+    except (InvalidRequest, NotFound) as exc:
+        return error_page(request, exc)
+    series = [CurveSeries(_job_label(j), [(p.trials, p.est_latency_secs) for p in j.curve]) for j in found]
+    plot = latency_curve_svg(series, title="estimated latency over trials")
+    active = any(j.state in ACTIVE_STATES for j in found)
+    return page(request, "compare.html", here="jobs", jobs=found, plot=plot, tasks=compare_tasks(found),
+                refresh=REFRESH_SECS if active else None)
+
+
+def compared_job_ids(values: Sequence[str]) -> list[int]:
+    """The job ids of `jobs` query values (each one id or several, comma-separated), in
+    order, each once; `InvalidRequest` unless 2 to COMPARE_MAX of them."""
+    ids: list[int] = []
+    for value in values:
+        for part in value.split(","):
+            if not part.strip():
+                continue
+            if not part.strip().isdigit() or int(part) < 1:
+                raise InvalidRequest(f"{part.strip()!r} is not a job id")
+            if int(part) not in ids:
+                ids.append(int(part))
+    if not 2 <= len(ids) <= COMPARE_MAX:
+        raise InvalidRequest(f"pick 2 to {COMPARE_MAX} jobs to compare (there were {len(ids)})")
+    return ids
+
+
+def _job_label(job: JobPublic) -> str:
+    return f"job {job.id}: {job.model_name} on {job.device_class}"
+
+
+def compare_tasks(jobs: Sequence[JobPublic]) -> list[TaskComparison]:
+    """Every task of the jobs, matched by workload (a task's key without its target
+    suffix), in the order the jobs list them."""
+    names: dict[str, str] = {}
+    bests: dict[str, dict[int, float | None]] = {}
+    for i, job in enumerate(jobs):
+        for t in job.tasks:
+            workload = t.key.rsplit("@", 1)[0]
+            names.setdefault(workload, t.name)
+            bests.setdefault(workload, {})[i] = t.best_secs
+    rows = []
+    for workload, by_job in bests.items():
+        measured = {i: b for i, b in by_job.items() if b is not None}
+        rows.append(TaskComparison(
+            name=names[workload],
+            bests=[by_job.get(i) for i in range(len(jobs))],
+            in_job=[i in by_job for i in range(len(jobs))],
+            fastest=min(measured, key=measured.__getitem__) if len(measured) > 1 else None,
+        ))
+    return rows
