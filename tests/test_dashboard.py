@@ -478,3 +478,49 @@ def test_jobs_ticked_in_the_list_are_compared(served, finished, browser):
     assert r.status_code == 422 and "pick 2 to 8 jobs" in r.text
     r = httpx.get(f"{base}/ui/compare?jobs={state.job_a},{state.job_b}", cookies=cookies)
     assert r.status_code == 404 and f"job {state.job_b} not found" in r.text  # another team's job
+
+
+def test_each_agent_has_a_page_and_pages_link_jobs_classes_and_agents(served, browser):
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    browser.get(f"{base}/ui/devices")
+    alive = {r.get_attribute("data-agent"): r for r in by_css(browser, "tr.agent")}[state.alive_agent]
+    by_css(alive, "a.agent-link")[0].click()
+    wait_until(browser, lambda d: "/ui/devices/" in d.current_url)
+    assert state.alive_agent in by_css(browser, "h1")[0].text
+    assert by_css(browser, "#agent-measurements")[0].text == str(state.measured_by_alive)
+    errors = {r.get_attribute("data-kind"): int(by_css(r, "td")[0].text) for r in by_css(browser, "tr.error-kind")}
+    assert errors == {"run_error": 2, "run_timeout": 1}
+    hours = by_css(browser, "tr.history-hour")
+    assert hours and sum(int(by_css(h, ".hour-measurements")[0].text) for h in hours) == state.measured_by_alive
+    assert sum(int(by_css(h, ".hour-errors")[0].text) for h in hours) == sum(errors.values())
+    listed = {a["name"]: a for a in httpx.get(f"{base}/v1/devices",
+                                              headers={"Authorization": f"Bearer {state.team_a_token}"}).json()}
+    standing = by_css(browser, "#agent-standing")[0].text
+    assert standing.startswith(listed[state.alive_agent]["standing"])
+    assert f"confirmed {listed[state.alive_agent]['confirmations_agreed']}, disputed" in standing
+    screenshot(browser, "device")
+    # Its class's page lists the class's agents, each linked.
+    by_css(browser, "a.class-link")[0].click()
+    wait_until(browser, lambda d: "/ui/classes/" in d.current_url)
+    assert browser.current_url.endswith(f"/ui/classes/{state.device_class}")
+    agents = {r.get_attribute("data-agent") for r in by_css(browser, "tr.agent")}
+    assert agents == {state.alive_agent, state.silent_agent}
+    assert by_css(browser, "#agents-online")[0].text.endswith("of 2")
+    screenshot(browser, "device-class")
+    # The silent agent's page: nothing measured, no errors.
+    silent = [r for r in by_css(browser, "tr.agent") if r.get_attribute("data-agent") == state.silent_agent][0]
+    by_css(silent, "a.agent-link")[0].click()
+    wait_until(browser, lambda d: by_css(d, "#no-history"))
+    assert by_css(browser, "#no-errors") and by_css(browser, "#agent-measurements")[0].text == "0"
+    # A job's page and the jobs list link the job's class.
+    browser.get(f"{base}/ui/jobs/{state.job_a}")
+    by_css(browser, "#job-class")[0].click()
+    wait_until(browser, lambda d: d.current_url.endswith(f"/ui/classes/{state.device_class}"))
+    browser.get(f"{base}/ui/jobs")
+    link = by_css(browser, f"tr#job-{state.job_a} a.class-link")[0]
+    assert link.get_attribute("href") == f"{base}/ui/classes/{state.device_class}"
+    cookies = session_cookie(browser)
+    assert httpx.get(f"{base}/ui/devices/999999", cookies=cookies).status_code == 404
+    assert httpx.get(f"{base}/ui/classes/no-such-class", cookies=cookies).status_code == 404
+    assert httpx.get(f"{base}/ui/devices/1", follow_redirects=False).status_code == 303  # no session

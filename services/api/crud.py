@@ -306,6 +306,20 @@ def list_devices(session: Session, *, fresh_secs: float) -> list[DevicePublic]:
     return [_device(a, class_name, now=now, fresh_secs=fresh_secs) for a, class_name in rows]
 
 
+def device(session: Session, *, agent_id: int, fresh_secs: float) -> DevicePublic:
+    """One agent, as `list_devices` shows it (`NotFound`: no such agent)."""
+    found = devices.agent_with_class(session, agent_id=agent_id)
+    if found is None:
+        raise NotFound(f"agent {agent_id} not found")
+    agent, class_name = found
+    return _device(agent, class_name, now=devices.database_now(session), fresh_secs=fresh_secs)
+
+
+def device_history(session: Session, *, agent_id: int, hours: int) -> list[devices.MeasuredHour]:
+    """The agent's measurements hour by hour over the last `hours` hours, newest first."""
+    return devices.agent_history(session, agent_id=agent_id, hours=hours)
+
+
 def _device(a: Agent, class_name: str, *, now: datetime, fresh_secs: float) -> DevicePublic:
     counts = trust.AgentCounts.of(a)
     return DevicePublic(
@@ -332,3 +346,11 @@ def list_device_classes(session: Session, *, fresh_secs: float) -> list[DeviceCl
         DeviceClassPublic(name=dc.name, target=dc.target, description=dc.description, agents_online=n)
         for dc, n in devices.classes_with_live_agents(session, fresh_secs=fresh_secs)
     ]
+
+
+def device_class(session: Session, *, name: str, fresh_secs: float) -> DeviceClassPublic:
+    """The device class `name`, as `list_device_classes` shows it (`NotFound`: none)."""
+    for found in list_device_classes(session, fresh_secs=fresh_secs):
+        if found.name == name:
+            return found
+    raise NotFound(f"device class {name!r} not found")
