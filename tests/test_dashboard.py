@@ -524,3 +524,87 @@ def test_each_agent_has_a_page_and_pages_link_jobs_classes_and_agents(served, br
     assert httpx.get(f"{base}/ui/devices/999999", cookies=cookies).status_code == 404
     assert httpx.get(f"{base}/ui/classes/no-such-class", cookies=cookies).status_code == 404
     assert httpx.get(f"{base}/ui/devices/1", follow_redirects=False).status_code == 303  # no session
+
+
+def every_page(state, finished) -> dict[str, str]:
+    """A name and the path of each kind of page (screenshots are named after them)."""
+    return {
+        "login": "/ui/login", "jobs": "/ui/jobs", "job": f"/ui/jobs/{state.job_a}",
+        "job-succeeded": f"/ui/jobs/{finished.job_id}", "compare": f"/ui/compare?jobs={finished.job_id},{state.job_a}",
+        "devices": "/ui/devices", "device": f"/ui/devices/{finished.agent_id}",
+        "device-class": f"/ui/classes/{finished.device_class}", "not-found": "/ui/jobs/999999",
+    }
+
+
+def test_a_phone_wide_window_needs_no_sideways_scrolling(served, finished, browser):
+    """At 360 px every page fits the window: the curves scale (viewBox, width 100%; a
+    page's main plot no narrower than 480 px, scrolling inside its card) and wide tables
+    scroll inside their own box, not the page."""
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    browser.set_window_size(360, 800)
+    try:
+        for name, path in every_page(state, finished).items():
+            browser.get(base + path)
+            page_width, window_width = browser.execute_script(
+                "return [document.scrollingElement.scrollWidth, window.innerWidth]")
+            assert window_width <= 360 and page_width <= window_width, (name, page_width, window_width)
+            for box in by_css(browser, ".card.plot, .table-scroll, figure.task-curve"):  # the boxes fit
+                assert box.size["width"] <= window_width, name
+            for svg in by_css(browser, "figure.task-curve svg.curve"):  # small multiples scale to their box
+                assert svg.size["width"] <= window_width, name
+            screenshot(browser, f"{name}-360")
+    finally:
+        browser.set_window_size(1280, 1000)
+
+
+THEAD_SCOPES = """
+return [...document.querySelectorAll('th')].map(th => th.getAttribute('scope'));
+"""
+
+TEXT_COLOURS = """
+const pick = '.muted, .facts dt, svg.curve .tick, svg.curve .axis, svg.curve .empty, table.data thead th';
+function background(el) {
+  for (; el; el = el.parentElement) {
+    const c = getComputedStyle(el).backgroundColor;
+    if (c && c !== 'transparent' && !c.endsWith(', 0)')) return c;
+  }
+  return 'rgb(255, 255, 255)';
+}
+return [...document.querySelectorAll(pick)].filter(el => el.textContent.trim()).map(el => {
+  const style = getComputedStyle(el);
+  const fg = el instanceof SVGElement ? style.fill : style.color;
+  return [el.className.baseVal ?? el.className, el.textContent.trim().slice(0, 40), fg, background(el)];
+});
+"""
+
+
+def contrast(foreground: str, background: str) -> float:
+    """WCAG 2 contrast ratio of two CSS rgb() colours."""
+    def luminance(css: str) -> float:
+        r, g, b = (int(float(v)) / 255 for v in css[css.index("(") + 1:css.index(")")].split(",")[:3])
+        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (r, g, b)]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((luminance(foreground), luminance(background)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_every_table_header_has_a_scope_and_muted_text_is_readable(served, finished, browser):
+    """Every th says whether it heads a column or a row, and muted text (and the plots'
+    ticks, the facts' labels, table headers) has at least WCAG AA's 4.5:1 contrast
+    against what it is drawn on: computed from the rendered page."""
+    state, base = served
+    log_in(browser, base, state.team_a_token)
+    checked = 0
+    for name, path in every_page(state, finished).items():
+        browser.get(base + path)
+        scopes = browser.execute_script(THEAD_SCOPES)
+        assert all(s in ("col", "row") for s in scopes), (name, scopes)
+        for cls, text, fg, bg in browser.execute_script(TEXT_COLOURS):
+            ratio = contrast(fg, bg)
+            assert ratio >= 4.5, (name, cls, text, fg, bg, round(ratio, 2))
+            checked += 1
+    assert checked > 50  # the pages have muted text, facts and ticks to check
+    assert contrast("rgb(95, 107, 122)", "rgb(240, 242, 245)") == pytest.approx(4.84, abs=0.01)  # .muted, worst case
+    assert contrast("rgb(123, 135, 148)", "rgb(255, 255, 255)") < 4.5  # the old muted grey (3.66:1) would fail

@@ -272,7 +272,7 @@ main { max-width: 1120px; margin: 0 auto; padding: 20px 24px 40px; }
 h1 { font-size: 22px; margin: 8px 0 14px; overflow-wrap: anywhere; }
 h2 { font-size: 17px; margin: 26px 0 10px; }
 .card { background: #fff; border: 1px solid #dde1e6; border-radius: 6px; padding: 14px 16px; margin-bottom: 16px; }
-.card.plot { padding: 8px; }
+.card.plot { padding: 8px; overflow-x: auto; }
 .table-scroll { max-width: 100%; overflow-x: auto; margin-bottom: 16px; }
 .table-scroll > table.data { margin: 0; }
 .curves { display: grid; grid-template-columns: repeat(auto-fill, minmax(min(100%, 320px), 1fr)); gap: 12px; }
@@ -290,7 +290,8 @@ table.data th, table.data td { padding: 6px 10px; border-bottom: 1px solid #ecee
                                vertical-align: middle; }
 table.data thead th { background: #f0f2f5; font-weight: 600; font-size: 13px; color: #3e4c59; }
 table.data tbody th { font-weight: 600; }
-table.data td.num, table.data th.num { text-align: right; font-variant-numeric: tabular-nums; }
+table.data td.num, table.data th.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+table.data thead th { white-space: nowrap; }
 table.data tr:last-child td, table.data tr:last-child th { border-bottom: none; }
 .facts { display: grid; grid-template-columns: max-content minmax(0, 1fr); gap: 4px 18px; margin: 0; }
 .facts dt { color: #616e7c; }
@@ -317,6 +318,7 @@ code { font: 12px ui-monospace, monospace; overflow-wrap: anywhere; }
   .card { padding: 10px 12px; }
   .facts { grid-template-columns: minmax(0, 1fr); gap: 0; }
   .facts dd { margin-bottom: 6px; }
+  .card.plot svg.curve { min-width: 480px; }  /* readable ticks: the plot scrolls in its card */
 }
 """
 """The style of the HTML views (the dashboard's pages, `tunefarm report --html`)."""
