@@ -2,11 +2,15 @@
 serving a farm in a known state (farm_state.py), driven by headless Chromium.
 
 Logs in with a team token, checks the numbers each page shows (jobs with their progress,
-the job's curve as an SVG with its points, the per-task table, the agents with heartbeats
-and errors), that another team's job is not there, that no token or a bad one leads to
-the login page, that logging out ends the session (its old cookie is worthless), that
-another site's form cannot log the browser in, and writes a screenshot of every page
-(tunefarm-test-artifacts/screenshots/).
+the job's curve as an SVG with its points, the per-task table and each task's curve, the
+agents with heartbeats and errors, an agent's page and a class's), that another team's
+job is not there, that no token or a bad one leads to the login page, that logging out
+ends the session (its old cookie is worthless), that another site's form can neither log
+the browser in nor cancel a job, that the tuned model downloads with the session (bytes
+and sha256), that a job is cancelled from its page, that two jobs compare (curves and
+legend), that the measured speed-up is told apart from the search's progress, that a
+360 px window needs no sideways scrolling, and that every th has a scope and muted text
+its contrast; and writes a screenshot of every page (tunefarm-test-artifacts/screenshots/).
 """
 
 from __future__ import annotations

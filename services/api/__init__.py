@@ -13,6 +13,7 @@ follow them and fetch the tuned models.
 | `crud.py` | the operations on a team's resources: `services.db` reads and writes, the API's errors, the response schemas |
 | `intake.py` | taking in an upload: import and fuse the model in a child process |
 | `intake_pool.py` | the importer processes shared by all teams, a few per team at most |
+| `downloads.py` | a finished job's tuned model archive as a download (the API's and the dashboard's) |
 | `storage.py` | files under the artifact root (uploads, fused modules) |
 | `security_headers.py` | CSP, frame, nosniff and referrer headers on every response |
 | `limits.py` | the request body limit (413 while streaming) |

@@ -2,7 +2,9 @@
 the helpers every page shares).
 
 - `/ui/jobs`: the team's jobs: state, trials used of the budget as a bar, the estimated
-  latency at the start and now.
+  latency at the start and now and their ratio, labelled the search's progress ("est.
+  progress": the search's own estimate, never a speed-up), and the measured speed-up
+  over onnxruntime of a finished job (`JobSummary.speedup_vs_onnxruntime`).
 - `/ui/jobs/{id}`: one job: the estimated latency over trials (its curve, as the inline
   SVG of `tunefarm.display.latency_curve_svg`, the same plot as `tunefarm report --html`)
   and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors),
