@@ -12,6 +12,7 @@ its cost does not depend on how many measurements the job has.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -153,15 +154,17 @@ def _owned_job(session: Session, *, team_id: int, job_id: int, lock: bool = Fals
     return job
 
 
-def job_public(session: Session, *, team_id: int, job_id: int, fresh_secs: float) -> JobPublic:
+def job_public(
+    session: Session, *, team_id: int, job_id: int, fresh_secs: float, stall_secs: float = math.inf
+) -> JobPublic:
     """A job's progress from its precomputed rows (`jobs.job_overview`, one statement); and,
-    for a job not yet over, whether no live agent serves its class (`waiting`: it would
-    wait for one without a word otherwise)."""
+    for a job not yet over, what it waits on (`waiting`: no live agent of its class, or a
+    batch stalled for `stall_secs`; it would wait without a word otherwise)."""
     seen = jobs.job_overview(session, team_id=team_id, job_id=job_id, fresh_secs=fresh_secs)
     if seen is None:
         raise NotFound(f"job {job_id} not found")
     job = seen.job
-    waiting = no_agent_message(seen.class_name) if job.state in ACTIVE_JOB_STATES and not seen.live_agents else None
+    waiting = waiting_message(seen, stall_secs) if job.state in ACTIVE_JOB_STATES else None
     return JobPublic(
         waiting=waiting,
         id=job.id,
@@ -220,6 +223,22 @@ def _cost_model_public(seen: jobs.JobOverview) -> CostModelPublic:
             TransferPublic(device_class=source_class, version=seen.source_version) if source_class is not None else None
         ),
     )
+
+
+def waiting_message(seen: jobs.JobOverview, stall_secs: float) -> str | None:
+    """What a job not yet over waits on, if anything: no live agent of its class, else
+    its open batch that has waited at least `stall_secs` in its phase."""
+    if not seen.live_agents:
+        return no_agent_message(seen.class_name)
+    stalled = seen.stalled
+    if stalled is None or stalled.waited_secs < stall_secs:
+        return None
+    waited = f"{stalled.waited_secs / 60:.0f} min"
+    if stalled.state in jobs.UNBUILT_STATES:
+        return (f"waiting: batch {stalled.batch_id} has waited {waited} for its build (is a build worker of class "
+                f"{seen.class_name} running? tunefarm worker --device-class {seen.class_name})")
+    return (f"waiting: batch {stalled.batch_id} has been ready for {waited} and no agent of class {seen.class_name} "
+            "has taken it (all busy with other jobs, or withheld: tunefarm devices)")
 
 
 def no_agent_message(class_name: str) -> str:

@@ -27,6 +27,7 @@ from services.db.codec import record_from_json
 from services.db.confirmations import counted_clause
 from services.db.models import (
     Agent,
+    Batch,
     CostModelVersion,
     DeviceClass,
     Job,
@@ -37,7 +38,7 @@ from services.db.models import (
     WorkloadRow,
 )
 from services.db.statements import db_now
-from services.db.states import JobState
+from services.db.states import BatchState, JobState
 from services.db.uploads import StoredTask
 from tunefarm.records import ErrorKind, MeasureRecord
 
@@ -142,6 +143,17 @@ class JobOverview:
     source_version: int | None
     own_class_model: bool | None  # the cost model version is the job's class's own
     live_agents: int  # of the job's class
+    stalled: StalledBatch | None = None  # its open batch that has waited longest in its phase
+
+
+@dataclass(frozen=True)
+class StalledBatch:
+    """A job's open batch and how long it has waited: for its build (proposed or
+    building: since it was made) or, built, for an agent (ready: since it became ready)."""
+
+    batch_id: int
+    state: BatchState
+    waited_secs: float
 
 
 def _json_rows(*columns: Any, order_by: Any) -> Any:
@@ -182,6 +194,23 @@ def _live_agents() -> Any:
     )
 
 
+UNBUILT_STATES = (BatchState.PROPOSED, BatchState.BUILDING)
+
+
+def _longest_waiting_batch() -> Any:
+    """The job's open batch (unbuilt, or ready and unleased) that has waited longest in its
+    phase, as JSON [id, state, seconds] (a scalar subquery correlated with `Job`)."""
+    since = case((Batch.state.in_(UNBUILT_STATES), Batch.created_at), else_=Batch.ready_at)
+    waited = func.extract("epoch", func.now() - since)
+    return (
+        select(func.json_build_array(Batch.id, Batch.state, waited))
+        .where(Batch.job_id == Job.id, Batch.state.in_((*UNBUILT_STATES, BatchState.READY)), since.is_not(None))
+        .order_by(waited.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
 def _progress_statement() -> Select[Any]:
     """The job progress statement (built once: constructing it costs more CPU than running it)."""
     # The class a transferred model came from: the job's version itself when it is another
@@ -195,7 +224,7 @@ def _progress_statement() -> Select[Any]:
         select(
             Job, Model.name, DeviceClass.name, CostModelVersion.version, CostModelVersion.trained_on, _tasks_json(),
             _curve_json(), source_class.name, source.version, CostModelVersion.device_class_id == Job.device_class_id,
-            _live_agents(),
+            _live_agents(), _longest_waiting_batch(),
         )  # fmt: skip
         .join(Model, Model.id == Job.model_id)
         .join(DeviceClass, DeviceClass.id == Job.device_class_id)
@@ -216,11 +245,12 @@ def job_overview(session: Session, *, team_id: int, job_id: int, fresh_secs: flo
     row = session.execute(_PROGRESS, {"job_id": job_id, "team_id": team_id, "fresh_secs": fresh_secs}).one_or_none()
     if row is None:
         return None
-    job, model_name, class_name, version, trained_on, tasks, curve, source_class, source_version, own, live = row
+    job, model_name, class_name, version, trained_on, tasks, curve, source_class, source_version, own, live, oldest = row
+    stalled = StalledBatch(int(oldest[0]), BatchState(oldest[1]), float(oldest[2])) if oldest else None
     return JobOverview(
         job=job, model_name=model_name, class_name=class_name, cost_model_version=version, trained_on=trained_on,
         tasks=tasks, curve=curve, source_class=source_class, source_version=source_version, own_class_model=own,
-        live_agents=live,
+        live_agents=live, stalled=stalled,
     )  # fmt: skip
 
 

@@ -81,7 +81,7 @@ async def job_page(request: Request, sessions: SessionsDep, settings: SettingsDe
         return to_login(request)
     try:
         with transaction(sessions) as db:
-            job = crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs)
+            job = crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs, stall_secs=settings.batch_stall_secs)
             details = crud.job_task_details(db, team_id=team.id, job_id=job_id)
             curves = crud.job_task_curves(db, team_id=team.id, job_id=job_id)
     except NotFound as exc:
@@ -171,7 +171,7 @@ async def compare_page(
     try:
         ids = compared_job_ids(jobs)
         with transaction(sessions) as db:
-            found = [crud.job_public(db, team_id=team.id, job_id=i, fresh_secs=settings.agent_fresh_secs) for i in ids]
+            found = [crud.job_public(db, team_id=team.id, job_id=i, fresh_secs=settings.agent_fresh_secs, stall_secs=settings.batch_stall_secs) for i in ids]
     except (InvalidRequest, NotFound) as exc:
         return error_page(request, exc)
     series = [CurveSeries(_job_label(j), [(p.trials, p.est_latency_secs) for p in j.curve]) for j in found]

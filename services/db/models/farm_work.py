@@ -52,6 +52,8 @@ class Batch(Base):
         ),
         Index("ix_batches_job_id_id", "job_id", "id"),
         Index("ix_batches_job_task_id", "job_task_id"),
+        # A job's open batches (its progress names the one that has waited longest).
+        Index("ix_batches_open_by_job", "job_id", postgresql_where=text("state IN ('proposed', 'building', 'ready')")),
     )
 
     id: Mapped[int] = primary_key()
