@@ -35,6 +35,7 @@ from tunefarm_app.bench import fastmath as bench_math
 from tunefarm_app.bench import gpu_models as bench_gpu_models
 from tunefarm_app.bench import models as bench_models
 from tunefarm_app.bench import transfer as bench_transfer
+from tunefarm_app.json_output import add_json_flag, emit_json, only_json
 
 TARGET_HELP = (
     'TVM target as a JSON dict (default: this host); an NVIDIA GPU: {"kind": "cuda", "arch": "sm_80"} '
@@ -78,7 +79,7 @@ def _add_kernel_commands(sub) -> None:
     t.add_argument("--const", action="append", metavar="NAME", help=CONST_HELP)
     t.add_argument("--trials", type=int, default=256, help="measurements in total (default 256)")
     t.add_argument("--records", type=Path, help="JSON-lines records file (resumed if it exists)")
-    t.add_argument("--json", type=Path, help="write the report here")
+    add_json_flag(t, "the report")
     t.add_argument("--target", help=TARGET_HELP)
     t.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
     t.add_argument("--batch-size", type=int, default=32, help="measurements per round (default 32)")
@@ -238,13 +239,11 @@ def _tune_op(args: argparse.Namespace) -> int:
         cost_model_path=model_commands.cost_model_file(args, target),
         callbacks=callbacks,
     )
-    for line in summary_lines(result):
-        print(line)
-    print(f"records    {records}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report_dict(result), indent=1))
-        print(f"report     {args.json}")
+    if not only_json(args):
+        for line in summary_lines(result):
+            print(line)
+        print(f"records    {records}")
+    emit_json(args, report_dict(result))
     return 0 if result.outcomes[0].best is not None else 1
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from tunefarm.display import printable
 from tunefarm.errors import UsageError
 from tunefarm.secret_flags import read_secret_file, refuse_on_command_line
+from tunefarm_app.json_output import add_json_flag, emit_json, only_json
 
 
 def add_commands(sub) -> None:
@@ -49,7 +50,7 @@ def add_commands(sub) -> None:
     st.add_argument("job", type=int, help="the job's id")
     st.add_argument("--follow", action="store_true",
                     help="show the live progress table until the job ends (retries a lost connection)")
-    st.add_argument("--json", action="store_true", help="print the API's JSON")
+    add_json_flag(st, "the API's job")
     _follow_args(st)
     _client_args(st)
 
@@ -65,11 +66,11 @@ def add_commands(sub) -> None:
 
     j = sub.add_parser("jobs", help="your team's jobs, newest first")
     j.add_argument("--limit", type=int, default=20, help="jobs to list (default 20)")
-    j.add_argument("--json", action="store_true", help="print the API's JSON")
+    add_json_flag(j, "the API's page of jobs")
     _client_args(j)
 
     d = sub.add_parser("devices", help="the farm's agents and device classes")
-    d.add_argument("--json", action="store_true", help="print the API's JSON (every CPU flag included)")
+    add_json_flag(d, "the API's classes and agents (every CPU flag included)")
     _client_args(d)
 
 
@@ -175,10 +176,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             final = _follow(client, args.job)
             return _print_end(final)
         job = client.job(args.job)
-    if args.json:
-        print(json.dumps(job, indent=1))
-        return 0
-    _print_job(job)
+    emit_json(args, job)
+    if not only_json(args):
+        _print_job(job)
     return 0
 
 
@@ -212,8 +212,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         page = client.jobs(limit=args.limit)
-    if args.json:
-        print(json.dumps(page, indent=1))
+    emit_json(args, page)
+    if only_json(args):
         return 0
     if not page["items"]:
         print("no jobs yet")
@@ -234,8 +234,8 @@ def cmd_devices(args: argparse.Namespace) -> int:
     with _client(args) as client:
         classes = client.device_classes()
         agents = client.devices()
-    if args.json:
-        print(json.dumps({"device_classes": classes, "agents": agents}, indent=1))
+    emit_json(args, {"device_classes": classes, "agents": agents})
+    if only_json(args):
         return 0
     for c in classes:
         print(f"class      {c['name']}: {c['agents_online']} agent(s) online, target {json.dumps(c['target'])}")
