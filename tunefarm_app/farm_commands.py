@@ -307,7 +307,7 @@ def _print_end(job: dict) -> int:
 
 def _print_job(job: dict) -> None:
     from tunefarm_app.progress import format_cost
-    from tunefarm_app.tuned_report import latency_text
+    from tunefarm_app.tuned_report import latency_text, peer_lines
 
     def cost(v):
         return format_cost(v) if v else "-"
@@ -347,6 +347,8 @@ def _print_job(job: dict) -> None:
         if lat:
             emulated = " (EMULATED: the emulator's time, not the device's)" if lat.get("emulated") else ""
             print(f"tuned      {latency_text(lat)}{where}{emulated}")
+            for line in peer_lines(job["result"], where):
+                print(line)
         check = job["result"].get("check") or {}
         if check.get("ok"):
             print(f"check      matches {check['reference']}{where} (max abs error {check['max_abs_error']:.2g})")
