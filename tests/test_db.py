@@ -527,6 +527,14 @@ def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessio
     assert lease_run(a, now=t0 + timedelta(seconds=400)) is None
     with transaction(db_sessions) as s:
         assert s.get(ModelRun, third).state is ModelRunState.FAILED and "leased 2 times" in s.get(ModelRun, third).error
+    with transaction(db_sessions) as s:  # a run without peers has none: SQL NULL, not JSON null
+        plain = model_runs.create_model_run(s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file,
+                                            inputs=file, repeat=0, warmup=1, timeout_secs=60.0)  # fmt: skip
+    assert lease_run(a) == plain.id
+    with transaction(db_sessions) as s:
+        model_runs.finish_model_run(s, model_run_id=plain.id, agent_id=a, outputs_path="o.npz", result={})
+        unset = (ModelRun.input_names.is_(None), ModelRun.peer_latencies.is_(None))
+        assert s.scalar(select(func.count()).select_from(ModelRun).where(ModelRun.id == plain.id, *unset)) == 1
 
 
 def test_a_model_run_given_up_is_leased_by_nobody_and_a_leased_one_is_left_to_its_agent(db_sessions):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import and_, insert, null, or_, select, update
 from sqlalchemy.orm import Session
 
 from services.db.exceptions import LeaseNotHeld, RowNotFound
@@ -71,7 +71,7 @@ def create_model_run(
                 "onnx_path": onnx.path if onnx else None,
                 "onnx_sha256": onnx.sha256 if onnx else None,
                 "onnx_size": onnx.size if onnx else None,
-                "input_names": list(input_names) if input_names is not None else None,
+                "input_names": list(input_names) if input_names is not None else null(),  # SQL NULL, not JSON null
                 "repeat": repeat,
                 "warmup": warmup,
                 "timeout_secs": timeout_secs,
@@ -184,7 +184,7 @@ def finish_model_run(
             state=ModelRunState.FAILED if error else ModelRunState.DONE,
             outputs_path=outputs_path,
             result=dict(result),
-            peer_latencies=dict(peer_latencies) if peer_latencies is not None else None,
+            peer_latencies=dict(peer_latencies) if peer_latencies is not None else null(),  # SQL NULL, not JSON null
             error=error or None,
             finished_at=db_now(now),
         )
