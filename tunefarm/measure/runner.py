@@ -226,30 +226,28 @@ class LocalRunner(Runner):
         from tunefarm.models.peers import ONNXRUNTIME, PEERS, available_peers
         from tunefarm.models.runtime import time_beside_peers, timing_block
 
-        model = timing_block(self._worker, "the tuned model", _MODEL_BLOCK_JOB, (inp.library, inp.inputs), inp.timeout_secs)
         installed = available_peers() if inp.onnx_model else ()
-        missing = {ONNXRUNTIME: "onnxruntime is not installed on this agent"} if inp.onnx_model else {}
+        absent = {ONNXRUNTIME: "onnxruntime is not installed on this agent"} if inp.onnx_model else {}
+        absent = {peer: why for peer, why in absent.items() if peer not in installed}
+        model = timing_block(self._worker, "the tuned model", _MODEL_BLOCK_JOB, (inp.library, inp.inputs), inp.timeout_secs)
         workers = {peer: self._peer_worker(peer) for peer in PEERS if peer in installed}
         try:
-            peers = {
+            blocks = {
                 peer: timing_block(worker, peer, _PEER_BLOCK_JOB,
                                    (peer, inp.onnx_model, inp.inputs, inp.input_names, self.num_threads),
                                    inp.timeout_secs)  # fmt: skip
                 for peer, worker in workers.items()
             }
-            timed = time_beside_peers((MODEL, model), peers, runs=inp.repeat)
+            timed = time_beside_peers((MODEL, model), blocks, runs=inp.repeat)
         finally:
             for worker in workers.values():
                 worker.close()
             self._worker.call(_FORGET_JOB, timeout=60.0)
-        failed = {p: why for p, why in missing.items() if p not in installed} | timed.failed
-        mine = timed.latencies[MODEL]
-        return ModelRunResult(
-            mine.samples, time.perf_counter() - t0, threads=mine.threads, round_medians=mine.round_medians,
-            peers=tuple(
-                PeerRun(p, lat.samples, lat.round_medians, lat.threads) for p, lat in timed.latencies.items() if p != MODEL
-            ) + tuple(PeerRun(p, error=why) for p, why in failed.items()),
-        )  # fmt: skip
+        mine = timed.latencies.pop(MODEL)
+        peers = [PeerRun(p, lat.samples, lat.round_medians, lat.threads) for p, lat in timed.latencies.items()]
+        peers += [PeerRun(p, error=why) for p, why in (absent | timed.failed).items()]
+        return ModelRunResult(mine.samples, time.perf_counter() - t0, threads=mine.threads,
+                              round_medians=mine.round_medians, peers=tuple(peers))  # fmt: skip
 
     def _peer_worker(self, peer: str) -> IsolatedWorker:
         """A process for one peer's timing blocks, sandboxed like the kernels'."""
