@@ -275,3 +275,30 @@ def test_jobs_and_devices_print_headed_readable_tables_and_json(monkeypatch, cap
     assert json.loads(capsys.readouterr().out)["agents"][0]["capabilities"]["isa_features"] == flags
     assert main(["jobs", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["items"][0]["model_name"] == "resnet"
+
+
+def test_status_and_jobs_state_the_measured_speedup_over_onnxruntime(capsys, monkeypatch):
+    """A finished job: `status` prints onnxruntime's latency and the measured ratio (the
+    API's `speedup_vs_onnxruntime`), `jobs` the ratio; the estimate is never a speed-up."""
+    import argparse
+
+    from tunefarm_app import farm_commands
+    from tunefarm_app.farm_commands import _print_job
+
+    job = _job("succeeded", 64, None)
+    job.update(est_latency_secs=4e-5, est_latency_start_secs=1.2e-4, speedup_vs_onnxruntime=2.5, result={
+        "latency": {"median": 3e-5, "p90": 3.4e-5}, "onnxruntime_latency": {"median": 7.5e-5, "p90": 8e-5},
+        "check": {}, "measured_on": {}})
+    _print_job(job)
+    out = capsys.readouterr().out
+    assert "ORT        75.0 us p50, 80.0 us p90" in out
+    assert "vs ORT     2.50x the speed of onnxruntime (p50, measured" in out
+    assert "40.0 us estimated now, 120.0 us at the start" in out and "3.00x" not in out
+
+    page = {"items": [{**job, "id": 7}, {**_job("running", 8, None), "id": 6}], "next_cursor": None}
+    settings = ClientSettings.load(server="farm.example:8000", token="tft_secret")
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=page))
+    monkeypatch.setattr(farm_commands, "_client", lambda args: FarmClient(settings, transport=transport))
+    assert farm_commands.cmd_jobs(argparse.Namespace(limit=None, json=False)) == 0
+    lines = capsys.readouterr().out.splitlines()  # a header, then the jobs
+    assert lines[1].endswith("40.0 us  2.50x onnxruntime (measured)") and lines[2].endswith(" -")

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, latency_curve_svg, printable
+from tunefarm.display import PAGE_CSS, PLOT_CSS, CurveSeries, format_cost, latency_curve_svg, printable
 from tunefarm.errors import UsageError
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
-from tunefarm.models.timing import round_ratios
+from tunefarm.models.timing import round_ratios, speedup
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -124,12 +124,6 @@ def curve_points(report: Mapping[str, Any], model_name: str) -> list[tuple[float
         for p in report.get("timeline", ())
         if not p["unknown_tasks"] and p["estimated_seconds"].get(model_name) is not None
     ]
-
-
-def speedup(base: Mapping[str, Any] | None, tuned: Mapping[str, Any] | None) -> float | None:
-    if not base or not tuned or not base.get("median") or not tuned.get("median"):
-        return None
-    return base["median"] / tuned["median"]
 
 
 def rounds_summary(report: Mapping[str, Any]) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
@@ -313,7 +307,8 @@ def html_report(report: Mapping[str, Any], file: Path) -> str:
         {
             "data": m,
             "tasks": task_lines(m),
-            "plot": latency_curve_svg(curve_points(report, m["name"]), title=f"{m['name']}: estimated latency"),
+            "plot": latency_curve_svg([CurveSeries(m["name"], curve_points(report, m["name"]))],
+                                      title=f"{m['name']}: estimated latency"),
             "vs_untuned": speedup(m.get("untuned_latency"), m.get("latency")),
             "latency": latency_text(m["latency"]) if m.get("latency") else "",
             "peers": [

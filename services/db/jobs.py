@@ -1,5 +1,5 @@
 """A team's jobs: `create_job`, `find_job`, `list_jobs`, `job_overview` (its progress),
-`task_details`, `request_cancel`, `job_records`.
+`task_details`, `task_best_curves`, `request_cancel`, `job_records`.
 
 Every read takes the team: another team's job is not found, exactly like one that does
 not exist (None). Every function works inside the caller's transaction and commits
@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Float, Select, bindparam, case, func, select, text, update
+from sqlalchemy import Float, Select, and_, bindparam, case, func, or_, select, text, update
 from sqlalchemy.orm import Session, aliased
 
 from services.db import liveness
 from services.db.codec import record_from_json
+from services.db.confirmations import counted_clause
 from services.db.models import (
     Agent,
     CostModelVersion,
@@ -95,7 +96,8 @@ def find_job(session: Session, *, team_id: int, job_id: int, lock: bool = False)
 
 def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None) -> tuple[list[Any], int | None]:
     """A page of the team's jobs, newest first (ids below `cursor`), and the cursor of the
-    next page (None: the last). Rows with the job's columns and `model_name`, `device_class`."""
+    next page (None: the last). Rows with the job's columns (its `result` too) and
+    `model_name`, `device_class`."""
     query = (
         select(
             Job.id,
@@ -107,6 +109,7 @@ def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None)
             Job.trials_used,
             Job.est_latency_start_secs,
             Job.est_latency_secs,
+            Job.result,
             Job.created_at,
             Job.finished_at,
         )
@@ -251,6 +254,43 @@ def task_details(session: Session, *, job_id: int) -> dict[int, TaskDetail]:
     for position, kind, n in rows:
         errors.setdefault(position, {})[str(kind)] = int(n)
     return {p: TaskDetail(flops=f, errors_by_kind=errors.get(p, {})) for p, f in flops.items()}
+
+
+def task_best_curves(session: Session, *, job_id: int) -> dict[int, list[tuple[int, float]]]:
+    """Per task position of the job: its best latency over its trials, as (trial, best
+    seconds) points: each trial where the best improved, and its last trial. A trial is
+    one of the task's measurements, errors included (as `JobTask.trials` counts them); the
+    best is the fastest valid one that counts (`confirmations.counted_clause`: not
+    disputed). One statement, a window over the job's measurements (the pass
+    `task_details` makes): for the dashboard's job page, not for pollers. A task without a
+    valid measurement has no entry."""
+    counted = and_(Measurement.error_kind == ErrorKind.NONE, Measurement.cost.is_not(None), counted_clause())
+    per_task = {"partition_by": Measurement.job_task_id, "order_by": Measurement.id}
+    running = (
+        select(
+            Measurement.job_task_id,
+            func.row_number().over(**per_task).label("trial"),
+            func.min(case((counted, Measurement.cost))).over(**per_task).label("best"),
+            func.count().over(partition_by=Measurement.job_task_id).label("trials"),
+        )
+        .where(Measurement.job_id == job_id)
+        .subquery()
+    )
+    before = func.lag(running.c.best).over(partition_by=running.c.job_task_id, order_by=running.c.trial)
+    steps = select(running, before.label("before")).subquery()
+    rows = session.execute(
+        select(JobTask.position, steps.c.trial, steps.c.best)
+        .join(JobTask, JobTask.id == steps.c.job_task_id)
+        .where(
+            steps.c.best.is_not(None),
+            or_(steps.c.before.is_(None), steps.c.best < steps.c.before, steps.c.trial == steps.c.trials),
+        )
+        .order_by(JobTask.position, steps.c.trial)
+    )
+    curves: dict[int, list[tuple[int, float]]] = {}
+    for position, trial, best in rows:
+        curves.setdefault(position, []).append((int(trial), float(best)))
+    return curves
 
 
 # -- cancelling, records ----------------------------------------------------------------------

@@ -10,9 +10,9 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from services.api import crud
 from services.api.deps import PageDep, SessionsDep, SettingsDep, TeamDep
+from services.api.downloads import artifact_download
 from services.api.routers.responses import AUTH, errors
 from services.api.schemas import JobCreate, JobPage, JobPublic
-from services.common import artifacts
 from services.db.session import transaction
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=AUTH)
@@ -76,15 +76,7 @@ def cancel_job(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: Se
 )
 def get_artifact(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: SettingsDep) -> FileResponse:
     """The same files `tunefarm tune --out DIR` writes. 409 until the job has succeeded."""
-    with transaction(sessions) as db:
-        job = crud.job_artifact(db, team_id=team.id, job_id=job_id)
-    assert job.artifact_path is not None
-    return FileResponse(
-        artifacts.resolve(settings.artifact_root, job.artifact_path),
-        media_type="application/gzip",
-        filename=f"job-{job_id}-tuned.tar.gz",
-        headers={"X-Content-SHA256": job.artifact_sha256 or ""},
-    )
+    return artifact_download(sessions, settings, team_id=team.id, job_id=job_id)
 
 
 @router.get(
