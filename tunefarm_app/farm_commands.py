@@ -308,7 +308,7 @@ def _print_end(job: dict) -> int:
 
 def _print_job(job: dict) -> None:
     from tunefarm_app.progress import format_cost
-    from tunefarm_app.tuned_report import latency_text
+    from tunefarm_app.tuned_report import latency_text, peer_lines
 
     def cost(v):
         return format_cost(v) if v else "-"
@@ -348,9 +348,8 @@ def _print_job(job: dict) -> None:
         if lat:
             emulated = " (EMULATED: the emulator's time, not the device's)" if lat.get("emulated") else ""
             print(f"tuned      {latency_text(lat)}{where}{emulated}")
-        ort = job["result"].get("onnxruntime_latency")
-        if ort:
-            print(f"ORT        {latency_text(ort)}")
+        for line in peer_lines(job["result"], where):  # onnxruntime's, OpenVINO's, or why not
+            print(line)
         if job.get("speedup_vs_onnxruntime"):
             print(f"vs ORT     {job['speedup_vs_onnxruntime']:.2f}x the speed of onnxruntime (p50, measured, same input "
                   "and threads)")

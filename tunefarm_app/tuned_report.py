@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunefarm.display import PAGE_CSS, PLOT_CSS, CurveSeries, format_cost, latency_curve_svg
+from tunefarm.display import PAGE_CSS, PLOT_CSS, CurveSeries, format_cost, latency_curve_svg, printable
 from tunefarm.errors import UsageError
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
 from tunefarm.models.timing import round_ratios, speedup
@@ -144,6 +144,20 @@ def latency_text(lat: Mapping[str, Any]) -> str:
     return ", ".join(parts) + (f" ({', '.join(extra)})" if extra else "")
 
 
+def peer_lines(result: Mapping[str, Any], where: str = "") -> list[str]:
+    """A farm job's peers as timed beside its tuned model (`where`: " on <agent>"), and the
+    peers its agent could not time, with why."""
+    lines = []
+    notes = result.get("peer_notes") or {}
+    for peer, short in PEER_LABELS.items():
+        theirs = result.get(latency_key(peer))
+        if theirs:
+            lines.append(f"{short:<10} {latency_text(theirs)}{where}, same input and threads")
+        elif notes.get(peer):
+            lines.append(f"{short:<10} not timed{where}: {printable(str(notes[peer]))}")
+    return lines
+
+
 def latency_lines(model: Mapping[str, Any]) -> list[str]:
     """The tuned model's latency, the peers' (onnxruntime, OpenVINO) and TVM's untuned
     build's, and the ratios."""
@@ -166,6 +180,8 @@ def latency_lines(model: Mapping[str, Any]) -> list[str]:
     x = speedup(model.get("untuned_latency"), lat)
     if x is not None:
         lines.append(f"vs untuned {x:.2f}x the speed of TVM's untuned build ({format_cost(model['untuned_latency']['median'])} p50)")
+    notes = model.get("peer_notes") or {}
+    lines += [f"{short:<10} not timed: {printable(str(notes[peer]))}" for peer, short in PEER_LABELS.items() if notes.get(peer)]
     return lines
 
 

@@ -22,8 +22,8 @@ Map, by who writes what:
   building -> ready;
 - the lease service (agents): `Agent`, `Lease`, `Measurement`, `Confirmation`, and the
   confirmation `Batch`es a new best calls for (`services.db.confirmations`);
-- a tuned model for a class the scheduler cannot run itself: the scheduler writes a
-  `ModelRun`, an agent of the class leases it and the lease service stores its outputs.
+- every tuned model: the scheduler writes a `ModelRun`, an agent of the class leases it
+  and the lease service stores its outputs and latencies (its own, and its peers').
 
 Shared across teams and jobs: `WorkloadRow` (a fused subgraph, by its structural key),
 `DeviceClass`, `TaskDataRow`, `CostModelVersion` (one series per device class) and the

@@ -207,9 +207,12 @@ class Confirmation(Base):
 class ModelRun(Base):
     """A tuned model run on an agent of its class: once for the outputs the scheduler
     checks against the reference, then `repeat` timed inferences (the model's latency on
-    the class's device). Made for classes whose code the scheduler's host cannot run
-    (another architecture). `result` holds the latency samples and who ran them:
-    {"latency_samples": [s...], "run_secs", "agent", "emulated", "fingerprint"}.
+    the class's device), in alternating rounds with the peers (onnxruntime, OpenVINO) on
+    `onnx_path` when the run has one. Every tuned model of the farm is checked and timed
+    so. `result` holds the latency samples and who ran them: {"latency_samples": [s...],
+    "round_medians", "threads", "run_secs", "agent", "emulated", "fingerprint"};
+    `peer_latencies` the peers' per peer: {"onnxruntime": {"latency_samples",
+    "round_medians", "threads"} or {"error": why it was not timed}, ...}.
     """
 
     __tablename__ = "model_runs"
@@ -233,6 +236,13 @@ class ModelRun(Base):
     inputs_path: Mapped[str]  # .npz: arr_0, arr_1, ... in the model's input order
     inputs_sha256: Mapped[str] = sha256_hex()
     inputs_size: Mapped[int] = mapped_column(BigInteger)
+    # The ONNX graph the peers are timed on beside the model, and the names of the inputs'
+    # arrays in order (their feeds); None: no peer is timed (an untimed run, a GPU's model).
+    onnx_path: Mapped[str | None]
+    onnx_sha256: Mapped[str | None] = sha256_hex(nullable=True)
+    onnx_size: Mapped[int | None] = mapped_column(BigInteger)
+    onnx_signature: Mapped[str | None]  # the farm's signature of the graph (hex), like the library's
+    input_names: Mapped[list[str] | None] = mapped_column(JSONB)
     repeat: Mapped[int]
     warmup: Mapped[int]
     timeout_secs: Mapped[float]
@@ -241,6 +251,7 @@ class ModelRun(Base):
     expires_at: Mapped[datetime | None]  # while leased
     outputs_path: Mapped[str | None]  # .npz: arr_0, arr_1, ... once done
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    peer_latencies: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # once done, when peers were asked for
     error: Mapped[str | None]
     created_at: Mapped[datetime] = created_time()
     finished_at: Mapped[datetime | None]
