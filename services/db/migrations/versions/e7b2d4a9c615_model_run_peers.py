@@ -4,7 +4,7 @@ signature) and the names of its inputs' arrays; the agent's timings of the peers
 a peer was not timed) are kept with the run.
 
 Revision ID: e7b2d4a9c615
-Revises: c5e2a9d4f713
+Revises: e4b7a2c9d136
 Create Date: 2026-12-02 10:00:00
 """
 
@@ -15,7 +15,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "e7b2d4a9c615"
-down_revision = "c5e2a9d4f713"
+down_revision = "e4b7a2c9d136"
 branch_labels = None
 depends_on = None
 
