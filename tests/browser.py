@@ -57,8 +57,9 @@ def screenshot(driver, name: str) -> Path:
     import base64
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    width, height = driver.execute_script(
-        "return [document.documentElement.scrollWidth, document.documentElement.scrollHeight]"
+    width, height = driver.execute_script(  # the window's width at least: captured beyond the viewport,
+        "return [Math.max(document.documentElement.scrollWidth, window.innerWidth),"  # the page loses its scrollbar
+        " document.documentElement.scrollHeight]"
     )
     shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
         "format": "png", "captureBeyondViewport": True,

@@ -2,22 +2,29 @@
 scheduler's `job_store`, the lease service's `services.db` operations), for the dashboard and /metrics
 tests: two teams, a device class, a 3-task model, a running job of team A with measured
 batches (valid kernels and errors by kind), its curve, a job of team B, two agents (one
-alive, one silent), and batches left in the queue.
+alive, one silent), and batches left in the queue (`seed_farm`); and, for the dashboard,
+a job of team A that succeeded on a second class, with its tuned model archive
+(`seed_finished_job`).
 
 The numbers the views must show are in `FarmState`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import tarfile
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 from sqlalchemy import func, insert, select, update
 
 from services.api import crud
 from services.api.schemas import JobCreate
 from services.api.storage import StoredFile
+from services.common import artifacts
 from services.db import (
     agents,
     batches,
@@ -30,7 +37,7 @@ from services.db import (
     tokens,
     uploads,
 )
-from services.db.models import Agent, Batch, BatchCandidate, JobTask
+from services.db.models import Agent, Batch, BatchCandidate, Job, JobTask
 from services.db.session import transaction
 from services.db.states import BatchState
 from tunefarm.records import Candidate, ErrorKind, MeasureInput, MeasureRecord, TimingConfig
@@ -182,3 +189,104 @@ def seed_farm(sessions, *, trial_budget: int = 64) -> FarmState:
     assert setup.job_id == job_a and confirmations == sum(1 for b in state.best_by_task if b is not None)
     state.queued_batches += confirmations
     return state
+
+
+FINISHED_MEASURED = (
+    [(5e-5, None), (2.5e-5, None)],
+    [(7e-6, None), (5e-6, None), (None, ErrorKind.RUN_ERROR)],
+    [(2e-6, None)],
+)
+"""Per task of the finished job: what its agent measured (as MEASURED)."""
+
+FINISHED_CURVE = ((8, 1.2e-4), (16, 8e-5), (24, 4e-5))
+
+FINISHED_RESULT = {
+    "stop_reason": "budget", "trials": 24,
+    "latency": {"mean": 3.1e-5, "median": 3e-5, "p90": 3.4e-5, "p99": 4e-5, "threads": 2, "runs": 200},
+    "onnxruntime_latency": {"mean": 7.6e-5, "median": 7.5e-5, "p90": 8e-5, "p99": 9e-5, "threads": 2, "runs": 200},
+    "check": {"ok": True, "reference": "onnxruntime", "max_abs_error": 1e-7},
+    "measured_on": {"on": "the scheduler's host", "agent": None, "emulated": False},
+}
+"""The finished job's result: the tuned model measured 2.50x the speed of onnxruntime (p50)."""
+
+
+@dataclass
+class FinishedJob:
+    """A job of team A that succeeded, on a second class (`device_class`) whose agent
+    `agent` measured it (a second agent of the class has measured nothing), its tuned
+    model archive under the artifact root."""
+
+    job_id: int
+    device_class: str
+    agent: str
+    agent_id: int
+    archive: bytes
+    sha256: str
+    best_by_task: list[float | None]
+    speedup: float
+
+
+def _measure(sessions, *, job_id: int, class_id: int, agent_id: int, task: tuple[int, int, str], position: int,
+             measured) -> None:
+    """One batch of `measured` (cost, error kind) for the job's task, leased and measured by the agent."""
+    jt_id, wl_id, key = task
+    with transaction(sessions) as s:
+        batch_id, cands = _batch(s, job_id=job_id, job_task_id=jt_id, workload_id=wl_id, class_id=class_id,
+                                 task_key=key, n=len(measured), salt=100 + position)
+        batches.transition_batch(s, batch_id=batch_id, to=BatchState.BUILDING)
+        batches.mark_batch_ready(s, batch_id=batch_id)
+    with transaction(sessions) as s:
+        lease = leases.lease_next_batch(s, agent_id=agent_id, lease_secs=30)
+        assert lease is not None and lease.batch_id == batch_id
+        items = [(cid, _record(inp, TASKS[position][0], cost, kind)) for (cid, inp), (cost, kind) in zip(cands, measured)]
+        measurements.record_measurements(s, lease_id=lease.id, agent_id=agent_id, items=items, fingerprint={"t": 1})
+        assert leases.finish_lease(s, lease_id=lease.id, agent_id=agent_id) is BatchState.DONE
+
+
+def seed_finished_job(sessions, state: FarmState, artifact_root) -> FinishedJob:
+    """Team A's model tuned on a second class: measured by that class's agent, its curve,
+    then finished as the scheduler finishes a job (`job_store.finish_job`) with
+    FINISHED_RESULT and an archive written where the scheduler writes it."""
+    uid = uuid.uuid4().hex[:8]
+    with transaction(sessions) as s:
+        dc = device_classes.ensure_device_class(s, name=f"{state.device_class}-big-{uid}",
+                                                target={"kind": "llvm", "num-cores": 4})
+        team_a = s.scalar(select(Job.team_id).where(Job.id == state.job_a))
+        model_id = s.scalar(select(Job.model_id).where(Job.id == state.job_a))
+        body = JobCreate(model_id=model_id, device_class=dc.name, trial_budget=24)
+        job_id = crud.create_job(s, team_id=team_a, body=body, max_trial_budget=10_000).id
+        class_id, class_name = dc.id, dc.name
+    with transaction(sessions) as s:
+        job_store.claim_job(s, job_id=job_id)
+        agent = agents.register_agent(s, name=f"agent-big-{uid}", device_class_id=class_id, token_id=None,
+                                      capabilities={"cpu_model": "Big CPU", "logical_cores": 4})
+        # A second agent of the class: the confirmations of the first's bests wait for it.
+        agents.register_agent(s, name=f"agent-big-peer-{uid}", device_class_id=class_id, token_id=None,
+                              capabilities={"cpu_model": "Big CPU", "logical_cores": 4})
+        agent_id, agent_name = agent.id, agent.name
+        tasks = [(jt.id, jt.workload_id, jt.task_key)
+                 for jt in s.scalars(select(JobTask).where(JobTask.job_id == job_id).order_by(JobTask.position))]
+    for position, measured in enumerate(FINISHED_MEASURED):
+        _measure(sessions, job_id=job_id, class_id=class_id, agent_id=agent_id, task=tasks[position],
+                 position=position, measured=measured)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        content = f"the tuned model of job {job_id}\n".encode()
+        info = tarfile.TarInfo("tuned/manifest.json")
+        info.size = len(content)
+        tar.addfile(info, io.BytesIO(content))
+    archive = buffer.getvalue()
+    relative = artifacts.job_archive_path(job_id)
+    path = Path(artifact_root) / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(archive)
+    sha256 = hashlib.sha256(archive).hexdigest()
+    with transaction(sessions) as s:
+        for trials, est in FINISHED_CURVE:
+            job_store.write_progress(s, job_id=job_id, trials=trials, est_latency_secs=est)
+        leases.heartbeat(s, agent_id=agent_id, lease_secs=30)
+        job_store.finish_job(s, job_id=job_id, artifact_path=relative, artifact_sha256=sha256,
+                             artifact_size=len(archive), result=FINISHED_RESULT)
+    bests = [min((c for c, _ in m if c is not None), default=None) for m in FINISHED_MEASURED]
+    speedup = FINISHED_RESULT["onnxruntime_latency"]["median"] / FINISHED_RESULT["latency"]["median"]
+    return FinishedJob(job_id, class_name, agent_name, agent_id, archive, sha256, bests, speedup)

@@ -376,7 +376,9 @@ def test_progress_reads_precomputed_rows_only(farm):
     finally:
         farm["client"].app.state.token_cache.ttl = 0
     assert len(few) == len(many) == 1  # one statement, whatever the number of measurements
-    assert "measurements" not in many[0] and "batch" not in many[0]
+    assert "measurements" not in many[0]
+    # batches only through the job's open ones (bounded by its fair share; ix_batches_open_by_job)
+    assert many[0].count("FROM batches") == 1 and "batches.job_id = jobs.id AND batches.state IN" in many[0]
     body = farm["client"].get(f"/v1/jobs/{large.job_id}", headers={"Authorization": f"Bearer {large.team_token}"}).json()
     assert body["trials_used"] == 3000 and sum(t["trials"] for t in body["tasks"]) == 3000
     assert len(body["curve"]) <= 60 and all(t["best_secs"] for t in body["tasks"])
@@ -438,6 +440,47 @@ def test_a_job_says_when_no_live_agent_serves_its_class(farm):
         s.add(Agent(device_class_id=dc_id, name=f"live-{job.job_id}", state=AgentState.BUSY, capabilities={},
                     last_heartbeat_at=func.now()))
     assert farm["client"].get(f"/v1/jobs/{job.job_id}", headers=headers).json()["waiting"] is None
+
+
+def test_a_job_says_which_batch_has_waited_too_long_and_for_what(farm):
+    """A build no worker takes (none runs for the class) or a built batch no agent takes
+    is named in the job's `waiting` once it has waited TUNEFARM_BATCH_STALL_SECS, and
+    counted in /metrics; one that has not waited that long is not."""
+    from services.db.models import Batch
+    from services.db.states import BatchState
+
+    job = seed_job(farm["sessions"], measurements=4)
+    headers = {"Authorization": f"Bearer {job.team_token}"}
+    with transaction(farm["sessions"]) as s:
+        row = s.get(Job, job.job_id)
+        task = s.scalars(select(JobTask).where(JobTask.job_id == job.job_id)).first()
+        s.add(Agent(device_class_id=row.device_class_id, name=f"live-stall-{job.job_id}", state=AgentState.IDLE,
+                    capabilities={}, last_heartbeat_at=func.now()))
+        batch = Batch(job_id=job.job_id, job_task_id=task.id, workload_id=task.workload_id,
+                      device_class_id=row.device_class_id, timing={}, build_timeout_secs=60.0, run_timeout_secs=30.0,
+                      created_at=func.now() - timedelta(minutes=30))
+        s.add(batch)
+        s.flush()
+        batch_id = batch.id
+
+    def waiting() -> str | None:
+        return farm["client"].get(f"/v1/jobs/{job.job_id}", headers=headers).json()["waiting"]
+
+    def stalled(phase: str) -> float:
+        text = farm["client"].get("/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tunefarm_batches_stalled{") and f'waiting_for="{phase}"' in line)
+
+    assert f"batch {batch_id} has waited 30 min for its build" in waiting() and "tunefarm worker" in waiting()
+    assert stalled("build") >= 1
+    with transaction(farm["sessions"]) as s:
+        s.execute(update(Batch).where(Batch.id == batch_id)
+                  .values(state=BatchState.READY, ready_at=func.now() - timedelta(minutes=20)))  # fmt: skip
+    assert f"batch {batch_id} has been ready for 20 min and no agent" in waiting()
+    assert stalled("agent") >= 1
+    with transaction(farm["sessions"]) as s:
+        s.execute(update(Batch).where(Batch.id == batch_id).values(ready_at=func.now()))
+    assert waiting() is None
 
 
 def test_unknown_routes_and_methods_answer_json(farm):

@@ -22,7 +22,7 @@ from tunefarm_app.bench.table import render  # noqa: E402
 def test_bench_small_gemm_end_to_end(tmp_path):
     op = BenchOp("gemm128", "matmul", constants=("B",)).with_params(M=128, N=128, K=128)
     plan = BenchPlan(
-        ops=(op,), trials=8, seed=1, work_dir=tmp_path, target=host_target_dict(), ms_timeout=600
+        ops=(op,), trials=4, seed=1, work_dir=tmp_path, target=host_target_dict(), ms_timeout=600
     )
 
     (row,) = run_bench(plan, log=lambda msg: None)
@@ -30,8 +30,8 @@ def test_bench_small_gemm_end_to_end(tmp_path):
     assert row.throughput(row.ours_secs) > 0, row.notes
     assert row.throughput(row.numpy_secs) > 0, row.notes
     assert row.ms_secs is not None and math.isfinite(row.ms_secs), row.notes
-    assert row.ours is not None and row.ours.trials == 8
-    assert row.ms is not None and row.ms.trials == 8
+    assert row.ours is not None and row.ours.trials == 4
+    assert row.ms is not None and row.ms.trials == 4
     assert (tmp_path / "ours" / "gemm128.so").exists() and (tmp_path / "ms" / "gemm128.so").exists()
     # the FMA peak is measured in the same run; no kernel is several times faster than it
     # (a FLOP count or a clock off by an order). Not tighter: on a loaded machine the peak

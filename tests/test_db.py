@@ -170,6 +170,22 @@ def record(factory, farm: Farm, lease_row: Lease, agent_id: int, index: int = 0,
 # -- migrations and settings ------------------------------------------------------------------
 
 
+def test_the_migrations_build_what_the_models_declare(empty_database_url):
+    """Alembic's comparison of the migrated schema with the ORM's metadata finds nothing:
+    every table, column, index (partial ones included) and constraint the models declare
+    is made by a migration, and nothing else is."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    upgrade(empty_database_url)
+    engine = create_engine(empty_database_url)
+    try:
+        with engine.connect() as c:
+            assert compare_metadata(MigrationContext.configure(c), Base.metadata) == []
+    finally:
+        engine.dispose()
+
+
 def test_upgrade_downgrade_upgrade(empty_database_url):
     url = empty_database_url
     assert current_revision(url) is None
@@ -484,12 +500,13 @@ def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessio
     farm = make_farm(db_sessions, batches=1)
     a, b = farm.agent_ids
     file = model_runs.StoredFile("model_runs/x/model.so", "0" * 64, 10)
+    onnx = model_runs.StoredFile("model_runs/x/model.onnx", "1" * 64, 20)
 
     def create():
         with transaction(db_sessions) as s:
             return model_runs.create_model_run(
                 s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file, inputs=file,
-                repeat=3, warmup=1, timeout_secs=60.0,
+                repeat=3, warmup=1, timeout_secs=60.0, onnx=onnx, input_names=["x"],
             ).id  # fmt: skip
 
     def lease_run(agent_id, now=None):
@@ -511,8 +528,12 @@ def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessio
     with transaction(db_sessions) as s, pytest.raises(LeaseNotHeld):
         model_runs.finish_model_run(s, model_run_id=run_id, agent_id=a, outputs_path="o.npz", result={})
     with transaction(db_sessions) as s:
-        done = model_runs.finish_model_run(s, model_run_id=run_id, agent_id=b, outputs_path="o.npz", result={"agent": "b"})
+        peers = {"onnxruntime": {"latency_samples": [1e-4], "round_medians": [1e-4], "threads": 2},
+                 "openvino": {"error": "cannot load the model"}}
+        done = model_runs.finish_model_run(s, model_run_id=run_id, agent_id=b, outputs_path="o.npz", result={"agent": "b"},
+                                           peer_latencies=peers)  # fmt: skip
         assert done.state is ModelRunState.DONE and done.attempts == 2 and done.finished_at is not None
+        assert (done.onnx_path, done.onnx_size, done.input_names, done.peer_latencies) == (onnx.path, 20, ["x"], peers)
     with transaction(db_sessions) as s, pytest.raises(LeaseNotHeld):  # a resent result changes nothing
         model_runs.finish_model_run(s, model_run_id=run_id, agent_id=b, outputs_path=None, result={}, error="late")
     # A run whose agents keep dying fails after max_attempts leases instead of looping.
@@ -522,6 +543,14 @@ def test_a_model_run_is_leased_kept_alive_taken_over_and_finished_once(db_sessio
     assert lease_run(a, now=t0 + timedelta(seconds=400)) is None
     with transaction(db_sessions) as s:
         assert s.get(ModelRun, third).state is ModelRunState.FAILED and "leased 2 times" in s.get(ModelRun, third).error
+    with transaction(db_sessions) as s:  # a run without peers has none: SQL NULL, not JSON null
+        plain = model_runs.create_model_run(s, job_id=farm.job_id, device_class_id=farm.device_class_id, library=file,
+                                            inputs=file, repeat=0, warmup=1, timeout_secs=60.0)  # fmt: skip
+    assert lease_run(a) == plain.id
+    with transaction(db_sessions) as s:
+        model_runs.finish_model_run(s, model_run_id=plain.id, agent_id=a, outputs_path="o.npz", result={})
+        unset = (ModelRun.input_names.is_(None), ModelRun.peer_latencies.is_(None))
+        assert s.scalar(select(func.count()).select_from(ModelRun).where(ModelRun.id == plain.id, *unset)) == 1
 
 
 def test_a_model_run_given_up_is_leased_by_nobody_and_a_leased_one_is_left_to_its_agent(db_sessions):

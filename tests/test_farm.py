@@ -455,11 +455,11 @@ def test_cross_target_batches_are_built_for_the_board(farm):
 
 
 def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_caps, signing_keys):
-    """The path a class the scheduler cannot run takes (here on this host's class, so no
-    emulator is needed): the scheduler's model check queues a model run, an agent
-    leases it, runs the library and sends outputs and latencies, the check compares
-    them with onnxruntime. A library that does not load fails the job; a run no agent
-    takes in time leaves the model unchecked."""
+    """The path every tuned model takes (here on this host's class, so no emulator is
+    needed): the scheduler's model check queues a model run, an agent leases it, runs the
+    library and times it beside onnxruntime on the signed ONNX graph, and sends outputs
+    and latencies, the check compares them with onnxruntime. A library that does not
+    load fails the job; a run no agent takes in time leaves the model unchecked."""
     pytest.importorskip("onnxruntime")
     from onnx_models import tiny_onnx
 
@@ -491,6 +491,10 @@ def test_a_tuned_model_is_run_by_an_agent_of_its_class(farm, tmp_path, agent_cap
         assert outcome.check["ok"] is True and outcome.check["max_rel_error"] < 1e-4
         assert outcome.latency["median"] > 0 and outcome.latency["emulated"] is False
         assert outcome.measured_on["agent"] == f"{farm.device_class}-m" and outcome.measured_on["emulated"] is False
+        ort = outcome.onnxruntime_latency  # timed by the agent, beside the model, on its threads
+        assert ort["median"] > 0 and ort["runs"] == outcome.latency["runs"] == 5 and ort["emulated"] is False
+        assert ort["threads"] == outcome.latency["threads"] == 1 and len(ort["round_medians"]) == 5
+        assert outcome.peer_notes is None
         built.library.write_bytes(b"not a library")
         with pytest.raises(JobFailed, match="did not run on"):
             check_on_device(m, built.directory, where)
@@ -516,6 +520,25 @@ def test_a_model_run_on_a_gpu_agent_says_which_gpu():
     on_cpu = _measured_on(where, 8, ModelRun(result={"agent": "cpu-1", "fingerprint": {"agent": "cpu-1"}}))
     assert "gpu" not in on_cpu and on_cpu["agent"] == "cpu-1"
     assert _measured_on(where, 9, None)["agent"] is None  # not run
+
+
+def test_peers_timed_on_an_emulator_are_labelled_so_and_a_peer_not_timed_is_a_note():
+    """What the scheduler makes of a model run's peer timings: latencies as `tune`'s report
+    has them (threads, round medians), flagged emulated when the agent is; a peer the
+    agent could not time, or an agent that timed none, is a note."""
+    from services.scheduler.model_check import _peers
+
+    stored = {
+        "onnxruntime": {"latency_samples": [2e-3, 4e-3, 3e-3], "round_medians": [2e-3, 4e-3, 3e-3], "threads": 2},
+        "openvino": {"error": "timing openvino failed (raised): cannot read the model"},
+    }
+    peers, notes = _peers(stored, emulated=True)
+    assert peers == {"onnxruntime": {"mean": pytest.approx(3e-3), "median": 3e-3, "p90": pytest.approx(3.8e-3),
+                                     "p99": pytest.approx(3.98e-3), "threads": 2, "runs": 3,
+                                     "round_medians": [2e-3, 4e-3, 3e-3], "emulated": True}}  # fmt: skip
+    assert notes == {"openvino": "timing openvino failed (raised): cannot read the model"}
+    assert _peers(stored, emulated=False)[0]["onnxruntime"]["emulated"] is False
+    assert _peers({}, emulated=False) == ({}, {"onnxruntime": "the agent timed no peers (an agent older than peer timing)"})
 
 
 def test_the_agent_imports_no_server_side_packages():

@@ -11,7 +11,7 @@ real PostgreSQL and Redis:
     under emulation, matches onnxruntime too.
 
 Emulated timings are flagged (the records, the measurements' fingerprints, the job's
-latency and `measured_on`) and the class's shared cost model never learns them.
+latency, its peers' and `measured_on`) and the class's shared cost model never learns them.
 """
 
 from __future__ import annotations
@@ -106,6 +106,12 @@ def test_a_model_is_tuned_for_the_aarch64_class_through_the_emulated_agent(
     assert result["measured_on"]["emulated"] is True and result["measured_on"]["device_class"] == CLASS
     assert result["measured_on"]["agent"] == farm.env["TUNEFARM_AGENT_NAME"]
     assert result["latency"]["median"] > 0 and result["latency"]["emulated"] is True
+    # the peers were timed by the same agent (the emulator's time too), or say why not
+    # (this root's agent extra has no onnxruntime)
+    ort = result["onnxruntime_latency"]
+    assert (ort["emulated"] is True and ort["runs"] == result["latency"]["runs"]) if ort else (
+        "not installed" in result["peer_notes"]["onnxruntime"]
+    )
 
     # the artifact: an aarch64 library, which loads and matches onnxruntime under emulation
     out = tmp_path / "tuned"

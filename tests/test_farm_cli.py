@@ -24,28 +24,48 @@ def one_line_error(capsys, *words: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("argv", "words"),
+    ("argv", "status", "words"),
     [
-        (["status", "1"], ["no team token", "TUNEFARM_TOKEN"]),
-        (["status", "1", "--token-file", "{token}", "--server", "http://127.0.0.1:1"], ["cannot reach the farm"]),
-        (["status", "1", "--token-file", "{missing}"], ["cannot read the team token file", "missing"]),
-        (["status", "1", "--token-file", "{empty}"], ["the team token file", "is empty"]),
-        (["submit", "m.onnx", "--device-class", "c", "--trials", "0", "--token-file", "{token}"], ["--trials"]),
+        (["status", "1"], 2, ["no team token", "TUNEFARM_TOKEN"]),
+        (["status", "1", "--token-file", "{token}", "--server", "http://127.0.0.1:1"], 3, ["cannot reach the farm"]),
+        (["status", "1", "--token-file", "{token}", "--server", "127.0.0.1:1"], 3, ["cannot reach the farm"]),
+        (["status", "1", "--token-file", "{missing}"], 2, ["cannot read the team token file", "missing"]),
+        (["status", "1", "--token-file", "{empty}"], 2, ["the team token file", "is empty"]),
+        (["submit", "m.onnx", "--device-class", "c", "--trials", "0", "--token-file", "{token}"], 2, ["--trials"]),
         (["submit", "missing.onnx", "--device-class", "c", "--trials", "5", "--token-file", "{token}",
-          "--server", "http://127.0.0.1:1"], ["no such model file"]),
+          "--server", "http://127.0.0.1:1"], 2, ["no such model file"]),
         (["submit", "m.onnx", "--device-class", "c", "--trials", "5", "--latency-target", "-1",
-          "--token-file", "{token}"], ["--latency-target"]),
-        (["fetch", "1", "--token-file", "{token}"], ["--out"]),
+          "--token-file", "{token}"], 2, ["--latency-target"]),
+        (["fetch", "1", "--token-file", "{token}"], 2, ["--out"]),
     ],
 )
-def test_client_commands_fail_in_one_line(argv, words, capsys, monkeypatch, tmp_path):
+def test_client_commands_fail_in_one_line(argv, status, words, capsys, monkeypatch, tmp_path):
+    """Exit 2: the command is wrong; exit 3: the farm does not answer (try again later)."""
     monkeypatch.delenv("TUNEFARM_TOKEN", raising=False)
     monkeypatch.delenv("TUNEFARM_SERVER", raising=False)
+    monkeypatch.delenv("TUNEFARM_STATE_DIR", raising=False)
     (tmp_path / "token").write_text("tft_x\n")
     (tmp_path / "empty").write_text("\n")
     files = {name: str(tmp_path / name) for name in ("token", "missing", "empty")}
-    assert main([a.format(**files) for a in argv]) == 2
+    assert main([a.format(**files) for a in argv]) == status
     one_line_error(capsys, *words)
+
+
+def test_the_farm_refusing_a_request_is_exit_2_and_failing_it_exit_1(monkeypatch, capsys):
+    from tunefarm_app import farm_commands
+
+    answers = {"/v1/jobs/7": (404, "job 7 not found"), "/v1/jobs/8": (500, "the database is away")}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        code, message = answers[request.url.path]
+        return httpx.Response(code, json={"error": {"code": "x", "message": message}})
+
+    settings = ClientSettings.load(server="farm.example:8000", token="tft_secret")
+    monkeypatch.setattr(farm_commands, "_client", lambda args: FarmClient(settings, transport=httpx.MockTransport(answer)))
+    assert main(["status", "7"]) == 2
+    one_line_error(capsys, "job 7 not found (HTTP 404)")
+    assert main(["status", "8"]) == 1
+    one_line_error(capsys, "the database is away (HTTP 500)")
 
 
 def test_farm_down_without_a_farm(tmp_path, capsys):
@@ -83,6 +103,52 @@ def test_settings_come_from_the_environment(monkeypatch):
     s = ClientSettings.load(token="tft_flag")  # a flag wins
     assert s.token == "tft_flag"
     assert json.loads(s.model_dump_json())["server"] == "http://api:8000"
+
+
+def _no_farm_variables(monkeypatch) -> None:
+    for var in ("TUNEFARM_TOKEN", "TUNEFARM_SERVER", "TUNEFARM_STATE_DIR", "TUNEFARM_DATABASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _farm_json(tmp_path, **info) -> str:
+    state = tmp_path / "farm"
+    state.mkdir()
+    (state / "farm.json").write_text(json.dumps(info))
+    return str(state)
+
+
+def test_a_farm_started_here_is_found_by_its_state_dir(monkeypatch, tmp_path):
+    """`farm up` prints `export TUNEFARM_STATE_DIR=...`: the clients take the API's URL
+    and the team token from that farm.json; a flag or a variable still wins."""
+    _no_farm_variables(monkeypatch)
+    state = _farm_json(tmp_path, api_url="http://127.0.0.1:41234", team_token="tft_farm")
+    s = ClientSettings.load(state_dir=state)
+    assert (s.server, s.token) == ("http://127.0.0.1:41234", "tft_farm")
+    monkeypatch.setenv("TUNEFARM_STATE_DIR", state)
+    assert ClientSettings.load().token == "tft_farm"
+    monkeypatch.setenv("TUNEFARM_SERVER", "http://api:8000")
+    s = ClientSettings.load(token="tft_flag")
+    assert (s.server, s.token) == ("http://api:8000", "tft_flag")
+
+
+def test_a_state_dir_without_a_farm_is_one_line(monkeypatch, tmp_path, capsys):
+    _no_farm_variables(monkeypatch)
+    assert main(["status", "1", "--state-dir", str(tmp_path)]) == 2
+    one_line_error(capsys, "no farm in", "farm up")
+
+
+def test_operator_commands_never_guess_a_database(monkeypatch, tmp_path, capsys, database_url):
+    """Without --database-url, --state-dir or their variables a token or class would land in
+    some default database that serves no farm: refused, naming the ways to say which."""
+    _no_farm_variables(monkeypatch)
+    assert main(["farm", "token", "list"]) == 2
+    one_line_error(capsys, "which farm?", "--state-dir", "--database-url")
+    state = _farm_json(tmp_path, database_url=database_url)
+    assert main(["farm", "team", "state-dir-team", "--state-dir", state]) == 0
+    assert capsys.readouterr().out.startswith("tft_")
+    monkeypatch.setenv("TUNEFARM_STATE_DIR", state)
+    assert main(["farm", "token", "list", "--team", "state-dir-team"]) == 0
+    assert "team state-dir-team" in capsys.readouterr().out
 
 
 def _job(state: str, trials: int, waiting: str | None) -> dict:
@@ -148,6 +214,94 @@ def test_an_agent_takes_host_port_and_grpc_targets():
 
     for server in ("127.0.0.1:50051", "localhost:50051", "dns:///127.0.0.1:50051", "unix:/tmp/lease.sock"):
         assert AgentSettings(server=server, token="tfa_x", accept_unsigned_code=True).server == server
+
+
+def _mock_farm(monkeypatch, routes: dict) -> list[str]:
+    """The client commands talk to `routes` (path -> JSON); returns the requests made."""
+    from tunefarm_app import farm_commands
+
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.path}")
+        return httpx.Response(200, json=routes[request.url.path])
+
+    settings = ClientSettings.load(server="farm.example:8000", token="tft_secret")
+    monkeypatch.setattr(farm_commands, "_client", lambda args: FarmClient(settings, transport=httpx.MockTransport(answer)))
+    return seen
+
+
+def test_submit_to_an_unknown_class_uploads_nothing(monkeypatch, tmp_path, capsys):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"not read")
+    seen = _mock_farm(monkeypatch, {"/v1/device-classes": [{"name": "x86-avx2"}, {"name": "rpi4"}]})
+    assert main(["submit", str(model), "--device-class", "x86-avx", "--trials", "8"]) == 2
+    one_line_error(capsys, "no device class 'x86-avx'", "rpi4, x86-avx2", "farm device-class")
+    assert seen == ["GET /v1/device-classes"]
+
+
+@pytest.mark.parametrize(("given", "words"), [("m=0", ["positive"]), ("other=5", ["names no model: other"]),
+                                              ("fast", ["not a number"])])
+def test_submit_takes_tunes_latency_target_grammar(given, words, tmp_path, capsys, monkeypatch):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"not read")
+    seen = _mock_farm(monkeypatch, {})
+    assert main(["submit", str(model), "--device-class", "c", "--trials", "8", "--latency-target", given]) == 2
+    one_line_error(capsys, "--latency-target", *words)
+    assert seen == []
+
+
+def test_jobs_and_devices_print_headed_readable_tables_and_json(monkeypatch, capsys):
+    from datetime import UTC, datetime, timedelta
+
+    beat = (datetime.now(UTC) - timedelta(seconds=30)).isoformat()
+    flags = ["sse", "sse2", "sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "bmi2"]
+    agent = {"name": "box", "device_class": "c1", "state": "idle", "measurements_done": 3, "errors_by_kind": {},
+             "last_heartbeat_at": beat, "capabilities": {"arch": "x86_64", "logical_cores": 2, "isa_features": flags}}
+    job = {"id": 7, "state": "running", "model_id": 1, "model_name": "resnet", "device_class": "c1", "trial_budget": 64,
+           "trials_used": 8, "est_latency_start_secs": 0.002, "est_latency_secs": 0.001}
+    _mock_farm(monkeypatch, {"/v1/jobs": {"items": [job], "next_cursor": None},
+                             "/v1/device-classes": [{"name": "c1", "agents_online": 1, "target": {"kind": "llvm"}}],
+                             "/v1/devices": [agent]})
+    assert main(["jobs"]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[:3] == ["job", "state", "trials"] and "model" in header
+    assert row.split()[:5] == ["7", "running", "8/64", "c1", "resnet"]
+    assert main(["devices"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("agent"))
+    assert "avx512_vnni avx512f" in line and "bmi2" not in line and "sse" not in line  # the widest two, not all
+    assert "last heartbeat 30 s ago" in line or "last heartbeat 31 s ago" in line
+    assert main(["devices", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["agents"][0]["capabilities"]["isa_features"] == flags
+    assert main(["jobs", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["items"][0]["model_name"] == "resnet"
+
+
+def test_status_and_jobs_state_the_measured_speedup_over_onnxruntime(capsys, monkeypatch):
+    """A finished job: `status` prints onnxruntime's latency and the measured ratio (the
+    API's `speedup_vs_onnxruntime`), `jobs` the ratio; the estimate is never a speed-up."""
+    import argparse
+
+    from tunefarm_app import farm_commands
+    from tunefarm_app.farm_commands import _print_job
+
+    job = _job("succeeded", 64, None)
+    job.update(est_latency_secs=4e-5, est_latency_start_secs=1.2e-4, speedup_vs_onnxruntime=2.5, result={
+        "latency": {"median": 3e-5, "p90": 3.4e-5}, "onnxruntime_latency": {"median": 7.5e-5, "p90": 8e-5},
+        "check": {}, "measured_on": {}})
+    _print_job(job)
+    out = capsys.readouterr().out
+    assert "ORT        75.0 us p50, 80.0 us p90" in out
+    assert "vs ORT     2.50x the speed of onnxruntime (p50, measured" in out
+    assert "40.0 us estimated now, 120.0 us at the start" in out and "3.00x" not in out
+
+    page = {"items": [{**job, "id": 7}, {**_job("running", 8, None), "id": 6}], "next_cursor": None}
+    settings = ClientSettings.load(server="farm.example:8000", token="tft_secret")
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=page))
+    monkeypatch.setattr(farm_commands, "_client", lambda args: FarmClient(settings, transport=transport))
+    assert farm_commands.cmd_jobs(argparse.Namespace(limit=None, json=False)) == 0
+    lines = capsys.readouterr().out.splitlines()  # a header, then the jobs
+    assert lines[1].endswith("40.0 us  2.50x onnxruntime (measured)") and lines[2].endswith(" -")
 
 
 def test_farm_ups_supervisor_waits_longer_after_each_quick_death_and_gives_up_on_five_in_a_minute():

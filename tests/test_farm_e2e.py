@@ -3,7 +3,9 @@
 throw-away database with its own Redis queue prefix; then, over REST:
 
 - the whole path: upload a tiny ONNX model -> job -> scheduler -> RQ -> worker -> lease
-  -> agent -> Postgres -> progress -> an artifact whose output matches onnxruntime;
+  -> agent -> Postgres -> progress -> an artifact whose output matches onnxruntime, its
+  latency and onnxruntime's measured side by side by the agent (a model run), none by
+  the scheduler, though the class is of the scheduler host's own architecture;
 - a second job on the same device class starts from the shared cost model (its first
   batch is ranked by a trained model);
 - the scheduler killed (SIGKILL) in the middle of a job and started again: the job
@@ -22,6 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -94,6 +97,24 @@ def measured_twice(sessions_url: str, job_id: int) -> list[str]:
     return [k for (_, k), n in counts.items() if n > 1]
 
 
+def agent_timings(database_url: str, job_id: int) -> dict[str, list[float]]:
+    """The samples the agent reported for the job's timed model run: the model's and each
+    peer's, as stored by the lease service."""
+    from services.db.models import ModelRun
+    from services.db.session import make_session_factory
+
+    sessions = make_session_factory(database_url)
+    try:
+        with transaction(sessions) as s:
+            run = s.scalars(
+                select(ModelRun).where(ModelRun.job_id == job_id, ModelRun.peer_latencies.is_not(None))
+            ).one()
+            peers = {p: v["latency_samples"] for p, v in run.peer_latencies.items() if "latency_samples" in v}
+            return {"model": run.result["latency_samples"], **peers}
+    finally:
+        sessions.kw["bind"].dispose()
+
+
 def test_farm_up_wrote_farm_json(farm):
     info = read_state(farm.config.state_dir)
     for key in ("api_url", "grpc_address", "team_token", "agent_token"):
@@ -101,6 +122,20 @@ def test_farm_up_wrote_farm_json(farm):
     assert info["team_token"].startswith("tft_") and info["agent_token"].startswith("tfa_")
     assert set(info["processes"]) == {"redis", "api", "lease-service", "scheduler", "worker-1", "worker-2", "agent"}
     assert oct((farm.config.state_dir / "farm.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_the_clients_find_the_farm_by_its_state_dir(farm, monkeypatch, capsys):
+    """Nothing copied by hand: TUNEFARM_STATE_DIR (the line `farm up` prints) gives the
+    team's commands the API and the token, and the operator's the database."""
+    from tunefarm_app.cli import main
+
+    for var in ("TUNEFARM_TOKEN", "TUNEFARM_SERVER", "TUNEFARM_DATABASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TUNEFARM_STATE_DIR", str(farm.config.state_dir))
+    assert main(["devices"]) == 0
+    assert f"class      {farm.info['device_class']}" in capsys.readouterr().out
+    assert main(["farm", "token", "list", "--kind", "agent"]) == 0
+    assert "agents" in capsys.readouterr().out
 
 
 def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
@@ -140,6 +175,21 @@ def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     devices = client.devices()
     agent = next(d for d in devices if d["device_class"] == info["device_class"])
     assert agent["measurements_done"] >= 8 and agent["state"] in ("idle", "busy")
+
+    # the headline is the agent's measurement, onnxruntime's beside it on the same agent
+    result = job["result"]
+    assert result["measured_on"]["agent"] == agent["name"] and result["measured_on"]["emulated"] is False
+    timed = agent_timings(farm.config.database_url, job["id"])
+    assert result["latency"]["runs"] == len(timed["model"])
+    assert result["latency"]["median"] == pytest.approx(np.median(timed["model"]))
+    ort = result["onnxruntime_latency"]
+    assert ort["runs"] == len(timed["onnxruntime"]) == len(timed["model"])
+    assert ort["median"] == pytest.approx(np.median(timed["onnxruntime"]))
+    assert ort["threads"] == result["latency"]["threads"] and len(ort["round_medians"]) == len(result["latency"]["round_medians"])
+    assert report["models"][0]["onnxruntime_latency"] == ort
+    scheduler_log = Path(farm.processes["scheduler"].log).read_text()
+    assert f"job {job['id']}: tiny: timed on {agent['name']}: p50" in scheduler_log
+    assert f"job {job['id']}: tiny: building the tuned model" not in scheduler_log  # finish_model: the scheduler timing it
 
     # the same through the command line
     token_file = tmp_path / "team-token"

@@ -113,7 +113,7 @@ def test_a_good_archive_lands_whole(server, tmp_path, monkeypatch, capsys):
 def test_a_bad_entry_after_good_ones_leaves_nothing_behind(server, tmp_path, monkeypatch, capsys, entries, words):
     """The bad entry comes last: before, the good ones were already written to --out."""
     ANSWERS[2] = {"body": archive(entries)}
-    assert fetch(server, 2, tmp_path / "out", monkeypatch, TUNEFARM_FETCH_MAX_ENTRY_BYTES=100_000) == 2
+    assert fetch(server, 2, tmp_path / "out", monkeypatch, TUNEFARM_FETCH_MAX_ENTRY_BYTES=100_000) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and words in err, err
     assert left_in(tmp_path) == []
@@ -136,15 +136,17 @@ def test_a_refused_archive_leaves_an_existing_out_as_it_was(server, tmp_path, mo
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.so").write_bytes(b"the old one")
+    (out / "manifest.json").write_text("{}")  # an earlier fetch's tuned model: --out may be reused
     ANSWERS[3] = {"body": archive([("tuned/model.so", b"new"), ("tuned/../x", b"x")])}
-    assert fetch(server, 3, out, monkeypatch) == 2
-    assert left_in(tmp_path) == ["out", "out/model.so"] and (out / "model.so").read_bytes() == b"the old one"
+    assert fetch(server, 3, out, monkeypatch) == 1  # the archive is refused, not the command
+    assert left_in(tmp_path) == ["out", "out/manifest.json", "out/model.so"]
+    assert (out / "model.so").read_bytes() == b"the old one"
 
 
 @pytest.mark.parametrize("declared", [True, False], ids=["declared", "streamed"])
 def test_an_archive_over_the_download_cap_is_refused(server, tmp_path, monkeypatch, capsys, declared):
     ANSWERS[4] = {"body": archive(GOOD) + b"\0" * 200_000, "length": declared}
-    assert fetch(server, 4, tmp_path / "out", monkeypatch, TUNEFARM_FETCH_MAX_BYTES=100_000) == 2
+    assert fetch(server, 4, tmp_path / "out", monkeypatch, TUNEFARM_FETCH_MAX_BYTES=100_000) == 1
     err = capsys.readouterr().err
     assert "more than tunefarm fetch downloads (100000" in err, err
     assert left_in(tmp_path) == []
@@ -154,7 +156,7 @@ def test_a_small_archive_unpacking_into_too_much_is_refused(server, tmp_path, mo
     body = archive([(f"tuned/zeros-{i}.bin", b"\0" * 1_000_000) for i in range(8)])  # 8 MB of zeros, ~8 KiB sent
     assert len(body) < 100_000
     ANSWERS[5] = {"body": body}
-    assert fetch(server, 5, tmp_path / "out", monkeypatch, TUNEFARM_FETCH_MAX_UNPACKED_BYTES=3_000_000) == 2
+    assert fetch(server, 5, tmp_path / "out", monkeypatch, TUNEFARM_FETCH_MAX_UNPACKED_BYTES=3_000_000) == 1
     assert "unpacks to more than" in capsys.readouterr().err
     assert left_in(tmp_path) == []
 
@@ -163,7 +165,7 @@ def test_a_small_archive_unpacking_into_too_much_is_refused(server, tmp_path, mo
                          ids=["garbage", "truncated", "no-length-trailer"])
 def test_a_broken_archive_is_one_line(server, tmp_path, monkeypatch, capsys, body):
     ANSWERS[6] = {"body": body}
-    assert fetch(server, 6, tmp_path / "out", monkeypatch) == 2
+    assert fetch(server, 6, tmp_path / "out", monkeypatch) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "not a tuned model archive" in err, err
     assert left_in(tmp_path) == []
@@ -171,6 +173,6 @@ def test_a_broken_archive_is_one_line(server, tmp_path, monkeypatch, capsys, bod
 
 def test_a_damaged_download_is_refused(server, tmp_path, monkeypatch, capsys):
     ANSWERS[7] = {"body": archive(GOOD), "sha256": "0" * 64}
-    assert fetch(server, 7, tmp_path / "out", monkeypatch) == 2
+    assert fetch(server, 7, tmp_path / "out", monkeypatch) == 1
     assert "damaged" in capsys.readouterr().err
     assert left_in(tmp_path) == []

@@ -485,6 +485,56 @@ def test_a_false_server_cannot_make_the_agent_load_code_the_farm_did_not_sign(
     assert any("loads only kernels and model libraries signed by the farm" in r.message for r in caplog.records)
 
 
+@pytest.mark.slow
+def test_a_false_server_cannot_make_the_agents_peers_parse_a_graph_the_farm_did_not_sign(tmp_path, farm_keys):
+    """The ONNX graph a model run's peers are timed on is checked like code: one signed
+    with another key is deleted unread; the model (signed by the farm) is still run and
+    timed, and each peer reports why it was not."""
+    pytest.importorskip("tvm")
+    pytest.importorskip("onnxruntime")
+    from onnx_models import tiny_onnx
+
+    from tunefarm.models.build import build_model_library
+    from tunefarm.models.finish import load_model, model_inputs
+    from tunefarm.models.peers import ONNXRUNTIME
+
+    farm, other, public_key = farm_keys
+    onnx = tiny_onnx(tmp_path / "tiny.onnx")
+    m = load_model(onnx, {"x": [1, 3, 8, 8]}, name="tiny")
+    built = build_model_library(m.tasks.fused_mod, tmp_path / "tuned", target=host_target_dict(),
+                                inputs=m.imported.inputs, outputs=m.imported.outputs)  # fmt: skip
+    buffer = io.BytesIO()
+    np.savez(buffer, *model_inputs(m).values())
+    library, graph = built.library.read_bytes(), onnx.read_bytes()
+
+    def ref(kind: int, name: str, data: bytes, signature: bytes = b"") -> pb.ArtifactRef:
+        return pb.ArtifactRef(kind=kind, id=5, file_name=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data),
+                              signature=signature)  # fmt: skip
+
+    model_run = pb.LeasedModelRun(
+        model_run_id=5, repeat=4, warmup=1, timeout_secs=60.0, input_names=["x"],
+        library=ref(pb.ARTIFACT_KIND_MODEL_LIBRARY, "model.so", library,
+                    farm.sign(SignedKind.MODEL_LIBRARY, 5, hashlib.sha256(library).hexdigest())),
+        inputs=ref(pb.ARTIFACT_KIND_MODEL_INPUTS, "inputs.npz", buffer.getvalue()),
+        onnx_model=ref(pb.ARTIFACT_KIND_MODEL_ONNX, "model.onnx", graph,
+                       other.sign(SignedKind.MODEL_ONNX, 5, hashlib.sha256(graph).hexdigest())),
+    )  # fmt: skip
+    files = {(pb.ARTIFACT_KIND_MODEL_LIBRARY, 5): library, (pb.ARTIFACT_KIND_MODEL_INPUTS, 5): buffer.getvalue(),
+             (pb.ARTIFACT_KIND_MODEL_ONNX, 5): graph}  # fmt: skip
+    servicer = FalseLeaseService([pb.LeaseBatchResponse(model_run=model_run)], files)
+    server, address = _serve(servicer)
+    try:
+        errors = _run_agent_until(servicer, _settings(address, tmp_path / "work", public_key), lambda: servicer.model_runs)
+    finally:
+        server.stop(0)
+    assert errors == []
+    (ran,) = servicer.model_runs
+    assert ran.error == "" and len(ran.latency_samples) == 4 and ran.outputs_npz  # the model ran, and was timed
+    notes = {p.peer: p.error for p in ran.peers}
+    assert not any(p.latency_samples for p in ran.peers)
+    assert "not loaded" in notes[ONNXRUNTIME] and "does not verify" in notes[ONNXRUNTIME]
+
+
 def test_a_false_server_cannot_make_the_agent_write_outside_its_work_directory(tmp_path, marker_dir, farm_keys):
     farm, _, public_key = farm_keys
     outside = tmp_path / "outside"

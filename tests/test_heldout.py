@@ -109,3 +109,37 @@ def test_per_task_labels_carry_to_a_task_the_model_has_no_label_of():
     assert per_task.n_train == 0 and per_task.n_test == 60
     assert per_task.pairwise > 0.9
     assert global_.pairwise < 0.7
+
+
+def test_a_program_measured_twice_is_one_sample_so_no_fold_holds_its_twin():
+    """Costs unrelated to the features: nothing to learn. Measured twice each (a search
+    measures a program again; twins share their feature matrix), random folds put one
+    twin in training and score the other: the model recalls it. Deduplicated, the same
+    data scores a coin toss."""
+    from tunefarm_app.bench.heldout import deduplicate
+
+    rng = np.random.default_rng(2)
+    programs = [np.array([[rng.uniform(), rng.uniform()]], dtype=np.float32) for _ in range(100)]
+    costs = 1e-3 * (1.0 + rng.uniform(0.0, 4.0, 100))
+    features = programs + [p.copy() for p in programs]
+    measured = np.concatenate([costs, costs * 1.002])
+    noise, groups = np.zeros(200), ["t"] * 200
+    leaky = cross_validate(features, measured, noise, groups, kfold_splits(200, FOLDS, seed=3), seed=1)["t"]
+    distinct = deduplicate(features, measured, noise, groups)
+    assert len(distinct.groups) == 100 and distinct.costs[0] == pytest.approx(costs[0] * 1.001)
+    fair = cross_validate(distinct.features, distinct.costs, distinct.noise, distinct.groups,
+                          kfold_splits(100, FOLDS, seed=3), seed=1)["t"]  # fmt: skip
+    assert leaky.pairwise > 0.75
+    assert fair.pairwise < 0.65
+
+
+def test_rolling_rounds_train_on_what_was_measured_before():
+    from tunefarm_app.bench.heldout import rolling_splits
+
+    groups = ["a"] * 6 + ["b"] * 3 + ["a"] * 5 + ["b"] * 7
+    splits = rolling_splits(groups, min_round=5)
+    # a's first round has nothing before it; b's first is too small to rank
+    assert [(train.tolist(), test.tolist()) for train, test in splits] == [
+        (list(range(9)), list(range(9, 14))),
+        (list(range(14)), list(range(14, 21))),
+    ]

@@ -77,7 +77,7 @@ def test_tune_a_tiny_model_interrupt_resume_and_match_onnxruntime(tiny, tmp_path
     x = np.random.default_rng(1).standard_normal(model["inputs"][0]["shape"]).astype("float32")
     np.save(tmp_path / "x.npy", x)
     name = model["inputs"][0]["name"]
-    assert main(["run", str(out), "--input", f"{name}=" + str(tmp_path / "x.npy"), "--output",
+    assert main(["run", str(out), "--input", f"{name}=" + str(tmp_path / "x.npy"), "--out",
                  str(tmp_path / "o.npz"), "--repeat", "3"]) == 0
     from tunefarm.models.importer import run_onnxruntime
 

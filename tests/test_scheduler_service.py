@@ -1,12 +1,11 @@
 """The scheduler service's pure parts: fair shares, the shared model's view, workloads
-rebuilt from their rows, the tuned model archive, the output check."""
+rebuilt from their rows, the tuned model archive."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from services.scheduler.farm_job import runs_here
 from services.scheduler.service import fair_share
 from tunefarm.models.finish import archive_directory, extract_archive
 
@@ -49,19 +48,6 @@ def test_a_workload_row_rebuilds_with_its_key():
     workload = workload_from_te("mm", [a, w, c]).with_constants([1])
     again = workload_from_stored(key=workload.key, name=workload.name, module_json=workload.to_json(), n_outputs=1)
     assert again.key == workload.key and again.constants == (1,)
-
-
-def test_where_a_tuned_model_is_checked():
-    import platform
-
-    assert runs_here({"kind": "llvm", "mcpu": "x"})
-    assert runs_here({"kind": "llvm", "mtriple": f"{platform.machine()}-linux-gnu"})
-    assert not runs_here({"kind": "llvm", "mtriple": "riscv64-linux-gnu"})
-    assert not runs_here({"kind": "cuda", "arch": "sm_90"})
-    from tunefarm.isa import host_flags
-
-    if platform.machine() == "x86_64" and "avx512f" not in host_flags():  # an ISA this CPU lacks
-        assert not runs_here({"kind": "llvm", "mcpu": "skylake-avx512"})
 
 
 def test_the_archive_round_trips_and_refuses_strange_entries(tmp_path):

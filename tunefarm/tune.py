@@ -233,20 +233,12 @@ def tune_models(
     and to save the run's model to; None: a fresh model, not kept. `search`: the
     evolutionary search's parameters (default `SearchConfig()`). `conv_layout`: the
     layout convolutions compute in, a key of `CONV_LAYOUT_CHOICES` ("nhwc" or "model")."""
-    if trials < 1:
-        raise UsageError("--trials must be at least 1")
+    _check_tune_arguments(trials, out, conv_layout)
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    if conv_layout not in CONV_LAYOUT_CHOICES:
-        raise UsageError(f"--conv-layout {conv_layout!r}: choose one of {', '.join(CONV_LAYOUT_CHOICES)}")
     target = target or host_target_dict()
     t_start = time.perf_counter()
     models = _load_models(sources, input_shapes, example_inputs, CONV_LAYOUT_CHOICES[conv_layout], log)
-    latency_targets = dict(latency_targets or {})
-    unknown = sorted(set(latency_targets) - {m.name for m in models})
-    if unknown:
-        raise UsageError(f"--latency-target names no model: {', '.join(unknown)}")
+    latency_targets = _latency_targets_by_model(latency_targets, models)
     shared = merge_tasks([m.tasks for m in models])
     log(
         f"{len(shared)} tasks in {len(models)} model{'s' if len(models) > 1 else ''}: "
@@ -271,6 +263,28 @@ def tune_models(
     report["conv_layout"] = conv_layout
     (out / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
     return ModelTuneResult(out, outcomes, result, report)
+
+
+def _check_tune_arguments(trials: int, out: str | Path, conv_layout: str) -> None:
+    """`UsageError` for a trial count below 1, an `out` that is a file, an unknown layout."""
+    if trials < 1:
+        raise UsageError("--trials must be at least 1")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    if conv_layout not in CONV_LAYOUT_CHOICES:
+        raise UsageError(f"--conv-layout {conv_layout!r}: choose one of {', '.join(CONV_LAYOUT_CHOICES)}")
+
+
+def _latency_targets_by_model(
+    latency_targets: Mapping[str, float] | None, models: Sequence[Any]
+) -> dict[str, float]:
+    """The latency targets as a dict; `UsageError` if one names none of `models`."""
+    targets = dict(latency_targets or {})
+    unknown = sorted(set(targets) - {m.name for m in models})
+    if unknown:
+        raise UsageError(f"--latency-target names no model: {', '.join(unknown)}")
+    return targets
 
 
 def _load_models(sources, input_shapes, example_inputs, conv_layouts, log: Callable[[str], None]) -> list:

@@ -27,7 +27,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from tunefarm.errors import UsageError
+from tunefarm.errors import TunefarmError, UsageError
 from tunefarm.models.finish import ARCHIVE_ROOT
 
 TAR_HEADER_BYTES = 512
@@ -36,8 +36,9 @@ TAR_HEADER_BYTES = 512
 COPY_CHUNK_BYTES = 1 << 20
 
 
-class FetchError(UsageError):
-    """The archive is too large, malformed, or holds an entry that may not be unpacked."""
+class FetchError(TunefarmError):
+    """The farm's archive is too large, malformed, or holds an entry that may not be
+    unpacked, or it cannot be put in place: the fetch failed (exit 1), not the command."""
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,10 @@ def fetch_tuned_model(client, job_id: int, out: Path, limits: FetchLimits) -> Fe
     `out` (see the module docstring). Raises `FarmError`/`FetchError`, leaving nothing."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise FetchError(f"--out {out} exists and is not a directory")
+        raise UsageError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
         # a farm's archive is not trusted to write among the user's own files (say, ~)
-        raise FetchError(f"--out {out} is not empty and holds no tuned model (manifest.json): "
+        raise UsageError(f"--out {out} is not empty and holds no tuned model (manifest.json): "
                          "choose a new or empty directory; nothing was written")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.fetch-", dir=out.parent) as tmp:

@@ -2,7 +2,7 @@
 
   tunefarm tasks MODEL.onnx [--input-shape x=1,3,224,224]
   tunefarm tune MODEL.onnx [MORE.onnx] [--input-shape ...] --trials N --out DIR
-  tunefarm run DIR [--input x=x.npy] [--output out.npz]
+  tunefarm run DIR [--input x=x.npy] [--out out.npz]
   tunefarm tune-op WORKLOAD [--shape M=..,N=..] [--trials N] [--records F] [--json F]
   tunefarm apply-best RECORDS --out LIB [--workload NAME]
   tunefarm sketches WORKLOAD [--shape ...]
@@ -14,7 +14,9 @@
   tunefarm bench gpu-models [--trials N] [--models yolov8n_like] [--no-compile]   # on an NVIDIA GPU
   tunefarm bench transfer [--source T] [--dest T] [--trials N] [--workloads gemm256,...]
 
-Bad input exits with status 2 and one line on stderr; nothing already stored is lost.
+Every error is one line on stderr, and nothing already stored is lost. The exit status
+says whose it is: 2 a bad command (a flag, a file, a shape), 1 a failure of the work
+itself, 3 a farm that cannot be reached.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tunefarm_app.bench import fastmath as bench_math
 from tunefarm_app.bench import gpu_models as bench_gpu_models
 from tunefarm_app.bench import models as bench_models
 from tunefarm_app.bench import transfer as bench_transfer
+from tunefarm_app.json_output import add_json_flag, emit_json, only_json
 
 TARGET_HELP = (
     'TVM target as a JSON dict (default: this host); an NVIDIA GPU: {"kind": "cuda", "arch": "sm_80"} '
@@ -76,7 +79,7 @@ def _add_kernel_commands(sub) -> None:
     t.add_argument("--const", action="append", metavar="NAME", help=CONST_HELP)
     t.add_argument("--trials", type=int, default=256, help="measurements in total (default 256)")
     t.add_argument("--records", type=Path, help="JSON-lines records file (resumed if it exists)")
-    t.add_argument("--json", type=Path, help="write the report here")
+    add_json_flag(t, "the report")
     t.add_argument("--target", help=TARGET_HELP)
     t.add_argument("--seed", type=int, default=1, help="search seed (default 1)")
     t.add_argument("--batch-size", type=int, default=32, help="measurements per round (default 32)")
@@ -155,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return _dispatch(args)
-    except TunefarmError as exc:
+    except TunefarmError as exc:  # one line; the status says whose fault (`tunefarm.errors`)
         print(f"tunefarm: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print(
             "\ntunefarm: interrupted; every measurement made so far is in the records file: "
@@ -236,13 +239,11 @@ def _tune_op(args: argparse.Namespace) -> int:
         cost_model_path=model_commands.cost_model_file(args, target),
         callbacks=callbacks,
     )
-    for line in summary_lines(result):
-        print(line)
-    print(f"records    {records}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report_dict(result), indent=1))
-        print(f"report     {args.json}")
+    if not only_json(args):
+        for line in summary_lines(result):
+            print(line)
+        print(f"records    {records}")
+    emit_json(args, report_dict(result))
     return 0 if result.outcomes[0].best is not None else 1
 
 

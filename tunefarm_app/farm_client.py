@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tunefarm.errors import UsageError
+from tunefarm.errors import UNREACHABLE_EXIT, USAGE_EXIT, TunefarmError, UsageError
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 
@@ -36,25 +36,41 @@ RETRY_PAUSES_SECS = (1.0, 2.0, 4.0, 8.0, 15.0)
 """Pauses before the 1st, 2nd, ... retry of a poll that failed; the last one repeats."""
 
 
-class FarmError(UsageError):
-    """The farm answered with an error, or could not be reached."""
+class FarmError(TunefarmError):
+    """The farm answered with an error, or what it sent is unusable (exit 1)."""
+
+
+class FarmRefused(FarmError):
+    """The farm refused the request (HTTP 4xx: no such job, a bad token, a bad model):
+    the command is at fault (exit 2)."""
+
+    exit_code = USAGE_EXIT
 
 
 class TransientFarmError(FarmError):
-    """The farm could not be reached, the request broke off or timed out, or the farm
-    answered 5xx: worth asking again."""
+    """The request broke off or timed out, or the farm answered 5xx: worth asking again."""
+
+
+class FarmUnreachable(TransientFarmError):
+    """No answer from the farm at all (refused connection, unknown host, timeout): exit 3."""
+
+    exit_code = UNREACHABLE_EXIT
 
 
 class ClientSettings(BaseSettings):
     """Where the farm's API is and the team token to use: flags win, then TUNEFARM_SERVER
-    and TUNEFARM_TOKEN. The only reader of those variables."""
+    and TUNEFARM_TOKEN, then the farm.json of a farm started here (`--state-dir`,
+    TUNEFARM_STATE_DIR). The only reader of those variables."""
 
     model_config = SettingsConfigDict(env_prefix="TUNEFARM_", extra="ignore")
 
     # Base URL of the API (http://host:port); a bare host:port gets http://.
     server: str = DEFAULT_SERVER
     # A team token (tft_...); a secret: no default.
-    token: str
+    token: str = ""
+    # The state dir of a farm started with `tunefarm farm up --state-dir D`: its farm.json
+    # gives the API's URL and the team token that neither a flag nor a variable gives.
+    state_dir: Path | None = None
     # Seconds one HTTP request may take (uploads of large models take longer to import).
     http_timeout_secs: float = 600.0
     # Seconds between two polls of a followed job (`--follow`).
@@ -69,20 +85,40 @@ class ClientSettings(BaseSettings):
 
     @classmethod
     def load(
-        cls, *, server: str | None = None, token: str | None = None, follow_retry_secs: float | None = None
+        cls, *, server: str | None = None, token: str | None = None, follow_retry_secs: float | None = None,
+        state_dir: Path | None = None,
     ) -> ClientSettings:
-        given: dict[str, Any] = {k: v for k, v in {"server": server, "token": token}.items() if v}
+        given: dict[str, Any] = {k: v for k, v in {"server": server, "token": token, "state_dir": state_dir}.items() if v}
         if follow_retry_secs is not None:
             given["follow_retry_secs"] = follow_retry_secs
         try:
             settings = cls(**given)
-        except ValidationError:
-            settings = None
-        if settings is None or not settings.token.strip():
-            raise UsageError("no team token: set TUNEFARM_TOKEN or pass --token-file PATH")
+        except ValidationError as exc:
+            raise UsageError(f"client settings: {_first_problem(exc)}") from None
+        if settings.state_dir is not None:
+            settings = settings.with_local_farm()
+        if not settings.token.strip():
+            raise UsageError(
+                "no team token: set TUNEFARM_TOKEN, pass --token-file PATH, or name a farm started here "
+                "with --state-dir D (or TUNEFARM_STATE_DIR)"
+            )
         if "://" not in settings.server:
             settings.server = f"http://{settings.server}"
         return settings
+
+    def with_local_farm(self) -> ClientSettings:
+        """The API's URL and the team token from the farm.json in `state_dir`, where
+        neither was given (a flag or TUNEFARM_SERVER / TUNEFARM_TOKEN wins)."""
+        from tunefarm_app.farm_local import read_state
+
+        assert self.state_dir is not None
+        info = read_state(self.state_dir)
+        update: dict[str, Any] = {}
+        if "server" not in self.model_fields_set and info.get("api_url"):
+            update["server"] = info["api_url"]
+        if not self.token.strip() and info.get("team_token"):
+            update["token"] = info["team_token"]
+        return self.model_copy(update=update)
 
 
 class FarmClient:
@@ -168,6 +204,8 @@ class FarmClient:
                     response.read()
                     raise self._error(response)
                 yield from response.iter_lines()
+        except httpx.TransportError as exc:
+            raise FarmUnreachable(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
 
@@ -194,7 +232,7 @@ class FarmClient:
                 down = now - failing_since
                 pause = RETRY_PAUSES_SECS[min(attempt, len(RETRY_PAUSES_SECS) - 1)]
                 if down + pause > self.settings.follow_retry_secs:
-                    raise FarmError(
+                    raise FarmUnreachable(
                         f"gave up following job {job_id}: no answer from the farm for {down:.0f} s "
                         f"(last: {exc}); `tunefarm status {job_id} --follow` picks it up again"
                     ) from None
@@ -236,7 +274,7 @@ class FarmClient:
                     sink.write(chunk)
                 expected = response.headers.get("x-content-sha256")
         except httpx.TransportError as exc:
-            raise TransientFarmError(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
+            raise FarmUnreachable(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
         if expected and expected != digest.hexdigest():
@@ -249,7 +287,7 @@ class FarmClient:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise TransientFarmError(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
+            raise FarmUnreachable(f"cannot reach the farm at {self.base}: {_describe(exc)}") from None
         except httpx.HTTPError as exc:
             raise FarmError(f"cannot reach the farm at {self.base}: {exc}") from None
         if response.status_code >= 400:
@@ -262,7 +300,7 @@ class FarmClient:
             message = response.json()["error"]["message"]
         except Exception:
             message = response.text.strip()[:300] or response.reason_phrase
-        kind = TransientFarmError if response.status_code >= 500 else FarmError
+        kind = TransientFarmError if response.status_code >= 500 else FarmRefused
         return kind(f"{message} (HTTP {response.status_code})")
 
 
@@ -293,3 +331,10 @@ def model_external_files(path: Path) -> list[tuple[str, Path]]:
     except Exception:  # not ONNX: the farm says what is wrong with it
         return []
     return external_files(model, path.parent)
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """A settings validation error as one line: the variable and what is wrong with it."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error.get("loc", ())) or "value"
+    return f"TUNEFARM_{where.upper()}: {error.get('msg', 'invalid')}"

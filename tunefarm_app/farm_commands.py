@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tunefarm.display import printable
 from tunefarm.errors import UsageError
 from tunefarm.secret_flags import read_secret_file, refuse_on_command_line
+from tunefarm_app.json_output import add_json_flag, emit_json, only_json
 
 
 def add_commands(sub) -> None:
@@ -34,7 +36,8 @@ def add_commands(sub) -> None:
                    help="the shape of an input with dynamic dimensions (once per such input)")
     s.add_argument("--device-class", required=True, help="where to tune (tunefarm devices lists the classes)")
     s.add_argument("--trials", type=int, required=True, help="measurements in total over all the model's tasks")
-    s.add_argument("--latency-target", type=float, metavar="MS", help="stop once the estimated latency is at most MS")
+    s.add_argument("--latency-target", metavar="[MODEL=]MS",
+                   help="stop once the estimated latency is at most MS milliseconds (as tune takes it)")
     s.add_argument("--strategy", choices=["gradient", "round-robin"], default="gradient", help="task scheduler")
     s.add_argument("--seed", type=int, default=1, help="seed of the job's search (default 1)")
     s.add_argument("--name", help="the model's name (default: the file name)")
@@ -47,7 +50,7 @@ def add_commands(sub) -> None:
     st.add_argument("job", type=int, help="the job's id")
     st.add_argument("--follow", action="store_true",
                     help="show the live progress table until the job ends (retries a lost connection)")
-    st.add_argument("--json", action="store_true", help="print the API's JSON")
+    add_json_flag(st, "the API's job")
     _follow_args(st)
     _client_args(st)
 
@@ -63,9 +66,11 @@ def add_commands(sub) -> None:
 
     j = sub.add_parser("jobs", help="your team's jobs, newest first")
     j.add_argument("--limit", type=int, default=20, help="jobs to list (default 20)")
+    add_json_flag(j, "the API's page of jobs")
     _client_args(j)
 
     d = sub.add_parser("devices", help="the farm's agents and device classes")
+    add_json_flag(d, "the API's classes and agents (every CPU flag included)")
     _client_args(d)
 
 
@@ -76,7 +81,10 @@ def _follow_args(p) -> None:
 
 
 def _client_args(p) -> None:
-    p.add_argument("--server", help="the farm's API, http://HOST:PORT (default: TUNEFARM_SERVER)")
+    p.add_argument("--server", help="the farm's API, http://HOST:PORT or HOST:PORT (default: TUNEFARM_SERVER)")
+    p.add_argument("--state-dir", type=Path,
+                   help="a farm started here with `tunefarm farm up --state-dir D`: its API and team token "
+                        "(default: TUNEFARM_STATE_DIR; --server, --token-file and their variables win)")
     p.add_argument("--token-file", metavar="PATH",
                    help="a file holding your team token (- reads stdin; default: TUNEFARM_TOKEN)")
     refuse_on_command_line(p, "--token", instead="TUNEFARM_TOKEN or --token-file PATH")
@@ -89,7 +97,9 @@ def _client(args: argparse.Namespace):
     if retry is not None and not (math.isfinite(retry) and retry >= 0):
         raise UsageError("--retry-secs must be a number of seconds, 0 or more")
     token = read_secret_file(args.token_file, "team token") if args.token_file else None
-    return FarmClient(ClientSettings.load(server=args.server, token=token, follow_retry_secs=retry))
+    return FarmClient(
+        ClientSettings.load(server=args.server, token=token, follow_retry_secs=retry, state_dir=args.state_dir)
+    )
 
 
 def _follow(client, job_id: int) -> dict:
@@ -111,13 +121,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
-    target = None
-    if args.latency_target is not None:
-        if not math.isfinite(args.latency_target) or args.latency_target <= 0:
-            raise UsageError("--latency-target must be a positive number of milliseconds")
-        target = args.latency_target / 1e3
+    target = _latency_target(args.latency_target, args.name or args.model.stem)
+    if not args.model.is_file():
+        raise UsageError(f"no such model file: {args.model}")
     shapes = parse_input_shapes(args.input_shape)
     with _client(args) as client:
+        _check_device_class(client, args.device_class)  # before the upload: nothing stored for a typo
         model = client.upload_model(args.model, shapes, args.name)
         print(f"model      {model['id']}: {model['name']}, {len(model['tasks'])} tasks")
         for t in model["tasks"]:
@@ -140,16 +149,36 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return _print_end(final)
 
 
+def _latency_target(given: str | None, model: str) -> float | None:
+    """`--latency-target [MODEL=]MS` in seconds, with `tune`'s grammar; MODEL, when
+    named, must be the model submitted."""
+    from tunefarm_app.model_commands import parse_latency_targets
+
+    if given is None:
+        return None
+    (name, secs), = parse_latency_targets([given], [model]).items()
+    if name != model:
+        raise UsageError(f"--latency-target names no model: {name} (this model is {model})")
+    return secs
+
+
+def _check_device_class(client, name: str) -> None:
+    names = sorted(c["name"] for c in client.device_classes())
+    if name not in names:
+        known = ", ".join(names) if names else "none yet"
+        raise UsageError(f"no device class {name!r} on this farm (classes: {known}; "
+                         "an operator creates one with tunefarm farm device-class NAME)")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.follow:
             final = _follow(client, args.job)
             return _print_end(final)
         job = client.job(args.job)
-    if args.json:
-        print(json.dumps(job, indent=1))
-        return 0
-    _print_job(job)
+    emit_json(args, job)
+    if not only_json(args):
+        _print_job(job)
     return 0
 
 
@@ -183,11 +212,19 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         page = client.jobs(limit=args.limit)
+    emit_json(args, page)
+    if only_json(args):
+        return 0
     if not page["items"]:
         print("no jobs yet")
+        return 0
+    print(f"{'job':>6}  {'state':<10} {'trials':>13}  {'device class':<24} {'model':<24} est. latency")
     for j in page["items"]:
         est = format_cost(j["est_latency_secs"]) if j["est_latency_secs"] else "-"
-        print(f"{j['id']:>6}  {j['state']:<10} {j['trials_used']:>6}/{j['trial_budget']:<6} {j['device_class']:<24} est {est}")
+        trials = f"{j['trials_used']}/{j['trial_budget']}"
+        measured = f"  {j['speedup_vs_onnxruntime']:.2f}x onnxruntime (measured)" if j.get("speedup_vs_onnxruntime") else ""
+        print(printable(f"{j['id']:>6}  {j['state']:<10} {trials:>13}  {j['device_class']:<24} "
+                        f"{j['model_name']:<24} {est}{measured}"))
     if page["next_cursor"]:
         print(f"(more: older than job {page['next_cursor']})")
     return 0
@@ -197,24 +234,60 @@ def cmd_devices(args: argparse.Namespace) -> int:
     with _client(args) as client:
         classes = client.device_classes()
         agents = client.devices()
+    emit_json(args, {"device_classes": classes, "agents": agents})
+    if only_json(args):
+        return 0
     for c in classes:
         print(f"class      {c['name']}: {c['agents_online']} agent(s) online, target {json.dumps(c['target'])}")
+    now = datetime.now(UTC)
     for a in agents:
         errors = ", ".join(f"{k} {v}" for k, v in sorted(a["errors_by_kind"].items())) or "no errors"
-        seen = a["last_heartbeat_at"] or "never"
-        caps = a["capabilities"]
-        machine = f"{caps.get('arch', '?')}, {caps.get('logical_cores', '?')} cores"
-        if caps.get("isa_features"):
-            machine += f", {' '.join(caps['isa_features'])}"
-        if caps.get("emulated"):
-            machine += ", EMULATED (timings are the emulator's)"
         # The name and capabilities are the agent's word: printed escaped (no terminal escapes).
-        print(printable(f"agent      {a['name']} ({a['device_class']}; {machine}): {a['state']}, "
-                        f"{a['measurements_done']} measured, {errors}; last heartbeat {seen}", 2000))
+        print(printable(f"agent      {a['name']} ({a['device_class']}; {_machine(a['capabilities'])}): {a['state']}, "
+                        f"{a['measurements_done']} measured, {errors}; last heartbeat "
+                        f"{_ago(a['last_heartbeat_at'], now)}", 2000))
         print(f"  timings  {_standing(a)}")
     if not classes and not agents:
         print("no device classes or agents yet")
     return 0
+
+
+VECTOR_ISA_ORDER = ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "avx", "sse4_2", "sve2", "sve",
+                    "asimddp", "asimd", "neon")
+"""The vector ISA features worth a word in a machine's line, widest first (an agent
+reports dozens of CPU flags; `--json` has them all)."""
+
+
+def _machine(caps: dict) -> str:
+    """An agent's machine in a few words: arch, cores, its widest vector ISA, emulation."""
+    machine = f"{caps.get('arch', '?')}, {caps.get('logical_cores', '?')} cores"
+    features = set(caps.get("isa_features") or ())
+    widest = [f for f in VECTOR_ISA_ORDER if f in features][:2]
+    if widest:
+        machine += f", {' '.join(widest)}"
+    if caps.get("emulated"):
+        machine += ", EMULATED (timings are the emulator's)"
+    return machine
+
+
+def _ago(stamp: str | None, now: datetime) -> str:
+    """An API timestamp as the time since it ("12 s ago"); "never" for none."""
+    if not stamp:
+        return "never"
+    try:
+        then = datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
+    secs = max(0.0, (now - then).total_seconds())
+    if secs < 120:
+        return f"{secs:.0f} s ago"
+    if secs < 7200:
+        return f"{secs / 60:.0f} min ago"
+    if secs < 172800:
+        return f"{secs / 3600:.0f} h ago"
+    return f"{then:%Y-%m-%d %H:%M} UTC"
 
 
 def _standing(agent: dict) -> str:
@@ -235,7 +308,7 @@ def _print_end(job: dict) -> int:
 
 def _print_job(job: dict) -> None:
     from tunefarm_app.progress import format_cost
-    from tunefarm_app.tuned_report import latency_text
+    from tunefarm_app.tuned_report import latency_text, peer_lines
 
     def cost(v):
         return format_cost(v) if v else "-"
@@ -275,6 +348,11 @@ def _print_job(job: dict) -> None:
         if lat:
             emulated = " (EMULATED: the emulator's time, not the device's)" if lat.get("emulated") else ""
             print(f"tuned      {latency_text(lat)}{where}{emulated}")
+        for line in peer_lines(job["result"], where):  # onnxruntime's, OpenVINO's, or why not
+            print(line)
+        if job.get("speedup_vs_onnxruntime"):
+            print(f"vs ORT     {job['speedup_vs_onnxruntime']:.2f}x the speed of onnxruntime (p50, measured, same input "
+                  "and threads)")
         check = job["result"].get("check") or {}
         if check.get("ok"):
             print(f"check      matches {check['reference']}{where} (max abs error {check['max_abs_error']:.2g})")

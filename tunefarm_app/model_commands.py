@@ -2,7 +2,7 @@
 
   tunefarm tasks MODEL.onnx [--input-shape x=1,3,224,224]...
   tunefarm tune MODEL.onnx [MODEL2.onnx ...] [--input-shape ...] --trials N --out DIR
-  tunefarm run DIR [--input x=x.npy]... [--output out.npz] [--threads N] [--repeat N]
+  tunefarm run DIR [--input x=x.npy]... [--out out.npz] [--threads N] [--repeat N]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tunefarm.errors import ModelError, UsageError
+from tunefarm_app.json_output import add_json_flag, emit_json, only_json
 
 
 def add_commands(sub) -> None:
@@ -21,6 +22,7 @@ def add_commands(sub) -> None:
     t.add_argument("models", nargs="+", type=Path, help="ONNX files")
     _input_shape_arg(t)
     _conv_layout_arg(t)
+    add_json_flag(t, "the task tables")
 
     u = sub.add_parser("tune", help="tune whole models and write the tuned, compiled models")
     u.add_argument("models", nargs="+", type=Path, help="ONNX files; several share their identical tasks")
@@ -46,7 +48,9 @@ def add_commands(sub) -> None:
     r = sub.add_parser("run", help="run a tuned model and print its latency")
     r.add_argument("directory", type=Path, help="a directory written by `tunefarm tune`")
     r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input (default: random)")
-    r.add_argument("--output", type=Path, help="write the outputs to this .npz")
+    add_json_flag(r, "the latencies (the tuned model's and its peers') and the outputs' shapes")
+    r.add_argument("--out", "--output", dest="out", type=Path,
+                   help="write the outputs to this .npz (--out names what a command writes, as on tune and report)")
     r.add_argument(
         "--repeat", type=int, help="timed inferences (default: as many as fit in about a second, at least 20), "
         "in 5 blocks alternating with onnxruntime's"
@@ -151,9 +155,18 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     shapes = parse_input_shapes(args.input_shape)
     taken: set[str] = set()
     console = Console(highlight=False)
+    listed: list[dict] = []
     for path in args.models:
         m = load_model(path, shapes, name=model_name(path, taken), conv_layouts=CONV_LAYOUT_CHOICES[args.conv_layout])
         rows = m.tasks.table()
+        listed.append({
+            "model": m.name, "gflop_per_run": m.tasks.total_flops / 1e9, "elided": list(m.tasks.elided),
+            "warnings": list(m.imported.warnings),
+            "tasks": [{"index": i, "name": r.name, "shapes": r.shapes, "weight": r.weight, "flops": r.flops,
+                       "share": r.share} for i, r in enumerate(rows)],
+        })  # fmt: skip
+        if only_json(args):
+            continue
         table = Table(title=f"{m.name}: {len(rows)} tasks, {m.tasks.total_flops / 1e9:.3f} GFLOP per run")
         for col in ("#", "task", "shapes", "weight", "MFLOP", "share"):
             table.add_column(col, justify="left" if col in ("task", "shapes") else "right")
@@ -164,6 +177,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
             console.print(f"not tasks (the build makes them views): {', '.join(m.tasks.elided)}", markup=False)
         for w in m.imported.warnings:
             console.print(f"warning: {w}", markup=False)
+    emit_json(args, listed)
     return 0
 
 
@@ -268,16 +282,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     timed: dict = {"latency": latencies["tuned"].as_report()}
     timed.update({latency_key(p): latencies[p].as_report() for p in peers})
-    for line in latency_lines(timed):
-        print(line)
-    for s, out in zip(manifest["outputs"], run.outputs):
-        print(f"output     {s['name']}: {out.dtype}{list(out.shape)}")
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(args.output, **{s["name"]: o for s, o in zip(manifest["outputs"], run.outputs)})
-        print(f"written    {args.output}")
-    if missing:
+    quiet = only_json(args)
+    if not quiet:
+        for line in latency_lines(timed):
+            print(line)
+        for s, out in zip(manifest["outputs"], run.outputs):
+            print(f"output     {s['name']}: {out.dtype}{list(out.shape)}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(args.out, **{s["name"]: o for s, o in zip(manifest["outputs"], run.outputs)})
+        if not quiet:
+            print(f"written    {args.out}")
+    if missing and not quiet:
         print("inputs     " + ", ".join(s["name"] for s in missing) + " random (standard normal, seed 0)")
+    emit_json(args, {
+        **timed,
+        "outputs": [{"name": s["name"], "dtype": str(o.dtype), "shape": list(o.shape)}
+                    for s, o in zip(manifest["outputs"], run.outputs)],
+        "random_inputs": [s["name"] for s in missing],
+    })  # fmt: skip
     return 0
 
 

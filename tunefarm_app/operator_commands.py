@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 from pathlib import Path
 
 from tunefarm.errors import UsageError
@@ -37,6 +38,8 @@ PROCESS_UMASK = 0o077
 VALUE_FILE_HELP = "store the token in this file (a deployment's secret; - reads stdin) instead of making one"
 
 DATABASE_URL_HELP = "SQLAlchemy URL of the farm database (default: TUNEFARM_DATABASE_URL, else the local PostgreSQL)"
+FARM_DATABASE_HELP = ("SQLAlchemy URL of the farm database (default: the --state-dir farm's, else "
+                      "TUNEFARM_DATABASE_URL; with neither, the command is refused)")
 
 SERVICE_COMMANDS = {
     "api": ("services.api.app", "the farm's HTTP API (uvicorn)"),
@@ -77,7 +80,7 @@ def add_commands(sub) -> None:
     fc.add_argument("name", help="the class's name (jobs and agents name it)")
     fc.add_argument("--target", help="TVM target as a JSON dict (default: this machine)")
     fc.add_argument("--description", default="", help="a line shown with the class")
-    fc.add_argument("--database-url", help=DATABASE_URL_HELP)
+    _farm_database_args(fc)
     fk = fsub.add_parser("signing-key", help="make the farm's code-signing key pair (kept if it exists)")
     fk.add_argument("--private-key", type=Path, required=True,
                     help="the private key (PEM, made mode 0600): TUNEFARM_SIGNING_KEY_FILE of workers and the scheduler")
@@ -127,16 +130,23 @@ def _add_token_commands(fsub) -> None:
     for p in (ft, fa):
         p.add_argument("--value-file", metavar="PATH", help=VALUE_FILE_HELP)
         refuse_on_command_line(p, "--value", instead="--value-file PATH (- reads stdin)")
-        p.add_argument("--database-url", help=DATABASE_URL_HELP)
+        _farm_database_args(p)
     tok = fsub.add_parser("token", help="list or revoke team and agent tokens")
     toksub = tok.add_subparsers(dest="token_command", required=True)
     tl = toksub.add_parser("list", help="every token: id, kind, team, prefix, label, created, revoked")
     tl.add_argument("--team", help="only this team's tokens")
     tl.add_argument("--kind", choices=["team", "agent"], help="only tokens of this kind")
-    tl.add_argument("--database-url", help=DATABASE_URL_HELP)
+    _farm_database_args(tl)
     tr = toksub.add_parser("revoke", help="revoke a token: refused at once; an agent token's agents get no more work")
     tr.add_argument("token", help="the token's id or prefix (as `farm token list` shows them), or the token itself")
-    tr.add_argument("--database-url", help=DATABASE_URL_HELP)
+    _farm_database_args(tr)
+
+
+def _farm_database_args(p) -> None:
+    """An operator command's database: a farm started here (`--state-dir`), or a URL."""
+    p.add_argument("--state-dir", type=Path,
+                   help="the --state-dir of a farm started with farm up: its database (default: TUNEFARM_STATE_DIR)")
+    p.add_argument("--database-url", help=FARM_DATABASE_HELP)
 
 
 def _add_agent_commands(fsub) -> None:
@@ -151,7 +161,7 @@ def _add_agent_commands(fsub) -> None:
     ):
         q = fagsub.add_parser(name, help=help_text)
         q.add_argument("name", help="the agent's name (as `tunefarm devices` shows it)")
-        q.add_argument("--database-url", help=DATABASE_URL_HELP)
+        _farm_database_args(q)
 
 
 class _PassThrough(argparse.ArgumentParser):
@@ -247,6 +257,8 @@ def _farm_up(args: argparse.Namespace) -> int:
     supervisor = info["supervisor"]
     print(f"supervisor pid {supervisor['pid']}: starts again what exits (log {supervisor['log']}; tunefarm farm status)")
     print(f"state      {args.state_dir / 'farm.json'} (holds the team and agent tokens and the Redis password)")
+    print("clients    the team's and the operator's commands find this farm with:")
+    print(f"export TUNEFARM_STATE_DIR={shlex.quote(str(args.state_dir.resolve()))}")
     return 0
 
 
@@ -307,7 +319,7 @@ def _farm_team(args: argparse.Namespace) -> int:
             return f"team       {team.name}: token stored"
         return tokens.issue_team_token(s, team_id=team.id, label="tunefarm farm team")
 
-    print(_with_db(args.database_url, work))
+    print(_with_db(args, work))
     return 0
 
 
@@ -323,7 +335,7 @@ def _farm_agent_token(args: argparse.Namespace) -> int:
             return "agent token stored"
         return tokens.issue_agent_token(s, label="tunefarm farm agent-token")
 
-    print(_with_db(args.database_url, work))
+    print(_with_db(args, work))
     return 0
 
 
@@ -332,11 +344,11 @@ def _farm_token(args: argparse.Namespace) -> int:
     from services.db.states import TokenKind
 
     if args.token_command == "revoke":
-        token = _with_db(args.database_url, lambda s: tokens.revoke_token_by_ref(s, ref=args.token))
+        token = _with_db(args, lambda s: tokens.revoke_token_by_ref(s, ref=args.token))
         print(f"revoked    token {token.id} ({token.kind}, {token.prefix}...) at {token.revoked_at:%Y-%m-%d %H:%M:%S %Z}")
         return 0
     kind = TokenKind(args.kind) if args.kind else None
-    listed = _with_db(args.database_url, lambda s: tokens.list_tokens(s, team=args.team, kind=kind))
+    listed = _with_db(args, lambda s: tokens.list_tokens(s, team=args.team, kind=kind))
     if not listed:
         print("no tokens")
     for t in listed:
@@ -353,7 +365,7 @@ def _farm_device_class(args: argparse.Namespace) -> int:
 
     target = parse_target(args.target)
     dc = _with_db(
-        args.database_url,
+        args,
         lambda s: device_classes.ensure_device_class(s, name=args.name, target=target, description=args.description),
     )
     print(f"class      {dc.name}: target {json.dumps(dc.target)}")
@@ -374,7 +386,7 @@ def _farm_agent(args: argparse.Namespace) -> int:
             raise UsageError(f"no agent named {args.name!r} (tunefarm devices lists them)") from None
         return agent.name, agent.state.value, trust.standing(trust.AgentCounts.of(agent)).value
 
-    name, state, standing = _with_db(args.database_url, work)
+    name, state, standing = _with_db(args, work)
     print(f"agent      {name}: {state}, {standing}")
     return 0
 
@@ -390,11 +402,11 @@ def _farm_signing_key(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_db(url: str | None, work):
+def _with_db(args: argparse.Namespace, work):
     from services.db.exceptions import DatabaseError
     from services.db.session import make_session_factory, transaction
 
-    sessions = make_session_factory(_database_url(url))
+    sessions = make_session_factory(_farm_database_url(args))
     try:
         with transaction(sessions) as s:
             return work(s)
@@ -410,6 +422,30 @@ def _database_url(given: str | None) -> str:
     from services.db.settings import DatabaseSettings
 
     return given or DatabaseSettings().database_url
+
+
+def _farm_database_url(args: argparse.Namespace) -> str:
+    """The database an operator command acts on: --database-url, else the farm.json of
+    --state-dir (or TUNEFARM_STATE_DIR), else TUNEFARM_DATABASE_URL. Never a guess: a
+    token or class written to some default database would serve no farm, silently."""
+    from services.db.settings import DatabaseSettings
+    from tunefarm_app.farm_local import read_state
+
+    if args.database_url:
+        return args.database_url
+    state_dir = args.state_dir or (Path(os.environ["TUNEFARM_STATE_DIR"]) if os.environ.get("TUNEFARM_STATE_DIR") else None)
+    if state_dir is not None:
+        url = read_state(state_dir).get("database_url")
+        if not url:
+            raise UsageError(f"the farm.json in {state_dir} names no database")
+        return url
+    settings = DatabaseSettings()
+    if "database_url" in settings.model_fields_set:
+        return settings.database_url
+    raise UsageError(
+        "which farm? pass --state-dir D (a farm started with farm up; or set TUNEFARM_STATE_DIR), "
+        "or --database-url URL (or TUNEFARM_DATABASE_URL)"
+    )
 
 
 def _redis_url(given: str | None) -> str | None:

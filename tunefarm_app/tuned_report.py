@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, latency_curve_svg
+from tunefarm.display import PAGE_CSS, PLOT_CSS, CurveSeries, format_cost, latency_curve_svg, printable
 from tunefarm.errors import UsageError
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
-from tunefarm.models.timing import round_ratios
+from tunefarm.models.timing import round_ratios, speedup
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -126,12 +126,6 @@ def curve_points(report: Mapping[str, Any], model_name: str) -> list[tuple[float
     ]
 
 
-def speedup(base: Mapping[str, Any] | None, tuned: Mapping[str, Any] | None) -> float | None:
-    if not base or not tuned or not base.get("median") or not tuned.get("median"):
-        return None
-    return base["median"] / tuned["median"]
-
-
 def rounds_summary(report: Mapping[str, Any]) -> tuple[int, list[tuple[str, int]], list[tuple[str, int]]]:
     """Rounds in all, rounds per task (most first), rounds per reason."""
     rounds = report.get("task_scheduler", {}).get("rounds", [])
@@ -148,6 +142,20 @@ def latency_text(lat: Mapping[str, Any]) -> str:
     extra = [f"{lat['runs']} runs" if lat.get("runs") else "", f"{lat['threads']} threads" if lat.get("threads") else ""]
     extra = [e for e in extra if e]
     return ", ".join(parts) + (f" ({', '.join(extra)})" if extra else "")
+
+
+def peer_lines(result: Mapping[str, Any], where: str = "") -> list[str]:
+    """A farm job's peers as timed beside its tuned model (`where`: " on <agent>"), and the
+    peers its agent could not time, with why."""
+    lines = []
+    notes = result.get("peer_notes") or {}
+    for peer, short in PEER_LABELS.items():
+        theirs = result.get(latency_key(peer))
+        if theirs:
+            lines.append(f"{short:<10} {latency_text(theirs)}{where}, same input and threads")
+        elif notes.get(peer):
+            lines.append(f"{short:<10} not timed{where}: {printable(str(notes[peer]))}")
+    return lines
 
 
 def latency_lines(model: Mapping[str, Any]) -> list[str]:
@@ -172,6 +180,8 @@ def latency_lines(model: Mapping[str, Any]) -> list[str]:
     x = speedup(model.get("untuned_latency"), lat)
     if x is not None:
         lines.append(f"vs untuned {x:.2f}x the speed of TVM's untuned build ({format_cost(model['untuned_latency']['median'])} p50)")
+    notes = model.get("peer_notes") or {}
+    lines += [f"{short:<10} not timed: {printable(str(notes[peer]))}" for peer, short in PEER_LABELS.items() if notes.get(peer)]
     return lines
 
 
@@ -297,7 +307,8 @@ def html_report(report: Mapping[str, Any], file: Path) -> str:
         {
             "data": m,
             "tasks": task_lines(m),
-            "plot": latency_curve_svg(curve_points(report, m["name"]), title=f"{m['name']}: estimated latency"),
+            "plot": latency_curve_svg([CurveSeries(m["name"], curve_points(report, m["name"]))],
+                                      title=f"{m['name']}: estimated latency"),
             "vs_untuned": speedup(m.get("untuned_latency"), m.get("latency")),
             "latency": latency_text(m["latency"]) if m.get("latency") else "",
             "peers": [

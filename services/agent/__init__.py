@@ -2,7 +2,8 @@
 
 It leases batches of built kernels from the lease service, fetches them, runs each in a
 sandboxed process and streams the results back over gRPC (services/protocol); it also
-runs whole tuned models the scheduler cannot run itself.
+runs and times every tuned model of its class, beside onnxruntime (and OpenVINO where
+installed) on the same input and threads.
 
 | module | what it holds |
 |---|---|
@@ -10,6 +11,7 @@ runs whole tuned models the scheduler cannot run itself.
 | `settings.py` | `AgentSettings`: flags and TUNEFARM_AGENT_* variables, and what they refuse |
 | `channel.py` | the channel to the lease service (TLS or not), backoff, the errors no retry fixes |
 | `files.py` | downloads (one Fetch stream per lease), and which files are accepted (digest, signature) |
+| `model_runs.py` | a leased model run's files made the runner's input, and its result the report |
 | `kernel_files.py` | where the files the sandboxed kernel process reads are kept, under names the agent makes |
 | `results.py` | a lease's results stream: resent until acknowledged, then finished |
 | `capabilities.py` | what the agent reports about its machine (CPU, ISA, GPU, emulation) |
@@ -31,11 +33,13 @@ network):
   verifies with the farm's public key (`--signing-public-key`; services/protocol/signing.py),
   over the sha256 of the bytes received: anything else is a RUN_ERROR result, deleted
   unloaded. An agent without the key does not start unless `--accept-unsigned-code`:
-  `files.py`;
+  `files.py`. The ONNX graph the peers (onnxruntime, OpenVINO) are timed on is data, but
+  native parsers read it: it is checked the same way (unsigned, the peers are not timed);
 - file names: a kernel is saved as `<candidate id><suffix>` (one of `LOADABLE_SUFFIXES`),
   task data as `<sha256>.npz` with the sha256 checked to be 64 hex digits and to be that
   of the bytes received: nothing a server sends names a path: `files.py`, `kernel_files.py`;
-- the kernels: they run in a sandboxed child (`tunefarm.isolation.Sandbox`): when the
+- the kernels (and the peers timed beside a tuned model, each in a child of its own):
+  they run in a sandboxed child (`tunefarm.isolation.Sandbox`): when the
   agent runs as root, as `--kernel-user` (default nobody) in a network namespace of its
   own; otherwise as the agent's user, without network where unprivileged user
   namespaces are allowed. The agent logs which protections are active when it starts.

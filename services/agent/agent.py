@@ -10,10 +10,12 @@ NAT) to the lease service, and loops:
     stream each result as soon as it exists -> finish the lease
 
 An agent also runs whole tuned models when the lease service hands it one instead of a
-batch (`LeasedModelRun`: the scheduler cannot run code built for this board): fetch the
-library and its inputs -> run it once for the outputs and time `repeat` inferences in
-the same runner process (`Runner.run_model`) -> send outputs and latencies
-(`ReportModelRun`).
+batch (`LeasedModelRun`: every tuned model of its class is checked and timed on one of
+the class's agents): fetch the library, its inputs and, for a timed run, the ONNX graph
+-> run it once for the outputs in the runner process, then time `repeat` inferences of
+it there and as many of onnxruntime's (and OpenVINO's, where installed) on the graph,
+in alternating rounds (`Runner.run_model`) -> send outputs and latencies
+(`ReportModelRun`; services/agent/model_runs.py).
 
 Stopped (SIGTERM/SIGINT, `stop`), it finishes what it reports, then says `GoOffline`:
 the leases it still holds are leased again at once, and it is offline, not idle, until
@@ -55,7 +57,8 @@ from google.protobuf.json_format import ParseDict
 from services.agent import capabilities as caps_mod
 from services.agent.channel import FATAL_ERRORS, Backoff, open_channel
 from services.agent.files import Downloads
-from services.agent.kernel_files import LOADABLE_SUFFIXES, KernelFiles, local_file_name
+from services.agent.kernel_files import KernelFiles
+from services.agent.model_runs import fetch_model_run, model_run_message
 from services.agent.results import STOP_GRACE_SECS, ResultStream
 from services.agent.settings import AgentSettings
 from services.protocol import wire
@@ -71,7 +74,7 @@ from services.protocol.generated import measurer_pb2 as pb
 from services.protocol.generated import measurer_pb2_grpc as pb_grpc
 from services.protocol.signing import ArtifactVerifier, KeyFileError
 from tunefarm.display import printable
-from tunefarm.measure.runner import LocalRunner, ModelRunInput, Runner
+from tunefarm.measure.runner import LocalRunner, Runner
 from tunefarm.records import ErrorKind, RunInput, RunResult
 from tunefarm.sandbox import Sandbox
 from tunefarm.target import physical_cores
@@ -493,25 +496,10 @@ class DeviceAgent:
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def _model_result(self, run: pb.LeasedModelRun, run_dir: Path) -> pb.ModelRunResult:
-        name = local_file_name(run.library.file_name, "model")
-        if name is None:
-            return pb.ModelRunResult(error=f"refused: the library's file name ends in none of {LOADABLE_SUFFIXES}")
-        if run.library.id != run.model_run_id:
-            return pb.ModelRunResult(error="refused: the library offered is another model run's")
-        library, inputs, outputs = run_dir / name, run_dir / "inputs.npz", run_dir / "outputs.npz"
-        got = self.downloads.fetch([(run.library, library), (run.inputs, inputs)], model_run_id=run.model_run_id)
-        missing = [why for why in (got.get(i, "not fetched") for i in range(2)) if isinstance(why, str)]
-        if missing:
-            return pb.ModelRunResult(error=f"files unavailable: {'; '.join(missing)}")
-        ran = self.runner.run_model(
-            ModelRunInput(str(library), str(inputs), str(outputs), run.repeat, run.warmup, run.timeout_secs)
-        )
-        return pb.ModelRunResult(
-            latency_samples=ran.latency_samples,
-            run_secs=ran.run_secs,
-            error=ran.error,
-            outputs_npz=b"" if ran.error else outputs.read_bytes(),
-        )
+        fetched = fetch_model_run(run, run_dir, self.downloads)
+        if isinstance(fetched, str):
+            return pb.ModelRunResult(error=fetched)
+        return model_run_message(self.runner.run_model(fetched.input), fetched)
 
     def _report_model_run(self, result: pb.ModelRunResult) -> None:
         """Send a model run's result until the server stored it (retrying while it is

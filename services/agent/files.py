@@ -1,14 +1,14 @@
 """What an agent downloads, and what of it it accepts.
 
 A lease's kernels and, unless cached, its task data come in one Fetch stream
-(`Downloads.batch_files`), a model run's library and inputs in another (`fetch`); a
-stream broken by a transport error is opened again for what is missing. Each file is
-written to `<name>.part`, checked against the sha256 the server sent and renamed
-(`_Sink`); then it is accepted or deleted (`Downloads._accepted`): code only with the
-farm's signature over the bytes received (when the agent has the farm's public key),
-task data only when its bytes are the sha256 it is cached under. Files are saved under
-names made here, never under a name the server sent (see the package's docstring for
-what an agent trusts).
+(`Downloads.batch_files`), a model run's library, inputs and ONNX graph in another
+(`fetch`); a stream broken by a transport error is opened again for what is missing.
+Each file is written to `<name>.part`, checked against the sha256 the server sent and
+renamed (`_Sink`); then it is accepted or deleted (`Downloads._accepted`): code (and a
+model run's ONNX graph) only with the farm's signature over the bytes received (when
+the agent has the farm's public key), task data only when its bytes are the sha256 it
+is cached under. Files are saved under names made here, never under a name the server
+sent (see the package's docstring for what an agent trusts).
 
 Every file is capped: at the size the lease declared for it (`ArtifactRef.size`, when it
 did) and at `max_download_bytes` in any case. A file the lease declared larger than the
@@ -43,8 +43,13 @@ TASK_DATA_CACHE = 8
 FETCH_ATTEMPTS = 5
 """Tries of a batch's Fetch before its missing files count as unavailable."""
 
-SIGNED_KINDS = {pb.ARTIFACT_KIND_KERNEL: SignedKind.KERNEL, pb.ARTIFACT_KIND_MODEL_LIBRARY: SignedKind.MODEL_LIBRARY}
-"""The files that are code: loaded only with the farm's signature."""
+SIGNED_KINDS = {
+    pb.ARTIFACT_KIND_KERNEL: SignedKind.KERNEL,
+    pb.ARTIFACT_KIND_MODEL_LIBRARY: SignedKind.MODEL_LIBRARY,
+    pb.ARTIFACT_KIND_MODEL_ONNX: SignedKind.MODEL_ONNX,
+}
+"""The files that are code, or that native parsers read (the peers' ONNX graph): used only
+with the farm's signature."""
 
 
 class TooLarge(Exception):

@@ -31,7 +31,16 @@ from services.api.authentication import Team, TeamAuthentication
 from services.api.exceptions import ApiError, error_response
 from services.api.intake_pool import IntakePool
 from services.api.limits import BodySizeLimit
-from services.api.routers import dashboard, devices, health, jobs, metrics, models
+from services.api.routers import (
+    dashboard,
+    dashboard_devices,
+    dashboard_jobs,
+    devices,
+    health,
+    jobs,
+    metrics,
+    models,
+)
 from services.api.security_headers import SecurityHeaders
 from services.api.settings import ApiSettings
 from services.api.trusted_hosts import TrustedHosts
@@ -98,7 +107,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         docs_url="/docs" if settings.api_docs else None,
         redoc_url="/redoc" if settings.api_docs else None,
     )
-    for router in (models.router, jobs.router, devices.router, health.router, metrics.router, dashboard.router):
+    routers = (models.router, jobs.router, devices.router, health.router, metrics.router, dashboard.router,
+               dashboard_jobs.router, dashboard_devices.router)
+    for router in routers:
         app.include_router(router)
     _add_error_handlers(app)
     # The JSON 413 for a request refused before the application saw it.

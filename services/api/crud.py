@@ -12,9 +12,11 @@ its cost does not depend on how many measurements the job has.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from services.api.exceptions import Conflict, InvalidRequest, NotFound, QuotaExceeded
 from services.api.schemas import (
@@ -39,6 +41,7 @@ from services.db.models import Agent, DeviceClass, Job, Model
 from services.db.session import Session, SessionFactory, transaction
 from services.db.states import JobState
 from tunefarm.models.finish import batch_size_for
+from tunefarm.models.timing import speedup
 from tunefarm.search.task import target_key
 
 # -- models -----------------------------------------------------------------------------------
@@ -151,15 +154,17 @@ def _owned_job(session: Session, *, team_id: int, job_id: int, lock: bool = Fals
     return job
 
 
-def job_public(session: Session, *, team_id: int, job_id: int, fresh_secs: float) -> JobPublic:
+def job_public(
+    session: Session, *, team_id: int, job_id: int, fresh_secs: float, stall_secs: float = math.inf
+) -> JobPublic:
     """A job's progress from its precomputed rows (`jobs.job_overview`, one statement); and,
-    for a job not yet over, whether no live agent serves its class (`waiting`: it would
-    wait for one without a word otherwise)."""
+    for a job not yet over, what it waits on (`waiting`: no live agent of its class, or a
+    batch stalled for `stall_secs`; it would wait without a word otherwise)."""
     seen = jobs.job_overview(session, team_id=team_id, job_id=job_id, fresh_secs=fresh_secs)
     if seen is None:
         raise NotFound(f"job {job_id} not found")
     job = seen.job
-    waiting = no_agent_message(seen.class_name) if job.state in ACTIVE_JOB_STATES and not seen.live_agents else None
+    waiting = waiting_message(seen, stall_secs) if job.state in ACTIVE_JOB_STATES else None
     return JobPublic(
         waiting=waiting,
         id=job.id,
@@ -190,10 +195,19 @@ def job_public(session: Session, *, team_id: int, job_id: int, fresh_secs: float
             size=job.artifact_size,
         ),
         result=job.result,
+        speedup_vs_onnxruntime=speedup_vs_onnxruntime(job.result),
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
     )
+
+
+def speedup_vs_onnxruntime(result: dict[str, Any] | None) -> float | None:
+    """A finished job's tuned model measured against onnxruntime (`timing.speedup`: p50
+    over p50, as `tunefarm report` states it); None until both were measured."""
+    if not result:
+        return None
+    return speedup(result.get("onnxruntime_latency"), result.get("latency"))
 
 
 def _cost_model_public(seen: jobs.JobOverview) -> CostModelPublic:
@@ -209,6 +223,22 @@ def _cost_model_public(seen: jobs.JobOverview) -> CostModelPublic:
             TransferPublic(device_class=source_class, version=seen.source_version) if source_class is not None else None
         ),
     )
+
+
+def waiting_message(seen: jobs.JobOverview, stall_secs: float) -> str | None:
+    """What a job not yet over waits on, if anything: no live agent of its class, else
+    its open batch that has waited at least `stall_secs` in its phase."""
+    if not seen.live_agents:
+        return no_agent_message(seen.class_name)
+    stalled = seen.stalled
+    if stalled is None or stalled.waited_secs < stall_secs:
+        return None
+    waited = f"{stalled.waited_secs / 60:.0f} min"
+    if stalled.state in jobs.UNBUILT_STATES:
+        return (f"waiting: batch {stalled.batch_id} has waited {waited} for its build (is a build worker of class "
+                f"{seen.class_name} running? tunefarm worker --device-class {seen.class_name})")
+    return (f"waiting: batch {stalled.batch_id} has been ready for {waited} and no agent of class {seen.class_name} "
+            "has taken it (all busy with other jobs, or withheld: tunefarm devices)")
 
 
 def no_agent_message(class_name: str) -> str:
@@ -230,6 +260,7 @@ def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None)
             trials_used=r.trials_used,
             est_latency_start_secs=r.est_latency_start_secs,
             est_latency_secs=r.est_latency_secs,
+            speedup_vs_onnxruntime=speedup_vs_onnxruntime(r.result),
             created_at=r.created_at,
             finished_at=r.finished_at,
         )
@@ -243,6 +274,13 @@ def job_task_details(session: Session, *, team_id: int, job_id: int) -> dict[int
     for the dashboard's job page, not for pollers)."""
     _owned_job(session, team_id=team_id, job_id=job_id)
     return jobs.task_details(session, job_id=job_id)
+
+
+def job_task_curves(session: Session, *, team_id: int, job_id: int) -> dict[int, list[tuple[int, float]]]:
+    """Per task position of the team's job: its best latency over its trials
+    (`jobs.task_best_curves`: for the dashboard's job page, not for pollers)."""
+    _owned_job(session, team_id=team_id, job_id=job_id)
+    return jobs.task_best_curves(session, job_id=job_id)
 
 
 def request_cancel(session: Session, *, team_id: int, job_id: int) -> None:
@@ -287,6 +325,20 @@ def list_devices(session: Session, *, fresh_secs: float) -> list[DevicePublic]:
     return [_device(a, class_name, now=now, fresh_secs=fresh_secs) for a, class_name in rows]
 
 
+def device(session: Session, *, agent_id: int, fresh_secs: float) -> DevicePublic:
+    """One agent, as `list_devices` shows it (`NotFound`: no such agent)."""
+    found = devices.agent_with_class(session, agent_id=agent_id)
+    if found is None:
+        raise NotFound(f"agent {agent_id} not found")
+    agent, class_name = found
+    return _device(agent, class_name, now=devices.database_now(session), fresh_secs=fresh_secs)
+
+
+def device_history(session: Session, *, agent_id: int, hours: int) -> list[devices.MeasuredHour]:
+    """The agent's measurements hour by hour over the last `hours` hours, newest first."""
+    return devices.agent_history(session, agent_id=agent_id, hours=hours)
+
+
 def _device(a: Agent, class_name: str, *, now: datetime, fresh_secs: float) -> DevicePublic:
     counts = trust.AgentCounts.of(a)
     return DevicePublic(
@@ -313,3 +365,11 @@ def list_device_classes(session: Session, *, fresh_secs: float) -> list[DeviceCl
         DeviceClassPublic(name=dc.name, target=dc.target, description=dc.description, agents_online=n)
         for dc, n in devices.classes_with_live_agents(session, fresh_secs=fresh_secs)
     ]
+
+
+def device_class(session: Session, *, name: str, fresh_secs: float) -> DeviceClassPublic:
+    """The device class `name`, as `list_device_classes` shows it (`NotFound`: none)."""
+    for found in list_device_classes(session, fresh_secs=fresh_secs):
+        if found.name == name:
+            return found
+    raise NotFound(f"device class {name!r} not found")

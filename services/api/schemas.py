@@ -145,6 +145,14 @@ class ArtifactPublic(BaseModel):
     size: int | None
 
 
+SPEEDUP_DESCRIPTION = (
+    "the finished job's tuned model measured against onnxruntime on the same input and threads: onnxruntime's "
+    "p50 over the tuned model's (result.onnxruntime_latency.median / result.latency.median); null until both "
+    "were measured. Not est_latency_start_secs / est_latency_secs: that ratio is the search's progress on its "
+    "own estimate"
+)
+
+
 class JobPublic(BaseModel):
     id: int
     state: JobStateName
@@ -171,6 +179,7 @@ class JobPublic(BaseModel):
     cost_model: CostModelPublic
     artifact: ArtifactPublic
     result: dict[str, Any] | None = Field(description="the finished job's check and latency")
+    speedup_vs_onnxruntime: float | None = Field(default=None, description=SPEEDUP_DESCRIPTION)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -186,6 +195,7 @@ class JobSummary(BaseModel):
     trials_used: int
     est_latency_start_secs: float | None = Field(description="the first complete estimate (see JobPublic)")
     est_latency_secs: float | None
+    speedup_vs_onnxruntime: float | None = Field(default=None, description=SPEEDUP_DESCRIPTION)
     created_at: datetime
     finished_at: datetime | None
 

@@ -43,3 +43,7 @@ class ServiceSettings(DatabaseSettings):
     # until the lease service's sweeper marks it offline, and there may be no lease
     # service running to do that. Every process judges liveness by this one window.
     agent_fresh_secs: float = 60.0
+    # A job's open batch that has waited this long for its build (no build worker of its
+    # class running?) or, built, for an agent to take it, is named in the job's `waiting`
+    # (status, --follow, the dashboard) and counted in /metrics.
+    batch_stall_secs: float = 600.0

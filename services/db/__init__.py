@@ -3,7 +3,7 @@
 | module | what it holds |
 |---|---|
 | `settings.py` | `DatabaseSettings` (TUNEFARM_DATABASE_URL, pool sizes) |
-| `models.py` | the tables (SQLAlchemy 2 ORM) and their invariants |
+| `models/` | the tables (SQLAlchemy 2 ORM) and their invariants, by resource: accounts, devices, tuning, farm work |
 | `states.py` | the states of their rows (tokens, agents, jobs, batches, leases, confirmations, model runs) |
 | `session.py` | engine and session factory, `transaction()` (commit, rollback, typed errors) |
 | `exceptions.py` | `DatabaseError` and its subclasses |

@@ -8,7 +8,8 @@ Every function works inside the caller's transaction and commits nothing itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from sqlalchemy import Integer, case, cast, func, literal_column, select
@@ -42,13 +43,16 @@ class FarmCounts:
     agents: list[AgentCount]
     errors: dict[tuple[int, str], int]  # measurements that are errors, by class and kind
     jobs: dict[JobState, int]
+    stalled_batches: dict[tuple[int, str], int] = field(default_factory=dict)  # by class and phase (build, agent)
 
 
-def farm_counts(session: Session, *, alive_secs: float) -> FarmCounts:
-    """The farm's counts now; an agent is alive when it heartbeated within `alive_secs`."""
+def farm_counts(session: Session, *, alive_secs: float, stall_secs: float = math.inf) -> FarmCounts:
+    """The farm's counts now; an agent is alive when it heartbeated within `alive_secs`; a
+    batch is stalled when it has waited `stall_secs` for its build or, built, for an agent."""
     return FarmCounts(
         class_names=dict(session.execute(select(DeviceClass.id, DeviceClass.name)).all()),
         open_batches=_open_batches(session),
+        stalled_batches=_stalled_batches(session, stall_secs=stall_secs),
         active_leases=_active_leases(session),
         agents=_agent_counts(session, alive_secs=alive_secs),
         errors=_error_counts(session),
@@ -63,6 +67,25 @@ def _open_batches(session: Session) -> dict[tuple[int, BatchState], int]:
         .group_by(Batch.device_class_id, Batch.state)
     ).all()
     return {(c, s): n for c, s, n in rows}
+
+
+def _stalled_batches(session: Session, *, stall_secs: float) -> dict[tuple[int, str], int]:
+    """Open batches that have waited at least `stall_secs`: "build" (proposed or building,
+    since made), "agent" (ready, since built)."""
+    if not math.isfinite(stall_secs):
+        return {}
+    unbuilt = Batch.state.in_((BatchState.PROPOSED, BatchState.BUILDING))
+    phase = case((unbuilt, literal_column("'build'")), else_=literal_column("'agent'"))
+    since = case((unbuilt, Batch.created_at), else_=Batch.ready_at)
+    rows = session.execute(
+        select(Batch.device_class_id, phase, func.count())
+        .where(
+            Batch.state.in_((BatchState.PROPOSED, BatchState.BUILDING, BatchState.READY)),
+            since < func.now() - timedelta(seconds=stall_secs),
+        )
+        .group_by(Batch.device_class_id, phase)
+    ).all()
+    return {(c, p): n for c, p, n in rows}
 
 
 def _active_leases(session: Session) -> dict[int, int]:

@@ -1,5 +1,5 @@
 """A team's jobs: `create_job`, `find_job`, `list_jobs`, `job_overview` (its progress),
-`task_details`, `request_cancel`, `job_records`.
+`task_details`, `task_best_curves`, `request_cancel`, `job_records`.
 
 Every read takes the team: another team's job is not found, exactly like one that does
 not exist (None). Every function works inside the caller's transaction and commits
@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Float, Select, bindparam, case, func, select, text, update
+from sqlalchemy import Float, Select, and_, bindparam, case, func, or_, select, text, update
 from sqlalchemy.orm import Session, aliased
 
 from services.db import liveness
 from services.db.codec import record_from_json
+from services.db.confirmations import counted_clause
 from services.db.models import (
     Agent,
+    Batch,
     CostModelVersion,
     DeviceClass,
     Job,
@@ -36,7 +38,7 @@ from services.db.models import (
     WorkloadRow,
 )
 from services.db.statements import db_now
-from services.db.states import JobState
+from services.db.states import BatchState, JobState
 from services.db.uploads import StoredTask
 from tunefarm.records import ErrorKind, MeasureRecord
 
@@ -95,7 +97,8 @@ def find_job(session: Session, *, team_id: int, job_id: int, lock: bool = False)
 
 def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None) -> tuple[list[Any], int | None]:
     """A page of the team's jobs, newest first (ids below `cursor`), and the cursor of the
-    next page (None: the last). Rows with the job's columns and `model_name`, `device_class`."""
+    next page (None: the last). Rows with the job's columns (its `result` too) and
+    `model_name`, `device_class`."""
     query = (
         select(
             Job.id,
@@ -107,6 +110,7 @@ def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None)
             Job.trials_used,
             Job.est_latency_start_secs,
             Job.est_latency_secs,
+            Job.result,
             Job.created_at,
             Job.finished_at,
         )
@@ -139,6 +143,17 @@ class JobOverview:
     source_version: int | None
     own_class_model: bool | None  # the cost model version is the job's class's own
     live_agents: int  # of the job's class
+    stalled: StalledBatch | None = None  # its open batch that has waited longest in its phase
+
+
+@dataclass(frozen=True)
+class StalledBatch:
+    """A job's open batch and how long it has waited: for its build (proposed or
+    building: since it was made) or, built, for an agent (ready: since it became ready)."""
+
+    batch_id: int
+    state: BatchState
+    waited_secs: float
 
 
 def _json_rows(*columns: Any, order_by: Any) -> Any:
@@ -179,6 +194,23 @@ def _live_agents() -> Any:
     )
 
 
+UNBUILT_STATES = (BatchState.PROPOSED, BatchState.BUILDING)
+
+
+def _longest_waiting_batch() -> Any:
+    """The job's open batch (unbuilt, or ready and unleased) that has waited longest in its
+    phase, as JSON [id, state, seconds] (a scalar subquery correlated with `Job`)."""
+    since = case((Batch.state.in_(UNBUILT_STATES), Batch.created_at), else_=Batch.ready_at)
+    waited = func.extract("epoch", func.now() - since)
+    return (
+        select(func.json_build_array(Batch.id, Batch.state, waited))
+        .where(Batch.job_id == Job.id, Batch.state.in_((*UNBUILT_STATES, BatchState.READY)), since.is_not(None))
+        .order_by(waited.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
 def _progress_statement() -> Select[Any]:
     """The job progress statement (built once: constructing it costs more CPU than running it)."""
     # The class a transferred model came from: the job's version itself when it is another
@@ -192,7 +224,7 @@ def _progress_statement() -> Select[Any]:
         select(
             Job, Model.name, DeviceClass.name, CostModelVersion.version, CostModelVersion.trained_on, _tasks_json(),
             _curve_json(), source_class.name, source.version, CostModelVersion.device_class_id == Job.device_class_id,
-            _live_agents(),
+            _live_agents(), _longest_waiting_batch(),
         )  # fmt: skip
         .join(Model, Model.id == Job.model_id)
         .join(DeviceClass, DeviceClass.id == Job.device_class_id)
@@ -213,11 +245,12 @@ def job_overview(session: Session, *, team_id: int, job_id: int, fresh_secs: flo
     row = session.execute(_PROGRESS, {"job_id": job_id, "team_id": team_id, "fresh_secs": fresh_secs}).one_or_none()
     if row is None:
         return None
-    job, model_name, class_name, version, trained_on, tasks, curve, source_class, source_version, own, live = row
+    job, model_name, class_name, version, trained_on, tasks, curve, source_class, source_version, own, live, oldest = row
+    stalled = StalledBatch(int(oldest[0]), BatchState(oldest[1]), float(oldest[2])) if oldest else None
     return JobOverview(
         job=job, model_name=model_name, class_name=class_name, cost_model_version=version, trained_on=trained_on,
         tasks=tasks, curve=curve, source_class=source_class, source_version=source_version, own_class_model=own,
-        live_agents=live,
+        live_agents=live, stalled=stalled,
     )  # fmt: skip
 
 
@@ -251,6 +284,43 @@ def task_details(session: Session, *, job_id: int) -> dict[int, TaskDetail]:
     for position, kind, n in rows:
         errors.setdefault(position, {})[str(kind)] = int(n)
     return {p: TaskDetail(flops=f, errors_by_kind=errors.get(p, {})) for p, f in flops.items()}
+
+
+def task_best_curves(session: Session, *, job_id: int) -> dict[int, list[tuple[int, float]]]:
+    """Per task position of the job: its best latency over its trials, as (trial, best
+    seconds) points: each trial where the best improved, and its last trial. A trial is
+    one of the task's measurements, errors included (as `JobTask.trials` counts them); the
+    best is the fastest valid one that counts (`confirmations.counted_clause`: not
+    disputed). One statement, a window over the job's measurements (the pass
+    `task_details` makes): for the dashboard's job page, not for pollers. A task without a
+    valid measurement has no entry."""
+    counted = and_(Measurement.error_kind == ErrorKind.NONE, Measurement.cost.is_not(None), counted_clause())
+    per_task = {"partition_by": Measurement.job_task_id, "order_by": Measurement.id}
+    running = (
+        select(
+            Measurement.job_task_id,
+            func.row_number().over(**per_task).label("trial"),
+            func.min(case((counted, Measurement.cost))).over(**per_task).label("best"),
+            func.count().over(partition_by=Measurement.job_task_id).label("trials"),
+        )
+        .where(Measurement.job_id == job_id)
+        .subquery()
+    )
+    before = func.lag(running.c.best).over(partition_by=running.c.job_task_id, order_by=running.c.trial)
+    steps = select(running, before.label("before")).subquery()
+    rows = session.execute(
+        select(JobTask.position, steps.c.trial, steps.c.best)
+        .join(JobTask, JobTask.id == steps.c.job_task_id)
+        .where(
+            steps.c.best.is_not(None),
+            or_(steps.c.before.is_(None), steps.c.best < steps.c.before, steps.c.trial == steps.c.trials),
+        )
+        .order_by(JobTask.position, steps.c.trial)
+    )
+    curves: dict[int, list[tuple[int, float]]] = {}
+    for position, trial, best in rows:
+        curves.setdefault(position, []).append((int(trial), float(best)))
+    return curves
 
 
 # -- cancelling, records ----------------------------------------------------------------------

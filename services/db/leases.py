@@ -63,10 +63,8 @@ def lease_next_batch(
     `expired`. Returns the new lease, its `batch` loaded. Raises `RowNotFound` for an
     unknown agent.
     """
-    agent = session.get(Agent, agent_id)
+    agent = agent_to_lease_to(session, agent_id)
     if agent is None:
-        raise RowNotFound(f"agent {agent_id}")
-    if not may_lease(session, agent):
         return None
     at = db_now(now)
     queue = _lease_queue(session, agent, at)
@@ -211,6 +209,15 @@ def _withheld(session: Session, agent: Agent) -> str | None:
 def may_lease(session: Session, agent: Agent) -> bool:
     """The agent may be handed work (`_withheld` says why not)."""
     return _withheld(session, agent) is None
+
+
+def agent_to_lease_to(session: Session, agent_id: int) -> Agent | None:
+    """The agent asking for work, or None when it may not be handed any (`may_lease`).
+    Raises `RowNotFound` for an unknown agent."""
+    agent = session.get(Agent, agent_id)
+    if agent is None:
+        raise RowNotFound(f"agent {agent_id}")
+    return agent if may_lease(session, agent) else None
 
 
 def token_revoked(session: Session, token_id: int) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, and_, func, select, update
+from sqlalchemy import ColumnElement, and_, func, update
 from sqlalchemy.orm import Session
 
 from services.db import agents
@@ -43,14 +43,6 @@ def shown_state(state: AgentState, last_heartbeat_at: datetime | None, *, now: d
     if state in LIVE_STATES and (last_heartbeat_at is None or now - last_heartbeat_at > timedelta(seconds=fresh_secs)):
         return AgentState.OFFLINE
     return state
-
-
-def live_agents_by_class(session: Session, *, fresh_secs: float) -> dict[int, int]:
-    """Live agents per device class id (classes with none are absent)."""
-    rows = session.execute(
-        select(Agent.device_class_id, func.count()).where(live_clause(fresh_secs)).group_by(Agent.device_class_id)
-    ).all()
-    return {int(c): int(n) for c, n in rows}
 
 
 def go_offline(session: Session, *, agent_id: int) -> list[int]:

@@ -6,17 +6,17 @@ Every function works inside the caller's transaction and commits nothing itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import and_, insert, null, or_, select, update
 from sqlalchemy.orm import Session
 
 from services.db.exceptions import LeaseNotHeld, RowNotFound
-from services.db.leases import MAX_LEASE_PROBES, mark_busy, may_lease
-from services.db.models import Agent, ModelRun
+from services.db.leases import MAX_LEASE_PROBES, agent_to_lease_to, mark_busy
+from services.db.models import ModelRun
 from services.db.statements import db_now, get_row
 from services.db.states import ModelRunState
 
@@ -41,10 +41,14 @@ def create_model_run(
     repeat: int,
     warmup: int,
     timeout_secs: float,
+    onnx: StoredFile | None = None,
+    input_names: Sequence[str] | None = None,
     now: datetime | None = None,
 ) -> ModelRun:
-    """Queue a tuned model for an agent of the class. The job's earlier runs still open
-    (a restarted scheduler finishing the job again) fail as superseded."""
+    """Queue a tuned model for an agent of the class; with `onnx` (the graph the model was
+    imported from) and `input_names` (of the inputs' arrays, in order), the agent times
+    the peers on it beside the model. The job's earlier runs still open (a restarted
+    scheduler finishing the job again) fail as superseded."""
     at = db_now(now)
     session.execute(
         update(ModelRun)
@@ -64,6 +68,10 @@ def create_model_run(
                 "inputs_path": inputs.path,
                 "inputs_sha256": inputs.sha256,
                 "inputs_size": inputs.size,
+                "onnx_path": onnx.path if onnx else None,
+                "onnx_sha256": onnx.sha256 if onnx else None,
+                "onnx_size": onnx.size if onnx else None,
+                "input_names": list(input_names) if input_names is not None else null(),  # SQL NULL, not JSON null
                 "repeat": repeat,
                 "warmup": warmup,
                 "timeout_secs": timeout_secs,
@@ -93,10 +101,8 @@ def lease_model_run(
     leased `max_attempts` times fails instead (no agent finishes it: it may be what kills
     them). `FOR UPDATE SKIP LOCKED`, like `lease_next_batch`. Raises `RowNotFound` for an
     unknown agent."""
-    agent = session.get(Agent, agent_id)
+    agent = agent_to_lease_to(session, agent_id)
     if agent is None:
-        raise RowNotFound(f"agent {agent_id}")
-    if not may_lease(session, agent):
         return None
     at = db_now(now)
     for _ in range(MAX_LEASE_PROBES):
@@ -164,10 +170,12 @@ def finish_model_run(
     outputs_path: str | None,
     result: Mapping[str, Any],
     error: str = "",
+    peer_latencies: Mapping[str, Any] | None = None,
     now: datetime | None = None,
 ) -> ModelRun:
-    """The agent ran (or could not run) the model: done with its outputs, or failed with
-    the agent's error. Raises `LeaseNotHeld` unless the agent holds the run."""
+    """The agent ran (or could not run) the model: done with its outputs (and the peers'
+    timings, when it timed them), or failed with the agent's error. Raises `LeaseNotHeld`
+    unless the agent holds the run."""
     held_model_run(session, model_run_id=model_run_id, agent_id=agent_id, lock=True)
     return session.scalars(
         update(ModelRun)
@@ -176,6 +184,7 @@ def finish_model_run(
             state=ModelRunState.FAILED if error else ModelRunState.DONE,
             outputs_path=outputs_path,
             result=dict(result),
+            peer_latencies=dict(peer_latencies) if peer_latencies is not None else null(),  # SQL NULL, not JSON null
             error=error or None,
             finished_at=db_now(now),
         )

@@ -252,12 +252,14 @@ def measurement_count(session: Session, job_ids: Sequence[int]) -> int:
 
 
 def measurements_per_candidate(session: Session, job_ids: Sequence[int]) -> list[int]:
-    """For each candidate of the jobs' batches, how many measurements it has."""
+    """For each candidate of the jobs' search batches, how many measurements it has (a
+    confirmation batch's re-measurement is a `Confirmation`, not a measurement)."""
     return list(session.scalars(
         select(func.count(Measurement.id)).select_from(BatchCandidate)
         .join(Batch, Batch.id == BatchCandidate.batch_id)
         .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
-        .where(Batch.job_id.in_(list(job_ids))).group_by(BatchCandidate.id)
+        .where(Batch.job_id.in_(list(job_ids)), Batch.confirms_measurement_id.is_(None))
+        .group_by(BatchCandidate.id)
     ))  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """What `Fetch` serves: the files of an agent's lease (its kernels, the task data) or of
-its model run (the library and its inputs), read from under the artifact root.
+its model run (the library, its inputs and the ONNX graph its peers are timed on), read
+from under the artifact root.
 
 Only the files of the lease or model run the agent holds are served (`LeaseLost`
 otherwise), named by the ids it was handed; a row's path that would leave the artifact
@@ -69,6 +70,8 @@ def _model_run_paths(
     except (db_exc.LeaseNotHeld, db_exc.RowNotFound) as exc:
         raise LeaseLost(str(exc)) from None
     files = {pb.ARTIFACT_KIND_MODEL_LIBRARY: run.library_path, pb.ARTIFACT_KIND_MODEL_INPUTS: run.inputs_path}
+    if run.onnx_path:
+        files[pb.ARTIFACT_KIND_MODEL_ONNX] = run.onnx_path
     out: list[Path | str] = []
     for ref in request.refs:
         if ref.kind not in files or ref.id != run.id:

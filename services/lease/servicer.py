@@ -13,9 +13,10 @@ replicas) at any time: an agent's calls fail with UNAVAILABLE meanwhile and it r
   it ran would be spent for nothing.
 - Model runs: an agent that asks for them (`LeaseBatchRequest.model_runs`) gets its
   class's oldest ready `ModelRun` before any batch (it ends a job); `Fetch` serves its
-  library and inputs (services/lease/files.py), `ReportModelRun` stores its outputs
-  under the artifact root and its latencies (flagged emulated when the agent is) in the
-  row, for the scheduler to check.
+  library, inputs and, for a timed run, the ONNX graph its peers are timed on
+  (services/lease/files.py), `ReportModelRun` stores its outputs under the artifact root
+  and its latencies and the peers' (flagged emulated when the agent is) in the row, for
+  the scheduler to check.
 - `ReportResults` stores a stream's results in groups and refuses what the lease was not
   handed (services/lease/results.py).
 
@@ -23,7 +24,7 @@ Device classes are the operators' (`tunefarm farm device-class`): an agent namin
 class that does not exist is refused (NOT_FOUND) unless `auto_create_device_classes` is
 set, which lets any agent token create a class every team sees.
 
-Kernels and model libraries are handed out with the signature their builder made
+Kernels, model libraries and model runs' ONNX graphs are handed out with the signature their builder made
 (`ArtifactRef.signature`, services/protocol/signing.py); agents check it before loading.
 An error's message names only what the caller sent (never, e.g., the key a candidate
 should have had), and an unexpected error is INTERNAL with no detail (it is logged here).
@@ -403,6 +404,12 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             repeat=run.repeat,
             warmup=run.warmup,
             timeout_secs=run.timeout_secs,
+            onnx_model=(
+                ref(pb.ARTIFACT_KIND_MODEL_ONNX, run.onnx_path, run.onnx_sha256 or "", run.onnx_size or 0,
+                    run.onnx_signature)
+                if run.onnx_path else None
+            ),  # fmt: skip
+            input_names=run.input_names or [],
         )
 
     def _leased(self, s: Session, lease: Lease, batch: Batch, candidates: list[BatchCandidate]) -> pb.LeasedBatch:
@@ -485,16 +492,19 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             artifacts.put(self.artifact_root, outputs, request.outputs_npz)
         result = {
             "latency_samples": list(request.latency_samples),
+            "round_medians": list(request.round_medians),
+            "threads": request.threads,
             "run_secs": request.run_secs,
             "agent": agent.name,
             "emulated": agent.emulated,
             "fingerprint": agent.fingerprint,
         }
+        peers = peer_latencies(request) if run.onnx_path and not request.error else None
         try:
             self._tx(
                 lambda s: model_runs.finish_model_run(
                     s, model_run_id=run_id, agent_id=agent.agent_id, outputs_path=outputs, result=result,
-                    error=request.error,
+                    error=request.error, peer_latencies=peers,
                 )
             )
         except lease_error as exc:
@@ -525,6 +535,20 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             flush_secs=self.settings.results_flush_secs,
         )
 
+
+
+def peer_latencies(request: pb.ModelRunResult) -> dict[str, Any]:
+    """The peers an agent timed beside a model (`ModelRun.peer_latencies`): per peer its
+    samples, round medians and threads, or why it was not timed; {} from an agent that
+    timed none (one older than peer timing)."""
+    out: dict[str, Any] = {}
+    for p in request.peers:
+        if p.error:
+            out[p.peer] = {"error": p.error}
+        else:
+            out[p.peer] = {"latency_samples": list(p.latency_samples), "round_medians": list(p.round_medians),
+                           "threads": p.threads}  # fmt: skip
+    return out
 
 
 def _signature(stored: str | None) -> bytes:

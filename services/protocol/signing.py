@@ -26,7 +26,10 @@ signing-key`, `farm up`); the same with the openssl command:
     openssl pkey -in farm-signing.key -pubout -out farm-signing.pub
 
 Task data and a model run's inputs are not signed: they are arrays read without
-pickle (`allow_pickle=False`), never code.
+pickle (`allow_pickle=False`), never code. The ONNX graph a model run's peers are timed
+on (`SignedKind.MODEL_ONNX`) is signed like code although it is data: onnxruntime and
+OpenVINO parse it with large native parsers (a crafted protobuf is their attack surface)
+and follow its external-data paths, so an agent hands them only a graph the farm sent.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class SignedKind(StrEnum):
 
     KERNEL = "kernel"  # id: the batch candidate
     MODEL_LIBRARY = "model_library"  # id: the model run
+    MODEL_ONNX = "model_onnx"  # the ONNX graph a model run's peers are timed on; id: the model run
 
 
 class SigningError(Exception):

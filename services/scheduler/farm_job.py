@@ -19,12 +19,13 @@ Life cycle (driven by `service.SchedulerService`):
     step()    one turn of the session (propose while under the fair-share cap, collect)
     finish()  wait for the job's bests to be confirmed (`services.db.confirmations`: a best
               counts once a second measurement of its kernel agrees), build the tuned
-              model with every task's fastest confirmed schedule, check it against
-              onnxruntime (here, or for a class this host cannot run, and every CUDA
-              class, on one of the class's agents: `model_check`), write the library
-              (model.so, model.cuda.tar for a CUDA class: `library_name`), manifest.json,
-              records.jsonl, report.json and pack them into jobs/<id>/tuned.tar.gz (the
-              API hands it out)
+              model with every task's fastest confirmed schedule, have one of the class's
+              agents run it and time it beside onnxruntime and OpenVINO (`model_check`:
+              every class, this host's architecture included; the scheduler never times
+              a tuned model), check its outputs against onnxruntime here, write the
+              library (model.so, model.cuda.tar for a CUDA class: `library_name`),
+              manifest.json, reference.onnx, records.jsonl, report.json and pack them
+              into jobs/<id>/tuned.tar.gz (the API hands it out)
 
 A CUDA class's job is the same session with the class's CUDA target: its tasks are made
 for it (`make_task`: the GPU sketch rules), the build workers build `.cuda.tar` kernels,
@@ -58,19 +59,16 @@ from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from services.scheduler.model_check import DeviceRun, check_on_device
 from services.scheduler.shared_model import ClassModel, SharedModelView
 from tunefarm.errors import TunefarmError
-from tunefarm.export import is_cross_target
-from tunefarm.gpu import is_gpu
-from tunefarm.isa import runs_on_host
 from tunefarm.measure import MeasureBatch, Measurer
 from tunefarm.models.build import build_model_library
 from tunefarm.models.check import exact_onnx_reference
 from tunefarm.models.finish import (
     RECORDS_NAME,
+    REFERENCE_NAME,
     REPORT_NAME,
     LoadedModel,
     ModelOutcome,
     archive_directory,
-    finish_model,
     model_report,
     onnx_reference,
     plain,
@@ -108,7 +106,7 @@ class RunnerContext:
     measurer_factory: MeasurerFactory
     check_tuned_model: bool
     log: Callable[[str], None]
-    # How long an agent of a class this host cannot run may take to run a tuned model.
+    # How long an agent of the class may take to run (and time) a tuned model.
     model_run_wait_secs: float = 1800.0
     # An agent that heartbeated this recently is live; a model run waits no longer than
     # this (after as long) while its class has none (`model_check`).
@@ -382,8 +380,11 @@ class FarmJob:
                     "trials": self.summary.trials,
                     "latency": outcome.latency,
                     "onnxruntime_latency": outcome.onnxruntime_latency,
+                    "openvino_latency": outcome.openvino_latency,
                     "check": outcome.check,
                     "measured_on": outcome.measured_on,
+                    # peers the agent could not time, and why (a note, not a failure)
+                    "peer_notes": outcome.peer_notes,
                     "tuned_tasks": sum(1 for r in report["models"][0]["tasks"] if r["schedule"] == "tuned"),
                     "tasks": len(report["models"][0]["tasks"]),
                     # Tasks whose fastest measured kernel no second measurement confirmed
@@ -427,49 +428,35 @@ class FarmJob:
         return out
 
     def _build(self, m: LoadedModel, directory: Path, schedules: dict[str, Any]) -> ModelOutcome:
-        """Build the tuned model; check and time it here when this host runs the class's
-        target (`runs_here`), on an agent of the class otherwise (`model_check`: a board
-        of another architecture, and every CUDA class)."""
+        """Build the tuned model here; check and time it on an agent of the class
+        (`model_check`), whatever the class: the scheduler's host times nothing."""
         s = self.setup
-        target = s.target
         try:
-            if self.ctx.check_tuned_model and runs_here(target):
-                outcome = finish_model(m, directory, target, schedules, log=self.log)
-                here = {"on": "the scheduler's host", "device_class": s.device_class, "agent": None, "emulated": False}
-                return replace(outcome, measured_on=here)
             build_model_library(
                 m.tasks.fused_mod,
                 directory,
-                target=target,
+                target=s.target,
                 inputs=m.imported.inputs,
                 outputs=m.imported.outputs,
                 schedules={t.key: schedules.get(t.key) for t in m.tasks.tasks},
                 name=m.name,
             )
-            if self.ctx.check_tuned_model:
-                where = DeviceRun(
-                    self.ctx.sessions,
-                    self.ctx.artifact_root,
-                    job_id=self.job_id,
-                    device_class_id=s.device_class_id,
-                    device_class=s.device_class,
-                    wait_secs=self.ctx.model_run_wait_secs,
-                    stop=self.ctx.stop,
-                    signer=self.ctx.signer,
-                    no_agent_secs=self.ctx.agent_fresh_secs,
-                )
-                return check_on_device(m, directory, where, log=self.log)
-            check = {"ok": None, "reference": "onnxruntime", "problem": "disabled"}
-            return ModelOutcome(m.name, directory, None, check, None, None)
+            if m.reference_onnx is not None:  # `tunefarm run`'s onnxruntime column, as `tune` writes it
+                (directory / REFERENCE_NAME).write_bytes(m.reference_onnx)
+            if not self.ctx.check_tuned_model:
+                check = {"ok": None, "reference": "onnxruntime", "problem": "disabled"}
+                return ModelOutcome(m.name, directory, None, check, None, None)
+            where = DeviceRun(
+                self.ctx.sessions,
+                self.ctx.artifact_root,
+                job_id=self.job_id,
+                device_class_id=s.device_class_id,
+                device_class=s.device_class,
+                wait_secs=self.ctx.model_run_wait_secs,
+                stop=self.ctx.stop,
+                signer=self.ctx.signer,
+                no_agent_secs=self.ctx.agent_fresh_secs,
+            )
+            return check_on_device(m, directory, where, log=self.log)
         except TunefarmError as exc:
             raise JobFailed(str(exc)) from None
-
-def runs_here(target: dict[str, Any]) -> bool:
-    """Whether this host can run code built for `target` (a CPU target for its own
-    architecture whose instruction-set extensions its CPU has, `tunefarm.isa`): the tuned
-    model is then checked here against onnxruntime; otherwise an agent of the class runs
-    it. Never for a CUDA target: the scheduler needs no GPU, and one it had might not be
-    the class's; the class's agent times the model on the class's GPU."""
-    if is_gpu(target):
-        return False
-    return target.get("kind") == "llvm" and not is_cross_target(target) and runs_on_host(target)

@@ -1,21 +1,22 @@
-"""A tuned model checked and timed on a device of its class, for classes whose code the
-scheduler's host cannot run (a board of another architecture, and every CUDA class: the
-scheduler never needs a GPU).
+"""A farm job's tuned model checked and timed on a device of its class: the job's headline
+latency is a measurement made on an agent of the class, beside the peers (onnxruntime,
+and OpenVINO where that agent has it) timed on the same agent, as `tunefarm tune` times
+them (`tunefarm.models.finish.finish_model`: alternating rounds, same input, same
+threads). Every class goes this way, the scheduler host's own architecture included:
+the scheduler never runs nor times a tuned model (it needs no GPU, and its host is not
+the class's device); `check_on_device` asks an agent of the class:
 
-In embedded mode, and in the farm for a class of this host's architecture, the tuned
-model is run here: its output is compared with onnxruntime's and it is timed
-(`tunefarm.models.finish.finish_model`). A model built for an aarch64 board cannot run
-on an x86 scheduler, nor a CUDA model on a host without the class's GPU, so
-`check_on_device` asks an agent of the class instead:
-
-1. the library (cross-compiled for the class) and the model's seeded inputs, one set per
-   input kind of `tunefarm.models.check`, are stored under the artifact root
+1. the library (built for the class) and the model's seeded inputs, one set per input
+   kind of `tunefarm.models.check`, are stored under the artifact root
    (`model_runs/<job id>/<uuid>/`), and one `ModelRun` row per set, each queued once the
    previous one is done, runs them on the class (the first also times `repeat`
-   inferences, the others only run once);
+   inferences, the others only run once). The timed run also carries the ONNX graph the
+   model was imported from (`model.onnx`, signed by the farm like the library) and its
+   input names, for the peers; a CUDA class's does not (the peers run on the CPU, and
+   `tune` does not time them beside a GPU's model either);
 2. an agent of the class leases them before any batch, runs the model for its outputs
-   (and the timed inferences), and sends outputs and latencies back (the lease service
-   stores them, with the agent's name and whether it is emulated);
+   (and times it beside the peers), and sends outputs and latencies back (the lease
+   service stores them, with the agent's name and whether it is emulated);
 3. here, the outputs are compared with the reference's on the same inputs (onnxruntime,
    run on this host: the reference does not depend on the device) by the same check a
    local run uses (`tunefarm.models.check`: every input kind, every element). A
@@ -27,14 +28,18 @@ The library is the one file the build wrote (`manifest.json`'s "library": `model
 `model.cuda.tar` for a CUDA class, which an agent started with `--gpu` unpacks next to it
 and runs with its prebuilt fatbin).
 
-The latency is the device's, and `ModelOutcome.measured_on` says where it came from:
-the agent, its class, its GPU (`gpu`, `compute_capability`: the agent's registered
-capabilities, for an agent that has one), and `emulated` when that agent runs under an
-emulator (then the latency is the emulator's, not the board's). A model no agent ran
-within `wait_secs` is kept unchecked; the report says why. So is one the class has no
-agent for: when, after `no_agent_secs` of waiting, no agent of the class has heartbeated
-for `no_agent_secs`, the wait ends early (a class whose agents are all gone, or a CUDA
-class with no GPU agent, would otherwise hold the job for `wait_secs`).
+The latencies are the device's (`latency`, `onnxruntime_latency`, `openvino_latency`:
+`Latency.as_report()` as `tune`'s report has them, each with `emulated`), and
+`ModelOutcome.measured_on` says where they came from: the agent, its class, its GPU
+(`gpu`, `compute_capability`: the agent's registered capabilities, for an agent that has
+one), and `emulated` when that agent runs under an emulator (then every latency, the
+peers' too, is the emulator's, not the board's). A peer the agent could not time (not
+installed, a model it cannot load, a graph it refused) is a note (`peer_notes`), never a
+failed job. A model no agent ran within `wait_secs` is kept unchecked; the report says
+why. So is one the class has no agent for: when, after `no_agent_secs` of waiting, no
+agent of the class has heartbeated for `no_agent_secs`, the wait ends early (a class
+whose agents are all gone, or a CUDA class with no GPU agent, would otherwise hold the
+job for `wait_secs`).
 """
 
 from __future__ import annotations
@@ -57,8 +62,10 @@ from services.db.session import SessionFactory, transaction
 from services.db.states import ModelRunState
 from services.protocol.signing import ArtifactSigner, SignedKind
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
+from tunefarm.gpu import is_gpu
 from tunefarm.models import check
 from tunefarm.models.finish import LoadedModel, ModelOutcome, check_inputs, failed_library_name
+from tunefarm.models.peers import ONNXRUNTIME, OPENVINO
 from tunefarm.models.runtime import RUN_TIMEOUT, load_manifest
 from tunefarm.models.timing import Latency
 
@@ -66,12 +73,16 @@ POLL_SECS = 0.5
 """How often the model run's row is read while waiting for an agent."""
 
 DEVICE_RUNS = 100
-"""Timed inferences of a model run on a device (a fixed count: an emulated agent is slow)."""
+"""Timed inferences of a model run on a device, and of each peer beside it (a fixed count:
+an emulated agent is slow)."""
+
+ONNX_NAME = "model.onnx"
+"""The ONNX graph of a timed model run, beside its library (the peers are timed on it)."""
 
 
 @dataclass(frozen=True)
 class DeviceRun:
-    """Where a model runs when this host cannot run it: a device class's agents."""
+    """Where a tuned model runs and is timed: a device class's agents."""
 
     sessions: SessionFactory
     artifact_root: Path
@@ -84,7 +95,7 @@ class DeviceRun:
     warmup: int = 3
     timeout_secs: float = RUN_TIMEOUT  # the agent's limit for one whole run
     poll_secs: float = POLL_SECS
-    signer: ArtifactSigner | None = None  # signs the library for the agent (None: unsigned)
+    signer: ArtifactSigner | None = None  # signs the library and ONNX graph for the agent (None: unsigned)
     # The wait ends early when no agent of the class has heartbeated for this long (the
     # scheduler's `agent_fresh_secs`: what counts as a live agent for its fair shares).
     no_agent_secs: float = 60.0
@@ -94,19 +105,22 @@ def check_on_device(
     m: LoadedModel, directory: Path, where: DeviceRun, *, log: Callable[[str], None] = lambda msg: None
 ) -> ModelOutcome:
     """Run the model built in `directory` on an agent of the class (see the module
-    docstring), compare its outputs with the reference and keep its latency. Raises
-    `JobFailed` when the run failed or the outputs differ (the library is removed), and
-    `FinishInterrupted` when the scheduler stops while waiting."""
+    docstring), compare its outputs with the reference and keep its latency and its
+    peers'. Raises `JobFailed` when the run failed or the outputs differ (the library is
+    removed), and `FinishInterrupted` when the scheduler stops while waiting."""
     sets = check_inputs(m)
     manifest = load_manifest(directory)
     library = directory / manifest["library"]
     failed_name = failed_library_name(manifest["target"])
+    # the peers run on the CPU: not beside a GPU's model (as `tune`)
+    peers_onnx = m.reference_onnx if not is_gpu(manifest["target"]) else None
     # One run at a time: a new run of the job supersedes its open ones (a restarted
     # scheduler's), so each kind's run is queued once the previous one is done.
     runs: dict[str, int] = {}
     rows: dict[str, ModelRun | None] = {}
     for i, (kind, feeds) in enumerate(sets.items()):
-        runs[kind] = _submit(where, library, [feeds[t.name] for t in m.imported.inputs], timed=i == 0)
+        runs[kind] = _submit(where, library, [feeds[t.name] for t in m.imported.inputs], timed=i == 0,
+                             onnx=peers_onnx if i == 0 else None, input_names=[t.name for t in m.imported.inputs])
         log(f"{m.name}: the tuned model is queued for an agent of {where.device_class} ({kind} input, model run {runs[kind]})")
         rows[kind], why = _wait(where, runs[kind])
         if rows[kind] is None or rows[kind].state is ModelRunState.FAILED:
@@ -137,26 +151,71 @@ def check_on_device(
         )
     timed_row = rows[timed_kind]
     assert timed_row is not None
-    samples = [float(x) for x in (timed_row.result or {}).get("latency_samples", [])]
-    latency = None
-    if samples:
-        # The agent's runner sets its TVM threads (`--threads`); its model run does not
-        # report them, so the latency carries none (0).
-        latency = {**Latency.of(samples, 0).as_report(), "emulated": measured_on["emulated"]}
-    log(
-        f"{m.name}: checked on {_device_text(measured_on, where)}{' (emulated)' if measured_on['emulated'] else ''}: "
-        f"max abs error {result.max_abs_error:.3g}"
+    emulated = measured_on["emulated"]
+    latency = _latency(timed_row.result or {}, emulated)
+    peers, notes = _peers(timed_row.peer_latencies, emulated) if peers_onnx is not None else ({}, {})
+    device = f"{_device_text(measured_on, where)}{' (emulated)' if emulated else ''}"
+    log(f"{m.name}: checked on {device}: max abs error {result.max_abs_error:.3g}")
+    log(f"{m.name}: {_timed_text(latency, peers, notes, device)}")
+    return ModelOutcome(
+        m.name, directory, latency, result.as_report(), None, peers.get(ONNXRUNTIME), peers.get(OPENVINO),
+        measured_on=measured_on, peer_notes=notes or None,
     )
-    return ModelOutcome(m.name, directory, latency, result.as_report(), None, None, measured_on=measured_on)
 
 
-def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray], *, timed: bool) -> int:
+def _latency(timed: dict[str, Any], emulated: bool) -> dict[str, Any] | None:
+    """A latency the agent measured (the model's `result`, or a peer's entry of
+    `peer_latencies`) as the report has it, flagged `emulated` or not; None without
+    samples. An agent older than peer timing reports no threads (0) nor rounds."""
+    samples = [float(x) for x in timed.get("latency_samples", [])]
+    if not samples:
+        return None
+    measured = Latency.of(samples, int(timed.get("threads") or 0), [float(x) for x in timed.get("round_medians") or []])
+    return {**measured.as_report(), "emulated": emulated}
+
+
+def _peers(stored: dict[str, Any] | None, emulated: bool) -> tuple[dict[str, dict], dict[str, str]]:
+    """The peers' latencies the agent measured (by peer) and, for each peer it did not
+    time, why (a note of the result, never a failed job)."""
+    if not stored:
+        return {}, {ONNXRUNTIME: "the agent timed no peers (an agent older than peer timing)"}
+    latencies: dict[str, dict] = {}
+    notes: dict[str, str] = {}
+    for peer, timed in stored.items():
+        latency = _latency(timed, emulated) if not timed.get("error") else None
+        if latency is not None:
+            latencies[peer] = latency
+        else:
+            notes[peer] = str(timed.get("error") or "no samples")
+    return latencies, notes
+
+
+def _timed_text(latency: dict | None, peers: dict[str, dict], notes: dict[str, str], device: str) -> str:
+    """The log line of where the model was timed: "timed on arm-1: p50 40.1 us; onnxruntime
+    p50 61.0 us; openvino not timed (...)"."""
+    if latency is None:
+        return f"not timed on {device}"
+    parts = [f"timed on {device}: p50 {latency['median'] * 1e6:.1f} us"]
+    parts += [f"{peer} p50 {lat['median'] * 1e6:.1f} us" for peer, lat in peers.items()]
+    parts += [f"{peer} not timed ({why})" for peer, why in notes.items()]
+    return "; ".join(parts)
+
+
+def _submit(
+    where: DeviceRun, library: Path, inputs: list[np.ndarray], *, timed: bool, onnx: bytes | None,
+    input_names: list[str],
+) -> int:
+    """Store the run's files and queue it; with `onnx`, the agent times the peers on it."""
     rel = artifacts.model_run_dir(where.job_id, uuid.uuid4().hex)
     buffer = io.BytesIO()
     np.savez(buffer, *inputs)
     # the library keeps its name: the agent picks its loader by the suffix (`.cuda.tar`: the GPU's)
     lib_sha, lib_size = artifacts.put(where.artifact_root, f"{rel}/{library.name}", library)
     in_sha, in_size = artifacts.put(where.artifact_root, f"{rel}/{artifacts.MODEL_RUN_INPUTS_NAME}", buffer.getvalue())
+    graph = None
+    if onnx is not None:
+        onnx_sha, onnx_size = artifacts.put(where.artifact_root, f"{rel}/{ONNX_NAME}", onnx)
+        graph = model_runs.StoredFile(f"{rel}/{ONNX_NAME}", onnx_sha, onnx_size)
     with transaction(where.sessions) as s:
         run = model_runs.create_model_run(
             s,
@@ -167,9 +226,13 @@ def _submit(where: DeviceRun, library: Path, inputs: list[np.ndarray], *, timed:
             repeat=where.repeat if timed else 0,
             warmup=where.warmup,
             timeout_secs=where.timeout_secs,
+            onnx=graph,
+            input_names=input_names if graph is not None else None,
         )
         if where.signer is not None:  # bound to this run: not replayable onto another
             run.library_signature = where.signer.sign(SignedKind.MODEL_LIBRARY, run.id, lib_sha).hex()
+            if graph is not None:
+                run.onnx_signature = where.signer.sign(SignedKind.MODEL_ONNX, run.id, graph.sha256).hex()
         return run.id
 
 

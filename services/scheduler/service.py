@@ -18,9 +18,10 @@ One loop, one pass at a time (`SchedulerService.run_once`):
 3. step every job once, round-robin (propose under its cap, collect what landed); a
    job whose cancel was requested stops and gives its open batches up; a job whose
    budget is spent starts finishing: the tuned model is built, checked against
-   onnxruntime and archived in a worker thread (the builds run in child processes; a
-   class this host cannot run has its model run by one of its agents, which the thread
-   waits for: `model_check`), and the job succeeds (or fails with the reason);
+   onnxruntime and archived in a worker thread (the builds run in child processes; the
+   model is run and timed, beside onnxruntime and OpenVINO, by one of its class's
+   agents, which the thread waits for: `model_check`), and the job succeeds (or fails
+   with the reason);
 4. the shared cost models (`shared_model.ClassModels`) learn the measurements that
    landed, per class, and save a new version every so often and whenever a job ends.
 

@@ -15,11 +15,11 @@ live agent):
 | TUNEFARM_COST_MODEL_WARMUP | 32 | programs a class's cost model sees before it ranks (random before) |
 | TUNEFARM_COST_MODEL_SAVE_EVERY | 256 | new measurements between two saved versions of a class's model |
 | TUNEFARM_COST_MODEL_CATCH_UP_SECS | 10 | how often a class's model reads measurements made elsewhere |
-| TUNEFARM_CHECK_TUNED_MODEL | true | run the tuned model against onnxruntime before keeping it |
-| TUNEFARM_MODEL_RUN_WAIT_SECS | 1800 | how long an agent may take to run a tuned model this host cannot run (an ARM board's, every CUDA class's) |
+| TUNEFARM_CHECK_TUNED_MODEL | true | have an agent of the class run and time the tuned model (beside onnxruntime and OpenVINO) and check it against onnxruntime before keeping it |
+| TUNEFARM_MODEL_RUN_WAIT_SECS | 1800 | how long an agent of the class may take to run and time a tuned model |
 | TUNEFARM_BUILD_CHECK_SECS | 5 | how often batches in flight are checked for builds nobody is doing (a killed worker, Redis's data lost) |
 | TUNEFARM_SCHEDULER_HEARTBEAT_FILE | unset | touched after every pass (a container's health check reads its age) |
-| TUNEFARM_SIGNING_KEY_FILE | unset | the farm's Ed25519 private key (PEM): tuned models run by agents are signed with it |
+| TUNEFARM_SIGNING_KEY_FILE | unset | the farm's Ed25519 private key (PEM): tuned models run by agents (and the ONNX graphs their peers are timed on) are signed with it |
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ class SchedulerSettings(ServiceSettings):
     # A class with no cost model of its own starts from its nearest class's latest one
     # (tunefarm.search.cost_model.transfer); False: it starts fresh.
     cost_model_transfer: bool = True
-    # Run the tuned model and compare it with onnxruntime before keeping it: here when
-    # this host can run the class's target, otherwise on an agent of the class (a model
-    # run), which has model_run_wait_secs to pick it up and run it (then it is kept
-    # unchecked and the report says so).
+    # Run the tuned model on an agent of the class (a model run: its outputs, and its
+    # latency beside onnxruntime's and OpenVINO's on that agent) and compare its outputs
+    # with onnxruntime's here before keeping it; the agent has model_run_wait_secs to
+    # pick it up and run it (then it is kept unchecked and untimed, and the report says
+    # so). False: neither checked nor timed.
     check_tuned_model: bool = True
     model_run_wait_secs: float = 1800.0
     # A finishing job waits this long for its bests' confirmations (a second measurement

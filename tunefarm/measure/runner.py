@@ -28,12 +28,16 @@ for the class's arch, the warm-up is synchronised, time_evaluator times it on th
 (device-synchronised, no CPU cache flush), and the outputs are copied back and checked
 like a CPU kernel's. Without a GPU the run is a RUN_ERROR saying so (`NoGpuError`).
 
-A runner also runs whole tuned models for the farm (`run_model`, `ModelRunInput`): a
-model built for a device class the scheduler cannot run is sent to an agent of the
-class, which runs it once for its outputs and times `repeat` inferences
-(`tunefarm.models.runtime.run_job`, timed by `tunefarm.models.timing` as `tunefarm run`
-is), in the same process and
-one at a time with the kernels.
+A runner also runs whole tuned models for the farm (`run_model`, `ModelRunInput`): every
+tuned model is sent to an agent of its class, which runs it once for its outputs
+(`tunefarm.models.runtime.run_job`, in the same process as the kernels, one at a time
+with them) and times it as `tunefarm tune` does: `repeat` inferences of it and as many
+of each peer engine (onnxruntime, and OpenVINO where it is installed) on the model's
+ONNX graph, in alternating rounds on the same input and thread count
+(`tunefarm.models.runtime.time_beside_peers`). The tuned model is timed in the kernels'
+process, each peer in a process of its own, sandboxed like it (`PEER_PRELOAD`). A peer
+that cannot be timed (not installed, a model it cannot load) is left out and says why;
+only the tuned model's own failure fails the run.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from tunefarm import cuda, layout
 from tunefarm.digest import digest
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
 from tunefarm.measure.task_data import TaskData, read_task_data, save_outputs
-from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, failure_kind
+from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, TimingConfig, failure_kind
 from tunefarm.sandbox import Sandbox, SandboxStatus
 
 VERIFY_RTOL = 1e-3
@@ -79,13 +83,20 @@ SANDBOX_PRELOAD = (
 import later (the sandbox's user may not read the Python installation: a module first
 imported after the drop would fail to load)."""
 
+PEER_PRELOAD = ("zipfile", "encodings.cp437", "numpy", "tunefarm.models.runtime", "tunefarm.models.peers")
+"""What a sandboxed peer's process imports before it gives up its rights, besides the
+peer's own package (`onnxruntime`, `openvino`)."""
+
 
 @dataclass(frozen=True)
 class ModelRunInput:
     """A built model to run: `library` (model.so) on the arrays of `inputs` (.npz,
-    arr_0, arr_1, ... in the model's input order); the outputs go to `outputs` (.npz,
-    arr_0, ...). `warmup` untimed inferences (the first gives the outputs), then `repeat`
-    timed ones."""
+    arr_0, arr_1, ... in the model's input order); the outputs of one inference go to
+    `outputs` (.npz, arr_0, ...). Then, unless `repeat` is 0, `repeat` timed inferences
+    and as many of each peer on `onnx_model` (the ONNX graph; "" times no peer), fed the
+    same arrays under `input_names`, in alternating rounds (their warm-up is
+    `tunefarm.models.timing`'s, as `tunefarm tune`'s: `warmup` is not used).
+    `timeout_secs` bounds each call: the output run, and each block of the timing."""
 
     library: str
     inputs: str
@@ -93,6 +104,19 @@ class ModelRunInput:
     repeat: int
     warmup: int
     timeout_secs: float
+    onnx_model: str = ""
+    input_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerRun:
+    """A peer timed beside the model (its samples), or why it was not (`error`)."""
+
+    peer: str  # `tunefarm.models.peers.ONNXRUNTIME`, `OPENVINO`
+    latency_samples: tuple[float, ...] = ()
+    round_medians: tuple[float, ...] = ()
+    threads: int = 0
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -100,6 +124,9 @@ class ModelRunResult:
     latency_samples: tuple[float, ...]  # seconds per timed inference
     run_secs: float  # wall time of the whole run
     error: str = ""  # why the model did not run ("" when it did)
+    threads: int = 0  # the threads of the timed inferences (0: none timed)
+    round_medians: tuple[float, ...] = ()  # p50 of each round of the timing
+    peers: tuple[PeerRun, ...] = ()  # those asked for (`ModelRunInput.onnx_model`), timed or not
 
 
 class Runner(ABC):
@@ -154,6 +181,8 @@ class LocalRunner(Runner):
         if num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {num_threads}")
         self.num_threads = num_threads
+        self._sandbox = sandbox
+        self._cwd = cwd
         self._worker = IsolatedWorker(
             env={"TVM_NUM_THREADS": str(num_threads)},
             preload=[*SANDBOX_PRELOAD, __name__] if sandbox is not None else ["tvm", __name__],
@@ -178,11 +207,56 @@ class LocalRunner(Runner):
         self._worker.close()
 
     def run_model(self, inp: ModelRunInput) -> ModelRunResult:
+        from tunefarm.errors import ModelRunError
+
+        t0 = time.perf_counter()
         outcome = self._worker.call(_RUN_MODEL_JOB, inp, timeout=inp.timeout_secs)
-        if outcome.status is CallStatus.OK:
-            return ModelRunResult(tuple(outcome.value), outcome.secs)
-        message = outcome.message if outcome.status is not CallStatus.RAISED else summarize_error(outcome.message)
-        return ModelRunResult((), outcome.secs, f"{outcome.status}: {message}")
+        if not outcome.ok:
+            message = outcome.message if outcome.status is not CallStatus.RAISED else summarize_error(outcome.message)
+            return ModelRunResult((), outcome.secs, f"{outcome.status}: {message}")
+        if inp.repeat == 0:
+            return ModelRunResult((), outcome.secs)
+        try:
+            return self._timed(inp, t0)
+        except ModelRunError as exc:
+            return ModelRunResult((), time.perf_counter() - t0, str(exc))
+
+    def _timed(self, inp: ModelRunInput, t0: float) -> ModelRunResult:
+        """The model timed beside its peers (see the module docstring)."""
+        from tunefarm.models.peers import ONNXRUNTIME, PEERS, available_peers
+        from tunefarm.models.runtime import time_beside_peers, timing_block
+
+        installed = available_peers() if inp.onnx_model else ()
+        absent = {ONNXRUNTIME: "onnxruntime is not installed on this agent"} if inp.onnx_model else {}
+        absent = {peer: why for peer, why in absent.items() if peer not in installed}
+        model = timing_block(self._worker, "the tuned model", _MODEL_BLOCK_JOB, (inp.library, inp.inputs), inp.timeout_secs)
+        workers = {peer: self._peer_worker(peer) for peer in PEERS if peer in installed}
+        try:
+            blocks = {
+                peer: timing_block(worker, peer, _PEER_BLOCK_JOB,
+                                   (peer, inp.onnx_model, inp.inputs, inp.input_names, self.num_threads),
+                                   inp.timeout_secs)  # fmt: skip
+                for peer, worker in workers.items()
+            }
+            timed = time_beside_peers((MODEL, model), blocks, runs=inp.repeat)
+        finally:
+            for worker in workers.values():
+                worker.close()
+            self._worker.call(_FORGET_JOB, timeout=60.0)
+        mine = timed.latencies.pop(MODEL)
+        peers = [PeerRun(p, lat.samples, lat.round_medians, lat.threads) for p, lat in timed.latencies.items()]
+        peers += [PeerRun(p, error=why) for p, why in (absent | timed.failed).items()]
+        return ModelRunResult(mine.samples, time.perf_counter() - t0, threads=mine.threads,
+                              round_medians=mine.round_medians, peers=tuple(peers))  # fmt: skip
+
+    def _peer_worker(self, peer: str) -> IsolatedWorker:
+        """A process for one peer's timing blocks, sandboxed like the kernels'."""
+        return IsolatedWorker(
+            preload=[*PEER_PRELOAD, peer] if self._sandbox is not None else [],
+            name=f"{peer}-timing",
+            sandbox=self._sandbox,
+            cwd=self._cwd,
+        )
 
     def _run_one(self, inp: RunInput) -> RunResult:
         outcome = self._worker.call(_RUN_JOB, inp, timeout=inp.timeout_secs)
@@ -241,6 +315,12 @@ def _index(flat: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 _RUN_JOB = f"{__name__}:run_kernel"
 _RUN_MODEL_JOB = f"{__name__}:run_model_job"
+_MODEL_BLOCK_JOB = "tunefarm.models.runtime:tvm_block_job"
+_PEER_BLOCK_JOB = "tunefarm.models.runtime:ordered_peer_block_job"
+_FORGET_JOB = "tunefarm.models.runtime:forget_timed_calls"
+
+MODEL = "tuned"
+"""The tuned model's name among the contenders of a model run's timing."""
 
 _TASK_DATA_CACHE_SIZE = 4
 """Task data files kept in memory per worker process (keyed by path, mtime and size)."""
@@ -254,8 +334,6 @@ def run_kernel(inp: RunInput) -> RunResult:
     `run_secs` is this function's wall time; `LocalRunner` replaces it with the time the
     parent saw. Exceptions (a missing file, a kernel that raises) propagate.
     """
-    import tvm
-
     t0 = time.perf_counter()
     data = _load_task_data(inp.task_data)
     if len(data.inputs) != inp.n_inputs or len(data.output_specs) != inp.n_outputs:
@@ -264,18 +342,7 @@ def run_kernel(inp: RunInput) -> RunResult:
             f"the kernel takes {inp.n_inputs} and {inp.n_outputs}"
         )
     on_gpu = inp.artifact.endswith(cuda.CUDA_KERNEL_SUFFIX)
-    if on_gpu:  # NoGpuError on a machine without one: a RUN_ERROR naming why
-        dev = cuda.cuda_device()
-        lib = cuda.load_kernel(inp.artifact, Path(inp.artifact).with_suffix(".unpacked"))
-        args = [tvm.runtime.tensor(a, dev) for a in data.inputs]
-    else:
-        dev = tvm.cpu(0)
-        lib = tvm.runtime.load_module(inp.artifact)
-        # A kernel that takes a constant input in a rewritten layout gets it transformed
-        # once, here, by the library's own transform (tunefarm.layout); only the kernel
-        # is timed.
-        args = layout.pretransform(lib, [tvm.runtime.tensor(a, dev) for a in data.inputs])
-    args += [tvm.runtime.empty(shape, dtype, dev) for shape, dtype in data.output_specs]
+    dev, lib, args = _load_kernel(inp.artifact, data, on_gpu=on_gpu)
     func = lib["main"]
 
     warm0 = time.perf_counter()
@@ -301,6 +368,35 @@ def run_kernel(inp: RunInput) -> RunResult:
     timing = inp.timing
     if timing.repeat == 0:  # an output-only run (a reference): the warm-up is its only call
         return RunResult(inp.candidate_key, (warmup_secs,), time.perf_counter() - t0, verified=verified, digest=fingerprint)
+    costs = _timed_costs(lib, dev, args, timing, on_gpu=on_gpu, warmup_secs=warmup_secs)
+    return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint)
+
+
+def _load_kernel(artifact: str, data: TaskData, *, on_gpu: bool) -> tuple[Any, Any, list[Any]]:
+    """The device, the loaded library and the call's arguments: the task data's inputs on
+    the device, then empty output tensors."""
+    import tvm
+
+    if on_gpu:  # NoGpuError on a machine without one: a RUN_ERROR naming why
+        dev = cuda.cuda_device()
+        lib = cuda.load_kernel(artifact, Path(artifact).with_suffix(".unpacked"))
+        args = [tvm.runtime.tensor(a, dev) for a in data.inputs]
+    else:
+        dev = tvm.cpu(0)
+        lib = tvm.runtime.load_module(artifact)
+        # A kernel that takes a constant input in a rewritten layout gets it transformed
+        # once, here, by the library's own transform (tunefarm.layout); only the kernel
+        # is timed.
+        args = layout.pretransform(lib, [tvm.runtime.tensor(a, dev) for a in data.inputs])
+    args += [tvm.runtime.empty(shape, dtype, dev) for shape, dtype in data.output_specs]
+    return dev, lib, args
+
+
+def _timed_costs(
+    lib, dev, args: list[Any], timing: TimingConfig, *, on_gpu: bool, warmup_secs: float
+) -> tuple[float, ...]:
+    """The kernel's times (seconds per call) from TVM's time_evaluator, as `timing` asks: a
+    kernel whose warm-up took longer than `slow_cutoff_secs` is timed once."""
     slow = warmup_secs > timing.slow_cutoff_secs
     evaluator = lib.time_evaluator(
         "main",
@@ -311,18 +407,17 @@ def run_kernel(inp: RunInput) -> RunResult:
         # CPU caches only: a GPU's L2 is not flushed (time_evaluator syncs the device)
         f_preproc="cache_flush_cpu_non_first_arg" if timing.flush_cache and not on_gpu else "",
     )
-    costs = tuple(float(c) for c in evaluator(*args).results)
-    return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint)
+    return tuple(float(c) for c in evaluator(*args).results)
 
 
-def run_model_job(inp: ModelRunInput) -> list[float]:
-    """Run a whole model in this process (see `ModelRunInput`); its latency samples.
-    Exceptions (a library that does not load, wrong inputs) propagate."""
+def run_model_job(inp: ModelRunInput) -> None:
+    """Run a whole model once in this process, its outputs to `inp.outputs` (see
+    `ModelRunInput`; `LocalRunner.run_model` times it after). Exceptions (a library that
+    does not load, wrong inputs) propagate."""
     from tunefarm.models.runtime import run_job
 
-    outputs, samples, _threads = run_job(inp.library, inp.inputs, inp.repeat, inp.warmup)
+    outputs, _samples, _threads = run_job(inp.library, inp.inputs, 0)
     np.savez(inp.outputs, *outputs)
-    return [float(x) for x in samples]
 
 
 def _load_task_data(path: str) -> TaskData:

@@ -203,12 +203,15 @@ class ModelOutcome:
     openvino_latency: dict | None = None  # likewise, when OpenVINO is installed
     error: str = ""
     # Where the check and the latency were taken when not on this host: a device class's
-    # agent {"device_class", "agent", "emulated", ...}; `emulated` means the latency is
-    # an emulator's, not the device's.
+    # agent {"device_class", "agent", "emulated", ...}; `emulated` means the latencies
+    # (the peers' too) are an emulator's, not the device's.
     measured_on: dict | None = None
     # Where the tuned model's time goes (`profile_breakdown`): the end-to-end latency
     # against its kernel calls, and per task key its row with what holds it back.
     breakdown: dict | None = None
+    # Per peer that was not timed where the model was (a farm agent without onnxruntime,
+    # a graph it cannot load), why; None when every peer asked for was timed.
+    peer_notes: dict | None = None
 
 
 def finish_model(
@@ -458,6 +461,7 @@ def _model_entry(m: LoadedModel, o: ModelOutcome, tasks: Mapping[str, TaskOutcom
         "estimated_seconds_at_start": at_start,
         "check": o.check,
         "measured_on": o.measured_on,
+        "peer_notes": o.peer_notes,
         "breakdown": {k: v for k, v in o.breakdown.items() if k != "tasks"} if o.breakdown else None,
         "error": o.error or None,
         "warnings": list(m.imported.warnings),

@@ -5,6 +5,9 @@
 - `time_side_by_side(builds, inputs, onnx_model=...)`: several built models and the peer
   engines timed in alternating blocks (`timing.time_interleaved`), each in its own child
   process, on the same thread count and input.
+- `time_beside_peers(model, peers)`: the same rounds for blocks made elsewhere (a device
+  agent's runner: its sandboxed processes), where a peer that fails is left out with
+  why, never failing the model's timing.
 - `check_library(model_dir, onnx_model)`: the built model against onnxruntime on every
   input kind of `tunefarm.models.check`.
 
@@ -25,13 +28,13 @@ from typing import Any
 import numpy as np
 
 from tunefarm.cuda import CUDA_KERNEL_SUFFIX
-from tunefarm.errors import ModelError
+from tunefarm.errors import ModelError, ModelRunError
 from tunefarm.isolation import IsolatedWorker, summarize_error
 from tunefarm.models import check
 from tunefarm.models.build import MANIFEST_NAME, call_isolated, child_error_text
 from tunefarm.models.check import ModelCheck
 from tunefarm.models.peers import available_peers, peer_call
-from tunefarm.models.timing import ROUNDS, WARMUP_CALLS, Latency, time_calls, time_interleaved
+from tunefarm.models.timing import ROUNDS, WARMUP_CALLS, Block, Latency, time_calls, time_interleaved
 
 _JOBS = "tunefarm.models.runtime"
 
@@ -107,7 +110,7 @@ def run_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if not outcome.ok:
-        raise ModelError(f"running {model_dir} failed ({outcome.status}): {child_error_text(outcome.message)}")
+        raise ModelRunError(f"running {model_dir} failed ({outcome.status}): {child_error_text(outcome.message)}")
     outs, samples, used = outcome.value
     return ModelRun(tuple(outs), Latency.of(samples, used) if samples else None)
 
@@ -263,7 +266,7 @@ def timing_block(worker: IsolatedWorker, name: str, job: str, args: tuple, timeo
     def block(runs: int | None, budget_secs: float, warmup_secs: float, min_runs: int) -> tuple[list[float], int]:
         outcome = worker.call(job, *args, runs, budget_secs, warmup_secs, min_runs, timeout=timeout)
         if not outcome.ok:
-            raise ModelError(f"timing {name} failed ({outcome.status}): {child_error_text(outcome.message)}")
+            raise ModelRunError(f"timing {name} failed ({outcome.status}): {child_error_text(outcome.message)}")
         # its thread pool spins on after the last call: the next contender must not pay for it
         worker.wait_idle()
         return outcome.value
@@ -271,9 +274,70 @@ def timing_block(worker: IsolatedWorker, name: str, job: str, args: tuple, timeo
     return block
 
 
+@dataclass(frozen=True)
+class PeerTimes:
+    """What `time_beside_peers` measured: each contender's latency (the model's under its
+    name), and why each peer that was left out was not timed."""
+
+    latencies: dict[str, Latency]
+    failed: dict[str, str]
+
+
+class _PeerFailed(Exception):
+    def __init__(self, peer: str, why: str):
+        super().__init__(why)
+        self.peer, self.why = peer, why
+
+
+def time_beside_peers(
+    model: tuple[str, Block],
+    peers: Mapping[str, Block],
+    *,
+    runs: int | None = None,
+    rounds: int = ROUNDS,
+    budget_secs: float | None = None,
+) -> PeerTimes:
+    """`timing.time_interleaved` of a model (its name, its block) and its peers' blocks
+    (`timing_block`s): `runs` samples each, in `rounds` alternating rounds. A peer whose
+    block fails (`ModelRunError`: it does not load the model, its process dies) is left
+    out, with why, and the rounds are taken again without it, so that every latency comes
+    from the same rounds; the model's own failure raises `ModelRunError`."""
+    name, block = model
+    if name in peers:
+        raise ValueError(f"the model may not be named like a peer ({name})")
+    live = dict(peers)
+    failed: dict[str, str] = {}
+    kwargs = {} if budget_secs is None else {"budget_secs": budget_secs}
+    while True:
+        blocks = {name: block, **{peer: _guarded(peer, b) for peer, b in live.items()}}
+        try:
+            return PeerTimes(time_interleaved(blocks, runs=runs, rounds=rounds, **kwargs), failed)
+        except _PeerFailed as exc:
+            failed[exc.peer] = exc.why
+            del live[exc.peer]
+
+
+def _guarded(peer: str, block: Block) -> Block:
+    """`block`, whose failure says which peer failed (`time_beside_peers` leaves it out)."""
+
+    def guarded(runs: int | None, budget_secs: float, warmup_secs: float, min_runs: int) -> tuple[list[float], int]:
+        try:
+            return block(runs, budget_secs, warmup_secs, min_runs)
+        except ModelRunError as exc:
+            raise _PeerFailed(peer, str(exc)) from None
+
+    return guarded
+
+
 _TIMED_CALLS: dict[tuple, Any] = {}
 """In a timing child: the loaded model's call per (library or ONNX file, inputs), so that
-each block after the first only times."""
+each block after the first only times (`forget_timed_calls` empties it)."""
+
+
+def forget_timed_calls() -> None:
+    """Child side: drop the loaded models (a long-lived child, a device agent's runner,
+    times a model once and must not keep it)."""
+    _TIMED_CALLS.clear()
 
 
 def tvm_block_job(
@@ -293,11 +357,28 @@ def peer_block_job(
     peer: str, model_path: str, inputs_npz: str, threads: int, runs: int | None, budget_secs: float,
     warmup_secs: float, min_runs: int,
 ) -> tuple[list[float], int]:
-    """Child side of `time_side_by_side` for a peer engine: one block of samples."""
+    """Child side of `time_side_by_side` for a peer engine: one block of samples (the
+    .npz's arrays are stored under the model's input names)."""
     key = (peer, model_path, inputs_npz)
     if key not in _TIMED_CALLS:
         with np.load(inputs_npz) as data:
             feeds = {name: data[name] for name in data.files}
+        _TIMED_CALLS[key] = peer_call(peer, model_path, feeds, threads)
+    return timed_block(_TIMED_CALLS[key], runs, budget_secs, warmup_secs, min_runs), threads
+
+
+def ordered_peer_block_job(
+    peer: str, model_path: str, inputs_npz: str, input_names: Sequence[str], threads: int, runs: int | None,
+    budget_secs: float, warmup_secs: float, min_runs: int,
+) -> tuple[list[float], int]:
+    """`peer_block_job` on the inputs a built model takes (.npz: arr_0, arr_1, ... in its
+    input order, a farm model run's), fed to the peer under `input_names`."""
+    key = (peer, model_path, inputs_npz, tuple(input_names))
+    if key not in _TIMED_CALLS:
+        with np.load(inputs_npz, allow_pickle=False) as data:
+            if len(data.files) != len(input_names):
+                raise ModelError(f"{len(data.files)} input arrays for {len(input_names)} input names")
+            feeds = {name: data[f"arr_{i}"] for i, name in enumerate(input_names)}
         _TIMED_CALLS[key] = peer_call(peer, model_path, feeds, threads)
     return timed_block(_TIMED_CALLS[key], runs, budget_secs, warmup_secs, min_runs), threads
 

@@ -111,10 +111,7 @@ def mark_slice_ops():
             offsets = contiguous_offsets(shapes, axis, _itemsize(dtype))
             if offsets is None:
                 return None
-            from tvm import te, topi
-
-            tensors = [te.placeholder(s, dtype, f"p{i}") for i, s in enumerate(shapes)]
-            func = te.create_prim_func([*tensors, topi.concatenate(tensors, axis)])
+            func = _concatenate_prim_func(shapes, dtype, axis)
             gv = self.builder_.add_func(_marked(func, offsets, "inputs"), "concatenate_slices")
             return relax.call_tir(gv, list(parts.fields), call.ty)
 
@@ -129,12 +126,7 @@ def mark_slice_ops():
             offsets = contiguous_offsets(outs, axis, _itemsize(dtype))
             if offsets is None:
                 return None
-            from tvm import te, topi
-
-            x = te.placeholder(shape, dtype, "x")
-            bounds = [int(s[axis % len(s)]) for s in outs]
-            indices = [sum(bounds[: i + 1]) for i in range(len(bounds) - 1)]
-            func = te.create_prim_func([x, *topi.split(x, indices, axis)])
+            func = _split_prim_func(shape, outs, dtype, axis)
             gv = self.builder_.add_func(_marked(func, offsets, "outputs"), "split_slices")
             return relax.call_tir(gv, [data], list(call.ty.fields))
 
@@ -143,6 +135,26 @@ def mark_slice_ops():
         return _rewrite_relax_functions(mod, lambda f, m: _with_builder(_Mark, f, m))
 
     return mark
+
+
+def _concatenate_prim_func(shapes: Sequence[Sequence[int]], dtype: str, axis: int):
+    """The concatenation of tensors of `shapes` along `axis` as a PrimFunc (TE): one
+    parameter per piece, then the output."""
+    from tvm import te, topi
+
+    tensors = [te.placeholder(s, dtype, f"p{i}") for i, s in enumerate(shapes)]
+    return te.create_prim_func([*tensors, topi.concatenate(tensors, axis)])
+
+
+def _split_prim_func(shape: Sequence[int], outs: Sequence[Sequence[int]], dtype: str, axis: int):
+    """The split of a tensor of `shape` along `axis` into tensors of `outs` as a PrimFunc
+    (TE): the input, then one output per piece."""
+    from tvm import te, topi
+
+    x = te.placeholder(shape, dtype, "x")
+    bounds = [int(s[axis % len(s)]) for s in outs]
+    indices = [sum(bounds[: i + 1]) for i in range(len(bounds) - 1)]
+    return te.create_prim_func([x, *topi.split(x, indices, axis)])
 
 
 def keep_marks_opaque():

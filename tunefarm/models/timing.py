@@ -100,6 +100,14 @@ def round_ratios(slower: Mapping[str, Any], faster: Mapping[str, Any]) -> list[f
     return [x / y for x, y in zip(a, b) if y > 0] if len(a) == len(b) else []
 
 
+def speedup(base: Mapping[str, Any] | None, tuned: Mapping[str, Any] | None) -> float | None:
+    """How many times faster `tuned` runs than `base` (two reports of `Latency.as_report`):
+    `base`'s p50 over `tuned`'s; None when either is missing or has no p50."""
+    if not base or not tuned or not base.get("median") or not tuned.get("median"):
+        return None
+    return base["median"] / tuned["median"]
+
+
 def time_calls(
     call: Callable[[], Any],
     *,

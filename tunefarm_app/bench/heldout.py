@@ -1,11 +1,21 @@
 """The cost model's ranking accuracy on measurements it has not seen (Ansor paper §7.5).
 
-Split: seeded k-fold (`FOLDS`) over the records, in random order. Each fold is scored by
-a fresh `XGBCostModel` trained on the other folds, all tasks of the file together as
-the tuning's shared model is. A split in measurement order (train on the first 80%,
-score the last 20%) would score the search's winners: the last measurements are the
-programs the search converged on, nearly equally fast, whose order is mostly noise
-(winner's curse); `time_ordered_split` is kept to show the difference (tests).
+Programs first: a program measured twice (the same candidate again, or another candidate
+that lowers to identical features) is one sample (`deduplicate`: the median of its
+costs), so no fold can hold a program whose twin it was trained on.
+
+Two splits:
+- k-fold (`FOLDS`), seeded, over the programs in random order. Each fold is scored by a
+  fresh `XGBCostModel` trained on the other folds, all tasks of the file together as the
+  tuning's shared model is. Random folds over an evolutionary trajectory still put a
+  program's parent (a near twin) in training: an optimistic number.
+- rolling (`rolling_splits`): what the search does. The records in measurement order
+  fall into rounds (a run of one task's records, as the task scheduler measures them);
+  each round is ranked by a model trained on every record measured before it.
+A split that trains on the first 80% and scores the last 20% would score the search's
+winners only: the last measurements are the programs the search converged on, nearly
+equally fast, whose order is mostly noise (winner's curse); `time_ordered_split` is kept
+to show the difference (tests).
 
 Reported per task:
 - pairwise accuracy over the held-out pairs whose costs differ by more than the
@@ -85,6 +95,58 @@ def time_ordered_split(n: int, train_fraction: float = 0.8) -> list[Split]:
     return [(np.arange(cut), np.arange(cut, n))]
 
 
+def rolling_splits(groups: Sequence[str], *, min_round: int = MIN_HELD_OUT) -> list[Split]:
+    """Rounds of the records in measurement order (a run of consecutive records of one
+    group), each with at least `min_round` records and something measured before it:
+    trained on every earlier record, the round held out."""
+    splits: list[Split] = []
+    start = 0
+    for end in range(1, len(groups) + 1):
+        if end < len(groups) and groups[end] == groups[start]:
+            continue
+        if start > 0 and end - start >= min_round:
+            splits.append((np.arange(start), np.arange(start, end)))
+        start = end
+    return splits
+
+
+@dataclass(frozen=True)
+class Programs:
+    """Distinct programs: one sample each, in the order each was first measured."""
+
+    features: list[np.ndarray]
+    costs: np.ndarray  # the median of the program's finite costs; inf if it never ran
+    noise: np.ndarray  # relative spread: the larger of its repeats' and its measurements'
+    groups: list[str]
+
+
+def deduplicate(
+    features: Sequence[np.ndarray], costs: Sequence[float], noise: Sequence[float], groups: Sequence[str]
+) -> Programs:
+    """Merge the measurements of one program (same group, identical feature matrix)."""
+    index: dict[tuple[str, tuple[int, ...], bytes], int] = {}
+    members: list[list[int]] = []
+    for i, (f, g) in enumerate(zip(features, groups)):
+        a = np.ascontiguousarray(f)
+        key = (g, a.shape, a.tobytes())
+        if key not in index:
+            index[key] = len(members)
+            members.append([])
+        members[index[key]].append(i)
+    cost = np.asarray(costs, dtype=np.float64)
+    spread = np.asarray(noise, dtype=np.float64)
+    merged_costs, merged_noise = [], []
+    for idx in members:
+        finite = cost[idx][np.isfinite(cost[idx])]
+        merged_costs.append(float(np.median(finite)) if len(finite) else math.inf)
+        between = float(np.std(finite, ddof=1) / np.mean(finite)) if len(finite) > 1 else 0.0
+        merged_noise.append(max(float(spread[idx].max()), between))
+    first = [idx[0] for idx in members]
+    return Programs(
+        [features[i] for i in first], np.asarray(merged_costs), np.asarray(merged_noise), [groups[i] for i in first]
+    )
+
+
 def task_splits(groups: Sequence[str]) -> list[Split]:
     """One split per task: trained on every other task's records, its own held out (how
     well what the model learnt carries to a task it has no label of)."""
@@ -145,12 +207,14 @@ def cross_validate(
 
 
 def held_out_accuracy(
-    records_path: Path, workload: Workload, target: dict[str, Any], *, seed: int
+    records_path: Path, workload: Workload, target: dict[str, Any], *, seed: int, rolling: bool = False
 ) -> HeldOutAccuracy:
-    """K-fold held-out accuracy of one workload's records (`tunefarm bench ops`)."""
+    """K-fold (or, with `rolling`, round by round) held-out accuracy of one workload's
+    records (`tunefarm bench ops`)."""
     task = make_task(workload, target)
     records = [r for r in JsonlRecordStore(records_path).load() if r.task == task.key]
-    return _evaluate({task.key: task}, records, seed).get(task.key, _EMPTY)
+    scheme = "rolling" if rolling else "kfold"
+    return _evaluate({task.key: task}, records, seed, scheme=scheme).get(task.key, _EMPTY)
 
 
 def held_out_by_task(records_path: Path, *, seed: int) -> dict[str, HeldOutAccuracy]:
@@ -165,7 +229,7 @@ def held_out_across_tasks(
 ) -> dict[str, HeldOutAccuracy]:
     """Per task of a multi-task records file: scored by a model trained on the other
     tasks' records only (`task_splits`)."""
-    return _evaluate(*_tasks_and_records(records_path), seed, by_task=True, labels_per_group=labels_per_group)
+    return _evaluate(*_tasks_and_records(records_path), seed, scheme="task", labels_per_group=labels_per_group)
 
 
 def _tasks_and_records(records_path: Path) -> tuple[dict[str, SearchTask], list[MeasureRecord]]:
@@ -194,27 +258,28 @@ def _evaluate(
     records: Sequence[MeasureRecord],
     seed: int,
     *,
-    by_task: bool = False,
+    scheme: str = "kfold",
     labels_per_group: bool = True,
 ) -> dict[str, HeldOutAccuracy]:
+    """`scheme`: "kfold", "rolling" or "task" (`task_splits`), over the distinct programs
+    in measurement order."""
     usable = [r for r in records if r.task in tasks]
-    feats: list[np.ndarray] = []
-    for key, task in tasks.items():
-        mine = [r for r in usable if r.task == key]
-        feats += task.space.features_of([r.candidate for r in mine])
-    usable = [r for key in tasks for r in usable if r.task == key]  # the order of `feats`
     if not usable:
         return {}
-    groups = [r.task for r in usable]
+    features_of = {key: iter(task.space.features_of([r.candidate for r in usable if r.task == key]))
+                   for key, task in tasks.items()}  # fmt: skip
+    feats = [next(features_of[r.task]) for r in usable]  # each task's in its own order: measurement order
+    programs = deduplicate(feats, [r.cost for r in usable], relative_spread([r.costs for r in usable]),
+                           [r.task for r in usable])  # fmt: skip
+    splits = {
+        "kfold": lambda: kfold_splits(len(programs.groups), FOLDS, seed),
+        "rolling": lambda: rolling_splits(programs.groups),
+        "task": lambda: task_splits(programs.groups),
+    }[scheme]()
     return cross_validate(
-        feats,
-        [r.cost for r in usable],
-        relative_spread([r.costs for r in usable]),
-        groups,
-        task_splits(groups) if by_task else kfold_splits(len(usable), FOLDS, seed),
-        seed=seed,
-        labels_per_group=labels_per_group,
-    )
+        programs.features, programs.costs, programs.noise, programs.groups, splits,
+        seed=seed, labels_per_group=labels_per_group,
+    )  # fmt: skip
 
 
 def _mean(values: list[float]) -> float:

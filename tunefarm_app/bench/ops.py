@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tunefarm.errors import UsageError
 from tunefarm.export import artifact_suffix
@@ -57,6 +57,7 @@ from tunefarm_app.bench.table import render
 from tunefarm_app.bench.timing import KernelTimer
 
 Log = Callable[[str], None]
+T = TypeVar("T")
 
 DEFAULT_WORK_ROOT = Path("tunefarm-bench")
 """Each run without --work-dir gets a fresh timestamped directory under this one."""
@@ -208,9 +209,8 @@ def bench_op(op: BenchOp, plan: BenchPlan, timer: KernelTimer, log: Log) -> OpRo
     numpy_secs, numpy_note = (None, "") if plan.on_gpu else vendor_secs("numpy", op, task_data, plan, log)
     torch_secs, torch_note = vendor_secs("torch", op, task_data, plan, log)
     ours, ms = time_best_kernels(ours, ms, workload, task_data, timer, log)
-    heldout, heldout_notes = _guard_value(
-        "held-out accuracy", lambda: _held_out(op, workload, plan, log), log
-    )
+    held, heldout_notes = _guard_value("held-out accuracy", lambda: _held_out(op, workload, plan, log), log)
+    heldout, rolling = held if held is not None else (None, None)
     notes = [*ours.notes, *(ms.notes if ms else ()), numpy_note, torch_note, *heldout_notes]
     return OpRow(
         op=op.id,
@@ -222,6 +222,7 @@ def bench_op(op: BenchOp, plan: BenchPlan, timer: KernelTimer, log: Log) -> OpRo
         numpy_secs=numpy_secs,
         torch_secs=torch_secs,
         heldout=heldout,
+        heldout_rolling=rolling,
         notes=tuple(n for n in notes if n),
     )
 
@@ -329,15 +330,19 @@ def time_best_kernels(
 
 def _held_out(
     op: BenchOp, workload: Workload, plan: BenchPlan, log: Log
-) -> tuple[HeldOutAccuracy, tuple[str, ...]]:
-    acc = held_out_accuracy(plan.work_dir / "ours" / f"{op.id}.jsonl", workload, plan.target, seed=plan.seed)
+) -> tuple[tuple[HeldOutAccuracy, HeldOutAccuracy], tuple[str, ...]]:
+    """The model's k-fold and rolling (round by round) held-out accuracy on this op's records."""
+    records = plan.work_dir / "ours" / f"{op.id}.jsonl"
+    acc = held_out_accuracy(records, workload, plan.target, seed=plan.seed)
+    rolling = held_out_accuracy(records, workload, plan.target, seed=plan.seed, rolling=True)
     log(
-        f"held-out cost model ({FOLDS}-fold): pairwise {acc.pairwise:.3f} over {acc.pairs} pairs "
-        f"({acc.dropped} within the noise dropped), Spearman {acc.spearman:.3f}, on {acc.n_test} measurements "
-        f"(trained on {acc.n_train} per fold)"
+        f"held-out cost model ({FOLDS}-fold over distinct programs): pairwise {acc.pairwise:.3f} over {acc.pairs} "
+        f"pairs ({acc.dropped} within the noise dropped), Spearman {acc.spearman:.3f}, on {acc.n_test} "
+        f"measurements (trained on {acc.n_train} per fold); rolling (each round ranked by a model of the rounds "
+        f"before it): pairwise {rolling.pairwise:.3f} over {rolling.pairs} pairs"
     )
     note = "" if math.isfinite(acc.pairwise) else f"held-out: too few valid measurements ({acc.n_test})"
-    return acc, (note,) if note else ()
+    return (acc, rolling), (note,) if note else ()
 
 
 # -- failure containment -------------------------------------------------------------------
@@ -353,9 +358,7 @@ def _guard(what: str, step: Callable[[], _Tuned], log: Log) -> _Tuned:
         return _Tuned(None, None, (f"{what}: failed: {msg}",))
 
 
-def _guard_value(
-    what: str, step: Callable[[], tuple[HeldOutAccuracy, tuple[str, ...]]], log: Log
-) -> tuple[HeldOutAccuracy | None, tuple[str, ...]]:
+def _guard_value(what: str, step: Callable[[], tuple[T, tuple[str, ...]]], log: Log) -> tuple[T | None, tuple[str, ...]]:
     try:
         return step()
     except Exception as exc:

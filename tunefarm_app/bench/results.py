@@ -94,9 +94,10 @@ class OpRow:
     ms: MetaScheduleRun | None
     numpy_secs: float | None
     torch_secs: float | None
-    heldout: HeldOutAccuracy | None
+    heldout: HeldOutAccuracy | None  # k-fold over the distinct programs
     notes: tuple[str, ...] = ()
     peak_gflops: float | None = None  # the FMA peak measured in the same run (`fma_peak`)
+    heldout_rolling: HeldOutAccuracy | None = None  # each round ranked by a model of the rounds before it
 
     def throughput(self, secs: float | None) -> float | None:
         return self.work / secs / 1e9 if secs and math.isfinite(secs) else None
@@ -172,6 +173,7 @@ class Summary:
     mean_heldout_spearman: float | None = None
     heldout_pairs: int = 0  # pairs compared, all ops
     heldout_pairs_dropped: int = 0  # pairs within the measurement noise, all ops
+    mean_rolling_pairwise: float | None = None  # rounds ranked by the model of the rounds before them
     geomean_vs_vendor: float | None = None
     min_vs_vendor: float | None = None
     min_vs_vendor_op: str | None = None
@@ -212,6 +214,7 @@ def summarize(rows: list[OpRow]) -> Summary:
         mean_heldout_spearman=_mean([r.heldout.spearman for r in rows if r.heldout]),
         heldout_pairs=sum(r.heldout.pairs for r in rows if r.heldout),
         heldout_pairs_dropped=sum(r.heldout.dropped for r in rows if r.heldout),
+        mean_rolling_pairwise=_mean([r.heldout_rolling.pairwise for r in rows if r.heldout_rolling]),
         geomean_vs_vendor=_geomean(list(vs_vendor.values())),
         min_vs_vendor=vs_vendor[min_vendor_op] if min_vendor_op else None,
         min_vs_vendor_op=min_vendor_op,

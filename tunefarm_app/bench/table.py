@@ -41,6 +41,7 @@ COLUMNS: tuple[tuple[str, Callable[[OpRow], str]], ...] = (
     ("search", lambda r: _pct(r.ours.search_share if r.ours else None)),
     ("pairwise", lambda r: _num(r.heldout.pairwise if r.heldout else None, ".2f")),
     ("rho", lambda r: _num(r.heldout.spearman if r.heldout else None, ".2f")),
+    ("rolling", lambda r: _num(r.heldout_rolling.pairwise if r.heldout_rolling else None, ".2f")),
 )
 """Header and cell of each column, left to right."""
 
@@ -81,9 +82,11 @@ def render_summary(summary: Summary, trials: int) -> list[str]:
         f"  conv ours/torch (min)    {_ratio(s.conv_vs_torch)}",
         f"  GEMM 1024 share of peak  {_pct(s.gemm_peak_share)} (FMA peak measured: {_num(s.peak_gflops, '.0f')} GFLOPS)",
         f"  held-out pairwise acc.   {_num(s.mean_heldout_pairwise, '.3f')} (mean over ops, 5-fold in random"
-        f" order, pairs within the measurement noise dropped: {s.heldout_pairs_dropped} of"
+        f" order over distinct programs, pairs within the measurement noise dropped: {s.heldout_pairs_dropped} of"
         f" {s.heldout_pairs_dropped + s.heldout_pairs}; Spearman {_num(s.mean_heldout_spearman, '.2f')};"
         f" recall@8 {_num(s.mean_heldout_recall, '.2f')})",
+        f"  rolling pairwise acc.    {_num(s.mean_rolling_pairwise, '.3f')} (each round of the search ranked by a"
+        f" model trained on the rounds before it: what the search sees)",
         f"targets (set for {TARGET_TRIALS} trials; this run: {trials}):",
     ]
     width = max(len(t.name) for t in s.targets) if s.targets else 0

@@ -10,9 +10,9 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from services.api import crud
 from services.api.deps import PageDep, SessionsDep, SettingsDep, TeamDep
+from services.api.downloads import artifact_download
 from services.api.routers.responses import AUTH, errors
 from services.api.schemas import JobCreate, JobPage, JobPublic
-from services.common import artifacts
 from services.db.session import transaction
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=AUTH)
@@ -33,7 +33,7 @@ def create_job(body: JobCreate, team: TeamDep, sessions: SessionsDep, settings: 
         job = crud.create_job(
             db, team_id=team.id, body=body, max_trial_budget=settings.max_trial_budget, quota=quota
         )
-        return crud.job_public(db, team_id=team.id, job_id=job.id, fresh_secs=settings.agent_fresh_secs)
+        return crud.job_public(db, team_id=team.id, job_id=job.id, fresh_secs=settings.agent_fresh_secs, stall_secs=settings.batch_stall_secs)
 
 
 @router.get("", summary="List your team's jobs, newest first")
@@ -49,7 +49,7 @@ def get_job(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: Setti
     and now, and its curve; read from precomputed rows (constant cost per request).
     `waiting` says when no agent of the job's class is online."""
     with transaction(sessions) as db:
-        return crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs)
+        return crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs, stall_secs=settings.batch_stall_secs)
 
 
 @router.post("/{job_id}/cancel", responses=errors(404, 409), summary="Cancel a job")
@@ -58,7 +58,7 @@ def cancel_job(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: Se
     (`cancel_requested` is true until then). 409 for a finished job."""
     with transaction(sessions) as db:
         crud.request_cancel(db, team_id=team.id, job_id=job_id)
-        return crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs)
+        return crud.job_public(db, team_id=team.id, job_id=job_id, fresh_secs=settings.agent_fresh_secs, stall_secs=settings.batch_stall_secs)
 
 
 @router.get(
@@ -76,15 +76,7 @@ def cancel_job(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: Se
 )
 def get_artifact(job_id: JobId, team: TeamDep, sessions: SessionsDep, settings: SettingsDep) -> FileResponse:
     """The same files `tunefarm tune --out DIR` writes. 409 until the job has succeeded."""
-    with transaction(sessions) as db:
-        job = crud.job_artifact(db, team_id=team.id, job_id=job_id)
-    assert job.artifact_path is not None
-    return FileResponse(
-        artifacts.resolve(settings.artifact_root, job.artifact_path),
-        media_type="application/gzip",
-        filename=f"job-{job_id}-tuned.tar.gz",
-        headers={"X-Content-SHA256": job.artifact_sha256 or ""},
-    )
+    return artifact_download(sessions, settings, team_id=team.id, job_id=job_id)
 
 
 @router.get(

@@ -6,6 +6,7 @@
 | `tunefarm_redis_up` | gauge | | 1 when Redis answered this scrape (else no queue depths) |
 | `tunefarm_batches` | gauge | device_class, state | batches not finished: proposed, building, ready, leased |
 | `tunefarm_leases_active` | gauge | device_class | active leases (batches an agent is measuring) |
+| `tunefarm_batches_stalled` | gauge | device_class, waiting_for | open batches that waited `TUNEFARM_BATCH_STALL_SECS` for their build (`build`) or, built, for an agent (`agent`) |
 | `tunefarm_agents` | gauge | device_class, state | agents by state (idle, busy, offline, disabled) |
 | `tunefarm_agents_alive` | gauge | device_class | agents whose last heartbeat is within `lease_secs` |
 | `tunefarm_measurements_total` | counter | device_class | candidates measured by agents |
@@ -70,7 +71,7 @@ def metrics(request: Request, settings: SettingsDep, sessions: SessionsDep) -> R
     if settings.metrics_token and not bearer_matches(request.headers.get("authorization", ""), settings.metrics_token):
         raise Unauthorized("metrics need 'Authorization: Bearer <the farm's metrics token>'")
     with transaction(sessions) as db:
-        counts = farm_counts(db, alive_secs=settings.lease_secs)
+        counts = farm_counts(db, alive_secs=settings.lease_secs, stall_secs=settings.batch_stall_secs)
         class_names = device_class_names(db)
     families = database_metrics(counts, alive_secs=settings.lease_secs)
     families += queue_metrics(request, settings.redis_url, settings.queue_prefix, class_names)
@@ -104,10 +105,14 @@ def database_metrics(counts: FarmCounts, *, alive_secs: float) -> list[Metric]:
     names = counts.class_names
     batches = GaugeMetricFamily("tunefarm_batches", "batches not finished, by state", labels=["device_class", "state"])
     leases = GaugeMetricFamily("tunefarm_leases_active", "active leases", labels=["device_class"])
+    stalled = GaugeMetricFamily("tunefarm_batches_stalled", "open batches waiting longer than the stall window",
+                                labels=["device_class", "waiting_for"])
     for class_id, name in names.items():  # every state of every class
         for state in OPEN_BATCH_STATES:
             batches.add_metric([name, state.value], counts.open_batches.get((class_id, state), 0))
         leases.add_metric([name], counts.active_leases.get(class_id, 0))
+        for phase in ("build", "agent"):
+            stalled.add_metric([name, phase], counts.stalled_batches.get((class_id, phase), 0))
     errors_family = CounterMetricFamily(
         "tunefarm_measurement_errors", "measurements that are errors, by kind", labels=["device_class", "kind"]
     )
@@ -116,7 +121,7 @@ def database_metrics(counts: FarmCounts, *, alive_secs: float) -> list[Metric]:
     jobs = GaugeMetricFamily("tunefarm_jobs", "jobs by state", labels=["state"])
     for state in JobState:
         jobs.add_metric([state.value], counts.jobs.get(state, 0))
-    return [batches, leases, *agent_metrics(counts, alive_secs=alive_secs), errors_family, jobs]
+    return [batches, stalled, leases, *agent_metrics(counts, alive_secs=alive_secs), errors_family, jobs]
 
 
 def agent_metrics(counts: FarmCounts, *, alive_secs: float) -> list[Metric]:

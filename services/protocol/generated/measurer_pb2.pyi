@@ -21,6 +21,7 @@ class ArtifactKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ARTIFACT_KIND_TASK_DATA: _ClassVar[ArtifactKind]
     ARTIFACT_KIND_MODEL_LIBRARY: _ClassVar[ArtifactKind]
     ARTIFACT_KIND_MODEL_INPUTS: _ClassVar[ArtifactKind]
+    ARTIFACT_KIND_MODEL_ONNX: _ClassVar[ArtifactKind]
 
 class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ ARTIFACT_KIND_KERNEL: ArtifactKind
 ARTIFACT_KIND_TASK_DATA: ArtifactKind
 ARTIFACT_KIND_MODEL_LIBRARY: ArtifactKind
 ARTIFACT_KIND_MODEL_INPUTS: ArtifactKind
+ARTIFACT_KIND_MODEL_ONNX: ArtifactKind
 ERROR_KIND_NONE: ErrorKind
 ERROR_KIND_BUILD_ERROR: ErrorKind
 ERROR_KIND_BUILD_TIMEOUT: ErrorKind
@@ -237,20 +239,24 @@ class LeasedBatch(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., batch_id: _Optional[int] = ..., attempt: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[LeasedCandidate, _Mapping]]] = ..., task_data: _Optional[_Union[ArtifactRef, _Mapping]] = ..., n_inputs: _Optional[int] = ..., n_outputs: _Optional[int] = ..., verify: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., run_timeout_secs: _Optional[float] = ..., workload_name: _Optional[str] = ...) -> None: ...
 
 class LeasedModelRun(_message.Message):
-    __slots__ = ("model_run_id", "library", "inputs", "repeat", "warmup", "timeout_secs")
+    __slots__ = ("model_run_id", "library", "inputs", "repeat", "warmup", "timeout_secs", "onnx_model", "input_names")
     MODEL_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LIBRARY_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     REPEAT_FIELD_NUMBER: _ClassVar[int]
     WARMUP_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECS_FIELD_NUMBER: _ClassVar[int]
+    ONNX_MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_NAMES_FIELD_NUMBER: _ClassVar[int]
     model_run_id: int
     library: ArtifactRef
     inputs: ArtifactRef
     repeat: int
     warmup: int
     timeout_secs: float
-    def __init__(self, model_run_id: _Optional[int] = ..., library: _Optional[_Union[ArtifactRef, _Mapping]] = ..., inputs: _Optional[_Union[ArtifactRef, _Mapping]] = ..., repeat: _Optional[int] = ..., warmup: _Optional[int] = ..., timeout_secs: _Optional[float] = ...) -> None: ...
+    onnx_model: ArtifactRef
+    input_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_run_id: _Optional[int] = ..., library: _Optional[_Union[ArtifactRef, _Mapping]] = ..., inputs: _Optional[_Union[ArtifactRef, _Mapping]] = ..., repeat: _Optional[int] = ..., warmup: _Optional[int] = ..., timeout_secs: _Optional[float] = ..., onnx_model: _Optional[_Union[ArtifactRef, _Mapping]] = ..., input_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaseBatchResponse(_message.Message):
     __slots__ = ("batch", "model_run", "withheld")
@@ -345,20 +351,40 @@ class ResultAck(_message.Message):
     def __init__(self, batch_candidate_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., batch_state: _Optional[str] = ...) -> None: ...
 
 class ModelRunResult(_message.Message):
-    __slots__ = ("agent_id", "model_run_id", "outputs_npz", "latency_samples", "run_secs", "error")
+    __slots__ = ("agent_id", "model_run_id", "outputs_npz", "latency_samples", "run_secs", "error", "threads", "round_medians", "peers")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_NPZ_FIELD_NUMBER: _ClassVar[int]
     LATENCY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RUN_SECS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_MEDIANS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     agent_id: int
     model_run_id: int
     outputs_npz: bytes
     latency_samples: _containers.RepeatedScalarFieldContainer[float]
     run_secs: float
     error: str
-    def __init__(self, agent_id: _Optional[int] = ..., model_run_id: _Optional[int] = ..., outputs_npz: _Optional[bytes] = ..., latency_samples: _Optional[_Iterable[float]] = ..., run_secs: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    threads: int
+    round_medians: _containers.RepeatedScalarFieldContainer[float]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerTiming]
+    def __init__(self, agent_id: _Optional[int] = ..., model_run_id: _Optional[int] = ..., outputs_npz: _Optional[bytes] = ..., latency_samples: _Optional[_Iterable[float]] = ..., run_secs: _Optional[float] = ..., error: _Optional[str] = ..., threads: _Optional[int] = ..., round_medians: _Optional[_Iterable[float]] = ..., peers: _Optional[_Iterable[_Union[PeerTiming, _Mapping]]] = ...) -> None: ...
+
+class PeerTiming(_message.Message):
+    __slots__ = ("peer", "latency_samples", "round_medians", "threads", "error")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_MEDIANS_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    latency_samples: _containers.RepeatedScalarFieldContainer[float]
+    round_medians: _containers.RepeatedScalarFieldContainer[float]
+    threads: int
+    error: str
+    def __init__(self, peer: _Optional[str] = ..., latency_samples: _Optional[_Iterable[float]] = ..., round_medians: _Optional[_Iterable[float]] = ..., threads: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ModelRunAck(_message.Message):
     __slots__ = ()

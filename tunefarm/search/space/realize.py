@@ -41,7 +41,19 @@ def realize(mod, instructions: list[Instr]):
     return sch
 
 
+_OWN_LOOP_OPS = frozenset({"split_inner", "parallel", "move_innermost", "vectorize", "unroll", "decompose"})
+"""The instructions on the loops of their own block (`_apply_to_own_loops`); the others
+make, place, tile or bind blocks (`_apply_to_blocks`)."""
+
+
 def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
+    if ins.op in _OWN_LOOP_OPS:
+        _apply_to_own_loops(sch, ins, rv)
+    else:
+        _apply_to_blocks(sch, ins, rv, blocks)
+
+
+def _apply_to_blocks(sch, ins: Instr, rv, blocks: dict) -> None:
     b = ins.block
     match ins.op:
         case "inline":
@@ -81,6 +93,13 @@ def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
         case "compute_at":
             consumer, pos = ins.args
             sch.compute_at(rv(b), sch.get_loops(rv(consumer))[pos], preserve_unit_loops=False)
+        case _:
+            raise ValueError(f"unknown instruction {ins.op}")
+
+
+def _apply_to_own_loops(sch, ins: Instr, rv) -> None:
+    b = ins.block
+    match ins.op:
         case "split_inner":
             (outer, inner) = ins.args[0]
             sch.split(sch.get_loops(rv(b))[-1], [outer, inner])
