@@ -238,7 +238,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tunefarm.gpu import is_gpu
-    from tunefarm.models.check import random_inputs
     from tunefarm.models.finish import REFERENCE_NAME
     from tunefarm.models.peers import available_peers, latency_key
     from tunefarm.models.runtime import load_manifest, model_threads, run_model, time_side_by_side
@@ -250,26 +249,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--threads must be at least 1")
     manifest = load_manifest(args.directory)
     specs = manifest["inputs"]
-    given: dict[str, np.ndarray] = {}
-    for item in args.input:
-        name, sep, path = item.partition("=")
-        if not sep:
-            raise UsageError(f"--input: expected NAME=FILE.npy, got {item!r}")
-        spec = next((s for s in specs if s["name"] == name), None)
-        if spec is None:
-            raise UsageError(f"--input {name}: the model has no such input ({', '.join(s['name'] for s in specs)})")
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--input {name}: cannot read {path} as a .npy file ({exc})") from None
-        if tuple(arr.shape) != tuple(spec["shape"]):
-            raise UsageError(f"--input {name}: shape {list(arr.shape)}, the model takes {spec['shape']}")
-        given[name] = arr.astype(spec["dtype"], copy=False)
-    missing = [s for s in specs if s["name"] not in given]
-    if missing:
-        given.update(
-            random_inputs({s["name"]: s["shape"] for s in missing}, {s["name"]: s["dtype"] for s in missing})
-        )
+    given, missing = _run_inputs(args.input, specs)
     threads = args.threads or model_threads(args.directory)
     run = run_model(args.directory, given, repeat=0, threads=threads)
     reference = args.directory / REFERENCE_NAME
@@ -302,6 +282,34 @@ def cmd_run(args: argparse.Namespace) -> int:
         "random_inputs": [s["name"] for s in missing],
     })  # fmt: skip
     return 0
+
+
+def _run_inputs(items: list[str], specs: list[dict]) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """`run`'s inputs: each `--input NAME=FILE.npy` checked against the manifest's inputs,
+    the rest drawn at random (standard normal, seed 0); and the specs of those drawn."""
+    from tunefarm.models.check import random_inputs
+
+    given: dict[str, np.ndarray] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise UsageError(f"--input: expected NAME=FILE.npy, got {item!r}")
+        spec = next((s for s in specs if s["name"] == name), None)
+        if spec is None:
+            raise UsageError(f"--input {name}: the model has no such input ({', '.join(s['name'] for s in specs)})")
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--input {name}: cannot read {path} as a .npy file ({exc})") from None
+        if tuple(arr.shape) != tuple(spec["shape"]):
+            raise UsageError(f"--input {name}: shape {list(arr.shape)}, the model takes {spec['shape']}")
+        given[name] = arr.astype(spec["dtype"], copy=False)
+    missing = [s for s in specs if s["name"] not in given]
+    if missing:
+        given.update(
+            random_inputs({s["name"]: s["shape"] for s in missing}, {s["name"]: s["dtype"] for s in missing})
+        )
+    return given, missing
 
 
 COMMANDS = {"tasks": cmd_tasks, "tune": cmd_tune, "run": cmd_run}

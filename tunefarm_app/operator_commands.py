@@ -213,9 +213,10 @@ def cmd_farm(args: argparse.Namespace) -> int:
 
 
 def _farm_up(args: argparse.Namespace) -> int:
-    from tunefarm_app.farm_local import FarmConfig, FarmTls
+    from tunefarm_app.farm_local import FarmConfig
     from tunefarm_app.farm_redis import redact
     from tunefarm_app.farm_supervisor import up_supervised
+    from tunefarm_app.farm_tls import FarmTls
 
     if args.workers < 1 or args.agents < 1:
         raise UsageError("--workers and --agents must be at least 1")

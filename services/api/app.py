@@ -118,6 +118,12 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
                    f"({settings.max_upload_bytes} bytes)"}},
         status_code=413,
     )
+    _add_middleware(app, settings, refuse)
+    return app
+
+
+def _add_middleware(app: FastAPI, settings: ApiSettings, refuse: JSONResponse) -> None:
+    """Innermost first: the team's token, the body's size, the Host, the security headers."""
     app.add_middleware(TeamAuthentication)  # inside the body limit: a refusal closes the connection
     app.add_middleware(
         BodySizeLimit,
@@ -127,7 +133,6 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     # Before anything reads the request: a Host the farm does not answer to (DNS rebinding).
     app.add_middleware(TrustedHosts, allowed_hosts=settings.allowed_hosts())
     app.add_middleware(SecurityHeaders)  # outermost: on every answer, a refused body's or host's too
-    return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -374,24 +374,7 @@ class FarmJob:
             rel = artifacts.job_archive_path(self.job_id)
             archive = archive_directory(directory, root / rel)
             sha, size = artifacts.file_sha256(archive), archive.stat().st_size
-            result = plain(
-                {
-                    "stop_reason": self.summary.stop_reason,
-                    "trials": self.summary.trials,
-                    "latency": outcome.latency,
-                    "onnxruntime_latency": outcome.onnxruntime_latency,
-                    "openvino_latency": outcome.openvino_latency,
-                    "check": outcome.check,
-                    "measured_on": outcome.measured_on,
-                    # peers the agent could not time, and why (a note, not a failure)
-                    "peer_notes": outcome.peer_notes,
-                    "tuned_tasks": sum(1 for r in report["models"][0]["tasks"] if r["schedule"] == "tuned"),
-                    "tasks": len(report["models"][0]["tasks"]),
-                    # Tasks whose fastest measured kernel no second measurement confirmed
-                    # (the model uses their fastest confirmed one, or the default schedule).
-                    "unconfirmed_bests": unconfirmed,
-                }
-            )
+            result = job_result(self.summary, outcome, report["models"][0]["tasks"], unconfirmed)
             with transaction(self.ctx.sessions) as db:
                 job_store.finish_job(
                     db, job_id=self.job_id, artifact_path=rel, artifact_sha256=sha, artifact_size=size, result=result
@@ -460,3 +443,26 @@ class FarmJob:
             return check_on_device(m, directory, where, log=self.log)
         except TunefarmError as exc:
             raise JobFailed(str(exc)) from None
+
+
+def job_result(summary: TuningSummary, outcome: ModelOutcome, task_rows: list[dict], unconfirmed: list[str]) -> dict:
+    """A finished job's `result` (the API's job, `tunefarm status`): how the search ended,
+    the model measured on an agent of its class beside its peers, and its check."""
+    return plain(
+        {
+            "stop_reason": summary.stop_reason,
+            "trials": summary.trials,
+            "latency": outcome.latency,
+            "onnxruntime_latency": outcome.onnxruntime_latency,
+            "openvino_latency": outcome.openvino_latency,
+            "check": outcome.check,
+            "measured_on": outcome.measured_on,
+            # peers the agent could not time, and why (a note, not a failure)
+            "peer_notes": outcome.peer_notes,
+            "tuned_tasks": sum(1 for r in task_rows if r["schedule"] == "tuned"),
+            "tasks": len(task_rows),
+            # Tasks whose fastest measured kernel no second measurement confirmed
+            # (the model uses their fastest confirmed one, or the default schedule).
+            "unconfirmed_bests": unconfirmed,
+        }
+    )
