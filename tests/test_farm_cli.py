@@ -68,9 +68,16 @@ def test_the_farm_refusing_a_request_is_exit_2_and_failing_it_exit_1(monkeypatch
     one_line_error(capsys, "the database is away (HTTP 500)")
 
 
-def test_farm_down_without_a_farm(tmp_path, capsys):
+def test_farm_down_without_a_farm(tmp_path, capsys, monkeypatch):
     assert main(["farm", "down", "--state-dir", str(tmp_path)]) == 2
     one_line_error(capsys, "no farm", "farm up")
+    monkeypatch.delenv("TUNEFARM_STATE_DIR", raising=False)
+    for command in ("down", "status"):
+        assert main(["farm", command]) == 2
+        one_line_error(capsys, "which farm?", "TUNEFARM_STATE_DIR")
+    monkeypatch.setenv("TUNEFARM_STATE_DIR", str(tmp_path))  # the variable names the farm, as --state-dir does
+    assert main(["farm", "status"]) == 2
+    one_line_error(capsys, "no farm", str(tmp_path))
 
 
 def test_process_commands_take_their_own_flags(capsys):

@@ -71,9 +71,9 @@ def add_commands(sub) -> None:
     fsub = farm.add_subparsers(dest="farm_command", required=True)
     _add_farm_up(fsub)
     fd = fsub.add_parser("down", help="stop a farm started with farm up")
-    fd.add_argument("--state-dir", type=Path, required=True, help="the --state-dir given to farm up")
+    fd.add_argument("--state-dir", type=Path, help="the --state-dir given to farm up (default: TUNEFARM_STATE_DIR)")
     fs = fsub.add_parser("status", help="the processes of a farm started with farm up: running, started again, given up")
-    fs.add_argument("--state-dir", type=Path, required=True, help="the --state-dir given to farm up")
+    fs.add_argument("--state-dir", type=Path, help="the --state-dir given to farm up (default: TUNEFARM_STATE_DIR)")
     _add_token_commands(fsub)
     _add_agent_commands(fsub)
     fc = fsub.add_parser("device-class", help="create a device class")
@@ -294,7 +294,7 @@ def _extra_classes(values: list[str]) -> dict[str, dict]:
 def _farm_down(args: argparse.Namespace) -> int:
     from tunefarm_app.farm_local import down
 
-    stopped = down(args.state_dir)
+    stopped = down(_state_dir(args))
     print(f"stopped    {', '.join(stopped) if stopped else 'nothing (no process was running)'}")
     return 0
 
@@ -302,7 +302,7 @@ def _farm_down(args: argparse.Namespace) -> int:
 def _farm_status(args: argparse.Namespace) -> int:
     from tunefarm_app.farm_status import farm_status, status_lines
 
-    for line in status_lines(farm_status(args.state_dir)):
+    for line in status_lines(farm_status(_state_dir(args))):
         print(line)
     return 0
 
@@ -425,6 +425,18 @@ def _database_url(given: str | None) -> str:
     return given or DatabaseSettings().database_url
 
 
+def _state_dir(args: argparse.Namespace, *, required: bool = True) -> Path | None:
+    """The farm a command acts on: --state-dir, else TUNEFARM_STATE_DIR (the line `farm
+    up` prints); `UsageError` when neither names one and `required`."""
+    if args.state_dir is not None:
+        return args.state_dir
+    if os.environ.get("TUNEFARM_STATE_DIR"):
+        return Path(os.environ["TUNEFARM_STATE_DIR"])
+    if required:
+        raise UsageError("which farm? pass --state-dir D (the one given to farm up) or set TUNEFARM_STATE_DIR")
+    return None
+
+
 def _farm_database_url(args: argparse.Namespace) -> str:
     """The database an operator command acts on: --database-url, else the farm.json of
     --state-dir (or TUNEFARM_STATE_DIR), else TUNEFARM_DATABASE_URL. Never a guess: a
@@ -434,7 +446,7 @@ def _farm_database_url(args: argparse.Namespace) -> str:
 
     if args.database_url:
         return args.database_url
-    state_dir = args.state_dir or (Path(os.environ["TUNEFARM_STATE_DIR"]) if os.environ.get("TUNEFARM_STATE_DIR") else None)
+    state_dir = _state_dir(args, required=False)
     if state_dir is not None:
         url = read_state(state_dir).get("database_url")
         if not url:
