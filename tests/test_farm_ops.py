@@ -43,7 +43,8 @@ from services.db.tokens import hash_token  # noqa: E402
 from tunefarm.errors import UsageError  # noqa: E402
 from tunefarm_app import local_processes  # noqa: E402
 from tunefarm_app.cli import main  # noqa: E402
-from tunefarm_app.farm_local import FarmConfig, LocalFarm, agent_base_name, down, read_state, up  # noqa: E402
+from tunefarm_app.farm_local import FarmConfig, LocalFarm, down, read_state, up
+from tunefarm_app.farm_names import agent_base_name  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -123,6 +124,27 @@ def test_farm_up_again_on_the_same_database_gets_an_agent_that_serves(database_u
         assert_serving(again)
     finally:
         down(b, grace=5.0)
+
+
+def test_farm_ups_workers_build_for_a_boards_class_made_before_it_started(database_url, tmp_path):
+    """A class made with `farm device-class` (a board's, measured elsewhere) had no worker
+    unless someone started one by hand: its jobs waited for builds for ever. farm up's
+    shared workers now listen on its queue too (after the host's class)."""
+    from services.db.device_classes import ensure_device_class
+    from services.db.session import make_session_factory, transaction
+
+    sessions = make_session_factory(database_url)
+    board = f"rpi4-{tmp_path.name}"
+    try:
+        with transaction(sessions) as s:
+            ensure_device_class(s, name=board, target={"kind": "llvm", "mtriple": "aarch64-linux-gnu"})
+    finally:
+        sessions.kw["bind"].dispose()
+    farm = LocalFarm(config(tmp_path / "farm", database_url))
+    farm.prepare()
+    command = farm.commands()["worker-1"]
+    classes = [command[i + 1] for i, arg in enumerate(command) if arg == "--device-class"]
+    assert classes[0] == farm.info["device_class"] and board in classes[1:]
 
 
 def test_farm_up_fails_with_the_reason_its_agent_exited(database_url, tmp_path):

@@ -246,7 +246,7 @@ def test_an_agent_name_with_other_characters_is_refused_at_registration(lease_se
 
 def test_agent_names_the_farm_makes_or_an_agent_is_given_follow_the_rule():
     from tunefarm.display import printable
-    from tunefarm_app.farm_local import _name_part
+    from tunefarm_app.farm_names import name_part as _name_part
 
     assert wire.valid_agent_name("box-avx2") and wire.valid_agent_name("a" * 128) and not wire.valid_agent_name("")
     assert wire.valid_agent_name(_name_part("host") + "-" + _name_part("my farm (test)") + "-agent")

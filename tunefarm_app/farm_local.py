@@ -8,7 +8,9 @@ background, each in its own process group with its log in `D/logs/<name>.log`:
     api            tunefarm api             HTTP API (uvicorn)
     lease-service  tunefarm lease-service   gRPC service the agents dial into
     scheduler      tunefarm scheduler       the searches of every job
-    worker-1, -2   tunefarm worker          RQ build workers for the class
+    worker-1, -2   tunefarm worker          RQ build workers for the class (and for every
+                                            other class in the database when it starts:
+                                            a board's, cross-compiled here)
     agent          tunefarm agent           measures on this CPU (agent-2, ... with `agents`)
     worker-C       tunefarm worker          for each further class C (`extra_classes`):
     agent-C        tunefarm agent           its build worker and its agent, here
@@ -57,11 +59,8 @@ with its log.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import platform
-import re
 import signal
 import socket
 import subprocess
@@ -73,8 +72,8 @@ from pathlib import Path
 from typing import Any
 
 from tunefarm.errors import UsageError
-from tunefarm.export import target_arch
 from tunefarm_app import local_processes
+from tunefarm_app.farm_names import agent_base_name, detected_class_name, name_part
 from tunefarm_app.farm_redis import REDIS_PROCESS, OwnRedis, check_given, wait_ready
 from tunefarm_app.farm_tls import FarmTls
 
@@ -194,6 +193,10 @@ class LocalFarm:
                 self.agent_token_id = tokens.agent_token_id(s, plain=agent_token)
                 previous_id = tokens.agent_token_id(s, plain=previous_token) if previous_token else None
                 self._prepare_env(class_name, agent_token, redis_url)
+                # Classes of the database with no worker of their own here (a board's,
+                # made with `farm device-class`): the shared workers build for them too.
+                served = {class_name, *c.extra_classes}
+                other_classes = [n for n in device_classes.device_class_names(s, by_id=True) if n not in served]
                 # The names its agents register with are the new token's (those of an
                 # earlier start from this state dir hold them; nothing is issued if a
                 # live agent of another farm holds one).
@@ -211,6 +214,7 @@ class LocalFarm:
             "agent_token": agent_token,
             "device_class": class_name,
             "target": target,
+            "other_classes": other_classes,
         }
         return self.info
 
@@ -267,9 +271,10 @@ class LocalFarm:
             "lease-service": [*cli, "lease-service"],
             "scheduler": [*cli, "scheduler"],
         }
+        also = [arg for other in self.info.get("other_classes", []) for arg in ("--device-class", other)]
         for i in range(1, self.config.workers + 1):
             name = f"worker-{i}"
-            out[name] = [*cli, "worker", "--device-class", klass, "--name", self.worker_name(name)]
+            out[name] = [*cli, "worker", "--device-class", klass, *also, "--name", self.worker_name(name)]
         for name in self.agent_names():
             out[name] = list(self.config.agent_command or [*cli, "agent"])
         for c in self.config.extra_classes:
@@ -291,7 +296,7 @@ class LocalFarm:
     def agent_name(self, device_class: str | None = None) -> str:
         """The name the farm's first agent registers with (that of an extra class's, given one)."""
         base = self.env["TUNEFARM_AGENT_NAME"]
-        return base if device_class is None else f"{base}-{_name_part(device_class)}"
+        return base if device_class is None else f"{base}-{name_part(device_class)}"
 
     def registered_name(self, process: str) -> str:
         """The name an agent process registers with."""
@@ -445,12 +450,6 @@ class LocalFarm:
         return path
 
 
-def _name_part(text: str) -> str:
-    """`text` in the characters an agent's name may have (`wire.AGENT_NAME_RULE`): a state
-    directory or class name with a space or another character becomes '-' there."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "farm"
-
-
 def up(config: FarmConfig, *, log: Callable[[str], None] = print) -> LocalFarm:
     """Start a farm (see the module docstring) and write farm.json; returns it running."""
     existing = config.state_dir / FARM_FILE
@@ -563,17 +562,6 @@ def signing_env(state_dir: Path) -> dict[str, str]:
     }
 
 
-def agent_base_name(state_dir: Path) -> str:
-    """The name the farm's first agent registers with: the host's, the state dir's, and a
-    digest of the state dir's path. Two farms started from `a/farm` and `b/farm` on one
-    database have agents of their own (with the directory's name only, the second one's
-    agent was refused the first's name, and its jobs waited for ever); the same state dir
-    gets the same name at every start (`claim_agent_names` hands it to the new token)."""
-    path = str(state_dir.resolve())
-    digest = hashlib.sha256(path.encode()).hexdigest()[:6]
-    return _name_part(f"{socket.gethostname()}-{state_dir.resolve().name}")[:64] + f"-{digest}-agent"
-
-
 AGENT_ERROR_PREFIX = "tunefarm agent: error: "
 """How `tunefarm agent` prints the reason it stops (services/agent/cli.py)."""
 
@@ -595,10 +583,3 @@ def _previous_agent_token(state_dir: Path) -> str | None:
         return json.loads((Path(state_dir) / FARM_FILE).read_text()).get("agent_token")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def detected_class_name(target: dict[str, Any]) -> str:
-    """This machine's class name, as an agent names it when given none
-    (`services.agent.capabilities.default_device_class`): arch-cpu-cores."""
-    arch = target_arch(target) or platform.machine()
-    return f"{arch}-{target.get('mcpu', 'generic')}-{target.get('num-cores', 1)}c"
