@@ -72,9 +72,25 @@ def by_css(driver, selector: str):
 
 
 def wait_until(driver, condition) -> None:
+    """Until `condition(driver)` holds (a hang guard of 30 s). An element found just as the
+    page is replaced (a form's answer, the 5 s reload of a page that changes) goes stale
+    before it is read: that is asked again, not a failure."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.wait import WebDriverWait
 
-    WebDriverWait(driver, 10).until(condition)
+    WebDriverWait(driver, 30, ignored_exceptions=(StaleElementReferenceException,)).until(condition)
+
+
+def click(driver, selector: str) -> None:
+    """Click the element, again if the page was replaced under it (stale)."""
+
+    def clicked(d) -> bool:
+        found = by_css(d, selector)
+        if found:
+            found[0].click()
+        return bool(found)
+
+    wait_until(driver, clicked)
 
 
 def log_in(driver, base: str, token: str) -> None:
@@ -335,9 +351,9 @@ def test_a_running_job_is_cancelled_from_its_page(served, browser, db_sessions):
     running, queued = _job_of_team_a(db_sessions, state, start=True), _job_of_team_a(db_sessions, state, start=False)
     log_in(browser, base, state.team_a_token)
     browser.get(f"{base}/ui/jobs/{running}")
-    assert by_css(browser, "#job-state")[0].text == "running"
+    wait_until(browser, lambda d: by_css(d, "#job-state")[0].text == "running")
     screenshot(browser, "job-cancel")
-    by_css(browser, "#cancel-job")[0].click()
+    click(browser, "#cancel-job")
     wait_until(browser, lambda d: by_css(d, "#cancel-requested"))
     assert browser.current_url == f"{base}/ui/jobs/{running}" and not by_css(browser, "#cancel-job")
     assert _job_row(db_sessions, running) == ("running", True)  # the scheduler stops it when it next looks
@@ -349,7 +365,7 @@ def test_a_running_job_is_cancelled_from_its_page(served, browser, db_sessions):
     assert by_css(browser, "#job-state")[0].text == "cancelled" and not by_css(browser, "#cancel-job")
     # A queued job is cancelled at once, as by POST /v1/jobs/{id}/cancel.
     browser.get(f"{base}/ui/jobs/{queued}")
-    by_css(browser, "#cancel-job")[0].click()
+    click(browser, "#cancel-job")
     wait_until(browser, lambda d: by_css(d, "#job-state") and by_css(d, "#job-state")[0].text == "cancelled")
     assert _job_row(db_sessions, queued) == ("cancelled", True)
     # Cancelling a job that has ended: the API's 409, as a page.
