@@ -60,6 +60,13 @@ def test_a_targets_vector_width_follows_its_widest_float_extension():
     assert isa.target_isa(CUDA).vector_bytes == 0
 
 
+def test_a_targets_vector_register_count_follows_the_same_extension():
+    assert isa.target_isa(SKYLAKE_AVX512).vector_registers == 32  # zmm0-31
+    assert isa.target_isa(HASWELL).vector_registers == 16  # ymm0-15
+    assert isa.target_isa(CORTEX_A72).vector_registers == 32  # v0-v31
+    assert isa.target_isa(CUDA).vector_registers == 0
+
+
 def test_missing_extensions_compare_llvm_names_with_the_oss_flags():
     haswell, v2, skx = (isa.target_isa(t) for t in (HASWELL, X86_64_V2, SKYLAKE_AVX512))
     assert isa.missing_extensions(haswell, ZEN1_FLAGS) == []

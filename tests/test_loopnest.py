@@ -104,6 +104,52 @@ def test_only_the_vectorized_tile_knows_the_vector_width():
     assert dag.block(vectorized[0].split(".tile.")[0]).spatial[-1].name == vectorized[0].split(".tile.")[1]
 
 
+def _register_tile(decisions, block: str, lanes: int) -> tuple[int, int]:
+    """(accumulator vectors, vectors of the vectorized operand) of a GEMM's innermost tiles."""
+    rows = decisions[f"{block}.tile.v_i"][-1]
+    vectors = -(-decisions[f"{block}.tile.v_j"][-1] // lanes)
+    return rows * vectors, vectors
+
+
+@pytest.mark.parametrize("registers", [32, 16])
+def test_drawn_register_tiles_fit_the_vector_registers(registers):
+    # 8 rows x 64 columns on AVX-512 is 32 zmm accumulators + 4 + 1: LLVM spilled them
+    wl = registry.make("matmul", {"M": 512, "N": 512, "K": 64})
+    dag = analyse(wl.mod["main"])
+    sketch = generate_sketches(dag, 2)[1]  # plain multi-level tiling
+    rng = random.Random(5)
+
+    def over_budget(**registers_known) -> list[bool]:
+        over = []
+        for _ in range(300):
+            decider = Decider(None, rng)
+            try:
+                build(dag, sketch, decider, 2, vector_bytes=64, **registers_known)
+            except InvalidProgram:  # e.g. too much unrolling: skipped, as the sampler does
+                continue
+            acc, vectors = _register_tile(decider.decisions, "C", 16)
+            over.append(acc + vectors + 1 > registers)
+        return over
+
+    unbounded, bounded = over_budget(), over_budget(vector_registers=registers)
+    assert sum(unbounded) > 30  # without the bound, uniform draws often overflow the registers
+    assert len(bounded) > 100 and sum(bounded) == 0
+
+
+def test_a_measured_program_over_the_register_budget_still_rebuilds():
+    wl = registry.make("matmul", {"M": 512, "N": 512, "K": 64})
+    dag = analyse(wl.mod["main"])
+    sketch = generate_sketches(dag, 2)[1]
+    given = {"C.tile.v_i": (2, 2, 16, 8), "C.tile.v_j": (2, 2, 2, 64), "C.tile.v_k": (4, 16), "C.parallel": 1, "C.unroll": 0}
+    decider = Decider(given)  # no random source: the record's decisions, as measured
+    build(dag, sketch, decider, 2, vector_bytes=64, vector_registers=32)
+    assert decider.decisions["C.tile.v_i"] == (2, 2, 16, 8)
+    drawn = Decider(given, random.Random(0))  # the search: a value over the budget is drawn anew
+    build(dag, sketch, drawn, 2, vector_bytes=64, vector_registers=32)
+    acc, vectors = _register_tile(drawn.decisions, "C", 16)
+    assert acc + vectors + 1 <= 32 and drawn.decisions["C.tile.v_i"] != (2, 2, 16, 8)
+
+
 def test_batched_features_equal_one_by_one():
     wl = registry.make("conv2d", SMALL["conv2d"])
     dag = analyse(wl.mod["main"])

@@ -62,6 +62,10 @@ EXTENSIONS = {"x86": X86_EXTENSIONS, "arm": AARCH64_EXTENSIONS}
 VECTOR_BYTES = (("avx512f", 64), ("avx", 32), ("sse", 16), ("sse2", 16), ("neon", 16))
 """Float vector register width an extension brings, widest first (`TargetISA.vector_bytes`)."""
 
+VECTOR_REGISTERS = (("avx512f", 32), ("avx", 16), ("sse", 16), ("sse2", 16), ("neon", 32))
+"""How many of those registers the code has: AVX-512 has 32 zmm, AVX and SSE 16 (ymm, xmm),
+aarch64 32 NEON registers (`TargetISA.vector_registers`)."""
+
 
 @dataclass(frozen=True)
 class TargetISA:
@@ -81,6 +85,14 @@ class TargetISA:
         for ext, width in VECTOR_BYTES:
             if ext in self.extensions:
                 return width
+        return 0
+
+    @property
+    def vector_registers(self) -> int:
+        """How many float vector registers of that width the code has; 0 when unknown."""
+        for ext, count in VECTOR_REGISTERS:
+            if ext in self.extensions:
+                return count
         return 0
 
 

@@ -20,7 +20,7 @@ Semantics mirrored from TVM's schedule primitives:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from tunefarm.gpu import GpuLimits
 from tunefarm.search.space import loopnest_gpu
@@ -76,10 +76,12 @@ def build(
     num_cores: int,
     gpu: GpuLimits | None = None,
     vector_bytes: int = 0,
+    vector_registers: int = 0,
 ) -> Program:
     """Apply a sketch's steps in order; slots are filled by `decider`. `gpu`: the
     limits of the GPU a GPU sketch is built for (its steps are `loopnest_gpu`'s).
-    `vector_bytes`: the CPU's vector register width (0: unknown), see `_tile`."""
+    `vector_bytes`, `vector_registers`: the CPU's vector register width and count
+    (0: unknown), see `_tile`."""
     fused = frozenset(s.producer for s in sketch.steps if isinstance(s, FuseConsumerStep))
     prog = Program(dag, {}, [], fused_producers=fused, gpu=gpu is not None)
     for b in dag.blocks:
@@ -95,7 +97,8 @@ def build(
             case TileStep(block=b, structure=s):
                 if gpu is not None:
                     loopnest_gpu.draw_feasible_tiles(prog, b, s, decider, gpu)
-                _tile(prog, b, s, decider, choose_inner_axis=gpu is None, vector_bytes=vector_bytes)
+                registers = VectorRegisters(vector_bytes, vector_registers) if gpu is None else VectorRegisters()
+                _tile(prog, b, s, decider, choose_inner_axis=gpu is None, registers=registers)
             case LayoutRewriteStep(block=b, buffer=buf):
                 _layout_rewrite(prog, b, buf)
             case FuseConsumerStep(consumer=c, producer=p, level=level):
@@ -153,15 +156,32 @@ def _cache_write(prog: Program, name: str, scope: str) -> None:
     add_root_nest(prog, prog.dag.block(copy_name), after=name)
 
 
+@dataclass(frozen=True)
+class VectorRegisters:
+    """The CPU's float vector registers: width in bytes and count (0: unknown)."""
+
+    bytes: int = 0
+    count: int = 0
+
+
 def _tile(
-    prog: Program, name: str, structure: str, decider: Decider, choose_inner_axis: bool = True, vector_bytes: int = 0
+    prog: Program, name: str, structure: str, decider: Decider, choose_inner_axis: bool = True,
+    registers: VectorRegisters = VectorRegisters(),
 ) -> None:
     """Multi-level tiling. The spatial iterator whose innermost tile becomes the
     innermost loop (the one `annotate` vectorizes) draws its factors with a preference
-    for whole vectors when the target's `vector_bytes` is known (`TileDomain.vector_lanes`):
+    for whole vectors when the target's vector width is known (`TileDomain.vector_lanes`):
     uniform draws rarely give an extent like 80 a 16-wide inner tile (3 tilings in 140),
     and a 10-wide one, which the search had settled on in a YOLO-like model, ran an
-    80-channel convolution 1.5x slower than the 16-wide tile."""
+    80-channel convolution 1.5x slower than the 16-wide tile.
+
+    The innermost spatial tiles are the register tile: inside the last reduction loop,
+    each of their points is an accumulator that LLVM keeps in a vector register across
+    that loop. When the register count is known, new draws keep the accumulators, the
+    vectors of the other operand and a broadcast within the registers (`_register_limits`):
+    a GEMM tile of 8 rows x 64 columns (32 zmm accumulators + 4 + 1 on AVX-512's 32) made
+    LLVM spill and rotate registers through every iteration. Given decisions (a program
+    already measured, rebuilt without a random source) are taken as they are."""
     nest = prog.nests[name]
     if nest.attach is not None or nest.tiled:
         raise InvalidProgram(f"{name} cannot be tiled here")
@@ -170,12 +190,28 @@ def _tile(
     inner = _inner_axis(prog, name, decider) if choose_inner_axis else None
     spatial = [it.name for it in spec.iters if it.kind == "S"]
     vector_axis = inner or (spatial[-1] if spatial else None)
-    lanes = vector_bytes // prog.dag.buffer(spec.write.buffer).elem_bytes if vector_bytes else 0
+    lanes = registers.bytes // prog.dag.buffer(spec.write.buffer).elem_bytes if registers.bytes else 0
+    limit_registers = lanes > 1 and registers.count > 0 and decider.rng is not None
+    # the vector axis first: its vectors bound how many points the other axes may add
+    order = sorted(spec.iters, key=lambda it: it.name != vector_axis)
     factors: dict[str, tuple[int, ...]] = {}
-    for it in spec.iters:
+    accumulators = 0  # the register budget's points left for the spatial axes still to draw
+    for it in order:
         parts = n_s if it.kind == "S" else n_r
-        domain = TileDomain(it.extent, parts, MAX_INNERMOST_TILE, vector_lanes=lanes if it.name == vector_axis else 0)
+        max_inner = MAX_INNERMOST_TILE
+        if limit_registers and it.kind == "S":
+            if it.name == vector_axis:
+                max_inner = min(max_inner, lanes * ((registers.count - 1) // 2))
+            else:
+                max_inner = max(1, min(max_inner, accumulators))
+        domain = TileDomain(it.extent, parts, max_inner, vector_lanes=lanes if it.name == vector_axis else 0)
         factors[it.name] = decider.decide(f"{name}.tile.{it.name}", domain)
+        if limit_registers and it.kind == "S":
+            if it.name == vector_axis:
+                vectors = -(-factors[it.name][-1] // lanes)
+                accumulators = (registers.count - vectors - 1) // vectors
+            else:
+                accumulators //= factors[it.name][-1]
     inner_pos = next((i for i, it in enumerate(spec.iters) if it.name == inner), -1)
     prog.emit("tile", name, structure, tuple(factors[it.name] for it in spec.iters), inner_pos)
     last_order = [it for it in spec.iters if it.name != inner] + [it for it in spec.iters if it.name == inner]

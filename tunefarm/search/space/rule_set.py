@@ -64,6 +64,7 @@ class RuleSet(ABC):
 class CpuRules(RuleSet):
     num_cores: int
     vector_bytes: int = 0  # the target's float vector registers (`TargetISA.vector_bytes`); 0: unknown
+    vector_registers: int = 0  # how many (`TargetISA.vector_registers`); 0: unknown
 
     @property
     def feature_version(self) -> int:
@@ -73,7 +74,9 @@ class CpuRules(RuleSet):
         return generate_sketches(dag, self.num_cores)
 
     def build(self, dag: ComputeDag, sketch: Sketch, decider: Decider) -> Program:
-        return build(dag, sketch, decider, self.num_cores, vector_bytes=self.vector_bytes)
+        return build(
+            dag, sketch, decider, self.num_cores, vector_bytes=self.vector_bytes, vector_registers=self.vector_registers
+        )
 
     def mutation_weights(self, config: SearchConfig) -> dict[str, float]:
         return config.mutation_weights
@@ -115,7 +118,7 @@ def _rule_set_of(target_json: str) -> RuleSet:
     if is_gpu(target):
         return GpuRules(GpuLimits.of(target))
     try:
-        vector_bytes = target_isa(target).vector_bytes
+        isa = target_isa(target)
     except TargetError:  # a target TVM rejects fails where it is built, with its own message
-        vector_bytes = 0
-    return CpuRules(targets.num_cores(target), vector_bytes)
+        return CpuRules(targets.num_cores(target))
+    return CpuRules(targets.num_cores(target), isa.vector_bytes, isa.vector_registers)
