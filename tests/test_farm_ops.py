@@ -9,7 +9,9 @@ used (issue 26).
 - an agent stopped with SIGTERM says so, goes offline at once and exits 0;
 - an agent naming a device class that does not exist stops, naming those that do;
 - under `tunefarm farm up` (the command: its supervisor), a build worker and, separately,
-  the agent killed with SIGKILL come back by themselves and the job finishes; a process
+  the agent killed with SIGKILL come back by themselves and the job finishes; an
+  operator's bad day (Redis, the worker, the agent and the scheduler killed in one job)
+  ends with the job finished, each candidate measured once, and all back; a process
   that keeps dying is given up (farm.log and `farm status` say so), and `farm down`
   stops the supervisor and the rest.
 """
@@ -238,9 +240,9 @@ def tiny_model(supervised_client, tmp_path_factory) -> int:
     return supervised_client.upload_model(tiny, {"x": [1, 3, 8, 8]})["id"]
 
 
-def start_job(state_dir: Path, client, model_id: int, seed: int) -> int:
+def start_job(state_dir: Path, client, model_id: int, seed: int, trials: int = 16) -> int:
     device_class = read_state(state_dir)["device_class"]
-    return client.create_job(model_id=model_id, device_class=device_class, trial_budget=16, seed=seed)["id"]
+    return client.create_job(model_id=model_id, device_class=device_class, trial_budget=trials, seed=seed)["id"]
 
 
 def process_entry(state_dir: Path, name: str) -> dict:
@@ -331,6 +333,48 @@ def test_the_agent_killed_under_farm_up_comes_back_and_the_job_finishes(
     job = wait_for_job(supervised_client, job_id, timeout=HANG_GUARD)
     assert_measured_exactly_once(supervised_sessions, job)
     assert "agent was killed by SIGKILL" in farm_log(supervised) and "agent started again" in farm_log(supervised)
+
+
+def test_an_operators_bad_day_redis_a_worker_the_agent_and_the_scheduler_killed_in_one_job(
+    supervised, supervised_client, tiny_model, supervised_sessions, capsys
+):
+    """One job through all of it: the farm's Redis killed while a batch builds, then the
+    build worker, then, while a batch is measured, the scheduler that runs the job and the
+    agent, each with SIGKILL and nobody's hand after. The job finishes, every candidate
+    measured exactly once, and every process is back (farm status says each was started
+    again)."""
+    job_id = start_job(supervised, supervised_client, tiny_model, seed=4, trials=32)
+
+    def batch_in(state) -> bool:
+        with transaction(supervised_sessions) as s:
+            return s.scalar(select(Batch.id).where(Batch.job_id == job_id, Batch.state == state).limit(1)) is not None
+
+    def leased() -> bool:
+        with transaction(supervised_sessions) as s:
+            return s.scalar(
+                select(Lease.id).join(Batch, Batch.id == Lease.batch_id)
+                .where(Batch.job_id == job_id, Lease.state == LeaseState.ACTIVE).limit(1)
+            ) is not None  # fmt: skip
+
+    def kill(name: str) -> None:
+        dead = process_entry(supervised, name)["pid"]
+        os.killpg(dead, signal.SIGKILL)
+        until(f"{name} to be started again", lambda: started_again(supervised, name, dead))
+
+    until("a batch being built", lambda: batch_in(BatchState.BUILDING))
+    kill("redis")
+    kill("worker-1")
+    until("a batch being measured", leased)
+    assert supervised_client.job(job_id)["state"] == "running"  # the kills come mid-job
+    kill("scheduler")
+    kill("agent")
+    job = wait_for_job(supervised_client, job_id, timeout=HANG_GUARD)
+    assert_measured_exactly_once(supervised_sessions, job)
+    status = farm_status(capsys, supervised)
+    for name in ("redis", "worker-1", "agent", "scheduler"):
+        assert f"{name} was killed by SIGKILL" in farm_log(supervised), name
+        line = next(ln for ln in status.splitlines() if f"{name}:" in ln)
+        assert "running" in line and "started again" in line, line
 
 
 def test_a_process_that_keeps_dying_is_given_up_and_farm_down_stops_the_rest(supervised, capsys):
