@@ -204,10 +204,18 @@ FINISHED_RESULT = {
     "stop_reason": "budget", "trials": 24,
     "latency": {"mean": 3.1e-5, "median": 3e-5, "p90": 3.4e-5, "p99": 4e-5, "threads": 2, "runs": 200},
     "onnxruntime_latency": {"mean": 7.6e-5, "median": 7.5e-5, "p90": 8e-5, "p99": 9e-5, "threads": 2, "runs": 200},
+    "openvino_latency": {"mean": 6.1e-5, "median": 6e-5, "p90": 6.5e-5, "p99": 7e-5, "threads": 2, "runs": 200},
     "check": {"ok": True, "reference": "onnxruntime", "max_abs_error": 1e-7},
-    "measured_on": {"on": "the scheduler's host", "agent": None, "emulated": False},
+    "measured_on": {"on": "an agent of the class", "emulated": False},  # + its agent and class (finished_job)
 }
-"""The finished job's result: the tuned model measured 2.50x the speed of onnxruntime (p50)."""
+"""The finished job's result: the tuned model measured 2.50x the speed of onnxruntime and
+2.00x OpenVINO's (p50), on an agent of its class."""
+
+
+def finished_result(agent_name: str, class_name: str) -> dict:
+    """FINISHED_RESULT as measured on the finished job's agent."""
+    on = {**FINISHED_RESULT["measured_on"], "agent": agent_name, "device_class": class_name}
+    return {**FINISHED_RESULT, "measured_on": on}
 
 
 @dataclass
@@ -286,7 +294,7 @@ def seed_finished_job(sessions, state: FarmState, artifact_root) -> FinishedJob:
             job_store.write_progress(s, job_id=job_id, trials=trials, est_latency_secs=est)
         leases.heartbeat(s, agent_id=agent_id, lease_secs=30)
         job_store.finish_job(s, job_id=job_id, artifact_path=relative, artifact_sha256=sha256,
-                             artifact_size=len(archive), result=FINISHED_RESULT)
+                             artifact_size=len(archive), result=finished_result(agent_name, class_name))
     bests = [min((c for c, _ in m if c is not None), default=None) for m in FINISHED_MEASURED]
     speedup = FINISHED_RESULT["onnxruntime_latency"]["median"] / FINISHED_RESULT["latency"]["median"]
     return FinishedJob(job_id, class_name, agent_name, agent_id, archive, sha256, bests, speedup)

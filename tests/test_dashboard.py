@@ -400,23 +400,25 @@ def test_the_measured_speedup_is_told_apart_from_the_searchs_progress(served, fi
     assert not any("speed" in h for h in headers)  # the estimate's ratio is never called a speed-up
     done = by_css(browser, f"tr#job-{finished.job_id}")[0]
     assert by_css(done, ".speedup")[0].text == f"{finished.speedup:.2f}x" == "2.50x"  # measured: 75 us / 30 us
+    assert by_css(done, ".speedup-openvino")[0].text == "2.00x"  # OpenVINO's 60 us / 30 us
     assert by_css(done, ".est-progress")[0].text == "3.00x"  # estimated: 120 us at the start, 40 us now
     running = by_css(browser, f"tr#job-{state.job_a}")[0]
-    assert by_css(running, ".speedup")[0].text == "--"  # nothing measured yet
+    assert by_css(running, ".speedup")[0].text == by_css(running, ".speedup-openvino")[0].text == "--"  # not yet
     assert by_css(running, ".est-progress")[0].text == f"{CURVE[0][1] / CURVE[-1][1]:.2f}x"
     browser.get(f"{base}/ui/jobs/{finished.job_id}")
     assert by_css(browser, "#measured-speedup")[0].text == "2.50x"
     assert by_css(browser, "#est-progress")[0].text == "3.00x"
     facts = {dt.text: dd.text for dt, dd in zip(by_css(browser, ".facts dt"), by_css(browser, ".facts dd"))}
     assert "est. progress 3.00x" in facts["estimated latency"] and "speed" not in facts["estimated latency"]
-    assert facts["measured speed-up"].startswith("2.50x the speed of onnxruntime")
-    assert facts["onnxruntime"].startswith("75.0 us median")
+    assert facts["measured speed-up"].startswith("2.50x the speed of onnxruntime, 2.00x the speed of OpenVINO")
+    assert facts["onnxruntime"].startswith("75.0 us median") and facts["OpenVINO"].startswith("60.0 us median")
     # The JSON API carries the same number (the CLI's status and jobs print it).
     auth = {"Authorization": f"Bearer {state.team_a_token}"}
     job = httpx.get(f"{base}/v1/jobs/{finished.job_id}", headers=auth).json()
     assert job["speedup_vs_onnxruntime"] == pytest.approx(2.5)
     listed = {j["id"]: j for j in httpx.get(f"{base}/v1/jobs", headers=auth).json()["items"]}
     assert listed[finished.job_id]["speedup_vs_onnxruntime"] == pytest.approx(2.5)
+    assert job["speedup_vs_openvino"] == listed[finished.job_id]["speedup_vs_openvino"] == pytest.approx(2.0)
     assert listed[state.job_a]["speedup_vs_onnxruntime"] is None
 
 

@@ -293,13 +293,15 @@ def test_status_and_jobs_state_the_measured_speedup_over_onnxruntime(capsys, mon
     from tunefarm_app.farm_commands import _print_job
 
     job = _job("succeeded", 64, None)
-    job.update(est_latency_secs=4e-5, est_latency_start_secs=1.2e-4, speedup_vs_onnxruntime=2.5, result={
+    job.update(est_latency_secs=4e-5, est_latency_start_secs=1.2e-4, speedup_vs_onnxruntime=2.5,
+               speedup_vs_openvino=2.0, result={
         "latency": {"median": 3e-5, "p90": 3.4e-5}, "onnxruntime_latency": {"median": 7.5e-5, "p90": 8e-5},
-        "check": {}, "measured_on": {}})
+        "openvino_latency": {"median": 6e-5, "p90": 6.5e-5}, "check": {}, "measured_on": {}})  # fmt: skip
     _print_job(job)
     out = capsys.readouterr().out
     assert "ORT        75.0 us p50, 80.0 us p90" in out
     assert "vs ORT     2.50x the speed of onnxruntime (p50, measured" in out
+    assert "OpenVINO   60.0 us p50, 65.0 us p90" in out and "vs OpenVINO 2.00x the speed of OpenVINO (p50, measured" in out
     assert "40.0 us estimated now, 120.0 us at the start" in out and "3.00x" not in out
 
     page = {"items": [{**job, "id": 7}, {**_job("running", 8, None), "id": 6}], "next_cursor": None}
@@ -308,7 +310,7 @@ def test_status_and_jobs_state_the_measured_speedup_over_onnxruntime(capsys, mon
     monkeypatch.setattr(farm_commands, "_client", lambda args: FarmClient(settings, transport=transport))
     assert farm_commands.cmd_jobs(argparse.Namespace(limit=None, json=False)) == 0
     lines = capsys.readouterr().out.splitlines()  # a header, then the jobs
-    assert lines[1].endswith("40.0 us  2.50x onnxruntime (measured)") and lines[2].endswith(" -")
+    assert lines[1].endswith("40.0 us  2.50x onnxruntime  2.00x OpenVINO (measured)") and lines[2].endswith(" -")
 
 
 def test_farm_ups_supervisor_waits_longer_after_each_quick_death_and_gives_up_on_five_in_a_minute():

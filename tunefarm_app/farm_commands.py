@@ -222,7 +222,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     for j in page["items"]:
         est = format_cost(j["est_latency_secs"]) if j["est_latency_secs"] else "-"
         trials = f"{j['trials_used']}/{j['trial_budget']}"
-        measured = f"  {j['speedup_vs_onnxruntime']:.2f}x onnxruntime (measured)" if j.get("speedup_vs_onnxruntime") else ""
+        measured = "".join(f"  {j[key]:.2f}x {peer}" for key, peer in (("speedup_vs_onnxruntime", "onnxruntime"),
+                           ("speedup_vs_openvino", "OpenVINO")) if j.get(key))  # fmt: skip
+        measured += " (measured)" if measured else ""
         print(printable(f"{j['id']:>6}  {j['state']:<10} {trials:>13}  {j['device_class']:<24} "
                         f"{j['model_name']:<24} {est}{measured}"))
     if page["next_cursor"]:
@@ -350,9 +352,9 @@ def _print_job(job: dict) -> None:
             print(f"tuned      {latency_text(lat)}{where}{emulated}")
         for line in peer_lines(job["result"], where):  # onnxruntime's, OpenVINO's, or why not
             print(line)
-        if job.get("speedup_vs_onnxruntime"):
-            print(f"vs ORT     {job['speedup_vs_onnxruntime']:.2f}x the speed of onnxruntime (p50, measured, same input "
-                  "and threads)")
+        for key, short, peer in (("speedup_vs_onnxruntime", "ORT", "onnxruntime"), ("speedup_vs_openvino", "OpenVINO", "OpenVINO")):
+            if job.get(key):
+                print(f"{'vs ' + short:<10} {job[key]:.2f}x the speed of {peer} (p50, measured, same input and threads)")
         check = job["result"].get("check") or {}
         if check.get("ok"):
             print(f"check      matches {check['reference']}{where} (max abs error {check['max_abs_error']:.2g})")

@@ -41,6 +41,7 @@ from services.db.models import Agent, DeviceClass, Job, Model
 from services.db.session import Session, SessionFactory, transaction
 from services.db.states import JobState
 from tunefarm.models.finish import batch_size_for
+from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
 from tunefarm.models.timing import speedup
 from tunefarm.search.task import target_key
 
@@ -195,19 +196,21 @@ def job_public(
             size=job.artifact_size,
         ),
         result=job.result,
-        speedup_vs_onnxruntime=speedup_vs_onnxruntime(job.result),
+        speedup_vs_onnxruntime=measured_speedup(job.result, ONNXRUNTIME),
+        speedup_vs_openvino=measured_speedup(job.result, OPENVINO),
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,
     )
 
 
-def speedup_vs_onnxruntime(result: dict[str, Any] | None) -> float | None:
-    """A finished job's tuned model measured against onnxruntime (`timing.speedup`: p50
-    over p50, as `tunefarm report` states it); None until both were measured."""
+def measured_speedup(result: dict[str, Any] | None, peer: str) -> float | None:
+    """A finished job's tuned model measured against a peer (`ONNXRUNTIME`, `OPENVINO`;
+    `timing.speedup`: p50 over p50, as `tunefarm report` states it); None until both
+    were measured."""
     if not result:
         return None
-    return speedup(result.get("onnxruntime_latency"), result.get("latency"))
+    return speedup(result.get(latency_key(peer)), result.get("latency"))
 
 
 def _cost_model_public(seen: jobs.JobOverview) -> CostModelPublic:
@@ -260,7 +263,8 @@ def list_jobs(session: Session, *, team_id: int, limit: int, cursor: int | None)
             trials_used=r.trials_used,
             est_latency_start_secs=r.est_latency_start_secs,
             est_latency_secs=r.est_latency_secs,
-            speedup_vs_onnxruntime=speedup_vs_onnxruntime(r.result),
+            speedup_vs_onnxruntime=measured_speedup(r.result, ONNXRUNTIME),
+            speedup_vs_openvino=measured_speedup(r.result, OPENVINO),
             created_at=r.created_at,
             finished_at=r.finished_at,
         )

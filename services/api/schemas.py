@@ -152,6 +152,12 @@ SPEEDUP_DESCRIPTION = (
     "own estimate"
 )
 
+OPENVINO_SPEEDUP_DESCRIPTION = (
+    "the same against OpenVINO, timed on the same agent in alternating rounds with the tuned model and "
+    "onnxruntime (result.openvino_latency.median / result.latency.median); null where OpenVINO was not timed "
+    "(result.peer_notes says why: e.g. not installed on the agent)"
+)
+
 
 class JobPublic(BaseModel):
     id: int
@@ -180,6 +186,7 @@ class JobPublic(BaseModel):
     artifact: ArtifactPublic
     result: dict[str, Any] | None = Field(description="the finished job's check and latency")
     speedup_vs_onnxruntime: float | None = Field(default=None, description=SPEEDUP_DESCRIPTION)
+    speedup_vs_openvino: float | None = Field(default=None, description=OPENVINO_SPEEDUP_DESCRIPTION)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -196,6 +203,7 @@ class JobSummary(BaseModel):
     est_latency_start_secs: float | None = Field(description="the first complete estimate (see JobPublic)")
     est_latency_secs: float | None
     speedup_vs_onnxruntime: float | None = Field(default=None, description=SPEEDUP_DESCRIPTION)
+    speedup_vs_openvino: float | None = Field(default=None, description=OPENVINO_SPEEDUP_DESCRIPTION)
     created_at: datetime
     finished_at: datetime | None
 

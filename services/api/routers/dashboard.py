@@ -42,6 +42,7 @@ from services.api.settings import ApiSettings
 from services.db import dashboard_sessions
 from services.db.session import SessionFactory, transaction
 from tunefarm.display import PAGE_CSS, PLOT_CSS, format_cost, format_duration
+from tunefarm.models.peers import ONNXRUNTIME, OPENVINO
 
 PREFIX = "/ui"
 COOKIE = "tunefarm_session"
@@ -61,9 +62,10 @@ templates.env.globals["progress_help"] = (
     "cost estimate, not a measured speed-up"
 )
 templates.env.globals["speedup_help"] = (
-    "the tuned model measured against onnxruntime on the same input and threads: onnxruntime's p50 over the "
-    "tuned model's"
+    "the tuned model measured against onnxruntime and OpenVINO on the same agent, input and threads, in "
+    "alternating rounds: the peer's p50 over the tuned model's"
 )
+templates.env.globals["peers"] = [(ONNXRUNTIME, "onnxruntime"), (OPENVINO, "OpenVINO")]
 
 
 async def page_team(request: Request, sessions: SessionFactory) -> Team | None:
