@@ -208,3 +208,22 @@ def test_a_build_job_whose_hash_holds_garbage_reads_as_lost(queues, garbage):
     status, why = build_job_status(queues.redis, job.id)
     assert status in (None, "failed"), (status, why)
     assert build_job_status(queues.redis, "tfnothing-build-1") == (None, "its build job is gone from Redis")
+
+
+def test_a_worker_that_follows_the_database_builds_for_a_class_made_after_it_started(queues, caplog):
+    """`tunefarm worker --every-class` (farm up's shared workers): a board's class created
+    after the worker started gets its builds (they waited for a worker started by hand)."""
+    classes = [queues.device_class]
+    job = build_queue(queues.redis, "board-made-later", queues.prefix).enqueue(BUILD_JOB, 2**40)
+    started_alone = build_worker(queues.redis, list(classes), queues.prefix)
+    started_alone.work(burst=True, with_scheduler=False)
+    assert fetch_build_job(queues.redis, job.id).get_status(refresh=False) == JobStatus.QUEUED  # nobody builds it
+
+    worker = build_worker(queues.redis, list(classes), queues.prefix, every_class=lambda: classes)
+    worker.follow_secs = 0.0
+    classes.append("board-made-later")  # `farm device-class` after the worker started
+    with caplog.at_level("INFO"):
+        worker.work(burst=True, with_scheduler=False)
+    assert "BatchNotFound" in queues.failed_with(job.id)  # it reached build_batch
+    assert "building for the new device class board-made-later too" in caplog.text
+    assert [q.name for q in worker.queues] == [queues.name, build_queue_name("board-made-later", queues.prefix)]

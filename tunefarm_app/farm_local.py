@@ -9,8 +9,8 @@ background, each in its own process group with its log in `D/logs/<name>.log`:
     lease-service  tunefarm lease-service   gRPC service the agents dial into
     scheduler      tunefarm scheduler       the searches of every job
     worker-1, -2   tunefarm worker          RQ build workers for the class (and for every
-                                            other class in the database when it starts:
-                                            a board's, cross-compiled here)
+                                            other class in the database, those made later
+                                            too: a board's, cross-compiled here)
     agent          tunefarm agent           measures on this CPU (agent-2, ... with `agents`)
     worker-C       tunefarm worker          for each further class C (`extra_classes`):
     agent-C        tunefarm agent           its build worker and its agent, here
@@ -193,10 +193,6 @@ class LocalFarm:
                 self.agent_token_id = tokens.agent_token_id(s, plain=agent_token)
                 previous_id = tokens.agent_token_id(s, plain=previous_token) if previous_token else None
                 self._prepare_env(class_name, agent_token, redis_url)
-                # Classes of the database with no worker of their own here (a board's,
-                # made with `farm device-class`): the shared workers build for them too.
-                served = {class_name, *c.extra_classes}
-                other_classes = [n for n in device_classes.device_class_names(s, by_id=True) if n not in served]
                 # The names its agents register with are the new token's (those of an
                 # earlier start from this state dir hold them; nothing is issued if a
                 # live agent of another farm holds one).
@@ -214,7 +210,6 @@ class LocalFarm:
             "agent_token": agent_token,
             "device_class": class_name,
             "target": target,
-            "other_classes": other_classes,
         }
         return self.info
 
@@ -271,10 +266,11 @@ class LocalFarm:
             "lease-service": [*cli, "lease-service"],
             "scheduler": [*cli, "scheduler"],
         }
-        also = [arg for other in self.info.get("other_classes", []) for arg in ("--device-class", other)]
+        # The shared workers build for every class of the database too, those made later
+        # included (a board's, made with `farm device-class`), after the host's class.
         for i in range(1, self.config.workers + 1):
             name = f"worker-{i}"
-            out[name] = [*cli, "worker", "--device-class", klass, *also, "--name", self.worker_name(name)]
+            out[name] = [*cli, "worker", "--device-class", klass, "--every-class", "--name", self.worker_name(name)]
         for name in self.agent_names():
             out[name] = list(self.config.agent_command or [*cli, "agent"])
         for c in self.config.extra_classes:
