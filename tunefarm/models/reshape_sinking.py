@@ -85,8 +85,11 @@ def sink_reshapes():
 
     def _moved_operand(arg, out: tuple[int, ...], base: list[int]):
         """`arg` as read at `base`'s positions instead of `out`'s, or None if it cannot be."""
-        if not isinstance(getattr(arg, "ty", None), relax.TensorType):
-            return arg  # not a tensor (e.g. a shape): unchanged
+        ty = getattr(arg, "ty", None)
+        if isinstance(arg, relax.Tuple) or isinstance(ty, relax.TupleType):
+            return None  # tensors in a tuple: left alone
+        if not isinstance(ty, relax.TensorType):
+            return arg  # a shape or a value argument: unchanged
         shape = _static_shape(arg.ty)
         if shape is None:
             return None
