@@ -13,15 +13,22 @@ APPLY_AND_SKIP_REST (new states only). The steps of both rule sets are defined h
 the CPU rules follow, the GPU rules are in `sketch_gpu.py`:
 
   1. AlwaysInline                  strictly inlineable            -> APPLY_AND_SKIP_REST
-  2. AddRfactor                    reduction with little spatial  -> APPLY (inner, outer)
+  2. UnrollTables                  indexes constant tables, the   -> APPLY_AND_SKIP_REST
+                                   other iterators spatial
+  3. AddRfactor                    reduction with little spatial  -> APPLY (inner, outer)
                                    parallelism
-  3. AddCacheWrite                 needs tiling, no fusible       -> APPLY (block is
+  4. AddCacheWrite                 needs tiling, no fusible       -> APPLY (block is
                                    consumer                          visited again)
-  4. MultiLevelTilingWithFusion    needs tiling, fusible consumer -> APPLY, or
+  5. MultiLevelTilingWithFusion    needs tiling, fusible consumer -> APPLY, or
                                                                      APPLY_AND_SKIP_REST
                                                                      after a cache write
-  5. MultiLevelTiling              needs tiling                   -> APPLY_AND_SKIP_REST
-  6. Skip                          always                         -> APPLY
+  6. MultiLevelTiling              needs tiling                   -> APPLY_AND_SKIP_REST
+  7. Skip                          always                         -> APPLY
+
+UnrollTables is Ansor's SimplifyComputeWithConstTensor, found from the block's structure
+(`BlockSpec.table_iters`) rather than an attribute: the loops of the iterators that pick
+constant table entries (a Winograd transform's matrix indices) are unrolled, so that every
+entry folds to a constant and the zero terms vanish.
 
 Both tiling rules add a LayoutRewrite step after the tile for every constant input
 (a weight: `Workload.constants`) that the block alone reads with one iterator per
@@ -100,6 +107,17 @@ class TileStep:
 
 
 @dataclass(frozen=True)
+class UnrollTableStep:
+    """The block's table iterators (`BlockSpec.table_iters`) unrolled, innermost but for
+    the vector lanes; each other iterator (all spatial) split in two (slot
+    `<block>.tile.<iter>`): outer parts, inner parts, the unrolled table loops, then the
+    inner part of the last other iterator, to vectorize (Ansor's
+    SimplifyComputeWithConstTensor, with the vector axis moved inside)."""
+
+    block: str
+
+
+@dataclass(frozen=True)
 class LayoutRewriteStep:
     """Store constant input `buffer` in the order `block`'s tile loops read it (Ansor §4.2
     layout rewrite; MetaSchedule's RewriteLayout): its dimensions become the tile loops
@@ -171,6 +189,7 @@ Step = (
     | ThreadBindStep
     | RfactorStep
     | TileStep
+    | UnrollTableStep
     | LayoutRewriteStep
     | FuseConsumerStep
     | ComputeLocationStep
@@ -207,6 +226,8 @@ def describe_step(step: Step) -> str:
             return f"rfactor {b} ({'inner' if inner else 'outer'} part)"
         case TileStep(block=b, structure=s):
             return f"tile {b} {s}"
+        case UnrollTableStep(block=b):
+            return f"unroll the constant tables of {b}"
         case LayoutRewriteStep(block=b, buffer=buf):
             return f"layout-rewrite {buf} for {b}"
         case FuseConsumerStep(consumer=c, producer=p, level=level):
@@ -325,6 +346,20 @@ def _rule_always_inline(st: DerivationState, b: BlockSpec, hw: Hardware):
     return RuleResult.APPLY_AND_SKIP_REST, [new]
 
 
+def unrolls_tables(block: BlockSpec) -> bool:
+    """Whether UnrollTables applies: the block indexes constant tables, and its other
+    iterators, at least one, are all spatial (they are tiled, the table loops unrolled)."""
+    other = block.untabled
+    return bool(block.table_iters) and bool(other) and all(it.kind == "S" for it in other)
+
+
+def _rule_unroll_tables(st: DerivationState, b: BlockSpec, hw: Hardware):
+    if b.name in st.cache_written or not unrolls_tables(b):
+        return RuleResult.SKIP, []
+    new = st.advance(steps=(*st.steps, UnrollTableStep(b.name)), tiled=st.tiled | {b.name})
+    return RuleResult.APPLY_AND_SKIP_REST, [new]
+
+
 def _rule_add_rfactor(st: DerivationState, b: BlockSpec, hw: Hardware):
     if b.name in st.cache_written or not needs_rfactor(b, hw.num_cores):
         return RuleResult.SKIP, []
@@ -385,6 +420,7 @@ def rule_skip(st: DerivationState, b: BlockSpec, hw: Hardware):
 
 CPU_RULES = (
     _rule_always_inline,
+    _rule_unroll_tables,
     _rule_add_rfactor,
     _rule_add_cache_write,
     _rule_tiling_with_fusion,
