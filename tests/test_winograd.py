@@ -37,7 +37,7 @@ from tunefarm.search.space.dag import analyse
 from tunefarm.search.space.loopnest import build
 from tunefarm.search.space.program import InvalidProgram, expected_tvm_loops
 from tunefarm.search.space.realize import loop_structure, realize, trace_json
-from tunefarm.search.space.sketch import LayoutRewriteStep, UnrollTableStep, generate_sketches
+from tunefarm.search.space.sketch import LayoutRewriteStep, UnrollTableStep, generate_sketches, unrolls_tables
 from tunefarm.search.space.slots import Decider
 from tunefarm.search.task import make_task
 from tunefarm.workloads import registry, workload_from_te
@@ -204,6 +204,16 @@ def test_the_search_leaves_the_weight_transform_out_and_unrolls_the_tables():
     direct = analyse(registry.make("conv2d_nhwc", {"N": 1, "C": 4, "H": 6, "W": 6, "F": 4}).mod["main"]).blocks
     tconv = analyse(registry.make("conv2d_transpose", {"N": 1, "C": 3, "H": 5, "W": 5, "F": 4}).mod["main"]).blocks
     assert not any(b.table_iters for b in (*direct, *tconv))
+
+
+def test_an_equality_test_on_a_long_loop_is_no_table_to_unroll():
+    x = te.placeholder((100, 16), name="x")
+    first = te.compute(
+        (100, 16), lambda i, j: tvm.tirx.Select(i == 0, x[i, j], x[i, j] * 2.0), name="first_row_kept"
+    )
+    block = analyse(workload_from_te("first_row", [x, first]).mod["main"]).blocks[0]
+    assert block.table_iters == ("v_i",)
+    assert not unrolls_tables(block)
 
 
 def test_a_weight_transform_of_an_input_that_is_not_constant_is_refused():

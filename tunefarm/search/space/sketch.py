@@ -42,6 +42,7 @@ A finished state gets a ComputeLocation step for every remaining flexible block
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -346,11 +347,25 @@ def _rule_always_inline(st: DerivationState, b: BlockSpec, hw: Hardware):
     return RuleResult.APPLY_AND_SKIP_REST, [new]
 
 
+MAX_TABLE_EXTENT = 16
+"""Longest table iterator UnrollTables unrolls: a constant matrix is small (a Winograd
+transform's side is m + 2), while an equality test on a long loop (`i == 0` over 1000
+elements) is no table, and its block gets the ordinary rules."""
+
+MAX_UNROLLED_TABLE = 4096
+"""Most iterations of a block's table loops that UnrollTables unrolls into straight-line
+code (zero entries fold away afterwards): F(4x4, 3x3)'s input transform has 6^4 = 1296."""
+
+
 def unrolls_tables(block: BlockSpec) -> bool:
-    """Whether UnrollTables applies: the block indexes constant tables, and its other
-    iterators, at least one, are all spatial (they are tiled, the table loops unrolled)."""
+    """Whether UnrollTables applies: the block indexes small constant tables
+    (`MAX_TABLE_EXTENT`, `MAX_UNROLLED_TABLE`), and its other iterators, at least one,
+    are all spatial (they are tiled, the table loops unrolled)."""
     other = block.untabled
-    return bool(block.table_iters) and bool(other) and all(it.kind == "S" for it in other)
+    if not block.table_iters or not other or any(it.kind != "S" for it in other):
+        return False
+    extents = [block.iter(name).extent for name in block.table_iters]
+    return max(extents) <= MAX_TABLE_EXTENT and math.prod(extents) <= MAX_UNROLLED_TABLE
 
 
 def _rule_unroll_tables(st: DerivationState, b: BlockSpec, hw: Hardware):
