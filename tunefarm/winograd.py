@@ -53,9 +53,6 @@ TILE_SIZES = (2, 4)
 KERNEL = 3
 """The filter size r of every transform here."""
 
-BLOCKS = ("data_pad", "weight_transform", "input_transform", "batched_gemm", "inverse_transform")
-"""The names of the intermediate blocks, in program order (the output block is the caller's name)."""
-
 Matrix = tuple[tuple[Fraction, ...], ...]
 
 
