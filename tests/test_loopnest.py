@@ -21,6 +21,8 @@ SMALL = {
     "matmul_relu": {"M": 32, "N": 64, "K": 16},
     "batch_matmul": {"B": 3, "M": 16, "N": 32, "K": 8},
     "conv2d": {"N": 1, "C": 8, "H": 14, "W": 14, "F": 16},
+    "conv2d_nhwc": {"N": 1, "C": 8, "H": 14, "W": 14, "F": 16},
+    "conv2d_winograd": {"N": 1, "C": 8, "H": 14, "W": 14, "F": 16, "m": 4},
     "conv2d_1x1": {"N": 1, "C": 16, "H": 7, "W": 7, "F": 32},
     "depthwise_conv2d": {"N": 1, "C": 8, "H": 16, "W": 16},
     "conv3d": {"N": 1, "C": 4, "D": 6, "H": 6, "W": 6, "F": 8},
@@ -44,7 +46,7 @@ def _sample(dag, sketch, rng):
 
 
 def _assert_model_loops_match_tvm(wl):
-    dag = analyse(wl.mod["main"])
+    dag = analyse(wl.mod["main"], wl.constants)
     sketches = generate_sketches(dag, num_cores=2)
     rng = random.Random(7)
     for i in range(2 * len(sketches) + 6):

@@ -20,6 +20,13 @@ buffer. The copy is the layout transform; it must run once, never in the timed k
 - whole models (`fold_layout_rewrites`): `SplitLayoutRewritePreproc` turns each call into
   a transform call and a kernel call, and `FoldConstant` evaluates the transforms of the
   model's constant weights at build time.
+
+A workload may also hold such a block itself: a transform that computes a new constant
+from a weight rather than copying it (a Winograd convolution's U = G g G^T,
+`tunefarm.winograd`). The search leaves it out of the kernel (`ComputeDag.outside`) and
+never moves it, so it is split off the same way, and the kernel takes the transformed
+weight; a layout rewrite of that computed constant makes the block write it in the new
+layout directly (no copy).
 """
 
 from __future__ import annotations
@@ -236,7 +243,9 @@ def _written_buffers(func) -> set[str]:
 
 
 def _transform_maps(transform) -> dict[str, str]:
-    """{rewritten buffer: "W[v0, v1] -> [...]"} read off the transform's copy stores."""
+    """{rewritten buffer: "W[v0, v1] -> [...]"} read off the transform's copy stores; a
+    transform that computes its buffer (a Winograd weight transform) rather than copies
+    it: "computed from W -> [...]"."""
     import tvm
     import tvm_ffi
 
@@ -244,10 +253,16 @@ def _transform_maps(transform) -> dict[str, str]:
 
     def visit(store) -> None:
         value = store.value
+        dst = ", ".join(str(i) for i in store.indices)
         if isinstance(value, tvm.ir.TensorLoad):
             src = ", ".join(str(i) for i in value.indices)
-            dst = ", ".join(str(i) for i in store.indices)
             out[str(store.buffer.name)] = f"{value.source.name}[{src}] -> [{dst}]"
+            return
+        loads: list = []
+        tvm_ffi.structural_walk(value, (tvm.ir.TensorLoad, loads.append))
+        sources = sorted({str(x.source.name) for x in loads} - {str(store.buffer.name)})
+        if sources:
+            out.setdefault(str(store.buffer.name), f"computed from {', '.join(sources)} -> [{dst}]")
 
     tvm_ffi.structural_walk(transform.body, (tvm.tirx.BufferStore, visit))
     return out

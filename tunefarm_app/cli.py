@@ -278,8 +278,11 @@ def _sketches(args: argparse.Namespace) -> int:
             "data-reuse" if needs_multi_level_tiling(b) else "",
             "inlineable" if is_strictly_inlineable(task.dag, b) else "",
             f"fusible-consumer={fc.name}" if fc else "",
+            f"tables={','.join(b.table_iters)}" if b.table_iters else "",
         ]
         print(f"  block {b.name}  [{iters}]  {' '.join(f for f in flags if f)}")
+    for name in task.dag.outside:
+        print(f"  block {name}  runs once outside the kernel (transforms a constant input)")
     for i, sk in enumerate(task.sketches):
         print(f"sketch {i} ({sk.signature})")
         for line in sk.describe():

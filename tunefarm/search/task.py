@@ -69,6 +69,11 @@ def make_task(workload: Workload, target: dict[str, Any]) -> SearchTask:
     except UnsupportedProgram as exc:
         raise WorkloadError(f"{workload.name}: {exc}") from None
     rules = rule_set_for(target)
+    if dag.outside and rules.gpu_limits is not None:
+        raise WorkloadError(
+            f"{workload.name}: block {', '.join(dag.outside)} transforms a constant input once outside the kernel, "
+            "which only CPU builds do so far"
+        )
     sketches = rules.sketches(dag)
     if not sketches:
         raise WorkloadError(f"{workload.name}: no sketch could be derived")

@@ -52,6 +52,7 @@ class OpDef:
     reference: Callable[[Params], Reference]
     check: Callable[[Params], None]  # raises UsageError naming the bad parameter
     memory_bound: bool = False
+    constants: tuple[str, ...] = ()  # inputs that are always constant (`Workload.constants`)
 
     def resolve(self, given: dict[str, int]) -> Params:
         """The defaults overridden by `given`; unknown names or non-integers raise UsageError."""
@@ -76,13 +77,14 @@ def make(name: str, params: dict[str, int] | None = None) -> Workload:
     if op is None:
         raise UsageError(f"unknown op {name!r}; known: {', '.join(sorted(OPS))}")
     p = op.resolve(params or {})
-    return workload_from_te(
+    workload = workload_from_te(
         op.display_name(p),
         op.build(p),
         flops=float(op.flops(p)),
         reference=op.reference(p),
         memory_bound=op.memory_bound,
     )
+    return workload.with_constants(op.constants) if op.constants else workload
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -361,6 +363,102 @@ CONV3D = _conv_op(
 )
 
 
+# 2-D convolutions in the layouts of the model pipeline (`tunefarm.models.tasks.CONV_LAYOUTS`):
+# NHWC data, OHWI weight, NHWC output. `conv2d_nhwc` is the direct convolution (the blocks
+# Relax's legalization gives a model's convolution: a padding, then one reduction);
+# `conv2d_winograd` computes the same 3x3 stride-1 convolution with Winograd's F(m x m,
+# 3 x 3) (`tunefarm.winograd`), its reference the direct convolution's, so that every tuned
+# kernel is checked against it. Its weight is a constant (the weight transform runs once,
+# outside the kernel), and its FLOPs are the direct convolution's, the work it stands for,
+# so that the GFLOPS of both compare.
+
+
+def _nhwc_conv(p: Params) -> _Conv:
+    return _Conv(
+        n=p["N"], c=p["C"], f=p["F"], size=(p["H"], p["W"]), kernel=(p.get("KH", 3), p.get("KW", 3)),
+        stride=p.get("stride", 1), pad=p["pad"], dilation=p.get("dilation", 1), groups=1,
+    )  # fmt: skip
+
+
+def _conv2d_nhwc_build(p: Params) -> list:
+    tvm, te, _ = _te()
+    cv = _nhwc_conv(p)
+    data = te.placeholder((cv.n, *cv.size, cv.c), "float32", name="data")
+    weight = te.placeholder((cv.f, *cv.kernel, cv.c), "float32", name="weight")
+    pad, (hp, wp) = cv.pad, (s + 2 * cv.pad for s in cv.size)
+
+    def padded(n, y, x, c):
+        inside = tvm.tirx.all(y >= pad, y < hp - pad, x >= pad, x < wp - pad)
+        return tvm.tirx.if_then_else(inside, data[n, y - pad, x - pad, c], tvm.tirx.const(0.0, "float32"))
+
+    padded_data = te.compute((cv.n, hp, wp, cv.c), padded, name="pad")
+    ry = te.reduce_axis((0, cv.kernel[0]), name="ry")
+    rx = te.reduce_axis((0, cv.kernel[1]), name="rx")
+    rc = te.reduce_axis((0, cv.c), name="rc")
+    s, d = cv.stride, cv.dilation
+    out = te.compute(
+        (cv.n, *cv.out, cv.f),
+        lambda n, y, x, f: te.sum(
+            padded_data[n, y * s + ry * d, x * s + rx * d, rc] * weight[f, ry, rx, rc], axis=[ry, rx, rc]
+        ),
+        name="conv2d_nhwc",
+    )
+    return [data, weight, out]
+
+
+def _conv2d_nhwc_reference(p: Params) -> Reference:
+    """The NCHW reference (`_conv_reference`) on transposed arrays."""
+    nchw = _conv_reference(_nhwc_conv(p))
+
+    def run(x, w):
+        (out,) = nchw(x.transpose(0, 3, 1, 2), w.transpose(0, 3, 1, 2))
+        return _f32(out.transpose(0, 2, 3, 1))
+
+    return run
+
+
+def _conv2d_winograd_build(p: Params) -> list:
+    _, te, _ = _te()
+    from tunefarm.winograd import winograd_conv2d_nhwc
+
+    data = te.placeholder((p["N"], p["H"], p["W"], p["C"]), "float32", name="data")
+    weight = te.placeholder((p["F"], 3, 3, p["C"]), "float32", name="weight")
+    return [data, weight, winograd_conv2d_nhwc(data, weight, p["pad"], p["m"])]
+
+
+def _conv2d_winograd_check(p: Params) -> None:
+    from tunefarm.winograd import TILE_SIZES
+
+    _conv_check("conv2d_winograd", ("H", "W"), ())(p)
+    if p["m"] not in TILE_SIZES:
+        raise UsageError(f"conv2d_winograd: m must be one of {', '.join(map(str, TILE_SIZES))} (the output tile), got {p['m']}")
+    for d in ("H", "W"):
+        if p[d] + 2 * p["pad"] < 3:
+            raise UsageError(f"conv2d_winograd: the 3x3 filter is larger than the padded {d}={p[d] + 2 * p['pad']}")
+
+
+CONV2D_NHWC = OpDef(
+    name="conv2d_nhwc",
+    summary="2-D convolution, NHWC data, OHWI weight (the model pipeline's layouts)",
+    params=dict(N=1, C=64, H=56, W=56, F=64, KH=3, KW=3, stride=1, pad=1, dilation=1),
+    build=_conv2d_nhwc_build,
+    flops=lambda p: _nhwc_conv(p).flops,
+    reference=_conv2d_nhwc_reference,
+    check=_conv_check("conv2d_nhwc", ("H", "W"), ("KH", "KW")),
+)
+
+CONV2D_WINOGRAD = OpDef(
+    name="conv2d_winograd",
+    summary="3x3 stride-1 conv2d_nhwc by Winograd F(m x m, 3 x 3), m = 2 or 4; constant weight",
+    params=dict(N=1, C=64, H=56, W=56, F=64, pad=1, m=4),
+    build=_conv2d_winograd_build,
+    flops=lambda p: _nhwc_conv(p).flops,
+    reference=_conv2d_nhwc_reference,
+    check=_conv2d_winograd_check,
+    constants=("weight",),
+)
+
+
 # conv2d_transpose (PyTorch ConvTranspose2d): out[n,f,y,x] += data[n,c,i,j] * weight[c,f,ky,kx]
 # where y = i*stride - pad + ky. Built as a conv of the flipped kernel over the input dilated by
 # `stride` and padded by KH-1-pad; both happen in the one `pad` stage.
@@ -548,6 +646,8 @@ OPS: dict[str, OpDef] = {
         CONV2D_1X1,
         DEPTHWISE_CONV2D,
         CONV3D,
+        CONV2D_NHWC,
+        CONV2D_WINOGRAD,
         CONV2D_TRANSPOSE,
         SOFTMAX,
         LAYER_NORM,

@@ -54,7 +54,7 @@ def annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None
     if at_root:
         prefix = 0
         for lp in nest.loops:
-            if lp.reduce or lp.kind == "vectorized":
+            if lp.reduce or lp.kind in ("vectorized", "unrolled"):
                 break
             prefix += 1
             if lp.key in attached:
@@ -69,8 +69,8 @@ def annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None
                 lp.kind = "parallel"
             if n:
                 prog.emit("parallel", name, n)
-    # -- unroll
-    if (spec.is_reduction or nest.tiled) and nest.loops:
+    # -- unroll (a block whose table loops are unrolled already has its straight-line body)
+    if (spec.is_reduction or nest.tiled) and nest.loops and not any(lp.kind == "unrolled" for lp in nest.loops):
         nest.unroll = UNROLL_STEPS[decider.decide(f"{name}.unroll", ChoiceDomain(len(UNROLL_STEPS)))]
         if nest.unroll:
             own = len(nest.loops) - max(nest.parallel - 1, 0)  # own loops after the parallel fuse

@@ -146,6 +146,7 @@ class BlockSpec:
     has_init: bool = False
     has_branch: bool = False  # if_then_else / select in the value
     has_expensive_op: bool = False  # exp, log, ... : Ansor does not inline these on CPU
+    table_iters: tuple[str, ...] = ()  # iterators that pick entries of a constant table (`_ValueWalker`)
 
     @property
     def spatial(self) -> tuple[IterSpec, ...]:
@@ -159,6 +160,11 @@ class BlockSpec:
     def is_reduction(self) -> bool:
         return any(it.kind == "R" for it in self.iters)
 
+    @property
+    def untabled(self) -> tuple[IterSpec, ...]:
+        """The iterators that pick no table entry."""
+        return tuple(it for it in self.iters if it.name not in self.table_iters)
+
     def iter(self, name: str) -> IterSpec:
         for it in self.iters:
             if it.name == name:
@@ -168,10 +174,15 @@ class BlockSpec:
 
 @dataclass(frozen=True)
 class ComputeDag:
-    """Blocks in program order (a topological order) and every buffer they touch."""
+    """Blocks in program order (a topological order) and every buffer they touch.
+
+    `outside`: the blocks left out of the kernel, each a transform of a constant input
+    (annotated `PREPROC_ATTR`, e.g. a Winograd weight transform) that runs once before
+    the kernel (`tunefarm.layout`); the buffer each writes is a "constant" here."""
 
     blocks: tuple[BlockSpec, ...]
     buffers: tuple[BufferSpec, ...]
+    outside: tuple[str, ...] = ()
 
     @cached_property
     def _by_name(self) -> dict[str, BlockSpec]:
@@ -212,7 +223,7 @@ class ComputeDag:
         return self.buffer(self.block(name).write.buffer).role == "output"
 
     def replace_blocks(self, blocks: Iterable[BlockSpec], buffers: Iterable[BufferSpec] | None = None) -> ComputeDag:
-        return ComputeDag(tuple(blocks), tuple(buffers) if buffers is not None else self.buffers)
+        return ComputeDag(tuple(blocks), tuple(buffers) if buffers is not None else self.buffers, self.outside)
 
 
 # ----------------------------------------------------------------------- the TVM walk
@@ -227,8 +238,16 @@ _EXPENSIVE_CALLS = ("exp", "log", "pow", "tanh", "sigmoid", "erf", "exp2", "exp1
 
 def analyse(func, constants: Iterable[int] = ()) -> ComputeDag:
     """Walk a PrimFunc (in the form `te.create_prim_func` or TVMScript gives) once.
-    `constants`: positions of the inputs that are constant (their role is "constant")."""
+    `constants`: positions of the inputs that are constant (their role is "constant").
+
+    A block annotated `PREPROC_ATTR` (a transform of a constant input that runs once,
+    outside the kernel: `tunefarm.layout`) is no block of the kernel: it is left out of
+    the DAG (`ComputeDag.outside`; the schedule never touches it, so it stays at the
+    root where Relax's split finds it), and the buffer it writes is a constant to the
+    blocks that read it. It must read constant inputs only: UnsupportedProgram otherwise."""
     from tvm.s_tir import SBlockRealize
+
+    from tunefarm.layout import PREPROC_ATTR
 
     root_realize = func.body
     if not isinstance(root_realize, SBlockRealize):
@@ -238,9 +257,10 @@ def analyse(func, constants: Iterable[int] = ()) -> ComputeDag:
     params = list(func.params)
     written = set()
     blocks: list[BlockSpec] = []
+    outside: list[BlockSpec] = []
     for loops, realize in _leaf_blocks(root.body):
         spec = _block_spec(loops, realize)
-        blocks.append(spec)
+        (outside if PREPROC_ATTR in realize.block.annotations else blocks).append(spec)
         written.add(spec.write.buffer)
     if not blocks:
         raise UnsupportedProgram("the PrimFunc has no blocks to schedule")
@@ -248,12 +268,27 @@ def analyse(func, constants: Iterable[int] = ()) -> ComputeDag:
     for i, p in enumerate(params):
         role = "output" if str(p.name) in written else "constant" if i in constant else "input"
         buffers[str(p.name)] = _buffer_spec(p, role)
+    computed_once = {b.write.buffer for b in outside}
     for b in root.alloc_buffers:
-        buffers[str(b.name)] = _buffer_spec(b, "intermediate")
-    names = [b.name for b in blocks]
+        buffers[str(b.name)] = _buffer_spec(b, "constant" if str(b.name) in computed_once else "intermediate")
+    for b in outside:
+        _check_outside_block(b, buffers)
+    names = [b.name for b in blocks + outside]
     if len(set(names)) != len(names):
         raise UnsupportedProgram("block names are not unique")
-    return ComputeDag(tuple(blocks), tuple(buffers.values()))
+    return ComputeDag(tuple(blocks), tuple(buffers.values()), tuple(b.name for b in outside))
+
+
+def _check_outside_block(block: BlockSpec, buffers: dict[str, BufferSpec]) -> None:
+    """A block run once outside the kernel reads one constant input and writes a buffer of
+    the function's own (what Relax's SplitLayoutRewritePreproc splits off)."""
+    read = {a.buffer for a in block.reads}
+    if len(read) != 1 or buffers[next(iter(read))].role != "constant" or buffers[block.write.buffer].role != "constant":
+        what = ", ".join(f"{n} ({buffers[n].role})" for n in sorted(read)) or "nothing"
+        raise UnsupportedProgram(
+            f"block {block.name} is marked to run once outside the kernel, so it must read one constant input "
+            f"and write an intermediate buffer; it reads {what}: declare its input constant (a weight)"
+        )
 
 
 def _buffer_spec(buf, role: str) -> BufferSpec:
@@ -309,11 +344,18 @@ def _block_spec(loops, realize) -> BlockSpec:
         has_init=block.init is not None,
         has_branch=walker.branch,
         has_expensive_op=walker.expensive,
+        table_iters=tuple(it.name for it in iters if it.name in walker.table_iters),
     )
 
 
 class _ValueWalker:
-    """Counts operations and collects loads in a stored value."""
+    """Counts operations and collects loads in a stored value.
+
+    Also finds the iterators that index a constant table: those a select's condition
+    compares for equality with an integer constant (`iter == 3`), the form an entry of a
+    constant matrix takes (`tunefarm.winograd.table_entry`). Once their loops are
+    unrolled, every such select folds to a constant (the `UnrollTableStep` sketch step).
+    Bounds tests (a padding's `1 <= y < 9`) are no equality and index no table."""
 
     def __init__(self, iter_names: set[str]):
         self.iter_names = iter_names
@@ -321,6 +363,17 @@ class _ValueWalker:
         self.n: dict[str, int] = {}
         self.branch = False
         self.expensive = False
+        self.table_iters: set[str] = set()
+
+    def _note_table_iters(self, cond) -> None:
+        name = type(cond).__name__
+        if name in ("And", "Or"):
+            self._note_table_iters(cond.a)
+            self._note_table_iters(cond.b)
+        elif name == "EQ":
+            for x, y in ((cond.a, cond.b), (cond.b, cond.a)):
+                if type(x).__name__ == "Var" and str(x.name) in self.iter_names and type(y).__name__ == "IntImm":
+                    self.table_iters.add(str(x.name))
 
     def counts(self) -> OpCounts:
         return OpCounts(**self.n)
@@ -355,6 +408,7 @@ class _ValueWalker:
         elif name == "Select":
             self._count("select")
             self.branch = True
+            self._note_table_iters(e.condition)
         elif name == "Cast":
             self._count("cast")
         elif name == "Call":
@@ -363,6 +417,7 @@ class _ValueWalker:
             if short == "if_then_else":
                 self._count("select")
                 self.branch = True
+                self._note_table_iters(e.args[0])
             elif op.startswith("tirx.") or op.startswith("tir."):
                 self._count("float_math" if is_float else "int_mul")
                 if short in _EXPENSIVE_CALLS:

@@ -60,6 +60,7 @@ from tunefarm.search.space.sketch import (
     Sketch,
     ThreadBindStep,
     TileStep,
+    UnrollTableStep,
     apply_cache_write,
     cache_write_names,
     describe_step,
@@ -99,6 +100,8 @@ def build(
                     loopnest_gpu.draw_feasible_tiles(prog, b, s, decider, gpu)
                 registers = VectorRegisters(vector_bytes, vector_registers) if gpu is None else VectorRegisters()
                 _tile(prog, b, s, decider, choose_inner_axis=gpu is None, registers=registers)
+            case UnrollTableStep(block=b):
+                _unroll_tables(prog, b, decider, VectorRegisters(vector_bytes, vector_registers))
             case LayoutRewriteStep(block=b, buffer=buf):
                 _layout_rewrite(prog, b, buf)
             case FuseConsumerStep(consumer=c, producer=p, level=level):
@@ -244,6 +247,45 @@ def _tile(
     nest.inner_axis = inner
 
 
+def _unroll_tables(prog: Program, name: str, decider: Decider, registers: VectorRegisters) -> None:
+    """`UnrollTableStep`: every iterator that picks no table entry (all spatial) split in
+    two (slot `<block>.tile.<iter>`); loops: the outer parts, the inner parts, the table
+    iterators (unrolled, in iterator order: a reduction's spatial ones first), and last
+    the inner part of the last other iterator, which `annotate` vectorizes (its draws
+    prefer whole vectors, as `_tile`'s vector axis does)."""
+    nest = prog.nests[name]
+    if nest.attach is not None or nest.tiled:
+        raise InvalidProgram(f"{name} cannot be unrolled here")
+    spec = nest.spec
+    other = spec.untabled
+    vector_axis = other[-1].name
+    lanes = registers.bytes // prog.dag.buffer(spec.write.buffer).elem_bytes if registers.bytes else 0
+    factors: dict[str, tuple[int, ...]] = {}
+    for it in other:
+        domain = TileDomain(it.extent, 2, MAX_INNERMOST_TILE, vector_lanes=lanes if it.name == vector_axis else 0)
+        factors[it.name] = decider.decide(f"{name}.tile.{it.name}", domain)
+    vector_pos = next(i for i, it in enumerate(spec.iters) if it.name == vector_axis)
+    prog.emit("unroll_tables", name, tuple(factors.get(it.name, ()) for it in spec.iters), vector_pos)
+    outer = {it.name: prog.new_loop(factors[it.name][0], False) for it in other}
+    inner = {it.name: prog.new_loop(factors[it.name][1], False) for it in other}
+    table = {}
+    for it in spec.iters:
+        if it.name in spec.table_iters:
+            table[it.name] = prog.new_loop(it.extent, it.kind == "R")
+            table[it.name].kind = "unrolled"
+    nest.loops = [
+        *outer.values(),
+        *(lp for it, lp in inner.items() if it != vector_axis),
+        *table.values(),
+        inner[vector_axis],
+    ]
+    binding = {it: Affine.var(lp.key) for it, lp in table.items()}
+    for it in other:
+        binding[it.name] = Affine.of({outer[it.name].key: factors[it.name][1], inner[it.name].key: 1})
+    nest.binding = binding
+    nest.tiled = True
+
+
 def _inner_axis(prog: Program, name: str, decider: Decider) -> str | None:
     """Which spatial iterator the innermost tile level puts last, so that it is the one
     vectorized (slot `<block>.inner_axis`; 0 keeps the iterator order). Offered to a block
@@ -385,7 +427,8 @@ def _compute_location(prog: Program, name: str, decider: Decider) -> None:
     chains = [prog.chain(c) for c in consumers]
     common: list[Loop] = []
     for loops in zip(*chains):
-        if all(lp.key == loops[0].key for lp in loops):
+        # never under an unrolled loop (`UnrollTableStep`): the block would be copied as often
+        if all(lp.key == loops[0].key for lp in loops) and loops[0].kind != "unrolled":
             common.append(loops[0])
         else:
             break

@@ -84,6 +84,9 @@ def _apply_to_blocks(sch, ins: Instr, rv, blocks: dict) -> None:
         case "acc_layout":
             (dims,) = ins.args
             sch.transform_layout(rv(b), ("write", 0), _tile_order_map(dims))
+        case "unroll_tables":
+            factors, vector_pos = ins.args
+            _unroll_tables(sch, rv(b), factors, vector_pos)
         case "layout_rewrite":
             buffer, dims = ins.args
             _layout_rewrite(sch, rv(b), buffer, dims)
@@ -162,12 +165,35 @@ def _tile(sch, block, structure: str, factors, inner: int) -> None:
     sch.reorder(*order)
 
 
+def _unroll_tables(sch, block, factors, vector_pos: int) -> None:
+    """Split each loop with factors in two, unroll the others (the table iterators'), and
+    order them: outer parts, inner parts, table loops, the inner part at `vector_pos`."""
+    outer, inner, table = [], [], []
+    vector = None
+    for i, (lp, f) in enumerate(zip(sch.get_loops(block), factors)):
+        if not f:
+            table.append(lp)
+            continue
+        o, n = sch.split(lp, list(f))
+        outer.append(o)
+        if i == vector_pos:
+            vector = n
+        else:
+            inner.append(n)
+    sch.reorder(*outer, *inner, *table, vector)
+    for lp in table:
+        sch.unroll(lp)
+
+
 def _layout_rewrite(sch, block, buffer: str, dims) -> None:
-    """Read constant `buffer` in the tile loops' order: a copy marked for pre-processing
-    (done once, outside the kernel) and the block's read through the new layout."""
+    """Read constant `buffer` in the tile loops' order. An input of the function: a copy
+    marked for pre-processing (done once, outside the kernel) and the block's read through
+    the new layout. A buffer that a pre-processing block computes (a Winograd weight
+    transform): that block writes it in the new layout directly."""
     idx = _read_index(sch, block, buffer)
-    copy = sch.cache_read(block, idx, "global")
-    sch.annotate(copy, PREPROC_ATTR, 1)
+    if buffer in {str(p.name) for p in sch.mod["main"].params}:
+        copy = sch.cache_read(block, idx, "global")
+        sch.annotate(copy, PREPROC_ATTR, 1)
     sch.transform_layout(block, ("read", idx), _tile_order_map(dims))
 
 

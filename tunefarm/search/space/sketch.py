@@ -13,15 +13,22 @@ APPLY_AND_SKIP_REST (new states only). The steps of both rule sets are defined h
 the CPU rules follow, the GPU rules are in `sketch_gpu.py`:
 
   1. AlwaysInline                  strictly inlineable            -> APPLY_AND_SKIP_REST
-  2. AddRfactor                    reduction with little spatial  -> APPLY (inner, outer)
+  2. UnrollTables                  indexes constant tables, the   -> APPLY_AND_SKIP_REST
+                                   other iterators spatial
+  3. AddRfactor                    reduction with little spatial  -> APPLY (inner, outer)
                                    parallelism
-  3. AddCacheWrite                 needs tiling, no fusible       -> APPLY (block is
+  4. AddCacheWrite                 needs tiling, no fusible       -> APPLY (block is
                                    consumer                          visited again)
-  4. MultiLevelTilingWithFusion    needs tiling, fusible consumer -> APPLY, or
+  5. MultiLevelTilingWithFusion    needs tiling, fusible consumer -> APPLY, or
                                                                      APPLY_AND_SKIP_REST
                                                                      after a cache write
-  5. MultiLevelTiling              needs tiling                   -> APPLY_AND_SKIP_REST
-  6. Skip                          always                         -> APPLY
+  6. MultiLevelTiling              needs tiling                   -> APPLY_AND_SKIP_REST
+  7. Skip                          always                         -> APPLY
+
+UnrollTables is Ansor's SimplifyComputeWithConstTensor, found from the block's structure
+(`BlockSpec.table_iters`) rather than an attribute: the loops of the iterators that pick
+constant table entries (a Winograd transform's matrix indices) are unrolled, so that every
+entry folds to a constant and the zero terms vanish.
 
 Both tiling rules add a LayoutRewrite step after the tile for every constant input
 (a weight: `Workload.constants`) that the block alone reads with one iterator per
@@ -35,6 +42,7 @@ A finished state gets a ComputeLocation step for every remaining flexible block
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -97,6 +105,17 @@ class TileStep:
 
     block: str
     structure: str = CPU_TILE_STRUCTURE
+
+
+@dataclass(frozen=True)
+class UnrollTableStep:
+    """The block's table iterators (`BlockSpec.table_iters`) unrolled, innermost but for
+    the vector lanes; each other iterator (all spatial) split in two (slot
+    `<block>.tile.<iter>`): outer parts, inner parts, the unrolled table loops, then the
+    inner part of the last other iterator, to vectorize (Ansor's
+    SimplifyComputeWithConstTensor, with the vector axis moved inside)."""
+
+    block: str
 
 
 @dataclass(frozen=True)
@@ -171,6 +190,7 @@ Step = (
     | ThreadBindStep
     | RfactorStep
     | TileStep
+    | UnrollTableStep
     | LayoutRewriteStep
     | FuseConsumerStep
     | ComputeLocationStep
@@ -207,6 +227,8 @@ def describe_step(step: Step) -> str:
             return f"rfactor {b} ({'inner' if inner else 'outer'} part)"
         case TileStep(block=b, structure=s):
             return f"tile {b} {s}"
+        case UnrollTableStep(block=b):
+            return f"unroll the constant tables of {b}"
         case LayoutRewriteStep(block=b, buffer=buf):
             return f"layout-rewrite {buf} for {b}"
         case FuseConsumerStep(consumer=c, producer=p, level=level):
@@ -325,6 +347,34 @@ def _rule_always_inline(st: DerivationState, b: BlockSpec, hw: Hardware):
     return RuleResult.APPLY_AND_SKIP_REST, [new]
 
 
+MAX_TABLE_EXTENT = 16
+"""Longest table iterator UnrollTables unrolls: a constant matrix is small (a Winograd
+transform's side is m + 2), while an equality test on a long loop (`i == 0` over 1000
+elements) is no table, and its block gets the ordinary rules."""
+
+MAX_UNROLLED_TABLE = 4096
+"""Most iterations of a block's table loops that UnrollTables unrolls into straight-line
+code (zero entries fold away afterwards): F(4x4, 3x3)'s input transform has 6^4 = 1296."""
+
+
+def unrolls_tables(block: BlockSpec) -> bool:
+    """Whether UnrollTables applies: the block indexes small constant tables
+    (`MAX_TABLE_EXTENT`, `MAX_UNROLLED_TABLE`), and its other iterators, at least one,
+    are all spatial (they are tiled, the table loops unrolled)."""
+    other = block.untabled
+    if not block.table_iters or not other or any(it.kind != "S" for it in other):
+        return False
+    extents = [block.iter(name).extent for name in block.table_iters]
+    return max(extents) <= MAX_TABLE_EXTENT and math.prod(extents) <= MAX_UNROLLED_TABLE
+
+
+def _rule_unroll_tables(st: DerivationState, b: BlockSpec, hw: Hardware):
+    if b.name in st.cache_written or not unrolls_tables(b):
+        return RuleResult.SKIP, []
+    new = st.advance(steps=(*st.steps, UnrollTableStep(b.name)), tiled=st.tiled | {b.name})
+    return RuleResult.APPLY_AND_SKIP_REST, [new]
+
+
 def _rule_add_rfactor(st: DerivationState, b: BlockSpec, hw: Hardware):
     if b.name in st.cache_written or not needs_rfactor(b, hw.num_cores):
         return RuleResult.SKIP, []
@@ -385,6 +435,7 @@ def rule_skip(st: DerivationState, b: BlockSpec, hw: Hardware):
 
 CPU_RULES = (
     _rule_always_inline,
+    _rule_unroll_tables,
     _rule_add_rfactor,
     _rule_add_cache_write,
     _rule_tiling_with_fusion,
