@@ -74,3 +74,25 @@ def test_bench_ops_for_a_gpu_target_needs_that_gpu_on_this_machine(capsys, tmp_p
     err = capsys.readouterr().err.strip()
     assert "no CUDA GPU on this machine" in err and len(err.splitlines()) == 1
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_the_peak_target_is_judged_on_the_weakest_of_gemm_and_the_nhwc_convolutions():
+    """GEMM 1024 at 90% of the FMA peak passes alone; a 1x1 NHWC convolution at 50% fails
+    the target for all three (issue: each of them at least 80%)."""
+    from tunefarm_app.bench.results import OpRow, OursRun, summarize
+
+    def row(op: str, share: float) -> OpRow:
+        ours = OursRun(secs=1e-3, recorded_secs=1e-3, trials=8, errors=0, wall_secs=10.0, search_secs=1.0)
+        return OpRow(op=op, workload=op, unit="GFLOPS", work=share * 100e9 * 1e-3, ours=ours, ms=None,
+                     numpy_secs=None, torch_secs=None, heldout=None, peak_gflops=100.0)  # fmt: skip
+
+    def peak_target(rows):
+        s = summarize(rows)
+        return s, next(t for t in s.targets if "of FMA peak" in t.name)
+
+    s, target = peak_target([row("gemm1024", 0.9)])
+    assert target.status == "PASS" and s.min_peak_share == pytest.approx(0.9)
+    s, target = peak_target([row("gemm1024", 0.9), row("conv2d_nhwc", 0.85), row("conv1x1_nhwc", 0.5)])
+    assert target.status == "MISS" and s.min_peak_share_op == "conv1x1_nhwc"
+    s, _ = peak_target([row("conv2d", 0.3), row("gemm1024", 0.9)])  # NCHW is not judged
+    assert s.min_peak_share_op == "gemm1024"

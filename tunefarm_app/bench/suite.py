@@ -19,11 +19,12 @@ class BenchOp:
 
     id: str  # short id used by --ops and in file names
     registry: str  # registry op name (tunefarm/workloads/registry.py)
-    params: tuple[tuple[str, int], ...] = ()  # overrides of the registry defaults (none in the benchmark)
+    params: tuple[tuple[str, int], ...] = ()  # overrides of the registry defaults
     constants: tuple[str, ...] = ()  # inputs that are weights in a model (both tuners may rewrite their layout)
 
     def workload(self) -> Workload:
-        return make(self.registry, dict(self.params)).with_constants(self.constants)
+        workload = make(self.registry, dict(self.params))
+        return workload.with_constants(self.constants) if self.constants else workload  # else the op's own
 
     def with_params(self, **params: int) -> BenchOp:
         return replace(self, params=tuple(sorted(params.items())))
@@ -34,7 +35,11 @@ BENCH_OPS: tuple[BenchOp, ...] = (
     BenchOp("gemm512_relu", "matmul_relu", constants=("B",)),  # 512^3, then ReLU
     BenchOp("bmm", "batch_matmul"),  # 12 x 128x64 @ 64x128 (attention: no weight)
     BenchOp("conv2d", "conv2d", constants=("weight",)),  # ResNet 1x64x56x56, 3x3, 64 filters, pad 1
+    BenchOp("conv2d_nhwc", "conv2d_nhwc", constants=("weight",)),  # the same in a model's layouts (NHWC, OHWI)
+    BenchOp("winograd", "conv2d_winograd"),  # the same by Winograd F(4x4, 3x3): GFLOPS of the direct conv's FLOPs
     BenchOp("conv1x1", "conv2d_1x1", constants=("weight",)),  # 1x256x14x14 -> 1024
+    BenchOp("conv1x1_nhwc", "conv2d_nhwc", (("C", 256), ("F", 1024), ("H", 14), ("KH", 1), ("KW", 1), ("W", 14),
+                                            ("pad", 0)), constants=("weight",)),  # the same, NHWC
     BenchOp("depthwise", "depthwise_conv2d", constants=("weight",)),  # 1x32x112x112, 3x3, pad 1
     BenchOp("softmax", "softmax"),  # 12 x 128 x 128, last axis
     BenchOp("layer_norm", "layer_norm"),  # 128 x 768, last axis

@@ -81,6 +81,8 @@ def render_summary(summary: Summary, trials: int) -> list[str]:
         f"  min ours/best vendor     {_ratio(s.min_vs_vendor)}{f' ({s.min_vs_vendor_op})' if s.min_vs_vendor_op else ''}",
         f"  conv ours/torch (min)    {_ratio(s.conv_vs_torch)}",
         f"  GEMM 1024 share of peak  {_pct(s.gemm_peak_share)} (FMA peak measured: {_num(s.peak_gflops, '.0f')} GFLOPS)",
+        f"  lowest share of peak     {_pct(s.min_peak_share)}{f' ({s.min_peak_share_op})' if s.min_peak_share_op else ''}"
+        " (GEMM 1024, conv 3x3 and 1x1 in NHWC)",
         f"  held-out pairwise acc.   {_num(s.mean_heldout_pairwise, '.3f')} (mean over ops, 5-fold in random"
         f" order over distinct programs, pairs within the measurement noise dropped: {s.heldout_pairs_dropped} of"
         f" {s.heldout_pairs_dropped + s.heldout_pairs}; Spearman {_num(s.mean_heldout_spearman, '.2f')};"

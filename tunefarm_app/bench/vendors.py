@@ -339,6 +339,14 @@ def _torch_makers() -> dict[str, Callable[[str, dict[str, int]], Callable | None
             x, w, stride=cv.stride, padding=cv.pad, dilation=cv.dilation, groups=cv.groups
         )
 
+    def conv_nhwc(registry: str, p: dict[str, int]) -> Callable:
+        """NHWC data and OHWI weight, as channels-last views (oneDNN's own layout for them);
+        the output, channels-last, viewed back as NHWC. Winograd's op is a 3x3 conv."""
+        cv = _ConvShape.of(registry, {"KH": 3, "KW": 3, **p})
+        return lambda x, w: F.conv2d(
+            x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), stride=cv.stride, padding=cv.pad, dilation=cv.dilation
+        ).permute(0, 2, 3, 1)
+
     def softmax(registry: str, p: dict[str, int]) -> Callable:
         return lambda x: torch.softmax(x, dim=-1)
 
@@ -351,6 +359,8 @@ def _torch_makers() -> dict[str, Callable[[str, dict[str, int]], Callable | None
         "batch_matmul": bmm,
         "conv2d": conv,
         "conv2d_1x1": conv,
+        "conv2d_nhwc": conv_nhwc,
+        "conv2d_winograd": conv_nhwc,
         "depthwise_conv2d": conv,
         "softmax": softmax,
         "layer_norm": layer_norm,
