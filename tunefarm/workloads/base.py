@@ -200,8 +200,11 @@ def _with_unique_buffer_names(func):
 
     seen: dict = {}  # buffer -> its name (buffers hash by identity)
 
-    def note(buffer) -> None:
-        seen.setdefault(buffer, str(buffer.name))
+    def note(var) -> None:
+        # In TVM 0.27 a buffer is a Var of BufferType: loop variables (PrimType), whose
+        # names repeat in every nest, are not buffers and need no renaming.
+        if isinstance(getattr(var, "ty", None), tvm.tirx.BufferType):
+            seen.setdefault(var, str(var.name))
 
     tvm_ffi.structural_walk(func, (tvm.tirx.Buffer, note))
     names = list(seen.values())
