@@ -13,7 +13,8 @@ stays, as the supervisor (`supervisor` in farm.json: its pid and log):
   and the tail of its log, and started again after a delay (`RestartPolicy`): 1 s,
   doubling with each further death up to 60 s; one that had run for a minute starts
   again after 1 s;
-- one that died 5 times within a minute is given up: a line in farm.log, `given_up` in
+- one that died 5 times in a row within 10 s of starting (a crash loop) is given up,
+  however long the delays between its starts had grown: a line in farm.log, `given_up` in
   farm.json, and `tunefarm farm status` says so (`farm down` then `farm up` start it
   again);
 - `farm down` stops the supervisor first (SIGTERM: it exits and leaves the processes to
@@ -35,7 +36,7 @@ import textwrap
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -62,8 +63,8 @@ class RestartPolicy:
     first_delay: float = 1.0  # after a death that follows a good run
     max_delay: float = 60.0  # the delay doubles with each death in a row, up to this
     good_run_secs: float = 60.0  # a process that ran this long before dying had a good run
-    give_up_deaths: int = 5  # this many deaths...
-    give_up_window_secs: float = 60.0  # ...within this long: given up
+    give_up_deaths: int = 5  # this many quick deaths in a row: given up
+    quick_death_secs: float = 10.0  # a death this soon after its start is a quick one
 
 
 @dataclass
@@ -73,18 +74,19 @@ class ProcessLife:
     policy: RestartPolicy
     started_at: float  # monotonic
     restarts: int = 0
-    deaths_in_a_row: int = 0
-    recent_deaths: list[float] = field(default_factory=list)  # monotonic, within the window
+    deaths_in_a_row: int = 0  # since its last good run: how far the delay has doubled
+    quick_deaths: int = 0  # in a row, each within `quick_death_secs` of its start
     start_at: float | None = None  # when it starts again (None: it runs, or was given up)
     given_up: bool = False
 
     def died(self, now: float) -> float | None:
         """Note a death at `now`: the delay before it starts again, None when given up."""
         p = self.policy
-        if now - self.started_at >= p.good_run_secs:
+        ran = now - self.started_at
+        if ran >= p.good_run_secs:
             self.deaths_in_a_row = 0
-        self.recent_deaths = [t for t in self.recent_deaths if now - t < p.give_up_window_secs] + [now]
-        if len(self.recent_deaths) >= p.give_up_deaths:
+        self.quick_deaths = self.quick_deaths + 1 if ran < p.quick_death_secs else 0
+        if self.quick_deaths >= p.give_up_deaths:
             self.given_up = True
             return None
         delay = min(p.max_delay, p.first_delay * 2**self.deaths_in_a_row)
@@ -135,7 +137,8 @@ class Supervisor:
         tail = textwrap.indent(local_processes.log_tail(path, TAIL_LINES), "    | ")
         notes = {"restarts": life.restarts, "last_exit": how}
         if delay is None:
-            reason = f"died {len(life.recent_deaths)} times within {self.policy.give_up_window_secs:.0f} s (last: {how})"
+            reason = (f"died {life.quick_deaths} times in a row within {self.policy.quick_death_secs:.0f} s of starting "
+                      f"(last: {how})")  # fmt: skip
             log.error("%s %s after %.0f s; it %s: GIVEN UP, not started again (farm down, then farm up, starts it); "
                       "the end of %s:\n%s", name, how, ran, reason, path, tail)  # fmt: skip
             notes |= {"running": False, "given_up": reason}
