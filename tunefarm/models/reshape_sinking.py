@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from tunefarm.models.slices import rewrite_relax_functions, with_builder
+
 ELEMENTWISE_PATTERNS = (0, 1)
 """TVM's TIR op patterns of position-wise operators: kElemWise, kBroadcast."""
 
@@ -101,14 +103,7 @@ def sink_reshapes():
 
     @tvm.transform.module_pass(opt_level=0, name="SinkReshapes")
     def sink(mod, _ctx):
-        out = mod
-        for gv, f in list(mod.functions.items()):
-            if isinstance(f, relax.Function):
-                m = _Sink(out)
-                new = m.visit_expr(f)
-                out = m.builder_.get()
-                out = tvm.IRModule({g: (new if g.same_as(gv) else fn) for g, fn in out.functions.items()},
-                                   attrs=mod.attrs, global_infos=mod.global_infos)  # fmt: skip
+        out = rewrite_relax_functions(mod, lambda f, m: with_builder(_Sink, f, m))
         return relax.transform.DeadCodeElimination()(out)
 
     return sink

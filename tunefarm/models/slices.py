@@ -132,7 +132,7 @@ def mark_slice_ops():
 
     @tvm.transform.module_pass(opt_level=0, name="MarkSliceOps")
     def mark(mod, _ctx):
-        return _rewrite_relax_functions(mod, lambda f, m: _with_builder(_Mark, f, m))
+        return rewrite_relax_functions(mod, lambda f, m: with_builder(_Mark, f, m))
 
     return mark
 
@@ -443,14 +443,14 @@ def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
-def _with_builder(mutator_cls, func, mod):
+def with_builder(mutator_cls, func, mod):
     """Run a PyExprMutator over `func` with a builder on `mod` (new PrimFuncs go there)."""
     m = mutator_cls(mod)
     new = m.visit_expr(func)
     return new, m.builder_.get()
 
 
-def _rewrite_relax_functions(mod, rewrite):
+def rewrite_relax_functions(mod, rewrite):
     import tvm
     from tvm import relax
 
