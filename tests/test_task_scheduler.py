@@ -264,6 +264,57 @@ def test_objective_counts_measured_tasks_and_lists_unknown_ones():
         Objective(tasks, targets={"nope": 1.0})
 
 
+def test_a_group_of_alternatives_counts_once_at_its_fastest():
+    # "conv" computed directly (0) or by Winograd (1), and a task of its own (2)
+    tasks = [
+        TaskInfo("conv", 1.0, {"m": 2}, group="conv"),
+        TaskInfo("conv+winograd", 1.0, {"m": 2}, group="conv"),
+        TaskInfo("add", 1.0, {"m": 1}),
+    ]
+    objective = Objective(tasks)
+    assert objective.estimate([3.0, 2.0, 1.0]).per_model == {"m": 2 * 2.0 + 1.0}
+    assert objective.estimate([3.0, math.inf, 1.0]).per_model == {"m": 2 * 3.0 + 1.0}
+    # one member measured: the group is known
+    assert objective.estimate([math.inf, 2.0, 1.0]).unknown_tasks == ()
+    assert objective.estimate([math.inf, math.inf, 1.0]).unknown_tasks == (0, 1)
+    with pytest.raises(ValueError, match="equal weights"):
+        Objective([TaskInfo("a", 1.0, {"m": 1}, group="g"), TaskInfo("b", 1.0, {"m": 2}, group="g")])
+
+
+def test_an_alternative_is_worth_a_round_only_where_it_could_beat_its_group():
+    config = TaskSchedulerConfig(alpha=0.2, backward_window=3)
+    kwargs = {"chain": 1.0, "rounds": 2, "flops": 0.0, "best_similar_speed": None, "config": config}
+    alone = task_gradient(history=[4.0, 4.0], **kwargs)  # forward −g/t = −2: Δg = 0.8·−2
+    assert alone == pytest.approx(-1.6)
+    # the fastest of its group: the group gains what the task gains
+    assert task_gradient(history=[4.0, 4.0], best_of_alternatives=5.0, **kwargs) == pytest.approx(-1.6)
+    # 4 −1.6 = 2.4 would beat an alternative at 3 by 0.6
+    assert task_gradient(history=[4.0, 4.0], best_of_alternatives=3.0, **kwargs) == pytest.approx(-0.6)
+    # an alternative at 1 is out of its reach: no gain
+    assert task_gradient(history=[4.0, 4.0], best_of_alternatives=1.0, **kwargs) == 0.0
+
+
+def test_the_slower_alternative_stops_getting_rounds():
+    # Winograd (1) reaches a quarter of the direct convolution's (0) floor: once that shows, the
+    # direct one is out of reach and its rounds stop, while a task of its own (2) keeps its share.
+    sims = [
+        SimTask(weight=1, start=4 * MS, floor=3 * MS, tau=2),
+        SimTask(weight=1, start=2 * MS, floor=0.75 * MS, tau=6),
+        SimTask(weight=1, start=2 * MS, floor=0.5 * MS, tau=6),
+    ]
+    tasks = [
+        TaskInfo("conv", 1e9, {"net": 1}, group="conv"),
+        TaskInfo("conv+winograd", 1e9, {"net": 1}, group="conv"),
+        TaskInfo("other", 1e9, {"net": 1}),
+    ]
+    sched = GradientScheduler(tasks, config=TaskSchedulerConfig(eps_greedy=0))
+    run(sched, sims, 30)
+    rounds = [s.rounds for s in sched.states]
+    assert rounds[0] <= 2 and rounds[1] > 5 and rounds[2] > 5, rounds
+    est = sched.estimate()
+    assert est.per_model["net"] == pytest.approx(sched.states[1].best + sched.states[2].best)
+
+
 def test_similarity_tag_and_factory():
     assert similarity_tag("conv2d", 1e9) == similarity_tag("conv2d", 1.3e9) != similarity_tag("conv2d", 3e9)
     assert similarity_tag("", 1e9) == ""

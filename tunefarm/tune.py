@@ -46,6 +46,7 @@ from tunefarm.isa import check_runs_on_host
 from tunefarm.measure.builder import LocalBuilder
 from tunefarm.measure.local import LocalMeasurer
 from tunefarm.measure.runner import LocalRunner
+from tunefarm.models.alternatives import ALGORITHMS, Choice, Member, alternatives_of, choices
 from tunefarm.models.finish import (
     RECORDS_NAME,
     REPORT_NAME,
@@ -81,10 +82,12 @@ def default_records_path(workload: Workload) -> Path:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """One workload to tune and how much it weighs in each model (1 for a single op)."""
+    """One workload to tune and how much it weighs in each model (1 for a single op);
+    `group`: the task whose alternative it is, with the task itself (`TaskInfo.group`)."""
 
     workload: Workload
     weights: Mapping[str, int]
+    group: str = ""
 
 
 @dataclass
@@ -155,7 +158,7 @@ def tune_tasks(
                 tasks, [s.weights for s in specs], measurer, config, model,
                 records=all_records,  # this run's tasks and the others of the records file
                 callbacks=[StoreRecords(store), timeline, *callbacks],
-                targets=latency_targets, learnt_programs=learnt, log=log,
+                targets=latency_targets, learnt_programs=learnt, groups=[s.group for s in specs], log=log,
             )  # fmt: skip
             if session.resumed:
                 log(f"resuming: {session.resumed} measurements of these tasks are in {records}")
@@ -226,13 +229,16 @@ def tune_models(
     cost_model: Path | None = None,
     search: SearchConfig | None = None,
     conv_layout: str = "nhwc",
+    algorithms: Sequence[str] = ALGORITHMS,
     log: Callable[[str], None] = _stderr,
 ) -> ModelTuneResult:
     """Tune one or several models together and write the tuned models to `out`.
     `cost_model`: a cost model file to start from (if it is there and fits the target)
     and to save the run's model to; None: a fresh model, not kept. `search`: the
     evolutionary search's parameters (default `SearchConfig()`). `conv_layout`: the
-    layout convolutions compute in, a key of `CONV_LAYOUT_CHOICES` ("nhwc" or "model")."""
+    layout convolutions compute in, a key of `CONV_LAYOUT_CHOICES` ("nhwc" or "model").
+    `algorithms`: the other algorithms a task may be computed by, each tuned as an
+    alternative beside it (`tunefarm.models.alternatives`; () for none)."""
     _check_tune_arguments(trials, out, conv_layout)
     out = Path(out)
     target = target or host_target_dict()
@@ -244,25 +250,57 @@ def tune_models(
         f"{len(shared)} tasks in {len(models)} model{'s' if len(models) > 1 else ''}: "
         + ", ".join(f"{m.name} ({len(m.tasks.tasks)} tasks)" for m in models)
     )
+    specs, groups = _task_specs(shared, () if is_gpu(target) else algorithms)
+    if len(specs) > len(shared):
+        log(f"{len(groups)} tasks can also be computed by Winograd: {len(specs) - len(shared)} alternatives tuned beside them")
     out.mkdir(parents=True, exist_ok=True)
-    config = TuneConfig(trials=trials, batch_size=batch_size_for(trials, len(shared)), seed=seed,
+    config = TuneConfig(trials=trials, batch_size=batch_size_for(trials, len(specs)), seed=seed,
                         strategy=strategy, search=search or SearchConfig())  # fmt: skip
     result = tune_tasks(
-        [TaskSpec(t.workload, dict(t.weights)) for t in shared], target, config, records=out / RECORDS_NAME,
+        specs, target, config, records=out / RECORDS_NAME,
         work_dir=work_dir, cost_model_path=cost_model, callbacks=callbacks,
         latency_targets=latency_targets or None, log=log,
     )  # fmt: skip
-    schedules = {t.workload.key: o.best.trace for t, o in zip(result.tasks, result.outcomes) if o.best is not None}
+    chosen = _choose_members(shared, groups, result)
+    schedules = {c.schedule_key: c.chosen.best.trace for c in chosen.values() if c.chosen is not None}
     outcomes = [
         finish_model(m, out if len(models) == 1 else out / m.name, target, schedules,
                      compare_default=compare_default, log=log)  # fmt: skip
         for m in models
     ]
-    by_key = {t.workload.key: o for t, o in zip(result.tasks, result.outcomes)}
-    report = model_report(models, outcomes, by_key, result.summary, target, trials, time.perf_counter() - t_start)
+    by_workload = {t.workload.key: o for t, o in zip(result.tasks, result.outcomes)}
+    by_key = {k: by_workload[c.chosen.key if c.chosen else k] for k, c in chosen.items()}
+    report = model_report(models, outcomes, by_key, result.summary, target, trials, time.perf_counter() - t_start,
+                          choices=chosen)  # fmt: skip
     report["conv_layout"] = conv_layout
+    report["algorithms"] = list(algorithms)
     (out / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
     return ModelTuneResult(out, outcomes, result, report)
+
+
+def _task_specs(shared: Sequence[Any], algorithms: Sequence[str]) -> tuple[list[TaskSpec], dict[str, list[str]]]:
+    """The tasks to tune: every shared task, each followed by its alternatives in its group;
+    and per task with alternatives the workload keys of its group (the task first)."""
+    specs: list[TaskSpec] = []
+    groups: dict[str, list[str]] = {}
+    for t in shared:
+        alts = alternatives_of(t.workload, algorithms)
+        group = t.key if alts else ""
+        specs.append(TaskSpec(t.workload, dict(t.weights), group))
+        specs += [TaskSpec(a, dict(t.weights), group) for a in alts]
+        if alts:
+            groups[t.key] = [t.key, *(a.key for a in alts)]
+    return specs, groups
+
+
+def _choose_members(shared: Sequence[Any], groups: Mapping[str, Sequence[str]], result: TuneResult) -> dict[str, Choice]:
+    """Per shared task (by key) which program the models take: the task's own, or one of
+    its alternatives where that measured faster."""
+    members = {
+        t.workload.key: Member(t.workload.name, t.workload.key, o.best, o.trials)
+        for t, o in zip(result.tasks, result.outcomes)
+    }
+    return choices({t.key: groups.get(t.key, [t.key]) for t in shared}, members)
 
 
 def _check_tune_arguments(trials: int, out: str | Path, conv_layout: str) -> None:

@@ -28,7 +28,7 @@ with more than one, has no alternative.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tunefarm.winograd import KERNEL, TILE_SIZES, winograd_conv2d_nhwc
@@ -55,7 +55,8 @@ def winograd_alternatives(
 ) -> tuple[Workload, ...]:
     """The task computed by Winograd F(m, 3), one workload per tile size m, when its
     PrimFunc holds exactly one Winograd site; () otherwise. Each has the task's parameters,
-    constants and FLOPs (the direct convolution's work, so that throughputs compare)."""
+    constants and FLOPs (the direct convolution's work, so that throughputs compare), and
+    the task's program as its `reference_mod`."""
     func = workload.mod["main"]
     sites = find_sites(func, constant_params(workload))
     if len(sites) != 1:
@@ -73,7 +74,8 @@ def winograd_alternatives(
             flops=workload.flops,
             memory_bound=workload.memory_bound,
         ).with_constants(workload.constants)
-        out.append(alt)
+        # its kernels are checked against the task's own (direct) program
+        out.append(replace(alt, reference_mod=workload.reference_mod or workload.mod))
     return tuple(out)
 
 

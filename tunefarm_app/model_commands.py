@@ -41,6 +41,10 @@ def add_commands(sub) -> None:
         help="stop giving a model's tasks time once its estimated latency is at most MS milliseconds",
     )
     u.add_argument("--compare-default", action="store_true", help="also time TVM's untuned default build")
+    u.add_argument(
+        "--no-winograd", action="store_true",
+        help="tune 3x3 stride-1 convolutions only as they are, not also by Winograd F(m x m, 3 x 3)",
+    )
     u.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
     u.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live view")
     add_cost_model_args(u)
@@ -182,6 +186,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from tunefarm.models.alternatives import ALGORITHMS
     from tunefarm.models.build import library_name
     from tunefarm.models.finish import model_name
     from tunefarm.target import parse_target
@@ -212,6 +217,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         cost_model=cost_model_file(args, target),
         conv_layout=args.conv_layout,
+        algorithms=() if args.no_winograd else ALGORITHMS,
     )
     report = result.report
     failed = False

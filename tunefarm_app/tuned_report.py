@@ -85,10 +85,22 @@ def task_lines(model: Mapping[str, Any]) -> list[TaskLine]:
                 tuned=tuned,
                 errors=sum(errors.values()),
                 errors_text=", ".join(f"{k} {v}" for k, v in sorted(errors.items())),
-                note=t["dead_reason"] or ("" if tuned else t["schedule"]),
+                note="; ".join(n for n in (t["dead_reason"] or ("" if tuned else t["schedule"]),
+                                           algorithm_note(t)) if n),
             )
         )
     return out
+
+
+def algorithm_note(task: Mapping[str, Any]) -> str:
+    """For a task with alternatives (a convolution Winograd can compute): the algorithm its
+    model computes it by, and the others' best times, e.g. "winograd4 (direct 0.21 ms,
+    winograd2 0.15 ms)"; "" for a task without."""
+    alternatives = task.get("alternatives") or []
+    if not alternatives:
+        return ""
+    others = ", ".join(f"{a['algorithm']} {format_cost(a['best_seconds'])}" for a in alternatives if not a["chosen"])
+    return f"{task.get('algorithm', 'direct')} ({others})"
 
 
 def breakdown_lines(model: Mapping[str, Any], top: int = 12) -> list[str]:

@@ -7,8 +7,9 @@ a kernel is timed) and hands each measurement's `MeasureRecord` over as soon as 
 
 `prepare` readies a task for measurement: it writes the workload's IRModule JSON (the
 builder's input, by path) and the task data (inputs, and expected outputs from the
-workload's numpy reference or, lacking one, from the unscheduled program run once within
-`reference_timeout` seconds). When no reference can be had in time, `MeasureTask.verify`
+workload's numpy reference or, lacking one, from the unscheduled program (of the workload's
+`reference_mod` where it has one: a Winograd alternative is checked against the direct
+convolution) run once within `reference_timeout` seconds). When no reference can be had in time, `MeasureTask.verify`
 is False and the search checks kernels against each other instead (`tunefarm.digest`).
 """
 
@@ -81,7 +82,13 @@ class LocalMeasurer(Measurer):
             verify = True
         else:
             write_task_data(data_path, workload, seed=0, with_expected=False)
-            verify = self._reference_from_unscheduled(workload, str(wl_path), str(data_path), target, safe)
+            ref_path = wl_path
+            if workload.reference_mod is not None:  # another algorithm's program is the reference
+                import tvm
+
+                ref_path = self.work_dir / "workloads" / f"reference_{safe}.json"
+                write_text_once(ref_path, tvm.ir.save_json(workload.reference_mod))
+            verify = self._reference_from_unscheduled(workload, str(ref_path), str(data_path), target, safe)
         return MeasureTask(
             key=task_key,
             workload=str(wl_path),

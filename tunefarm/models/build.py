@@ -97,7 +97,9 @@ def apply_schedules(fused_mod, schedules: Mapping[str, TraceJSON | None], *, tas
     """A copy of `fused_mod` with each task's PrimFuncs replaced by the scheduled ones.
 
     `schedules` maps a task's workload key to its trace (`Trace.as_json()` as plain JSON
-    data), or None for the default, unscheduled function. Keys of tasks this module does
+    data), or None for the default, unscheduled function; or an alternative's key (a
+    Winograd program of the task, `tunefarm.models.alternatives`) to its trace, which then
+    replaces the task's function. Keys of tasks this module does
     not have are ignored (a run over several models shares one map). `tasks` is the
     `ModelTasks` of `fused_mod` when the caller has it (otherwise it is recomputed).
     Raises `ModelError` naming the task whose trace does not replay.
@@ -105,17 +107,22 @@ def apply_schedules(fused_mod, schedules: Mapping[str, TraceJSON | None], *, tas
     import tvm
     from tvm.s_tir import Schedule, Trace
 
+    from tunefarm.models.alternatives import member_workload, schedule_key
     from tunefarm.models.tasks import extract_tasks
 
     if tasks is None:
         tasks = extract_tasks(fused_mod, fused=True)
     replaced: dict[str, Any] = {}
     for task in tasks.tasks:
-        trace = schedules.get(task.key)
-        if trace is None:
+        key = schedule_key(task, schedules)
+        if key is None:
             continue
+        workload = member_workload(task, key)  # the task's own program or an alternative's
+        if workload is None:
+            raise ModelError(f"the schedule of task {task.name} is for {key.partition('#')[0]}, which this version does not make")
+        trace = schedules[key]
         try:
-            sch = Schedule(task.workload.mod)
+            sch = Schedule(workload.mod)
             Trace.apply_json_to_schedule(trace, sch)
         except Exception as exc:
             text = summarize_error(f"{type(exc).__name__}: {exc}")
@@ -252,11 +259,12 @@ def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: st
         cuda.use_nvcc(target_dict)  # the binary tvm.compile embeds where TVM's CUDA runtime is present
     mod, keys = fused, []
     if schedules:
+        from tunefarm.models.alternatives import schedule_key
         from tunefarm.models.tasks import extract_tasks
 
         tasks = extract_tasks(fused, fused=True)
         mod = apply_schedules(fused, schedules, tasks=tasks)
-        keys = [t.key for t in tasks.tasks if t.key in schedules]
+        keys = [k for k in (schedule_key(t, schedules) for t in tasks.tasks) if k is not None]
         # Weights the schedules store in a rewritten layout: the transforms are split off
         # and folded into the constants now, never run per inference.
         mod = _fold_layouts(mod)

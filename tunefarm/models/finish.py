@@ -47,6 +47,7 @@ from tunefarm.errors import ModelError
 from tunefarm.gpu import is_gpu
 from tunefarm.isolation import IsolatedWorker
 from tunefarm.models import check
+from tunefarm.models.alternatives import DIRECT, Choice, schedule_key
 from tunefarm.models.build import build_default_library, build_model_library, library_name
 from tunefarm.models.importer import ImportedModel, import_model
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, available_peers
@@ -227,8 +228,9 @@ def finish_model(
     TVM's default build) into `directory`, run it, check its output against the
     reference and time it. A mismatch is an error: the library is removed and the
     outcome says why."""
-    mine = {t.key: schedules.get(t.key) for t in m.tasks.tasks}
-    missing = [t.name for t in m.tasks.tasks if mine[t.key] is None]
+    keys = {t.key: schedule_key(t, schedules) for t in m.tasks.tasks}  # its own, or an alternative's
+    mine = {k: schedules[k] for k in keys.values() if k is not None}
+    missing = [t.name for t in m.tasks.tasks if keys[t.key] is None]
     if missing:
         log(f"{m.name}: {len(missing)} task(s) without a valid measurement keep TVM's default build")
     log(f"{m.name}: building the tuned model")
@@ -298,12 +300,12 @@ def _failed_check(
     kept = directory / failed_library_name(target)
     (directory / library_name(target)).replace(kept)
     log(f"{m.name}: the tuned model fails its check ({result.problem()}); looking for the task to suspect")
-    by_name = {t.name: t for t in m.tasks.tasks}
-    tuned = [t.name for t in m.tasks.tasks if schedules.get(t.key)]
+    keys = {t.name: schedule_key(t, schedules) for t in m.tasks.tasks}
+    tuned = [t.name for t in m.tasks.tasks if keys[t.name]]
 
     def fails(subset: Sequence[str], builder: IsolatedWorker, runner: IsolatedWorker) -> bool:
         with tempfile.TemporaryDirectory(prefix="tunefarm-suspect-") as tmp:
-            picked = {by_name[n].key: schedules[by_name[n].key] for n in subset}
+            picked = {keys[n]: schedules[keys[n]] for n in subset}
             build_model_library(
                 m.tasks.fused_mod, tmp, target=target, inputs=m.imported.inputs, outputs=m.imported.outputs,
                 schedules=picked, name=f"{m.name} ({len(picked)} tuned tasks)", worker=builder,
@@ -414,9 +416,12 @@ def model_report(
     target: dict[str, Any],
     trials_budget: int,
     wall_secs: float,
+    *,
+    choices: Mapping[str, Choice] | None = None,
 ) -> dict:
     """`report.json`: per model its check, latency and task rows; the run's accounting.
-    `tasks` maps a workload key to its outcome."""
+    `tasks` maps a workload key to its outcome (that of the program the model took);
+    `choices`, per task with alternatives, which program that was and what each reached."""
     new = summary.trials - summary.resumed
     tuning = summary.tuning_secs
     return {
@@ -433,7 +438,7 @@ def model_report(
         "measure_seconds": round(summary.measure_secs, 3),
         "seconds_per_trial": round(tuning / max(1, new), 4),
         "search_share": round(summary.search_secs / tuning, 4) if tuning else None,
-        "models": [_model_entry(m, o, tasks, summary) for m, o in zip(models, outcomes)],
+        "models": [_model_entry(m, o, tasks, summary, choices or {}) for m, o in zip(models, outcomes)],
         "task_scheduler": {
             "strategy": summary.strategy,
             "rounds": [{**d, "task_name": summary.task_names[d["task"]]} for d in summary.decisions],
@@ -442,9 +447,12 @@ def model_report(
     }
 
 
-def _model_entry(m: LoadedModel, o: ModelOutcome, tasks: Mapping[str, TaskOutcome], summary: TuningSummary) -> dict:
+def _model_entry(
+    m: LoadedModel, o: ModelOutcome, tasks: Mapping[str, TaskOutcome], summary: TuningSummary,
+    choices: Mapping[str, Choice],
+) -> dict:
     """One model of the report: where it went, its latencies and check, its task rows."""
-    rows = [_task_row(t, tasks[t.key], o) for t in m.tasks.tasks]
+    rows = [_task_row(t, tasks[t.key], o, choices.get(t.key)) for t in m.tasks.tasks]
     estimate = sum(r["weighted_seconds"] for r in rows if r["weighted_seconds"] is not None)
     complete = [p for p in summary.timeline if not p["unknown_tasks"] and m.name in p["estimated_seconds"]]
     at_start = complete[0]["estimated_seconds"][m.name] if complete else None
@@ -470,8 +478,9 @@ def _model_entry(m: LoadedModel, o: ModelOutcome, tasks: Mapping[str, TaskOutcom
     }
 
 
-def _task_row(t: Any, tr: TaskOutcome, o: ModelOutcome) -> dict:
-    """One task of a model in the report: its best, how it was found, its share in the model."""
+def _task_row(t: Any, tr: TaskOutcome, o: ModelOutcome, choice: Choice | None = None) -> dict:
+    """One task of a model in the report: its best, how it was found, its share in the
+    model, and the algorithm the model computes it by (with what the others reached)."""
     best = tr.best
     return {
         "name": t.name,
@@ -480,7 +489,7 @@ def _task_row(t: Any, tr: TaskOutcome, o: ModelOutcome) -> dict:
         "weight": t.weight,
         "flops": t.flops,
         "const_inputs": list(t.const_inputs),
-        "trials": tr.trials,
+        "trials": sum(m.trials for m in choice.members) if choice else tr.trials,  # its alternatives' too
         "best_seconds": best.cost if best else None,
         "weighted_seconds": best.cost * t.weight if best else None,
         "gflops": t.flops / best.cost / 1e9 if best and best.cost > 0 else None,
@@ -491,6 +500,8 @@ def _task_row(t: Any, tr: TaskOutcome, o: ModelOutcome) -> dict:
         "dead_reason": tr.dead_reason,
         "errors": dict(tr.errors),
         "in_model": (o.breakdown or {}).get("tasks", {}).get(t.key),
+        "algorithm": choice.algorithm if choice else DIRECT,
+        "alternatives": choice.as_report() if choice and len(choice.members) > 1 else [],
     }
 
 

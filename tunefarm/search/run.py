@@ -57,14 +57,15 @@ class TuningSummary:
     timeline: Sequence[Mapping[str, Any]] = ()
 
 
-def task_info(task: SearchTask, weights: Mapping[str, int]) -> TaskInfo:
-    """What the task scheduler knows of a task: its FLOPs, its weight in each model, and
-    the group of similar tasks it belongs to."""
+def task_info(task: SearchTask, weights: Mapping[str, int], group: str = "") -> TaskInfo:
+    """What the task scheduler knows of a task: its FLOPs, its weight in each model, the
+    group of similar tasks it belongs to, and the group of alternatives (`TaskInfo.group`)."""
     return TaskInfo(
         key=task.key,
         flops=task.workload.flops,
         weights=dict(weights),
         similarity_tag=similarity_tag(structure_kind(task.dag), task.workload.flops),
+        group=group,
     )
 
 
@@ -102,9 +103,11 @@ def build_session(
     callbacks: Sequence[SessionCallback] = (),
     targets: Mapping[str, float] | None = None,
     learnt_programs: list[str] | None = None,
+    groups: Sequence[str] | None = None,
     log: Callable[[str], None],
 ) -> TuningSession:
-    """A session over `tasks` (each weighing `weights[i]` per model) measured by
+    """A session over `tasks` (each weighing `weights[i]` per model; `groups[i]`, when
+    given, names the alternatives of one computation it belongs to) measured by
     `measurer`, resumed from `records` (this run's earlier measurements; any other task's
     seed the similar ones), its searches also seeded with `seeds` (another class's best
     programs of these workloads)."""
@@ -119,7 +122,7 @@ def build_session(
     ]
     session = TuningSession(
         tuners,
-        [task_info(t, w) for t, w in zip(tasks, weights)],
+        [task_info(t, w, g) for t, w, g in zip(tasks, weights, groups or [""] * len(tasks))],
         measure_tasks,
         measurer,
         config,

@@ -25,7 +25,12 @@ class Workload:
 
     `constants` are the positions of inputs that hold the same values in every call (a
     model's weights): a schedule may store them in another layout, transformed once when
-    the model is built (see `tunefarm.layout`). They are part of the workload's identity."""
+    the model is built (see `tunefarm.layout`). They are part of the workload's identity.
+
+    `reference_mod`: another IRModule whose "main" computes the same outputs from the same
+    parameters by the plain algorithm (a Winograd alternative's direct convolution); its
+    unscheduled program gives the reference outputs every kernel is checked against, so
+    that the algorithm's own rounding is judged too. None: `mod`'s own."""
 
     name: str
     mod: object  # tvm.IRModule (kept untyped so importing this module does not import tvm)
@@ -35,6 +40,7 @@ class Workload:
     reference: Reference | None = None
     memory_bound: bool = False
     constants: tuple[int, ...] = ()
+    reference_mod: object | None = None
 
     @cached_property
     def structural_hash(self) -> int:

@@ -49,6 +49,10 @@ class TaskInfo:
     weights: Mapping[str, int]
     # Tasks with equal non-empty tags are similar (N(i) in the paper); see `similarity_tag`.
     similarity_tag: str = ""
+    # Tasks with equal non-empty groups are alternative ways to compute one thing (a
+    # convolution direct or by Winograd): a model pays for the fastest of them only, so
+    # they carry equal weights and the objective counts their minimum.
+    group: str = ""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.flops) and self.flops >= 0):
@@ -59,7 +63,7 @@ class TaskInfo:
         object.__setattr__(self, "weights", dict(self.weights))
 
     def __hash__(self) -> int:
-        return hash((self.key, self.flops, tuple(sorted(self.weights.items())), self.similarity_tag))
+        return hash((self.key, self.flops, tuple(sorted(self.weights.items())), self.similarity_tag, self.group))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +137,9 @@ class Objective:
     to gain, so ∂f/∂g_i only sums the weights of the models still above theirs. A task shared with
     a model above its target keeps getting time.
 
+    Tasks of one `TaskInfo.group` count once, as the fastest of them: g_i there is the group's
+    minimum (`group_best`), and the group is unknown only while none of them has a latency.
+
     Tasks without a valid latency are left out of the sums (`LatencyEstimate.unknown_tasks`); a
     model with such a task is never at target, since its latency is not known (a task that died
     without a valid program keeps its model above target: its other tasks keep getting time).
@@ -140,6 +147,15 @@ class Objective:
 
     def __init__(self, tasks: Sequence[TaskInfo], targets: Mapping[str, float] | None = None) -> None:
         self.tasks = tuple(tasks)
+        # task -> the tasks of its group (itself alone when it has none)
+        members: dict[str, list[int]] = {}
+        for i, t in enumerate(self.tasks):
+            if t.group:
+                members.setdefault(t.group, []).append(i)
+        self.groups = tuple(tuple(members[t.group]) if t.group else (i,) for i, t in enumerate(self.tasks))
+        for group in members.values():
+            if any(self.tasks[i].weights != self.tasks[group[0]].weights for i in group):
+                raise ValueError(f"the tasks of group {self.tasks[group[0]].group!r} must have equal weights")
         self.models = tuple(sorted({m for t in self.tasks for m in t.weights}))
         self.targets = MappingProxyType(dict(targets or {}))
         for model, target in self.targets.items():
@@ -147,6 +163,10 @@ class Objective:
                 raise ValueError(f"target for unknown model {model!r} (models: {list(self.models)})")
             if not (target >= 0 and math.isfinite(target)):
                 raise ValueError(f"target of {model!r} must be finite and >= 0, got {target}")
+
+    def group_best(self, best: Sequence[float], task: int) -> float:
+        """The best latency of ``task``'s group: the minimum over its members (math.inf if none)."""
+        return min(best[k] for k in self.groups[task])
 
     def estimate(self, best: Sequence[float]) -> LatencyEstimate:
         """Estimate from ``best[i]``, the best latency of task i in seconds (math.inf if none)."""
@@ -157,13 +177,16 @@ class Objective:
             used_by = [m for m, w in task.weights.items() if w > 0]
             if not used_by:
                 continue
-            if not math.isfinite(best[i]):
+            latency = self.group_best(best, i)
+            if not math.isfinite(latency):
                 unknown.append(i)
                 for m in used_by:
                     complete[m] = False
                 continue
+            if self.groups[i][0] != i:
+                continue  # a group counts once, at its first member
             for m in used_by:
-                per_model[m] += task.weights[m] * best[i]
+                per_model[m] += task.weights[m] * latency
         at_target = frozenset(
             m for m, target in self.targets.items() if complete[m] and per_model[m] <= target
         )
@@ -177,7 +200,8 @@ class Objective:
         )
 
     def chain_gradient(self, best: Sequence[float]) -> list[float]:
-        """∂f/∂g_i for every task: Σ_m w_{m,i} over the models not yet at their target.
+        """∂f/∂g_i for every task: Σ_m w_{m,i} over the models not yet at their target (for a
+        task of a group, ∂f/∂ of the group's latency: what lowers it is the scheduler's question).
 
         0 for a task all of whose models are at target (or that no model uses): it gets no
         more time.

@@ -17,7 +17,10 @@ Differences from TVM's implementation, on purpose:
 - tasks without a valid latency are never given a gradient: they are in warm-up, or dead after
   `TaskSchedulerConfig.rounds_without_valid` rounds (the bug TVM fixed in PR #16739);
 - rounds in flight count as time already spent in the forward term (t_i), so that concurrent
-  rounds spread over tasks instead of all going to the one whose estimate has not moved yet.
+  rounds spread over tasks instead of all going to the one whose estimate has not moved yet;
+- alternatives of one computation (`TaskInfo.group`: a convolution direct or by Winograd) cost
+  the model their minimum only, so a round is worth the predicted change of that minimum: a task
+  counts only once its predicted latency could beat the best of its alternatives.
 
 Map: `backward_slope` and `forward_gain` are the two halves of the bracket, `task_gradient`
 puts the formula together, `GradientScheduler._choose` applies warm-up, epsilon and argmax.
@@ -75,18 +78,26 @@ def task_gradient(
     flops: float,
     best_similar_speed: float | None,
     config: TaskSchedulerConfig,
+    best_of_alternatives: float = math.inf,
 ) -> float:
     """∂f/∂t_i of a task with a valid latency (``history[-1]`` finite); ≤ 0, never NaN.
 
     ``chain`` is ∂f/∂g_i from the objective, ``rounds`` the time t_i spent on the task (rounds
-    ingested plus rounds in flight).
+    ingested plus rounds in flight). ``best_of_alternatives``: the best latency of the other
+    tasks of its group (`TaskInfo.group`); the model pays min(g_i, that), so a round of the task
+    is worth what it is predicted to take off that minimum: nothing until g_i could fall below it.
     """
     backward = backward_slope(history, config.backward_window)
     forward = forward_gain(
         history[-1], rounds, flops=flops, best_similar_speed=best_similar_speed, beta=config.beta
     )
-    # chain rule: ∂f/∂g_i · (α·backward + (1−α)·forward)
-    return chain * (config.alpha * backward + (1 - config.alpha) * forward)
+    # the predicted change of g_i in the next round: α·backward + (1−α)·forward
+    change = config.alpha * backward + (1 - config.alpha) * forward
+    now = history[-1]
+    if math.isfinite(best_of_alternatives):
+        change = min(now + change, best_of_alternatives) - min(now, best_of_alternatives)
+    # chain rule: ∂f/∂g_i · Δg_i
+    return chain * change
 
 
 class GradientScheduler(TaskScheduler):
@@ -140,7 +151,8 @@ class GradientScheduler(TaskScheduler):
     def gradients(self, tasks: Sequence[int]) -> dict[int, float]:
         """∂f/∂t_i of each of ``tasks``, which must all have a valid latency."""
         books, infos = self._books, self.tasks
-        chain = self.objective.chain_gradient(self._best())
+        best = self._best()
+        chain = self.objective.chain_gradient(best)
         # V_k = C_k / g_k per similarity tag, over the tasks with a valid latency (dead or not)
         speeds: dict[str, list[tuple[int, float]]] = {}
         for k, (info, book) in enumerate(zip(infos, books)):
@@ -157,5 +169,6 @@ class GradientScheduler(TaskScheduler):
                 flops=infos[i].flops,
                 best_similar_speed=max(v for _, v in group) if has_other else None,
                 config=self.config,
+                best_of_alternatives=min((best[k] for k in self.objective.groups[i] if k != i), default=math.inf),
             )
         return result

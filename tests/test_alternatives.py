@@ -1,0 +1,140 @@
+"""Alternatives of a model's tasks (`tunefarm.models.alternatives`): the model takes the
+fastest member with a valid measurement; a Winograd schedule, built into the model in place
+of its task, passes the model's check; a model's 3x3 convolutions are tuned beside their
+Winograd alternatives (and not with `--no-winograd`); and an alternative whose output is not
+its task's never gets a valid measurement, so it is never chosen."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tunefarm.models.alternatives import (
+    Choice,
+    Member,
+    algorithm_of,
+    choose,
+    is_alternative_key,
+    schedule_key,
+)
+from tunefarm.records import Candidate, ErrorKind, MeasureRecord
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("torch")
+
+TARGET = {"kind": "llvm", "num-cores": 2}
+
+
+def _member(name: str, cost: float | None, trials: int = 4) -> Member:
+    best = None
+    if cost is not None:
+        best = MeasureRecord(
+            task=f"{name}#0@t", workload=name, target={}, sketch=0, sketch_sig="s",
+            decisions=Candidate.make(0, {}).decisions, trace=[], costs=(cost,), error_kind=ErrorKind.NONE,
+            error_msg="", build_secs=0.0, run_secs=0.0, verified=True, timestamp=0.0,
+        )  # fmt: skip
+    return Member(name, f"{name}#0", best, trials)
+
+
+def test_the_fastest_measured_member_is_chosen():
+    task = "fused_conv2d_add_relu(1x8x8x4,4x3x3x4)"
+    direct, w2, w4 = _member(task, 3e-5), _member(task + "+winograd2", 2e-5), _member(task + "+winograd4", None)
+    choice = choose(direct.key, [direct, w2, w4])
+    assert choice.chosen is w2 and choice.algorithm == "winograd2" and choice.schedule_key == w2.key
+    assert [(r["algorithm"], r["chosen"]) for r in choice.as_report()] == [
+        ("direct", False), ("winograd2", True), ("winograd4", False)
+    ]
+    # the task itself on a tie; nobody measured: no choice, and the default build
+    assert choose(direct.key, [direct, _member(task + "+winograd2", 3e-5)]).chosen is direct
+    nothing = choose(direct.key, [_member(task, None), w4])
+    assert nothing.chosen is None and nothing.schedule_key is None and nothing.algorithm == "direct"
+    assert algorithm_of(task, task + "+winograd4") == "winograd4" and algorithm_of(task, task) == "direct"
+    assert is_alternative_key(task, task + "+winograd4#00ff") and not is_alternative_key(task, task + "#00ff")
+    assert not is_alternative_key(task, task + "x+winograd4#00ff")
+    assert isinstance(choice, Choice)
+
+
+@pytest.fixture(scope="module")
+def conv_bn_relu(tmp_path_factory) -> Path:
+    from tunefarm.models import examples
+
+    return examples.export_example("conv_bn_relu", tmp_path_factory.mktemp("models") / "cbr.onnx")
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_a_model_built_with_a_winograd_schedule_passes_its_check(conv_bn_relu, tmp_path, m):
+    from tunefarm.models.build import build_model_library
+    from tunefarm.models.finish import check_built, load_model
+    from tunefarm.search.space.realize import realize, trace_json
+    from tunefarm.search.task import make_task
+    from tunefarm.winograd_sites import winograd_alternatives
+
+    model = load_model(conv_bn_relu, name="cbr")
+    block = next(t for t in model.tasks.tasks if t.weight == 2)  # the repeated 3x3 block
+    alt = next(a for a in winograd_alternatives(block.workload) if a.name.endswith(f"winograd{m}"))
+    built = make_task(alt, TARGET).space.sample_many(1, random.Random(m))[0]
+    schedules = {alt.key: trace_json(realize(alt.mod, built.program.instructions))}
+    assert schedule_key(block, schedules) == alt.key
+    assert all(schedule_key(t, schedules) is None for t in model.tasks.tasks if t is not block)
+    lib = build_model_library(
+        model.tasks.fused_mod, tmp_path, target=TARGET, inputs=model.imported.inputs,
+        outputs=model.imported.outputs, schedules=schedules, name="cbr",
+    )  # fmt: skip
+    assert lib.scheduled_tasks == (alt.key,)
+    result = check_built(model, tmp_path)
+    assert result.ok, result.problem()
+
+
+@pytest.mark.slow
+def test_a_model_tunes_its_convolutions_beside_their_winograd_alternatives(conv_bn_relu, tmp_path):
+    from tunefarm.tune import tune_models
+
+    result = tune_models([conv_bn_relu], trials=24, out=tmp_path / "tuned", target=TARGET, log=lambda m: None)
+    (model,) = result.report["models"]
+    assert model["check"]["ok"]
+    convs = [t for t in model["tasks"] if t["alternatives"]]
+    assert len(convs) == 2  # the stem and the repeated block; the transposes have none
+    for t in convs:
+        assert [a["algorithm"] for a in t["alternatives"]] == ["direct", "winograd2", "winograd4"]
+        chosen = [a for a in t["alternatives"] if a["chosen"]]
+        assert len(chosen) == 1 and chosen[0]["algorithm"] == t["algorithm"]
+        measured = [a["best_seconds"] for a in t["alternatives"] if a["best_seconds"] is not None]
+        assert chosen[0]["best_seconds"] == min(measured) == t["best_seconds"]
+        assert t["trials"] == sum(a["trials"] for a in t["alternatives"])
+    groups = {i.group for i in result.tune.infos if i.group}
+    assert len(groups) == 2 and len(result.tune.tasks) == 4 + 2 * 2
+    assert result.report["algorithms"] == ["winograd"]
+
+    plain = tune_models([conv_bn_relu], trials=8, out=tmp_path / "plain", target=TARGET, algorithms=(),
+                        log=lambda m: None)  # fmt: skip
+    assert len(plain.tune.tasks) == 4 and not any(t["alternatives"] for t in plain.report["models"][0]["tasks"])
+
+
+def test_an_alternative_whose_output_is_not_its_tasks_is_never_chosen(tmp_path):
+    """A relu posing as an alternative of a copy: checked against the copy's output, none of
+    its kernels is valid, so the model takes the copy."""
+    from dataclasses import replace
+
+    from tvm import te
+
+    from tunefarm.search.config import TuneConfig
+    from tunefarm.tune import TaskSpec, tune_tasks
+    from tunefarm.workloads.base import workload_from_te
+
+    x = te.placeholder((64, 64), name="x")
+    copy = workload_from_te("copy(64x64)", [x, te.compute((64, 64), lambda i, j: x[i, j], name="y")])
+    relu = workload_from_te(
+        "copy(64x64)+winograd2", [x, te.compute((64, 64), lambda i, j: te.max(x[i, j], 0.0), name="y")]
+    )
+    relu = replace(relu, reference_mod=copy.mod)
+    specs = [TaskSpec(copy, {"m": 1}, group=copy.key), TaskSpec(relu, {"m": 1}, group=copy.key)]
+    result = tune_tasks(specs, TARGET, TuneConfig(trials=8, batch_size=2), records=tmp_path / "r.jsonl",
+                        log=lambda m: None)  # fmt: skip
+    (good, bad) = result.outcomes
+    assert good.best is not None and bad.best is None
+    assert bad.verify_available and bad.errors == {ErrorKind.WRONG_RESULT.value: bad.trials} and bad.trials > 0
+    members = [Member(t.workload.name, t.workload.key, o.best, o.trials) for t, o in zip(result.tasks, result.outcomes)]
+    assert choose(copy.key, members).algorithm == "direct"
