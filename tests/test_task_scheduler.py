@@ -315,6 +315,22 @@ def test_the_slower_alternative_stops_getting_rounds():
     assert est.per_model["net"] == pytest.approx(sched.states[1].best + sched.states[2].best)
 
 
+def test_the_models_own_tasks_warm_up_before_their_alternatives():
+    tasks = [
+        TaskInfo("conv", 1e9, {"net": 1}, group="conv"),
+        TaskInfo("conv+winograd2", 1e9, {"net": 1}, group="conv"),
+        TaskInfo("conv+winograd4", 1e9, {"net": 1}, group="conv"),
+        TaskInfo("add", 1e9, {"net": 1}),
+    ]
+    sched = GradientScheduler(tasks, config=TaskSchedulerConfig(eps_greedy=0))
+    order = []
+    for _ in range(4):
+        order.append(sched.next_task())
+        sched.on_round_done(order[-1], best_latency=1 * MS, trials=TRIALS, new_candidates=True)
+    assert order == [0, 3, 1, 2]
+    assert {d.reason for d in sched.decisions} == {DecisionReason.WARM_UP}
+
+
 def test_similarity_tag_and_factory():
     assert similarity_tag("conv2d", 1e9) == similarity_tag("conv2d", 1.3e9) != similarity_tag("conv2d", 3e9)
     assert similarity_tag("", 1e9) == ""

@@ -116,10 +116,15 @@ class GradientScheduler(TaskScheduler):
     def _choose(self, candidates: list[int], round_index: int) -> Decision:
         books = self._books
         # Warm-up: a task without a valid latency gets rounds first, until it has one or its
-        # `rounds_without_valid` rounds are handed out (with the default 1: one round-robin pass).
-        for i in candidates:
-            if not math.isfinite(books[i].best) and books[i].issued < self.config.rounds_without_valid:
-                return Decision(round=round_index, task=i, reason=DecisionReason.WARM_UP)
+        # `rounds_without_valid` rounds are handed out (with the default 1: one round-robin pass);
+        # the models' own tasks (the first of each group) before any alternative of theirs.
+        warm = [
+            i for i in candidates
+            if not math.isfinite(books[i].best) and books[i].issued < self.config.rounds_without_valid
+        ]  # fmt: skip
+        if warm:
+            own = [i for i in warm if self.objective.groups[i][0] == i]
+            return Decision(round=round_index, task=(own or warm)[0], reason=DecisionReason.WARM_UP)
 
         measured = [i for i in candidates if math.isfinite(books[i].best)]
         if not measured:
