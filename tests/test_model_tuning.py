@@ -50,11 +50,12 @@ class StopAfter(SessionCallback):
 def test_tune_a_tiny_model_interrupt_resume_and_match_onnxruntime(tiny, tmp_path):
     out = tmp_path / "tuned"
     with pytest.raises(KeyboardInterrupt):
-        tune_models([tiny], trials=16, out=out, target=TARGET, callbacks=[StopAfter(5)], log=lambda m: None)
+        tune_models([tiny], trials=16, out=out, target=TARGET, callbacks=[StopAfter(5)], algorithms=(),
+                    log=lambda m: None)  # fmt: skip
     first = JsonlRecordStore(out / "records.jsonl").load()
     assert 5 <= len(first) < 16  # what was measured before the interruption is kept
 
-    result = tune_models([tiny], trials=16, out=out, target=TARGET, log=lambda m: None)
+    result = tune_models([tiny], trials=16, out=out, target=TARGET, algorithms=(), log=lambda m: None)
     records = JsonlRecordStore(out / "records.jsonl").load()
     assert len(records) == 16 and result.tune.resumed == len(first)
     assert result.report["conv_layout"] == "nhwc"
@@ -95,11 +96,10 @@ def test_two_models_share_identical_tasks_and_records_export_to_relax(tiny, tmp_
     twin = tmp_path / "twin.onnx"
     twin.write_bytes(tiny.read_bytes())
     out = tmp_path / "both"
-    result = tune_models([tiny, twin], trials=8, out=out, target=TARGET, log=lambda m: None)
+    result = tune_models([tiny, twin], trials=8, out=out, target=TARGET, algorithms=(), log=lambda m: None)
     report = result.report
     assert [m["name"] for m in report["models"]] == ["tiny", "twin"]
-    # shared, not doubled (a convolution's Winograd alternatives are tuned in its group)
-    assert len({i.group or i.key for i in result.tune.infos}) == len(report["models"][0]["tasks"])
+    assert len(result.tune.tasks) == len(report["models"][0]["tasks"])  # shared, not doubled
     assert all(dict(i.weights).keys() == {"tiny", "twin"} for i in result.tune.infos)
     assert (out / "tiny" / "model.so").is_file() and (out / "twin" / "model.so").is_file()
 

@@ -250,9 +250,7 @@ def tune_models(
         f"{len(shared)} tasks in {len(models)} model{'s' if len(models) > 1 else ''}: "
         + ", ".join(f"{m.name} ({len(m.tasks.tasks)} tasks)" for m in models)
     )
-    specs, groups = _task_specs(shared, () if is_gpu(target) else algorithms)
-    if len(specs) > len(shared):
-        log(f"{len(groups)} tasks can also be computed by Winograd: {len(specs) - len(shared)} alternatives tuned beside them")
+    specs, groups = _task_specs(shared, () if is_gpu(target) else algorithms, trials, log)
     out.mkdir(parents=True, exist_ok=True)
     config = TuneConfig(trials=trials, batch_size=batch_size_for(trials, len(specs)), seed=seed,
                         strategy=strategy, search=search or SearchConfig())  # fmt: skip
@@ -278,9 +276,13 @@ def tune_models(
     return ModelTuneResult(out, outcomes, result, report)
 
 
-def _task_specs(shared: Sequence[Any], algorithms: Sequence[str]) -> tuple[list[TaskSpec], dict[str, list[str]]]:
+def _task_specs(
+    shared: Sequence[Any], algorithms: Sequence[str], trials: int, log: Callable[[str], None] = _stderr
+) -> tuple[list[TaskSpec], dict[str, list[str]]]:
     """The tasks to tune: every shared task, each followed by its alternatives in its group;
-    and per task with alternatives the workload keys of its group (the task first)."""
+    and per task with alternatives the workload keys of its group (the task first). No
+    alternatives when `trials` do not give every task and alternative one round: they would
+    only cost their preparation (the model's own tasks warm up first)."""
     specs: list[TaskSpec] = []
     groups: dict[str, list[str]] = {}
     for t in shared:
@@ -290,6 +292,14 @@ def _task_specs(shared: Sequence[Any], algorithms: Sequence[str]) -> tuple[list[
         specs += [TaskSpec(a, dict(t.weights), group) for a in alts]
         if alts:
             groups[t.key] = [t.key, *(a.key for a in alts)]
+    n_alts = len(specs) - len(shared)
+    if not n_alts:
+        return specs, groups
+    if trials < batch_size_for(trials, len(specs)) * len(specs):
+        log(f"{len(groups)} tasks could also be computed by Winograd, but {trials} trials do not give "
+            f"their {n_alts} alternatives a round each: tuned as they are")  # fmt: skip
+        return [TaskSpec(t.workload, dict(t.weights)) for t in shared], {}
+    log(f"{len(groups)} tasks can also be computed by Winograd: {n_alts} alternatives tuned beside them")
     return specs, groups
 
 
