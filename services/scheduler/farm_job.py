@@ -27,7 +27,8 @@ Life cycle (driven by `service.SchedulerService`):
     step()    one turn of the session (propose while under the fair-share cap, collect)
     finish()  wait for the job's bests to be confirmed (`services.db.confirmations`: a best
               counts once a second measurement of its kernel agrees), build the tuned
-              model with every task's fastest confirmed schedule, have one of the class's
+              model with every task's fastest confirmed schedule (of its own program or
+              an alternative's), have one of the class's
               agents run it and time it beside onnxruntime and OpenVINO (`model_check`:
               every class, this host's architecture included; the scheduler never times
               a tuned model), check its outputs against onnxruntime here, write the
@@ -263,6 +264,9 @@ class FarmJob:
         self.groups = {t.key: [t.key] for t in model_tasks}
         for task, alt in alternatives:
             self.groups[task.key].append(alt.workload.key)
+        # The alternatives come after all the model's tasks: the warm-up round goes to every
+        # task of the model before any alternative (a small budget, whose rounds the API
+        # sized for the model's tasks, still tunes them all).
         self.tasks += [alt for _, alt in alternatives]
         weight = {t.key: t.weight for t in model_tasks}
         group_of = {k: key for key, keys in self.groups.items() if len(keys) > 1 for k in keys}
