@@ -261,15 +261,17 @@ class FarmJob:
             raise JobFailed(str(exc)) from None
         if alternatives:
             self._add_alternatives({t.key: rows[t.key].id for t in model_tasks}, alternatives)
-        self.groups = {t.key: [t.key] for t in model_tasks}
-        for task, alt in alternatives:
-            self.groups[task.key].append(alt.workload.key)
         # The alternatives come after all the model's tasks: the warm-up round goes to every
         # task of the model before any alternative (a small budget, whose rounds the API
         # sized for the model's tasks, still tunes them all).
         self.tasks += [alt for _, alt in alternatives]
-        weight = {t.key: t.weight for t in model_tasks}
-        group_of = {k: key for key, keys in self.groups.items() if len(keys) > 1 for k in keys}
+        self.groups = {t.key: [t.key] for t in model_tasks}
+        weights = {t.key: t.weight for t in model_tasks}
+        group_of: dict[str, str] = {}  # workload key -> its group (`TaskInfo.group`: the task's key)
+        for task, alt in alternatives:
+            self.groups[task.key].append(alt.workload.key)
+            weights[alt.workload.key] = task.weight
+            group_of[task.key] = group_of[alt.workload.key] = task.key
         config = self.config()
         self.log(
             f"{len(model_tasks)} tasks of {s.model_name} on {s.device_class}"
@@ -291,8 +293,8 @@ class FarmJob:
         with transaction(self.ctx.sessions) as db:
             records = job_store.job_records(db, job_id=self.job_id)
         self.session = build_session(
-            self.tasks, [{s.model_name: weight[group_of.get(t.workload.key, t.workload.key)]} for t in self.tasks],
-            measurer, config, SharedModelView(self.shared), records=records, seeds=self.transferred_programs(),
+            self.tasks, [{s.model_name: weights[t.workload.key]} for t in self.tasks], measurer, config,
+            SharedModelView(self.shared), records=records, seeds=self.transferred_programs(),
             callbacks=[JobProgressRows(self), self.timeline],
             targets={s.model_name: s.latency_target_secs} if s.latency_target_secs else None,
             groups=[group_of.get(t.workload.key, "") for t in self.tasks], log=self.log,
@@ -400,7 +402,7 @@ class FarmJob:
         bests = self._confirmed_bests()
         self.outcomes = {key: replace(o, best=bests.get(key)) for key, o in self.outcomes.items()}
         chosen = self._choose_members()
-        schedules = {c.schedule_key: c.chosen.best.trace for c in chosen.values() if c.chosen and c.chosen.best}
+        schedules = {c.schedule_key: c.chosen.best.trace for c in chosen.values() if c.chosen is not None}
         unconfirmed = [
             t.workload.name
             for t, tuner in zip(self.tasks, self.tuners)
@@ -472,8 +474,10 @@ class FarmJob:
     def _choose_members(self) -> dict[str, Choice]:
         """Per task of the model (workload key) the program the tuned model takes: the
         fastest of the task and its alternatives by their confirmed bests."""
-        outcomes = {t.workload.key: (t.workload.name, self.outcomes[t.workload.key]) for t in self.tasks}
-        members = {key: Member(name, key, o.best, o.trials) for key, (name, o) in outcomes.items()}
+        members = {}
+        for t in self.tasks:
+            o = self.outcomes[t.workload.key]
+            members[t.workload.key] = Member(t.workload.name, t.workload.key, o.best, o.trials)
         return choices(self.groups, members)
 
     def _build(self, m: LoadedModel, directory: Path, schedules: dict[str, Any]) -> ModelOutcome:
