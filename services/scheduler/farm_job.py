@@ -261,9 +261,10 @@ class FarmJob:
             raise JobFailed(str(exc)) from None
         if alternatives:
             self._add_alternatives({t.key: rows[t.key].id for t in model_tasks}, alternatives)
-        # The alternatives come after all the model's tasks: the warm-up round goes to every
-        # task of the model before any alternative (a small budget, whose rounds the API
-        # sized for the model's tasks, still tunes them all).
+        # The alternatives come after all the model's tasks (their job task rows too): each
+        # group's first member is its task, whose warm-up round comes before any
+        # alternative's (a small budget, whose rounds the API sized for the model's tasks,
+        # still tunes every task of the model).
         self.tasks += [alt for _, alt in alternatives]
         self.groups = {t.key: [t.key] for t in model_tasks}
         weights = {t.key: t.weight for t in model_tasks}
