@@ -260,6 +260,47 @@ def test_create_a_job(farm, uploaded):
     assert farm["client"].get(f"/v1/jobs/{job['id']}", headers=auth(farm)).json() == job
 
 
+def test_a_tasks_alternatives_are_shown_within_its_row(farm, uploaded):
+    """Alternatives (job task rows the scheduler adds: a convolution's Winograd programs)
+    are no tasks of the model: the task's row counts them once (trials together, the
+    fastest best and whose) and lists each program, its own first."""
+    from services.db import farm_tasks
+
+    job = _job(farm, model_id=uploaded["id"], device_class=CLASS, trial_budget=40).json()
+    conv = job["tasks"][1]
+    with transaction(farm["sessions"]) as s:
+        task_id = farm_tasks.job_task_id(s, job_id=job["id"], task_key=conv["key"])
+        s.execute(update(JobTask).where(JobTask.id == task_id).values(trials=3, best_cost=2e-5, confirmed_cost=2e-5))
+        for i, (m, trials, best) in enumerate([(2, 4, 1e-5), (4, 1, None)]):
+            name = f"{conv['name']}+winograd{m}"
+            fields = farm_tasks.WorkloadFields(key=f"{name}#{i:016x}", name=name, module_json="{}", flops=1.0,
+                                               n_inputs=2, n_outputs=1, io_bytes=8)  # fmt: skip
+            workload_id = farm_tasks.store_workload(s, workload=fields)
+            alt = farm_tasks.add_alternative(s, of_job_task_id=task_id, workload_id=workload_id,
+                                             task_key=f"{fields.key}@t")  # fmt: skip
+            s.execute(update(JobTask).where(JobTask.id == alt).values(trials=trials, best_cost=best))
+    body = farm["client"].get(f"/v1/jobs/{job['id']}", headers=auth(farm)).json()
+    assert [t["position"] for t in body["tasks"]] == [0, 1, 2, 3]  # the model's tasks only
+    row = body["tasks"][1]
+    assert row["trials"] == 8 and row["best_secs"] == 1e-5 and row["algorithm"] == "winograd2"
+    assert row["confirmed_best_secs"] == 2e-5 and not row["best_confirmed"]
+    assert [(a["algorithm"], a["position"], a["trials"], a["best_secs"]) for a in row["alternatives"]] == [
+        ("direct", 1, 3, 2e-5), ("winograd2", 4, 4, 1e-5), ("winograd4", 5, 1, None)
+    ]
+    assert all(not t["alternatives"] and t["algorithm"] == "direct" for t in body["tasks"] if t is not row)
+
+    client = farm["client"]  # the dashboard's job page: a row per program below the task's
+    client.cookies.clear()
+    assert client.post("/ui/login", data={"token": farm["tokens"]["a"]}, headers={"Origin": "http://testserver"},
+                       follow_redirects=False).status_code == 303  # fmt: skip
+    try:
+        page = client.get(f"/ui/jobs/{job['id']}").text
+    finally:
+        client.cookies.clear()
+    assert page.count('<tr class="task"') == 4 and page.count('<tr class="alternative"') == 3
+    assert 'data-position="4" data-algorithm="winograd2"' in page and "task-algorithm" in page
+
+
 def test_a_job_on_a_cuda_class_has_its_tasks_keyed_for_the_gpu(farm, uploaded):
     """A model's tasks are the same on every class; a CUDA class's job keys them for its
     target (its measurements and bests are the GPU's, never the CPU's)."""

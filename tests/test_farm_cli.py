@@ -313,6 +313,25 @@ def test_status_and_jobs_state_the_measured_speedup_over_onnxruntime(capsys, mon
     assert lines[1].endswith("40.0 us  2.50x onnxruntime  2.00x OpenVINO (measured)") and lines[2].endswith(" -")
 
 
+def test_status_lists_a_tasks_alternatives_under_it(capsys):
+    """A convolution also tuned by Winograd: its row says which program leads, then each
+    program's trials and best."""
+    from tunefarm_app.farm_commands import _print_job
+
+    def member(algorithm: str, position: int, trials: int, best: float | None) -> dict:
+        return {"algorithm": algorithm, "position": position, "trials": trials, "best_secs": best, "dead_reason": None}
+
+    job = _job("running", 8, None)
+    job["tasks"] = [{"position": 0, "name": "conv", "weight": 2, "trials": 8, "best_secs": 1e-5, "dead_reason": None,
+                     "best_confirmed": True, "algorithm": "winograd4",
+                     "alternatives": [member("direct", 0, 5, 2e-5), member("winograd2", 1, 3, None),
+                                      member("winograd4", 2, 0, 1e-5)]}]  # fmt: skip
+    _print_job(job)
+    out = capsys.readouterr().out
+    assert "task     0: conv x2: 8 trials, best 10.0 us by winograd4" in out
+    assert "direct: 5 trials, best 20.0 us" in out and "winograd2: 3 trials, best -" in out
+
+
 def test_farm_ups_supervisor_waits_longer_after_each_death_and_gives_up_on_five_quick_ones_in_a_row():
     """`farm up`'s restart policy (tunefarm_app.farm_supervisor; a farm's processes under
     it: tests/test_farm_ops.py): 1 s, doubling to 60 s; back to 1 s after a good run (a

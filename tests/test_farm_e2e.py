@@ -6,6 +6,8 @@ throw-away database with its own Redis queue prefix; then, over REST:
   -> agent -> Postgres -> progress -> an artifact whose output matches onnxruntime, its
   latency and onnxruntime's measured side by side by the agent (a model run), none by
   the scheduler, though the class is of the scheduler host's own architecture;
+- a model's 3x3 convolutions are tuned beside their Winograd alternatives, and the tuned
+  model takes the fastest confirmed program of each;
 - a second job on the same device class starts from the shared cost model (its first
   batch is ranked by a trained model);
 - the scheduler killed (SIGKILL) in the middle of a job and started again: the job
@@ -204,6 +206,59 @@ def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     assert cli(["report", str(tmp_path / "cli"), "--html"]) == 0  # the farm's report reads like tune's
     assert "matches onnxruntime" in capsys.readouterr().out
     assert 'class="curve"' in (tmp_path / "cli" / "report.html").read_text()
+
+
+def test_a_models_convolutions_are_tuned_beside_their_winograd_alternatives(farm, client, tmp_path):
+    """On a CPU class each 3x3 convolution task is also tuned by Winograd F(2,3) and F(4,3):
+    job task rows of their own (alternatives of the task, after the model's), shown within
+    their task's row; the tuned model takes each task's fastest confirmed program and
+    passes its check; the report says which."""
+    pytest.importorskip("torch")
+    from services.db.models import JobTask
+    from services.db.session import make_session_factory
+    from tunefarm.models import examples
+
+    onnx_path = examples.export_example("conv_bn_relu", tmp_path / "cbr.onnx")
+    model = client.upload_model(onnx_path, {"x": [1, 3, 16, 16]}, name="cbr")
+    assert len(model["tasks"]) == 4  # the model's tasks only: two convolutions and the transposes
+    # 8 rounds of 4 (the model's 4 tasks size the rounds): each task and each alternative warms up once
+    job = client.create_job(model_id=model["id"], device_class=farm.info["device_class"], trial_budget=32, seed=4)
+    job = wait_for(client, job["id"])
+    assert job["state"] == "succeeded", job["error"]
+    assert job["result"]["check"]["ok"] and job["trials_used"] == 32 == sum(t["trials"] for t in job["tasks"])
+    convs = [t for t in job["tasks"] if t["alternatives"]]
+    assert len(job["tasks"]) == 4 and len(convs) == 2
+    for t in convs:
+        assert [a["algorithm"] for a in t["alternatives"]] == ["direct", "winograd2", "winograd4"]
+        assert t["alternatives"][0]["position"] == t["position"] and all(a["trials"] > 0 for a in t["alternatives"])
+        assert t["trials"] == sum(a["trials"] for a in t["alternatives"])
+        best = min(a["best_secs"] for a in t["alternatives"] if a["best_secs"] is not None)
+        assert t["best_secs"] == best and t["algorithm"] in ("direct", "winograd2", "winograd4")
+
+    out = tmp_path / "tuned"
+    extract_archive(client.artifact(job["id"]), out)
+    report = json.loads((out / "report.json").read_text())
+    assert report["algorithms"] == ["winograd"]
+    rows = report["models"][0]["tasks"]
+    assert len(rows) == 4 and report["models"][0]["check"]["ok"]
+    for row in (r for r in rows if r["alternatives"]):
+        assert [a["algorithm"] for a in row["alternatives"]] == ["direct", "winograd2", "winograd4"]
+        (chosen,) = [a for a in row["alternatives"] if a["chosen"]]  # the fastest confirmed program
+        assert chosen["algorithm"] == row["algorithm"] and chosen["best_seconds"] == row["best_seconds"]
+    assert sum(1 for r in rows if r["alternatives"]) == 2
+    assert {r["algorithm"] for r in rows if not r["alternatives"]} == {"direct"}
+
+    sessions = make_session_factory(farm.config.database_url)
+    try:
+        with transaction(sessions) as s:
+            alternatives = s.scalars(
+                select(JobTask.position).where(JobTask.job_id == job["id"], JobTask.alternative_of.is_not(None))
+            ).all()
+    finally:
+        sessions.kw["bind"].dispose()
+    assert sorted(alternatives) == [4, 5, 6, 7]  # after the model's tasks
+    log = Path(farm.processes["scheduler"].log).read_text()
+    assert f"job {job['id']}: 4 tasks of cbr on {farm.info['device_class']} and 4 Winograd alternatives" in log
 
 
 def test_a_second_job_starts_from_the_shared_model(farm, client, tiny):

@@ -327,8 +327,12 @@ def _print_job(job: dict) -> None:
         unconfirmed = ""
         if t["best_secs"] and not t.get("best_confirmed"):
             unconfirmed = f" (unconfirmed; confirmed {cost(t.get('confirmed_best_secs'))})"
+        leads = f" by {t['algorithm']}" if t.get("alternatives") else ""
         print(f"  task     {t['position']}: {t['name']} x{t['weight']}: {t['trials']} trials, "
-              f"best {cost(t['best_secs'])}{emulated}{unconfirmed}{dead}")
+              f"best {cost(t['best_secs'])}{leads}{emulated}{unconfirmed}{dead}")
+        for a in t.get("alternatives") or []:  # the programs of a task also tuned by Winograd
+            stopped = f"  ({a['dead_reason']})" if a["dead_reason"] else ""
+            print(f"             {a['algorithm']}: {a['trials']} trials, best {cost(a['best_secs'])}{stopped}")
     cm = job["cost_model"]
     src = cm.get("transferred_from")
     if src and cm.get("device_class") != job["device_class"]:

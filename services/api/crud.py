@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from services.api.exceptions import Conflict, InvalidRequest, NotFound, QuotaExceeded
+from services.api.job_tasks import job_task_rows
 from services.api.schemas import (
     ArtifactPublic,
     CostModelPublic,
@@ -27,7 +28,6 @@ from services.api.schemas import (
     JobCreate,
     JobPublic,
     JobSummary,
-    JobTaskPublic,
     ModelPublic,
     ModelSummary,
     ModelTaskPublic,
@@ -181,13 +181,7 @@ def job_public(
         cancel_requested=job.cancel_requested,
         error=job.error,
         config=job.config,
-        tasks=[
-            JobTaskPublic(
-                position=t[0], name=t[1], key=t[2], weight=t[3], trials=t[4], best_secs=t[5], dead_reason=t[6],
-                best_emulated=t[7], best_confirmed=t[8], confirmed_best_secs=t[9],
-            )
-            for t in seen.tasks
-        ],
+        tasks=job_task_rows(seen.tasks),  # a task with its alternatives as one row
         curve=[ProgressPoint(trials=p[0], elapsed_secs=p[1], est_latency_secs=p[2]) for p in seen.curve],
         cost_model=_cost_model_public(seen),
         artifact=ArtifactPublic(

@@ -90,13 +90,40 @@ class JobCreate(BaseModel):
     seed: int = Field(default=1, ge=1, le=SEED_MAX)
 
 
+class JobTaskAlternativePublic(BaseModel):
+    """One program of a task that has alternatives: the task's own, or another algorithm's."""
+
+    algorithm: str = Field(description="'direct' (the task's own program), or the algorithm, e.g. 'winograd4'")
+    position: int
+    name: str
+    key: str = Field(description="the records' task key: workload key @ target hash")
+    trials: int = Field(description="measurements of this program so far")
+    best_secs: float | None = Field(description="its fastest valid kernel so far (disputed times excluded)")
+    best_emulated: bool = False
+    best_confirmed: bool = False
+    confirmed_best_secs: float | None = None
+    dead_reason: str | None = Field(description="why the search stopped giving it trials")
+
+
 class JobTaskPublic(BaseModel):
     position: int
     name: str
     key: str = Field(description="the records' task key: workload key @ target hash")
     weight: int
-    trials: int = Field(description="measurements of this task so far")
-    best_secs: float | None = Field(description="its fastest valid kernel so far (disputed times excluded)")
+    trials: int = Field(description="measurements of this task so far (of all its alternatives)")
+    best_secs: float | None = Field(
+        description="its fastest valid kernel so far, of whichever of its alternatives (disputed times excluded)"
+    )
+    algorithm: str = Field(
+        default="direct",
+        description="the program that best is of: 'direct' (the task's own), or an alternative's algorithm "
+        "(e.g. 'winograd4')",
+    )
+    alternatives: list[JobTaskAlternativePublic] = Field(
+        default_factory=list,
+        description="a task also tuned by other algorithms (a 3x3 convolution by Winograd, on a CPU class): each "
+        "program, the task's own first; the model takes the fastest confirmed one. Empty for other tasks",
+    )
     best_emulated: bool = Field(
         default=False, description="that time was measured under an emulator: it is the emulator's, not the device's"
     )
@@ -105,9 +132,9 @@ class JobTaskPublic(BaseModel):
         description="a second measurement of that kernel agreed with it; an unconfirmed best awaits its confirmation",
     )
     confirmed_best_secs: float | None = Field(
-        default=None, description="its fastest confirmed kernel: what the tuned model uses"
+        default=None, description="its fastest confirmed kernel (of any of its alternatives): what the tuned model uses"
     )
-    dead_reason: str | None = Field(description="why the search stopped giving it trials")
+    dead_reason: str | None = Field(description="why the search stopped giving it trials (all its alternatives)")
 
 
 class ProgressPoint(BaseModel):

@@ -1,6 +1,8 @@
 """A job's tasks as the farm measures them (`services.scheduler.farm_measurer`): the
 workload row (with its buffers' bytes, for the timing floor), its task data (inputs and
-expected outputs, one file per workload shared by every job) and the job's task row.
+expected outputs, one file per workload shared by every job) and the job's task row; a
+task's alternatives (`add_alternative`: its Winograd programs, `JobTask.alternative_of`)
+are added by the scheduler when it starts the job, before they are prepared.
 
 Every function works inside the caller's transaction and commits nothing itself.
 """
@@ -8,12 +10,16 @@ Every function works inside the caller's transaction and commits nothing itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from services.db.models import JobTask, TaskDataRow, WorkloadRow
+
+if TYPE_CHECKING:
+    from tunefarm.workloads import Workload
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,19 @@ class WorkloadFields:
     n_inputs: int
     n_outputs: int
     io_bytes: int
+
+
+def workload_fields(workload: Workload) -> WorkloadFields:
+    """The row values of `workload` (its module as `Workload.to_json` writes it)."""
+    return WorkloadFields(
+        key=workload.key,
+        name=workload.name,
+        module_json=workload.to_json(),
+        flops=float(workload.flops),
+        n_inputs=len(workload.inputs),
+        n_outputs=len(workload.outputs),
+        io_bytes=sum(t.nbytes for t in (*workload.inputs, *workload.outputs)),
+    )
 
 
 def store_workload(session: Session, *, workload: WorkloadFields) -> int | None:
@@ -87,6 +106,21 @@ def add_job_task(session: Session, *, job_id: int, workload_id: int, task_key: s
         .on_conflict_do_nothing(index_elements=[JobTask.job_id, JobTask.workload_id])
     )
     return session.scalar(select(JobTask.id).where(JobTask.job_id == job_id, JobTask.workload_id == workload_id))
+
+
+def add_alternative(session: Session, *, of_job_task_id: int, workload_id: int, task_key: str) -> int | None:
+    """The task row of the workload as an alternative of the job's task row
+    `of_job_task_id` (`JobTask.alternative_of`, with that task's weight), added after the
+    job's others if the job has no row of the workload; its id."""
+    task = session.execute(select(JobTask.job_id, JobTask.weight).where(JobTask.id == of_job_task_id)).one()
+    position = session.scalar(select(func.count()).where(JobTask.job_id == task.job_id))
+    session.execute(
+        pg_insert(JobTask)
+        .values(job_id=task.job_id, workload_id=workload_id, task_key=task_key, position=position,
+                weight=task.weight, alternative_of=of_job_task_id)  # fmt: skip
+        .on_conflict_do_nothing(index_elements=[JobTask.job_id, JobTask.workload_id])
+    )
+    return session.scalar(select(JobTask.id).where(JobTask.job_id == task.job_id, JobTask.workload_id == workload_id))
 
 
 def job_task_id(session: Session, *, job_id: int, task_key: str) -> int | None:

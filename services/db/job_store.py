@@ -51,6 +51,7 @@ class JobTaskRow:
     workload_key: str
     position: int
     weight: int
+    alternative_of: int | None = None  # the id of the task row this is an alternative of
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def claim_job(session: Session, *, job_id: int) -> JobSetup | None:
     model = session.get_one(Model, job.model_id)
     device_class = session.get_one(DeviceClass, job.device_class_id)
     tasks = session.execute(
-        select(JobTask.id, JobTask.task_key, WorkloadRow.key, JobTask.position, JobTask.weight)
+        select(JobTask.id, JobTask.task_key, WorkloadRow.key, JobTask.position, JobTask.weight, JobTask.alternative_of)
         .join(WorkloadRow, WorkloadRow.id == JobTask.workload_id)
         .where(JobTask.job_id == job_id)
         .order_by(JobTask.position)
@@ -137,7 +138,7 @@ def claim_job(session: Session, *, job_id: int) -> JobSetup | None:
         inputs=list(model.inputs),
         outputs=list(model.outputs),
         warnings=[str(w) for w in model.warnings],
-        tasks=tuple(JobTaskRow(t[0], t[1], t[2], t[3], t[4]) for t in tasks),
+        tasks=tuple(JobTaskRow(*t) for t in tasks),
         cost_model_version_id=job.cost_model_version_id,
         start_model_trained_on=job.start_model_trained_on,
     )

@@ -137,7 +137,8 @@ class JobOverview:
     cost_model_version: int | None  # the job's cost model version, if any
     trained_on: int | None
     tasks: list[list[Any]]  # per task: position, name, key, weight, trials, best cost, dead reason,
-    #                         best emulated, best confirmed, confirmed cost
+    #                         best emulated, best confirmed, confirmed cost, and the position of
+    #                         the task it is an alternative of (None: a task of the model)
     curve: list[list[Any]]  # per point: trials, elapsed secs, estimated latency secs
     source_class: str | None  # the class a transferred cost model came from
     source_version: int | None
@@ -163,13 +164,15 @@ def _json_rows(*columns: Any, order_by: Any) -> Any:
 
 def _tasks_json() -> Any:
     """The job's tasks as JSON (a scalar subquery correlated with `Job`)."""
+    task = aliased(JobTask)  # the task a row is an alternative of
     columns = (
         JobTask.position, WorkloadRow.name, JobTask.task_key, JobTask.weight, JobTask.trials, JobTask.best_cost,
-        JobTask.dead_reason, JobTask.best_emulated, JobTask.best_confirmed, JobTask.confirmed_cost,
+        JobTask.dead_reason, JobTask.best_emulated, JobTask.best_confirmed, JobTask.confirmed_cost, task.position,
     )  # fmt: skip
     return (
         select(_json_rows(*columns, order_by=JobTask.position))
         .join(WorkloadRow, WorkloadRow.id == JobTask.workload_id)
+        .outerjoin(task, task.id == JobTask.alternative_of)
         .where(JobTask.job_id == Job.id)
         .scalar_subquery()
     )

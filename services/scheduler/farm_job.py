@@ -11,6 +11,14 @@ trial budget and latency target. Three things differ, and only by what is plugge
 - the callbacks keep the job's precomputed progress rows up to date (`JobProgressRows`)
   instead of drawing a progress view; measurements are stored by the lease service.
 
+A CPU class's job also tunes each 3x3 stride-1 convolution task's Winograd alternatives
+(`tunefarm.models.alternatives`), as `tunefarm tune` does: `start` makes them again from
+the model's task (the same workloads, keys and reference program every time), adds them
+to the job as task rows after the model's (`farm_tasks.add_alternative`: where the build
+workers find their modules, the measurements and confirmations their task), and puts each
+in one task-scheduler group with its task; `finish` takes, per task, the fastest member
+whose best was confirmed, and the build puts that program in the task's place.
+
 Life cycle (driven by `service.SchedulerService`):
 
     start()   load the model (fused module and ONNX from the artifact root), make the
@@ -19,7 +27,8 @@ Life cycle (driven by `service.SchedulerService`):
     step()    one turn of the session (propose while under the fair-share cap, collect)
     finish()  wait for the job's bests to be confirmed (`services.db.confirmations`: a best
               counts once a second measurement of its kernel agrees), build the tuned
-              model with every task's fastest confirmed schedule, have one of the class's
+              model with every task's fastest confirmed schedule (of its own program or
+              an alternative's), have one of the class's
               agents run it and time it beside onnxruntime and OpenVINO (`model_check`:
               every class, this host's architecture included; the scheduler never times
               a tuned model), check its outputs against onnxruntime here, write the
@@ -50,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common import artifacts
-from services.db import job_store
+from services.db import farm_tasks, job_store
 from services.db.job_store import JobSetup
 from services.db.session import transaction
 from services.db.states import JobState
@@ -58,8 +67,10 @@ from services.protocol.signing import ArtifactSigner
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from services.scheduler.model_check import DeviceRun, check_on_device
 from services.scheduler.shared_model import ClassModel, SharedModelView
-from tunefarm.errors import TunefarmError
+from tunefarm.errors import TunefarmError, WorkloadError
+from tunefarm.gpu import is_gpu
 from tunefarm.measure import MeasureBatch, Measurer
+from tunefarm.models.alternatives import ALGORITHMS, Choice, Member, alternatives_of, choices
 from tunefarm.models.build import build_model_library
 from tunefarm.models.check import exact_onnx_reference
 from tunefarm.models.finish import (
@@ -75,7 +86,7 @@ from tunefarm.models.finish import (
     write_records,
 )
 from tunefarm.models.importer import ImportedModel
-from tunefarm.models.tasks import extract_tasks
+from tunefarm.models.tasks import ModelTask, extract_tasks
 from tunefarm.records import MeasureRecord, TensorSpec
 from tunefarm.search.config import TuneConfig
 from tunefarm.search.run import TaskOutcome, Timeline, TuningSummary, build_session, summarize
@@ -161,7 +172,10 @@ class FarmJob:
         self.job_id = setup.job_id
         self.log = lambda msg: ctx.log(f"job {setup.job_id}: {msg}")
         self.model: LoadedModel | None = None
-        self.tasks: list[SearchTask] = []
+        self.tasks: list[SearchTask] = []  # the model's tasks, then their alternatives
+        # per task of the model (workload key) the workload keys of its group: itself first,
+        # then its alternatives (itself alone when it has none)
+        self.groups: dict[str, list[str]] = {}
         self.tuners: list[TaskTuner] = []
         self.session: TuningSession | None = None
         self.measurer: Measurer | None = None
@@ -227,22 +241,44 @@ class FarmJob:
             strategy=str(c.get("strategy", "gradient")),
         )
 
+    def algorithms(self) -> tuple[str, ...]:
+        """The other algorithms the job's tasks are also tuned by (`ALGORITHMS`; none on a
+        GPU class, as `tunefarm tune` does)."""
+        return () if is_gpu(self.setup.target) else ALGORITHMS
+
     def start(self) -> None:
         """Build the session, resume it from Postgres and adopt the batches in flight."""
         s = self.setup
+        rows = {r.workload_key: r for r in s.tasks if r.alternative_of is None}
         try:
             self.model = self.load_model()
-            wanted = {t.workload_key for t in s.tasks}
-            model_tasks = [t for t in self.model.tasks.tasks if t.key in wanted]
-            if len(model_tasks) != len(s.tasks):
+            model_tasks = [t for t in self.model.tasks.tasks if t.key in rows]
+            if len(model_tasks) != len(rows):
                 raise JobFailed("the model's tasks no longer match the job's (the stored model changed)")
             self.tasks = [make_task(t.workload, s.target) for t in model_tasks]
+            alternatives = self._alternatives(model_tasks)
         except TunefarmError as exc:
             raise JobFailed(str(exc)) from None
+        if alternatives:
+            self._add_alternatives({t.key: rows[t.key].id for t in model_tasks}, alternatives)
+        # The alternatives come after all the model's tasks (their job task rows too): each
+        # group's first member is its task, whose warm-up round comes before any
+        # alternative's (a small budget, whose rounds the API sized for the model's tasks,
+        # still tunes every task of the model).
+        self.tasks += [alt for _, alt in alternatives]
+        self.groups = {t.key: [t.key] for t in model_tasks}
+        weights = {t.key: t.weight for t in model_tasks}
+        group_of: dict[str, str] = {}  # workload key -> its group (`TaskInfo.group`: the task's key)
+        for task, alt in alternatives:
+            self.groups[task.key].append(alt.workload.key)
+            weights[alt.workload.key] = task.weight
+            group_of[task.key] = group_of[alt.workload.key] = task.key
         config = self.config()
         self.log(
-            f"{len(self.tasks)} tasks of {s.model_name} on {s.device_class}: {config.trials} trials, "
-            f"batches of {config.batch_size}, seed {config.seed}, {config.strategy} task scheduler"
+            f"{len(model_tasks)} tasks of {s.model_name} on {s.device_class}"
+            + (f" and {len(alternatives)} Winograd alternatives" if alternatives else "")
+            + f": {config.trials} trials, batches of {config.batch_size}, seed {config.seed}, "
+            f"{config.strategy} task scheduler"
         )
         # Order matters for exactly-once: the measurer reports measurements after `seen`;
         # the batches in flight are read next (their unmeasured candidates), and the
@@ -257,12 +293,12 @@ class FarmJob:
         batches = in_flight() if in_flight is not None else []
         with transaction(self.ctx.sessions) as db:
             records = job_store.job_records(db, job_id=self.job_id)
-        weights = {t.key: t.weight for t in model_tasks}
         self.session = build_session(
             self.tasks, [{s.model_name: weights[t.workload.key]} for t in self.tasks], measurer, config,
             SharedModelView(self.shared), records=records, seeds=self.transferred_programs(),
             callbacks=[JobProgressRows(self), self.timeline],
-            targets={s.model_name: s.latency_target_secs} if s.latency_target_secs else None, log=self.log,
+            targets={s.model_name: s.latency_target_secs} if s.latency_target_secs else None,
+            groups=[group_of.get(t.workload.key, "") for t in self.tasks], log=self.log,
         )  # fmt: skip
         self.tuners = self.session.tuners
         adopted = 0
@@ -274,6 +310,27 @@ class FarmJob:
         if records or adopted:
             self.log(f"resuming: {len(records)} measurements in Postgres, {adopted} candidates still in flight")
         self.session.start()
+
+    def _alternatives(self, model_tasks: list[ModelTask]) -> list[tuple[ModelTask, SearchTask]]:
+        """The alternatives of the model's tasks as search tasks for the class's target,
+        each with its task, in the tasks' order; an alternative no sketch fits is left out."""
+        out = []
+        for t in model_tasks:
+            for alt in alternatives_of(t.workload, self.algorithms()):
+                try:
+                    out.append((t, make_task(alt, self.setup.target)))
+                except WorkloadError as exc:
+                    self.log(f"{alt.name} is not tuned: {exc}")
+        return out
+
+    def _add_alternatives(self, row_ids: dict[str, int], alternatives: list[tuple[ModelTask, SearchTask]]) -> None:
+        """The alternatives' workload and job task rows (none twice: a restarted job finds
+        the rows its first start added, under the same keys)."""
+        with transaction(self.ctx.sessions) as db:
+            for task, alt in alternatives:
+                workload_id = farm_tasks.store_workload(db, workload=farm_tasks.workload_fields(alt.workload))
+                assert workload_id is not None
+                farm_tasks.add_alternative(db, of_job_task_id=row_ids[task.key], workload_id=workload_id, task_key=alt.key)
 
     @property
     def search_tasks(self) -> dict[str, SearchTask]:
@@ -344,8 +401,9 @@ class FarmJob:
         m, s = self.model, self.setup
         self._await_confirmations()
         bests = self._confirmed_bests()
-        schedules = {key: best.trace for key, best in bests.items() if best is not None}
         self.outcomes = {key: replace(o, best=bests.get(key)) for key, o in self.outcomes.items()}
+        chosen = self._choose_members()
+        schedules = {c.schedule_key: c.chosen.best.trace for c in chosen.values() if c.chosen is not None}
         unconfirmed = [
             t.workload.name
             for t, tuner in zip(self.tasks, self.tuners)
@@ -365,9 +423,13 @@ class FarmJob:
             with transaction(self.ctx.sessions) as db:
                 records = job_store.job_records(db, job_id=self.job_id)
             write_records(directory / RECORDS_NAME, records)
+            # each task's row is the outcome of the program the model took
+            by_key = {key: self.outcomes[c.chosen.key if c.chosen else key] for key, c in chosen.items()}
             report = model_report(
-                [m], [outcome], self.outcomes, self.summary, s.target, s.trial_budget, time.perf_counter() - self.started
-            )
+                [m], [outcome], by_key, self.summary, s.target, s.trial_budget, time.perf_counter() - self.started,
+                choices=chosen,
+            )  # fmt: skip
+            report["algorithms"] = list(self.algorithms())
             report["models"][0]["directory"] = "."
             report["farm"] = {"job": self.job_id, "device_class": s.device_class, "model_id": s.model_id}
             (directory / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
@@ -410,6 +472,15 @@ class FarmJob:
             out[t.workload.key] = min(usable, key=lambda r: r.cost) if usable else None
         return out
 
+    def _choose_members(self) -> dict[str, Choice]:
+        """Per task of the model (workload key) the program the tuned model takes: the
+        fastest of the task and its alternatives by their confirmed bests."""
+        members = {}
+        for t in self.tasks:
+            o = self.outcomes[t.workload.key]
+            members[t.workload.key] = Member(t.workload.name, t.workload.key, o.best, o.trials)
+        return choices(self.groups, members)
+
     def _build(self, m: LoadedModel, directory: Path, schedules: dict[str, Any]) -> ModelOutcome:
         """Build the tuned model here; check and time it on an agent of the class
         (`model_check`), whatever the class: the scheduler's host times nothing."""
@@ -421,7 +492,7 @@ class FarmJob:
                 target=s.target,
                 inputs=m.imported.inputs,
                 outputs=m.imported.outputs,
-                schedules={t.key: schedules.get(t.key) for t in m.tasks.tasks},
+                schedules=schedules,  # a task's own key, or its chosen alternative's
                 name=m.name,
             )
             if m.reference_onnx is not None:  # `tunefarm run`'s onnxruntime column, as `tune` writes it

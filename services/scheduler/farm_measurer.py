@@ -166,15 +166,7 @@ class FarmMeasurer(Measurer):
     def prepare(self, workload: WorkloadSpec, task_key: str, target: dict[str, Any]) -> MeasureTask:
         """The workload row, its task data (computed once per workload, shared by every
         job), and this job's task row."""
-        fields = farm_tasks.WorkloadFields(
-            key=workload.key,
-            name=workload.name,
-            module_json=workload.to_json(),
-            flops=float(workload.flops),
-            n_inputs=len(workload.inputs),
-            n_outputs=len(workload.outputs),
-            io_bytes=sum(t.nbytes for t in (*workload.inputs, *workload.outputs)),
-        )
+        fields = farm_tasks.workload_fields(workload)
         with transaction(self.sessions) as s:
             workload_id = farm_tasks.store_workload(s, workload=fields)
             assert workload_id is not None

@@ -7,8 +7,10 @@ the helpers every page shares).
   over onnxruntime of a finished job (`JobSummary.speedup_vs_onnxruntime`).
 - `/ui/jobs/{id}`: one job: the estimated latency over trials (its curve, as the inline
   SVG of `tunefarm.display.latency_curve_svg`, the same plot as `tunefarm report --html`)
-  and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors),
-  each task's best latency over its trials (small multiples, `jobs.task_best_curves`);
+  and the per-task table (weight, trials, best latency, GFLOPS, tuned or not, errors; a
+  task also tuned by Winograd says which program leads, a row per program below it),
+  each task's best latency over its trials (small multiples, `jobs.task_best_curves`; a
+  line per program);
   a link to its tuned model once it succeeded.
 - `/ui/compare?jobs=1,2`: two or more of the team's jobs side by side: their estimated
   latency curves overlaid (one `latency_curve_svg`, a legend naming each job), their
@@ -26,6 +28,7 @@ the helpers every page shares).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -49,7 +52,7 @@ from services.api.routers.dashboard import (
     refuse_cross_site,
     to_login,
 )
-from services.api.schemas import JobPublic, JobTaskPublic
+from services.api.schemas import JobPublic, JobTaskAlternativePublic, JobTaskPublic
 from services.db.jobs import TaskDetail
 from services.db.session import transaction
 from tunefarm.display import CurveSeries, latency_curve_svg
@@ -95,26 +98,41 @@ async def job_page(request: Request, sessions: SessionsDep, settings: SettingsDe
 
 
 def _task_rows(job: JobPublic, details: dict[int, TaskDetail]) -> list[dict[str, Any]]:
-    """The task table's rows: the task, its GFLOPS at its best, its errors (count and text)."""
+    """The task table's rows: the task, its GFLOPS at its best, its errors (count and
+    text); a task with alternatives (Winograd programs of a convolution) is followed by a
+    row per program (`alternative`), its errors are theirs together."""
     rows = []
     for t in job.tasks:
-        d = details.get(t.position)
-        errors = d.errors_by_kind if d else {}
-        rows.append({
-            "task": t,
-            "gflops": d.flops / t.best_secs / 1e9 if d and t.best_secs else None,
-            "errors": sum(errors.values()),
-            "errors_text": ", ".join(f"{k} {n}" for k, n in sorted(errors.items())),
-        })
+        members = t.alternatives or [t]
+        rows.append(_task_row(t, [details.get(m.position) for m in members], alternative=False))
+        rows += [_task_row(a, [details.get(a.position)], alternative=True) for a in t.alternatives]
     return rows
 
 
+def _task_row(
+    t: JobTaskPublic | JobTaskAlternativePublic, details: Sequence[TaskDetail | None], *, alternative: bool
+) -> dict[str, Any]:
+    errors: Counter[str] = Counter()
+    for d in details:
+        errors.update(d.errors_by_kind if d else {})
+    flops = next((d.flops for d in details if d), None)  # the same work whatever the algorithm
+    return {
+        "task": t,
+        "alternative": alternative,
+        "gflops": flops / t.best_secs / 1e9 if flops and t.best_secs else None,
+        "errors": sum(errors.values()),
+        "errors_text": ", ".join(f"{k} {n}" for k, n in sorted(errors.items())),
+    }
+
+
 def _task_plots(job: JobPublic, curves: dict[int, list[tuple[int, float]]]) -> list[tuple[JobTaskPublic, str]]:
-    """Each task and the SVG of its best latency over its trials (small multiples)."""
+    """Each task and the SVG of its best latency over its trials (small multiples); a
+    task with alternatives has a line per program."""
     return [
-        (t, latency_curve_svg([CurveSeries(t.name, curves.get(t.position, []))], width=TASK_PLOT_WIDTH,
-                              height=TASK_PLOT_HEIGHT, title="best latency over its trials",
-                              empty="no valid measurement yet"))
+        (t, latency_curve_svg([CurveSeries(m.algorithm if t.alternatives else t.name, curves.get(m.position, []))
+                               for m in (t.alternatives or [t])],
+                              width=TASK_PLOT_WIDTH, height=TASK_PLOT_HEIGHT, title="best latency over its trials",
+                              empty="no valid measurement yet"))  # fmt: skip
         for t in job.tasks
     ]
 

@@ -159,6 +159,10 @@ class JobTask(Base):
     `best_*` is the task's fastest valid measurement that nothing discredited (its
     confirmation is pending, or it was confirmed); `best_confirmed` says which.
     `confirmed_*` is the fastest confirmed one: what the tuned model uses.
+
+    `alternative_of`: the task (row) this one is another program of, by another algorithm
+    (`tunefarm.models.alternatives`: a 3x3 convolution by Winograd), with that task's
+    weight, added by the scheduler after the model's tasks; None for a task of the model.
     """
 
     __tablename__ = "job_tasks"
@@ -186,6 +190,7 @@ class JobTask(Base):
         BigInteger, ForeignKey("measurements.id", use_alter=True), nullable=True
     )
     dead_reason: Mapped[str | None]  # why the search gave the task up (space exhausted, ...)
+    alternative_of: Mapped[int | None] = foreign_key("job_tasks.id", ondelete="CASCADE", nullable=True)
 
     job: Mapped[Job] = relationship(back_populates="tasks")
     workload: Mapped[WorkloadRow] = relationship()
