@@ -46,7 +46,7 @@ from tunefarm.isa import check_runs_on_host
 from tunefarm.measure.builder import LocalBuilder
 from tunefarm.measure.local import LocalMeasurer
 from tunefarm.measure.runner import LocalRunner
-from tunefarm.models.alternatives import ALGORITHMS, Choice, Member, alternatives_of, choices
+from tunefarm.models.alternatives import ALGORITHMS, Choice, Member, alternatives_of, budget_covers, choices
 from tunefarm.models.finish import (
     RECORDS_NAME,
     REPORT_NAME,
@@ -295,7 +295,7 @@ def _task_specs(
     n_alts = len(specs) - len(shared)
     if not n_alts:
         return specs, groups
-    if trials < batch_size_for(trials, len(specs)) * len(specs):
+    if not budget_covers(trials, batch_size_for(trials, len(specs)), len(specs)):
         log(f"{len(groups)} tasks could also be computed by Winograd, but {trials} trials do not give "
             f"their {n_alts} alternatives a round each: tuned as they are")  # fmt: skip
         return [TaskSpec(t.workload, dict(t.weights)) for t in shared], {}

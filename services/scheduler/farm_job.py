@@ -70,7 +70,7 @@ from services.scheduler.shared_model import ClassModel, SharedModelView
 from tunefarm.errors import TunefarmError, WorkloadError
 from tunefarm.gpu import is_gpu
 from tunefarm.measure import MeasureBatch, Measurer
-from tunefarm.models.alternatives import ALGORITHMS, Choice, Member, alternatives_of, choices
+from tunefarm.models.alternatives import ALGORITHMS, Choice, Member, alternatives_of, budget_covers, choices
 from tunefarm.models.build import build_model_library
 from tunefarm.models.check import exact_onnx_reference
 from tunefarm.models.finish import (
@@ -313,7 +313,8 @@ class FarmJob:
 
     def _alternatives(self, model_tasks: list[ModelTask]) -> list[tuple[ModelTask, SearchTask]]:
         """The alternatives of the model's tasks as search tasks for the class's target,
-        each with its task, in the tasks' order; an alternative no sketch fits is left out."""
+        each with its task, in the tasks' order; an alternative no sketch fits is left out,
+        and all of them where the budget does not give each a round (`budget_covers`)."""
         out = []
         for t in model_tasks:
             for alt in alternatives_of(t.workload, self.algorithms()):
@@ -321,6 +322,11 @@ class FarmJob:
                     out.append((t, make_task(alt, self.setup.target)))
                 except WorkloadError as exc:
                     self.log(f"{alt.name} is not tuned: {exc}")
+        c = self.config()
+        if out and not budget_covers(c.trials, c.batch_size, len(model_tasks) + len(out)):
+            self.log(f"{c.trials} trials in batches of {c.batch_size} do not give the {len(out)} Winograd "
+                     "alternatives a round each: the tasks are tuned as they are")  # fmt: skip
+            return []
         return out
 
     def _add_alternatives(self, row_ids: dict[str, int], alternatives: list[tuple[ModelTask, SearchTask]]) -> None:

@@ -43,6 +43,13 @@ def alternatives_of(workload: Workload, algorithms: Sequence[str] = ALGORITHMS) 
     return winograd_alternatives(workload) if "winograd" in algorithms else ()
 
 
+def budget_covers(trials: int, batch_size: int, n_tasks: int) -> bool:
+    """Whether `trials` in rounds of `batch_size` give each of `n_tasks` (the model's tasks
+    and their alternatives) a round: below that, alternatives would only cost their
+    preparation (the model's own tasks warm up first), so a run tunes none."""
+    return trials >= batch_size * n_tasks
+
+
 def algorithm_of(task_name: str, member_name: str) -> str:
     """"direct" for the task itself, else what its alternative's name adds ("winograd4")."""
     return DIRECT if member_name == task_name else member_name[len(task_name) + 1 :]
