@@ -144,3 +144,23 @@ def test_an_alternative_whose_output_is_not_its_tasks_is_never_chosen(tmp_path):
     assert bad.verify_available and bad.errors == {ErrorKind.WRONG_RESULT.value: bad.trials} and bad.trials > 0
     members = [Member(t.workload.name, t.workload.key, o.best, o.trials) for t, o in zip(result.tasks, result.outcomes)]
     assert choose(copy.key, members).algorithm == "direct"
+
+
+def test_an_alternative_the_search_cannot_take_is_left_out_and_its_task_tuned_as_it_is(conv_bn_relu):
+    from tunefarm.errors import WorkloadError
+    from tunefarm.models.finish import load_model
+    from tunefarm.tune import TaskSpec, _search_tasks
+    from tunefarm.winograd_sites import winograd_alternatives
+
+    block = next(t for t in load_model(conv_bn_relu, name="cbr").tasks.tasks if t.weight == 2)
+    alt = winograd_alternatives(block.workload)[0]
+    # a GPU build cannot run a weight transform once outside the kernel: no search task
+    cuda = {"kind": "cuda", "arch": "sm_90"}
+    specs = [TaskSpec(block.workload, {"m": 2}, group=block.key), TaskSpec(alt, {"m": 2}, group=block.key)]
+    logged: list[str] = []
+    kept, tasks = _search_tasks(specs, cuda, logged.append)
+    assert kept == specs[:1] and [t.workload.key for t in tasks] == [block.key]
+    assert logged and logged[0].startswith(f"{alt.name} is not tuned: ")
+    # the same failure of a task of the model's own stops the run
+    with pytest.raises(WorkloadError):
+        _search_tasks([TaskSpec(alt, {"m": 2})], cuda, logged.append)

@@ -40,7 +40,7 @@ from typing import Any
 
 from tunefarm import target as targets
 from tunefarm.cuda import require_local_gpu
-from tunefarm.errors import UsageError
+from tunefarm.errors import UsageError, WorkloadError
 from tunefarm.gpu import is_gpu
 from tunefarm.isa import check_runs_on_host
 from tunefarm.measure.builder import LocalBuilder
@@ -132,7 +132,7 @@ def tune_tasks(
     """Tune `specs` on `target` within `config.trials` measurements in all (resumed ones
     included), in embedded mode."""
     _check_can_measure(config, target)
-    tasks = [make_task(s.workload, target) for s in specs]
+    specs, tasks = _search_tasks(specs, target, log)
     store = JsonlRecordStore(records)
     for task in tasks:
         store.put_workload(task.key, task.workload.name, task.workload.to_json())
@@ -169,6 +169,25 @@ def tune_tasks(
                 cost_model_cache.save_model(model, cost_model_path, target, learnt=learnt, log=log)
     outcomes, summary = summarize(session, timeline)
     return TuneResult(tasks, [t.state for t in session.tuners], outcomes, session.infos, summary, stats)
+
+
+def _search_tasks(
+    specs: Sequence[TaskSpec], target: dict[str, Any], log: Callable[[str], None]
+) -> tuple[list[TaskSpec], list[SearchTask]]:
+    """A search task per spec, with the specs kept; an alternative (a spec of a group that
+    is not its first) that no sketch fits is left out, and the log says so (its task is
+    tuned as it is); any other task's `WorkloadError` stops the run."""
+    kept, tasks = [], []
+    for s in specs:
+        try:
+            tasks.append(make_task(s.workload, target))
+        except WorkloadError as exc:
+            if not s.group or s.group == s.workload.key:
+                raise
+            log(f"{s.workload.name} is not tuned: {exc}")
+            continue
+        kept.append(s)
+    return kept, tasks
 
 
 def _check_can_measure(config: TuneConfig, target: dict[str, Any]) -> None:

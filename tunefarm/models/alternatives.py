@@ -130,5 +130,6 @@ def choices(
     groups: Mapping[str, Sequence[str]], members: Mapping[str, Member]
 ) -> dict[str, Choice]:
     """`choose` for every task: `groups` maps a task's workload key to its group's workload
-    keys (the task first), `members` a workload key to what the search left of it."""
-    return {key: choose(key, [members[k] for k in keys]) for key, keys in groups.items()}
+    keys (the task first), `members` a workload key to what the search left of it (an
+    alternative the search could not take, being absent, is no member)."""
+    return {key: choose(key, [members[k] for k in keys if k in members]) for key, keys in groups.items()}
