@@ -255,9 +255,12 @@ def test_create_a_job(farm, uploaded):
     assert job["device_class"] == CLASS and job["model_name"] == "tiny" and job["latency_target_secs"] == 0.001
     assert [t["name"] for t in job["tasks"]] == [t["name"] for t in uploaded["tasks"]]
     assert all(t["key"].startswith(m["key"] + "@") for t, m in zip(job["tasks"], uploaded["tasks"]))
-    assert job["config"] == {"strategy": "gradient", "seed": 1, "batch_size": 4}  # 40 trials, 4 tasks
+    # 40 trials, 4 tasks; convolutions also by Winograd unless the job says no
+    assert job["config"] == {"strategy": "gradient", "seed": 1, "batch_size": 4, "algorithms": ["winograd"]}
     assert job["artifact"] == {"available": False, "sha256": None, "size": None}
     assert farm["client"].get(f"/v1/jobs/{job['id']}", headers=auth(farm)).json() == job
+    plain = _job(farm, model_id=uploaded["id"], device_class=CLASS, trial_budget=40, winograd=False).json()
+    assert plain["config"]["algorithms"] == []
 
 
 def test_a_tasks_alternatives_are_shown_within_its_row(farm, uploaded):

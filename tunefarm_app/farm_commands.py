@@ -3,7 +3,8 @@ TUNEFARM_SERVER; the team token from TUNEFARM_TOKEN or `--token-file PATH`, neve
 command line, where `ps` shows it):
 
   tunefarm submit MODEL.onnx [--input-shape x=1,3,224,224] --device-class C --trials N
-                  [--latency-target MS] [--strategy gradient|round-robin] [--seed S] [--follow [--retry-secs S]]
+                  [--latency-target MS] [--strategy gradient|round-robin] [--seed S] [--no-winograd]
+                  [--follow [--retry-secs S]]
   tunefarm status ID [--follow [--retry-secs S]] [--json]
   tunefarm fetch ID --out DIR [--records]
   tunefarm cancel ID
@@ -40,6 +41,8 @@ def add_commands(sub) -> None:
                    help="stop once the estimated latency is at most MS milliseconds (as tune takes it)")
     s.add_argument("--strategy", choices=["gradient", "round-robin"], default="gradient", help="task scheduler")
     s.add_argument("--seed", type=int, default=1, help="seed of the job's search (default 1)")
+    s.add_argument("--no-winograd", action="store_true",
+                   help="tune 3x3 stride-1 convolutions only as they are, not also by Winograd (as tune takes it)")
     s.add_argument("--name", help="the model's name (default: the file name)")
     s.add_argument("--follow", action="store_true",
                    help="show the live progress table until the job ends (retries a lost connection)")
@@ -140,6 +143,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             latency_target_secs=target,
             strategy=args.strategy,
             seed=args.seed,
+            winograd=False if args.no_winograd else None,  # None: the farm's default (on)
         )
         print(f"job        {job['id']}: {job['state']} on {job['device_class']}, {job['trial_budget']} trials")
         if not args.follow:

@@ -40,6 +40,7 @@ from services.db.jobs import ACTIVE_JOB_STATES, TaskDetail
 from services.db.models import Agent, DeviceClass, Job, Model
 from services.db.session import Session, SessionFactory, transaction
 from services.db.states import JobState
+from tunefarm.models.alternatives import ALGORITHMS
 from tunefarm.models.finish import batch_size_for
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
 from tunefarm.models.timing import speedup
@@ -142,6 +143,7 @@ def create_job(
             "strategy": body.strategy,
             "seed": body.seed,
             "batch_size": batch_size_for(body.trial_budget, len(tasks)),
+            "algorithms": list(ALGORITHMS) if body.winograd else [],
         },
         tasks=tasks,
         task_key_suffix=target_key(device_class.target),

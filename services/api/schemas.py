@@ -88,6 +88,11 @@ class JobCreate(BaseModel):
     )
     strategy: Literal["gradient", "round-robin"] = Field(default="gradient", description="the task scheduler")
     seed: int = Field(default=1, ge=1, le=SEED_MAX)
+    winograd: bool = Field(
+        default=True,
+        description="also tune each 3x3 stride-1 convolution by Winograd F(m x m, 3 x 3) and take it where it "
+        "measures faster (CPU classes; false: the convolutions as they are)",
+    )
 
 
 class JobTaskAlternativePublic(BaseModel):

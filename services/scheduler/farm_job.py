@@ -242,9 +242,13 @@ class FarmJob:
         )
 
     def algorithms(self) -> tuple[str, ...]:
-        """The other algorithms the job's tasks are also tuned by (`ALGORITHMS`; none on a
-        GPU class, as `tunefarm tune` does)."""
-        return () if is_gpu(self.setup.target) else ALGORITHMS
+        """The other algorithms the job's tasks are also tuned by: the job's choice
+        (`JobCreate.winograd`; a job made before the choice existed: `ALGORITHMS`), none on a
+        GPU class, as `tunefarm tune` does."""
+        if is_gpu(self.setup.target):
+            return ()
+        chosen = self.setup.config.get("algorithms", ALGORITHMS)
+        return tuple(a for a in ALGORITHMS if a in chosen)
 
     def start(self) -> None:
         """Build the session, resume it from Postgres and adopt the batches in flight."""
