@@ -4,6 +4,7 @@ processes, the client's reading of the API's errors."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -11,6 +12,7 @@ pytest.importorskip("httpx")
 
 import httpx  # noqa: E402
 
+from tunefarm.errors import UsageError  # noqa: E402
 from tunefarm_app.cli import main  # noqa: E402
 from tunefarm_app.farm_client import ClientSettings, FarmClient, FarmError  # noqa: E402
 
@@ -359,3 +361,32 @@ def test_farm_ups_supervisor_waits_longer_after_each_death_and_gives_up_on_five_
     assert delays == [1.0, 2.0, 4.0, 1.0, 2.0] and not life.given_up
     delays, life = lives([20.0, 20.0, 20.0] + [1.0] * 5)  # then a crash loop, 8 to 60 s apart
     assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, None] and life.given_up
+
+
+def test_farm_ups_restart_delays_are_operator_settings_and_a_bad_one_fails_farm_up(tmp_path, capsys, monkeypatch):
+    """TUNEFARM_RESTART_FIRST_DELAY_SECS and TUNEFARM_RESTART_MAX_DELAY_SECS set the
+    supervisor's delays; a bad value fails `farm up` with one line before anything starts."""
+    from tunefarm_app.cli import main
+    from tunefarm_app.farm_supervisor import RestartPolicy
+
+    assert RestartPolicy.from_environment({}) == RestartPolicy()
+    policy = RestartPolicy.from_environment({"TUNEFARM_RESTART_FIRST_DELAY_SECS": "0.25",
+                                             "TUNEFARM_RESTART_MAX_DELAY_SECS": "2"})  # fmt: skip
+    assert (policy.first_delay, policy.max_delay) == (0.25, 2.0)
+    assert (policy.give_up_deaths, policy.quick_death_secs) == (5, 10.0)  # what gives a process up stays
+    bad = [
+        ({"TUNEFARM_RESTART_FIRST_DELAY_SECS": "soon"}, "TUNEFARM_RESTART_FIRST_DELAY_SECS must be a number"),
+        ({"TUNEFARM_RESTART_MAX_DELAY_SECS": "0"}, "TUNEFARM_RESTART_MAX_DELAY_SECS must be a positive number"),
+        ({"TUNEFARM_RESTART_FIRST_DELAY_SECS": "nan"}, "must be a positive number of seconds, not 'nan'"),
+        ({"TUNEFARM_RESTART_FIRST_DELAY_SECS": "5", "TUNEFARM_RESTART_MAX_DELAY_SECS": "2"},
+         "TUNEFARM_RESTART_MAX_DELAY_SECS (2) must be at least TUNEFARM_RESTART_FIRST_DELAY_SECS (5)"),
+    ]
+    for env, words in bad:
+        with pytest.raises(UsageError, match=re.escape(words)):
+            RestartPolicy.from_environment(env)
+    monkeypatch.setenv("TUNEFARM_RESTART_MAX_DELAY_SECS", "-1")
+    state_dir = tmp_path / "farm"
+    assert main(["farm", "up", "--state-dir", str(state_dir), "--database-url", "postgresql://nowhere/none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "TUNEFARM_RESTART_MAX_DELAY_SECS must be a positive number of seconds, not '-1'" in err, err
+    assert len(err.splitlines()) == 1 and not state_dir.exists()  # nothing started

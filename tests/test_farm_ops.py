@@ -187,6 +187,8 @@ QUICK_FARM = {  # the farm's processes read these from the environment farm up p
     "TUNEFARM_SWEEP_INTERVAL_SECS": "0.5",
     "TUNEFARM_AGENT_RECONNECT_MAX_SECS": "1",
     "TUNEFARM_COST_MODEL_WARMUP": "8",
+    "TUNEFARM_RESTART_FIRST_DELAY_SECS": "0.2",  # the supervisor's delays (1 s doubling to 60 s by default)
+    "TUNEFARM_RESTART_MAX_DELAY_SECS": "1",
 }
 
 

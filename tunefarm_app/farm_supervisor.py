@@ -11,14 +11,22 @@ stays, as the supervisor (`supervisor` in farm.json: its pid and log):
 
 - a process of the farm that exits, whatever its status, is logged with its exit status
   and the tail of its log, and started again after a delay (`RestartPolicy`): 1 s,
-  doubling with each further death up to 60 s; one that had run for a minute starts
-  again after 1 s;
+  doubling with each further death up to 60 s (both settings, below); one that had run
+  for a minute starts again after the first delay;
 - one that died 5 times in a row within 10 s of starting (a crash loop) is given up,
   however long the delays between its starts had grown: a line in farm.log, `given_up` in
   farm.json, and `tunefarm farm status` says so (`farm down` then `farm up` start it
   again);
 - `farm down` stops the supervisor first (SIGTERM: it exits and leaves the processes to
   `down`), so that nothing is started again while the farm stops.
+
+Its settings, read by `farm up` from its environment (`RestartPolicy.from_environment`; a
+bad value fails `farm up` with exit 2 before anything starts):
+
+| variable | default | meaning |
+|---|---|---|
+| TUNEFARM_RESTART_FIRST_DELAY_SECS | 1 | the delay before a process that died starts again, after a good run |
+| TUNEFARM_RESTART_MAX_DELAY_SECS | 60 | the delay doubles with each death in a row up to this (at least the first delay) |
 
 A detached supervisor rather than `farm up` in the foreground: `farm up` returns once the
 farm is up, as scripts and tests expect. `farm_local.up` itself (tests, benches) starts a
@@ -35,7 +43,7 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -65,6 +73,31 @@ class RestartPolicy:
     good_run_secs: float = 60.0  # a process that ran this long before dying had a good run
     give_up_deaths: int = 5  # this many quick deaths in a row: given up
     quick_death_secs: float = 10.0  # a death this soon after its start is a quick one
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] = os.environ) -> RestartPolicy:
+        """The policy with the delays the environment sets (module docstring: the
+        TUNEFARM_RESTART_* variables); `UsageError` naming a bad value."""
+        first = _positive_secs(env, "TUNEFARM_RESTART_FIRST_DELAY_SECS", cls.first_delay)
+        most = _positive_secs(env, "TUNEFARM_RESTART_MAX_DELAY_SECS", cls.max_delay)
+        if most < first:
+            raise UsageError(f"TUNEFARM_RESTART_MAX_DELAY_SECS ({most:g}) must be at least "
+                             f"TUNEFARM_RESTART_FIRST_DELAY_SECS ({first:g})")  # fmt: skip
+        return cls(first_delay=first, max_delay=most)
+
+
+def _positive_secs(env: Mapping[str, str], name: str, default: float) -> float:
+    """`env[name]` as a positive, finite number of seconds (`default` when unset or empty)."""
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{name} must be a number of seconds, not {text!r}") from None
+    if not (0 < value < float("inf")):
+        raise UsageError(f"{name} must be a positive number of seconds, not {text!r}")
+    return value
 
 
 @dataclass
@@ -143,7 +176,7 @@ class Supervisor:
                       "the end of %s:\n%s", name, how, ran, reason, path, tail)  # fmt: skip
             notes |= {"running": False, "given_up": reason}
         else:
-            log.warning("%s %s after %.0f s; starting it again in %.0f s; the end of %s:\n%s",
+            log.warning("%s %s after %.0f s; starting it again in %g s; the end of %s:\n%s",
                         name, how, ran, delay, path, tail)  # fmt: skip
         self.farm.supervision[name] = notes
         self.farm.write_state()
@@ -177,19 +210,22 @@ def exit_text(status: int | None) -> str:
 
 
 def up_supervised(
-    state_dir: Path, start: Callable[[Callable[[str], None]], LocalFarm], log_line: Callable[[str], None] = print
+    state_dir: Path,
+    start: Callable[[Callable[[str], None]], LocalFarm],
+    log_line: Callable[[str], None] = print,
+    policy: RestartPolicy = RestartPolicy(),
 ) -> dict[str, Any]:
-    """Start a farm under a detached supervisor (module docstring): `start(log)` runs in
-    the supervisor and returns the farm up (`farm_local.up`), or raises `UsageError`.
-    Returns farm.json once the farm is up; raises `UsageError` with `start`'s reason
-    otherwise."""
+    """Start a farm under a detached supervisor (module docstring) that starts again what
+    dies by `policy`: `start(log)` runs in the supervisor and returns the farm up
+    (`farm_local.up`), or raises `UsageError`. Returns farm.json once the farm is up;
+    raises `UsageError` with `start`'s reason otherwise."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(reader)
-        _be_the_supervisor(Path(state_dir), start, writer)  # never returns
+        _be_the_supervisor(Path(state_dir), start, writer, policy)  # never returns
     os.close(writer)
     return _await_the_farm(Path(state_dir), pid, reader, log_line)
 
@@ -233,7 +269,9 @@ class _StopRequests:
             raise SystemExit(f"farm up was stopped ({signal.Signals(signum).name}) while the farm started")
 
 
-def _be_the_supervisor(state_dir: Path, start: Callable[[Callable[[str], None]], LocalFarm], writer: int) -> None:
+def _be_the_supervisor(
+    state_dir: Path, start: Callable[[Callable[[str], None]], LocalFarm], writer: int, policy: RestartPolicy
+) -> None:
     """The forked child: start the farm, tell farm up, supervise; never returns."""
     status = 1
     report = os.fdopen(writer, "w", buffering=1)
@@ -252,7 +290,7 @@ def _be_the_supervisor(state_dir: Path, start: Callable[[Callable[[str], None]],
         stop.farm_up = True
         _tell(report, up=True)
         report.close()
-        Supervisor(farm).run(lambda: stop.requested)
+        Supervisor(farm, policy).run(lambda: stop.requested)
         farm.supervisor["running"] = False
         farm.write_state()
         status = 0

@@ -215,11 +215,12 @@ def cmd_farm(args: argparse.Namespace) -> int:
 def _farm_up(args: argparse.Namespace) -> int:
     from tunefarm_app.farm_local import FarmConfig
     from tunefarm_app.farm_redis import redact
-    from tunefarm_app.farm_supervisor import up_supervised
+    from tunefarm_app.farm_supervisor import RestartPolicy, up_supervised
     from tunefarm_app.farm_tls import FarmTls
 
     if args.workers < 1 or args.agents < 1:
         raise UsageError("--workers and --agents must be at least 1")
+    policy = RestartPolicy.from_environment()  # its TUNEFARM_RESTART_* delays, checked before anything starts
     tls = None
     tls_flags = (args.tls_ca, args.tls_client_ca, args.agent_tls_cert, args.agent_tls_key, args.tls_server_name)
     if args.tls_cert or args.tls_key:
@@ -245,7 +246,7 @@ def _farm_up(args: argparse.Namespace) -> int:
         tls=tls,
         extra_classes=_extra_classes(args.extra_class),
     )
-    info = up_supervised(config.state_dir, lambda log: _up(config, log))
+    info = up_supervised(config.state_dir, lambda log: _up(config, log), policy=policy)
     print(f"api        {info['api_url']}")
     print(f"dashboard  {info['api_url']}/ui (log in with the team token in farm.json); metrics at /metrics")
     print(f"grpc       {info['grpc_address']}" + (" (TLS)" if info.get("grpc_tls") else " (plaintext)"))
