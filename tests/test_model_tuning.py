@@ -96,7 +96,8 @@ def test_two_models_share_identical_tasks_and_records_export_to_relax(tiny, tmp_
     twin = tmp_path / "twin.onnx"
     twin.write_bytes(tiny.read_bytes())
     out = tmp_path / "both"
-    result = tune_models([tiny, twin], trials=8, out=out, target=TARGET, algorithms=(), log=lambda m: None)
+    result = tune_models([tiny, twin], trials=8, out=out, target=TARGET, algorithms=(), peers=(),
+                         log=lambda m: None)  # fmt: skip
     report = result.report
     assert [m["name"] for m in report["models"]] == ["tiny", "twin"]
     assert len(result.tune.tasks) == len(report["models"][0]["tasks"])  # shared, not doubled
@@ -133,8 +134,8 @@ def test_torch_module_through_the_python_api(tmp_path):
 
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
     x = torch.randn(2, 16)
-    result = tunefarm.tune_model(net, example_inputs=(x,), trials=6, out=tmp_path / "t", target=TARGET,
-                                 log=lambda m: None)
+    result = tunefarm.tune_model(net, example_inputs=(x,), trials=6, out=tmp_path / "t", target=TARGET, peers=(),
+                                 log=lambda m: None)  # fmt: skip
     (model,) = result.report["models"]
     assert model["check"]["ok"] and model["check"]["reference"] == "torch"
 

@@ -243,6 +243,7 @@ def tune_models(
     strategy: str = "gradient",
     latency_targets: Mapping[str, float] | None = None,
     compare_default: bool = False,
+    peers: Sequence[str] | None = None,
     callbacks: Sequence[SessionCallback] = (),
     work_dir: Path | None = None,
     cost_model: Path | None = None,
@@ -257,7 +258,9 @@ def tune_models(
     evolutionary search's parameters (default `SearchConfig()`). `conv_layout`: the
     layout convolutions compute in, a key of `CONV_LAYOUT_CHOICES` ("nhwc" or "model").
     `algorithms`: the other algorithms a task may be computed by, each tuned as an
-    alternative beside it (`tunefarm.models.alternatives`; () for none)."""
+    alternative beside it (`tunefarm.models.alternatives`; () for none). `peers`: the
+    engines each tuned model is timed beside (None: those installed; (): none; its
+    output is checked against its reference either way)."""
     _check_tune_arguments(trials, out, conv_layout)
     out = Path(out)
     target = target or host_target_dict()
@@ -282,7 +285,7 @@ def tune_models(
     schedules = {c.schedule_key: c.chosen.best.trace for c in chosen.values() if c.chosen is not None}
     outcomes = [
         finish_model(m, out if len(models) == 1 else out / m.name, target, schedules,
-                     compare_default=compare_default, log=log)  # fmt: skip
+                     compare_default=compare_default, peers=peers, log=log)  # fmt: skip
         for m in models
     ]
     by_workload = {t.workload.key: o for t, o in zip(result.tasks, result.outcomes)}

@@ -42,6 +42,10 @@ def add_commands(sub) -> None:
     )
     u.add_argument("--compare-default", action="store_true", help="also time TVM's untuned default build")
     u.add_argument(
+        "--no-peers", dest="no_peers", action="store_true",
+        help="do not time onnxruntime and OpenVINO beside the tuned model (its output is still checked)",
+    )
+    u.add_argument(
         "--no-winograd", action="store_true",
         help="tune 3x3 stride-1 convolutions only as they are, not also by Winograd F(m x m, 3 x 3)",
     )
@@ -213,6 +217,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         latency_targets=targets,
         compare_default=args.compare_default,
+        peers=() if args.no_peers else None,
         callbacks=callbacks,
         work_dir=args.work_dir,
         cost_model=cost_model_file(args, target),

@@ -222,12 +222,14 @@ def finish_model(
     schedules: Mapping[str, Any],
     *,
     compare_default: bool = False,
+    peers: Sequence[str] | None = None,
     log: Callable[[str], None] = lambda msg: None,
 ) -> ModelOutcome:
     """Build `m` with the best schedules (workload key -> trace; a task without one keeps
     TVM's default build) into `directory`, run it, check its output against the
-    reference and time it. A mismatch is an error: the library is removed and the
-    outcome says why."""
+    reference and time it, beside the engines of `peers` (None: those installed,
+    `peers.available_peers()`; (): none, and no OpenVINO layers in the per-task
+    breakdown). A mismatch is an error: the library is removed and the outcome says why."""
     keys = {t.key: schedule_key(t, schedules) for t in m.tasks.tasks}  # its own, or an alternative's
     mine = {k: schedules[k] for k in keys.values() if k is not None}
     missing = [t.name for t in m.tasks.tasks if keys[t.key] is None]
@@ -252,10 +254,11 @@ def finish_model(
     if m.reference_onnx is not None:
         (directory / REFERENCE_NAME).write_bytes(m.reference_onnx)
     on_gpu = is_gpu(target)
-    # the tuned model, onnxruntime and OpenVINO in alternating blocks: a noisy minute hits all
     # (not beside a GPU's model: the peers run on the CPU; `tunefarm bench gpu` times the GPU's)
+    peers = () if on_gpu else tuple(available_peers() if peers is None else peers)
+    # the tuned model, onnxruntime and OpenVINO in alternating blocks: a noisy minute hits all
     timed = time_side_by_side({"tuned": directory}, feeds, threads=threads, onnx_model=m.reference_onnx,
-                              peers=() if on_gpu else None)  # fmt: skip
+                              peers=peers)  # fmt: skip
     latency = timed["tuned"].as_report()
     ort_latency = timed[ONNXRUNTIME].as_report() if ONNXRUNTIME in timed else None
     ov_latency = timed[OPENVINO].as_report() if OPENVINO in timed else None
@@ -271,7 +274,7 @@ def finish_model(
         default_latency = d.latency.as_report() if d.latency else None
     if on_gpu:  # the per-kernel profile reads the CPU's kernels
         return ModelOutcome(m.name, directory, latency, checked, default_latency, measured_on=_gpu_here())
-    breakdown = profile_breakdown(m, directory, feeds, target, log)
+    breakdown = profile_breakdown(m, directory, feeds, target, log, beside_openvino=OPENVINO in peers)
     return ModelOutcome(
         m.name, directory, latency, checked, default_latency, ort_latency, ov_latency, breakdown=breakdown
     )
@@ -329,11 +332,12 @@ def _failed_check(
 
 def profile_breakdown(
     m: LoadedModel, directory: Path, feeds: Mapping[str, np.ndarray], target: dict[str, Any],
-    log: Callable[[str], None],
+    log: Callable[[str], None], beside_openvino: bool = True,
 ) -> dict | None:
     """`tunefarm.models.profile` on the built model: the latency against the kernel calls,
-    and per task what holds it back. None (and a log line) when profiling fails: it is
-    an explanation, never a reason to lose a tuned model."""
+    and per task what holds it back (with `beside_openvino`, OpenVINO's matching layers
+    where it is installed). None (and a log line) when profiling fails: it is an
+    explanation, never a reason to lose a tuned model."""
     from tunefarm.models.profile import in_model_breakdown, kernel_symbols, profile_model
     from tunefarm.target import num_cores
 
@@ -346,7 +350,7 @@ def profile_breakdown(
         log(f"{m.name}: no per-task breakdown: {exc}")
         return None
     rows = in_model_breakdown(m.tasks, prof)
-    if m.reference_onnx is not None and OPENVINO in available_peers():
+    if beside_openvino and m.reference_onnx is not None and OPENVINO in available_peers():
         _beside_openvino(m, directory / REFERENCE_NAME, feeds, num_cores(target), rows, log)
     return {
         "latency": prof.latency,
