@@ -245,20 +245,22 @@ def finish_model(
         schedules=mine,
         name=m.name,
     )
-    result = check_built(m, directory)
-    checked = result.as_report()
-    if not result.ok:
-        return _failed_check(m, directory, target, mine, result, log)
-    feeds = model_inputs(m)
     threads = model_threads(directory)
-    if m.reference_onnx is not None:
-        (directory / REFERENCE_NAME).write_bytes(m.reference_onnx)
     on_gpu = is_gpu(target)
     # (not beside a GPU's model: the peers run on the CPU; `tunefarm bench gpu` times the GPU's)
     peers = () if on_gpu else tuple(available_peers() if peers is None else peers)
-    # the tuned model, onnxruntime and OpenVINO in alternating blocks: a noisy minute hits all
-    timed = time_side_by_side({"tuned": directory}, feeds, threads=threads, onnx_model=m.reference_onnx,
-                              peers=peers)  # fmt: skip
+    feeds = model_inputs(m)
+    with model_worker(threads) as worker:  # the check's child times the model too: one `import tvm`
+        result = check_built(m, directory, worker=worker)
+        if not result.ok:
+            worker.close()
+            return _failed_check(m, directory, target, mine, result, log)
+        if m.reference_onnx is not None:
+            (directory / REFERENCE_NAME).write_bytes(m.reference_onnx)
+        # the tuned model, onnxruntime and OpenVINO in alternating blocks: a noisy minute hits all
+        timed = time_side_by_side({"tuned": directory}, feeds, threads=threads, onnx_model=m.reference_onnx,
+                                  peers=peers, workers={"tuned": worker})  # fmt: skip
+    checked = result.as_report()
     latency = timed["tuned"].as_report()
     ort_latency = timed[ONNXRUNTIME].as_report() if ONNXRUNTIME in timed else None
     ov_latency = timed[OPENVINO].as_report() if OPENVINO in timed else None

@@ -214,6 +214,7 @@ def time_side_by_side(
     rounds: int = ROUNDS,
     budget_secs: float | None = None,
     timeout: float = RUN_TIMEOUT,
+    workers: Mapping[str, IsolatedWorker] | None = None,
 ) -> dict[str, Latency]:
     """The latency of each built model (name -> model directory) and, when `onnx_model`
     (bytes, path or ModelProto) is given, of each engine of `peers` (default: those
@@ -221,20 +222,25 @@ def time_side_by_side(
     `peers.OPENVINO`). Each runs in its own child process with `threads` threads, on the
     same `inputs` (name -> array), in `rounds` alternating blocks
     (`timing.time_interleaved`): `runs` samples each, or `budget_secs` of them (default
-    `timing.BUDGET_SECS` per contender). Raises `ModelError` when one cannot be run."""
+    `timing.BUDGET_SECS` per contender). A build named in `workers` is timed in that
+    worker (a `model_worker` of `threads` threads the caller has, e.g. the one its check
+    ran in: one `import tvm` fewer; left open). Raises `ModelError` when one cannot be run."""
     peer_names = tuple(available_peers() if peers is None else peers) if onnx_model is not None else ()
     if set(builds) & set(peer_names):
         raise ValueError(f"a build may not be named like a peer ({', '.join(peer_names)})")
     tmp = tempfile.mkdtemp(prefix="tunefarm-timing-")
-    workers: list[IsolatedWorker] = []
+    owned: list[IsolatedWorker] = []
     blocks = {}
     try:
         for i, (name, model_dir) in enumerate(builds.items()):
             manifest = load_manifest(model_dir)
             npz = os.path.join(tmp, f"inputs-{i}.npz")
             np.savez(npz, *_ordered_inputs(manifest["inputs"], inputs))
-            worker = model_worker(threads)
-            workers.append(worker)
+            if workers and name in workers:
+                worker = workers[name]
+            else:
+                worker = model_worker(threads)
+                owned.append(worker)
             lib = str(Path(model_dir) / manifest["library"])
             blocks[name] = timing_block(worker, name, f"{_JOBS}:tvm_block_job", (lib, npz), timeout)
         if peer_names:
@@ -244,12 +250,12 @@ def time_side_by_side(
             np.savez(npz, **dict(inputs))
             for peer in peer_names:
                 worker = IsolatedWorker(name=f"{peer}-timing")
-                workers.append(worker)
+                owned.append(worker)
                 blocks[peer] = timing_block(worker, peer, f"{_JOBS}:peer_block_job", (peer, model_path, npz, threads), timeout)
         kwargs = {} if budget_secs is None else {"budget_secs": budget_secs}
         return time_interleaved(blocks, runs=runs, rounds=rounds, **kwargs)
     finally:
-        for worker in workers:
+        for worker in owned:
             worker.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
