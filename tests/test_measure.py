@@ -377,6 +377,19 @@ def test_worker_preload_failure_is_reported():
         assert out.status is CallStatus.CRASHED and "no_such_module_here" in out.message
 
 
+def test_a_worker_without_torch_runs_tvm_and_cannot_import_torch():
+    """`WITHOUT_TORCH` (the builders', runners' and model workers' children): `import tvm`
+    does not pull in torch (tvm_ffi imports it whenever it is installed), and an import of
+    it fails as if it were not installed."""
+    from tunefarm.isolation import WITHOUT_TORCH
+
+    with IsolatedWorker(preload=["tvm"], blocked_imports=WITHOUT_TORCH) as w:
+        assert w.call("tunefarm.target:host_target_dict", timeout=60).ok  # TVM works
+        assert w.call("sys:modules.get", "torch", timeout=10).value is None  # not imported
+        out = w.call("importlib:import_module", "torch", timeout=10)
+        assert out.status is CallStatus.RAISED and out.message.startswith("ModuleNotFoundError"), out.message
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -27,7 +27,10 @@ Child life cycle::
     EOF on the socket (parent closed or died) -> exit
 
 The start-up (spawn + preload) is not counted against a call's timeout; it has its own
-limit, `start_timeout`.
+limit, `start_timeout`. A child given `blocked_imports` cannot import those modules (an
+import fails as if they were not installed): `WITHOUT_TORCH` for a child that runs TVM's
+code only, since TVM's FFI imports torch whenever it is installed (seconds of every
+start, more than TVM itself) and nothing such a child runs uses it.
 
 A worker given a `Sandbox` (a device agent's kernel runner: it loads code that came over
 the network) starts its child with fewer rights, as far as the OS allows
@@ -72,13 +75,18 @@ DEFAULT_START_TIMEOUT = 120.0
 """Seconds a child may take to start and import its preload modules (tvm takes ~2 s idle,
 much longer on a loaded machine)."""
 
+WITHOUT_TORCH = ("torch",)
+"""`blocked_imports` of a child that runs TVM's code only (builds, kernels, built models):
+tvm_ffi imports torch at `import tvm` when it is installed, which no such child uses."""
+
 LOG_ROTATE_BYTES = 1 << 20
 """The child's log file is emptied before a call once it is larger than this."""
 
 _CHILD_BOOTSTRAP = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
     "from tunefarm.isolation import _child_main; "
-    "_child_main(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5]))"
+    "_child_main(int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5]), "
+    "json.loads(sys.argv[6]))"
 )
 
 
@@ -111,7 +119,8 @@ class IsolatedWorker:
     """One child process executing calls by import path, one at a time.
 
     `env` entries are added to the child's environment (e.g. ``TVM_NUM_THREADS``);
-    `preload` modules are imported when the child starts, before any timed call. Calls
+    `preload` modules are imported when the child starts, before any timed call;
+    `blocked_imports` cannot be imported in the child (e.g. `WITHOUT_TORCH`). Calls
     are serialised by a lock, so one worker may be shared by threads, but it does one
     thing at a time. With `memory_limit_bytes`, the child's address space is capped
     (`limit_address_space`): an allocation past it fails in the child (a `MemoryError`,
@@ -131,8 +140,10 @@ class IsolatedWorker:
         sandbox: Sandbox | None = None,
         cwd: str | os.PathLike[str] | None = None,
         scrub_secrets: bool = False,
+        blocked_imports: list[str] | tuple[str, ...] = (),
     ):
         self.env = dict(env or {})
+        self.blocked_imports = list(blocked_imports)
         self.scrub_secrets = scrub_secrets or sandbox is not None
         self.memory_limit_bytes = memory_limit_bytes
         self.preload = list(preload)
@@ -217,6 +228,7 @@ class IsolatedWorker:
             str(lifeline_r),
             json.dumps(self.preload),
             json.dumps(asdict(self.sandbox) if self.sandbox is not None else None),
+            json.dumps(self.blocked_imports),
         ]
         with open(self.log_path, "ab") as log:
             try:
@@ -462,8 +474,12 @@ def _kill_children_at_exit() -> None:
 # -- child side ---------------------------------------------------------------------------
 
 
-def _child_main(fd: int, lifeline: int, preload: list[str], sandbox: dict[str, Any] | None = None) -> None:
+def _child_main(
+    fd: int, lifeline: int, preload: list[str], sandbox: dict[str, Any] | None = None, blocked: list[str] = ()
+) -> None:
     """Entry point of the child process (see the module docstring for the protocol)."""
+    for module in blocked:
+        sys.modules[module] = None  # `import module` raises ImportError, as if it were not installed
     spec = Sandbox(**sandbox) if sandbox is not None else None
     # User and mount namespaces need a process with one thread: before the lifeline thread.
     entered = enter_unprivileged(spec) if spec is not None and os.geteuid() != 0 else None

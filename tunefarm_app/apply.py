@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunefarm.errors import RecordError
-from tunefarm.isolation import IsolatedWorker
+from tunefarm.isolation import WITHOUT_TORCH, IsolatedWorker
 from tunefarm.records import MeasureRecord
 from tunefarm.store import JsonlRecordStore
 
@@ -63,7 +63,7 @@ def build_best(best: BestKernel, out_path: str | Path, timeout: float = 600.0) -
     with tempfile.TemporaryDirectory(prefix="tunefarm-apply-") as tmp:
         workload = Path(tmp) / "workload.json"
         workload.write_text(best.workload_json)
-        with IsolatedWorker(preload=["tvm"], name="apply-best") as worker:
+        with IsolatedWorker(preload=["tvm"], name="apply-best", blocked_imports=WITHOUT_TORCH) as worker:
             outcome = worker.call(
                 "tunefarm.measure.builder:build_module",
                 str(workload),

@@ -40,7 +40,7 @@ from typing import Any
 
 from services.protocol.errors import BadRequest
 from tunefarm.isa import AARCH64_EXTENSIONS, X86_EXTENSIONS, arch_family, cpuinfo_flags, cpuinfo_model
-from tunefarm.isolation import IsolatedWorker
+from tunefarm.isolation import WITHOUT_TORCH, IsolatedWorker
 from tunefarm.target import physical_cores
 
 AGENT_VERSION = "1"
@@ -192,7 +192,7 @@ def _cpuinfo_family(text: str) -> str:
 
 def probe_worker(timeout: float = PROBE_TIMEOUT_SECS) -> IsolatedWorker:
     """An isolated child with TVM imported, for `probe_tvm` and `missing_for_target`."""
-    return IsolatedWorker(preload=["tvm"], name="probe", start_timeout=timeout)
+    return IsolatedWorker(preload=["tvm"], name="probe", start_timeout=timeout, blocked_imports=WITHOUT_TORCH)
 
 
 def probe_in_child(timeout: float = PROBE_TIMEOUT_SECS, worker: IsolatedWorker | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 from tunefarm import cuda
 from tunefarm.export import artifact_suffix, export_library
 from tunefarm.gpu import GpuLimits, is_gpu
-from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
+from tunefarm.isolation import WITHOUT_TORCH, CallStatus, IsolatedWorker, summarize_error
 from tunefarm.records import BuildInput, BuildResult, Stage, TraceJSON, failure_kind
 
 
@@ -71,6 +71,7 @@ class LocalBuilder(Builder):
             IsolatedWorker(
                 env={"TVM_NUM_THREADS": "1"},  # a build runs no kernels; keep TVM's pool small
                 preload=["tvm", __name__],
+                blocked_imports=WITHOUT_TORCH,
                 start_timeout=start_timeout,
                 name=f"builder{i}",
             )

@@ -54,7 +54,7 @@ import numpy as np
 
 from tunefarm import cuda, layout
 from tunefarm.digest import digest
-from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error
+from tunefarm.isolation import WITHOUT_TORCH, CallStatus, IsolatedWorker, summarize_error
 from tunefarm.measure.task_data import TaskData, read_task_data, save_outputs
 from tunefarm.records import ErrorKind, RunInput, RunResult, Stage, TimingConfig, failure_kind
 from tunefarm.sandbox import Sandbox, SandboxStatus
@@ -186,6 +186,7 @@ class LocalRunner(Runner):
         self._worker = IsolatedWorker(
             env={"TVM_NUM_THREADS": str(num_threads)},
             preload=[*SANDBOX_PRELOAD, __name__] if sandbox is not None else ["tvm", __name__],
+            blocked_imports=WITHOUT_TORCH,
             start_timeout=start_timeout,
             name="runner",
             sandbox=sandbox,

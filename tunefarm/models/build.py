@@ -44,7 +44,7 @@ from tunefarm.cuda import CUDA_KERNEL_SUFFIX
 from tunefarm.errors import ModelError
 from tunefarm.export import export_library
 from tunefarm.gpu import is_gpu
-from tunefarm.isolation import IsolatedWorker, summarize_error
+from tunefarm.isolation import WITHOUT_TORCH, IsolatedWorker, summarize_error
 from tunefarm.records import TensorSpec, TraceJSON
 
 LIBRARY_NAME = "model.so"
@@ -357,7 +357,7 @@ def call_isolated(
 ):
     if worker is not None:
         return worker.call(func, *args, timeout=timeout)
-    with IsolatedWorker(env=env, name=f"model-{what}") as own:
+    with IsolatedWorker(env=env, name=f"model-{what}", blocked_imports=WITHOUT_TORCH) as own:
         return own.call(func, *args, timeout=timeout)
 
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from tunefarm.errors import ModelError
 from tunefarm.gpu import is_gpu
-from tunefarm.isolation import IsolatedWorker
+from tunefarm.isolation import WITHOUT_TORCH, IsolatedWorker
 from tunefarm.models import check
 from tunefarm.models.alternatives import DIRECT, Choice, schedule_key
 from tunefarm.models.build import build_default_library, build_model_library, library_name
@@ -318,7 +318,7 @@ def _failed_check(
             return not check_built(m, Path(tmp), worker=runner).ok
 
     try:  # one build process and one run process for every step (one TVM import each)
-        with IsolatedWorker(name="model-build") as builder, model_worker(model_threads(kept.parent)) as runner:
+        with IsolatedWorker(name="model-build", blocked_imports=WITHOUT_TORCH) as builder, model_worker(model_threads(kept.parent)) as runner:
             suspects = find_suspects(tuned, lambda subset: fails(subset, builder, runner))
     except ModelError as exc:
         suspects = Suspects((), 0, f"the bisection could not build the model: {exc}")

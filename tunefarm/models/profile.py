@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from tunefarm.errors import ModelError
-from tunefarm.isolation import IsolatedWorker
+from tunefarm.isolation import WITHOUT_TORCH, IsolatedWorker
 
 PROFILE_TIMEOUT = 300.0
 """Seconds the profiling child may take."""
@@ -130,7 +130,8 @@ def profile_model(
     try:
         npz = os.path.join(tmp, "inputs.npz")
         np.savez(npz, *inputs)
-        with IsolatedWorker(env={"TVM_NUM_THREADS": str(threads)}, name="model-profile") as worker:
+        with IsolatedWorker(env={"TVM_NUM_THREADS": str(threads)}, name="model-profile",
+                            blocked_imports=WITHOUT_TORCH) as worker:
             outcome = worker.call(
                 f"{_JOBS}:profile_job",
                 str(Path(model_dir) / manifest["library"]),

@@ -29,7 +29,7 @@ import numpy as np
 
 from tunefarm.cuda import CUDA_KERNEL_SUFFIX
 from tunefarm.errors import ModelError, ModelRunError
-from tunefarm.isolation import IsolatedWorker, summarize_error
+from tunefarm.isolation import WITHOUT_TORCH, IsolatedWorker, summarize_error
 from tunefarm.models import check
 from tunefarm.models.build import MANIFEST_NAME, call_isolated, child_error_text
 from tunefarm.models.check import ModelCheck
@@ -72,7 +72,8 @@ def model_threads(model_dir: str | Path) -> int:
 def model_worker(threads: int) -> IsolatedWorker:
     """A child process for `run_model` calls with a TVM thread pool of `threads` threads
     (several calls share it: one `import tvm`)."""
-    return IsolatedWorker(env={"TVM_NUM_THREADS": str(threads)}, preload=["tvm"], name="model-run")
+    return IsolatedWorker(env={"TVM_NUM_THREADS": str(threads)}, preload=["tvm"], name="model-run",
+                          blocked_imports=WITHOUT_TORCH)
 
 
 def run_model(
