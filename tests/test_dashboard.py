@@ -366,7 +366,8 @@ def test_a_running_job_is_cancelled_from_its_page(served, browser, db_sessions):
     # A queued job is cancelled at once, as by POST /v1/jobs/{id}/cancel.
     browser.get(f"{base}/ui/jobs/{queued}")
     click(browser, "#cancel-job")
-    wait_until(browser, lambda d: by_css(d, "#job-state") and by_css(d, "#job-state")[0].text == "cancelled")
+    # one look at the page per try: the cancel form's answer may replace it between two
+    wait_until(browser, lambda d: [e.text for e in by_css(d, "#job-state")] == ["cancelled"])
     assert _job_row(db_sessions, queued) == ("cancelled", True)
     # Cancelling a job that has ended: the API's 409, as a page.
     r = httpx.post(f"{base}/ui/jobs/{queued}/cancel", cookies=session_cookie(browser), headers={"Origin": base})
