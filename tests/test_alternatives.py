@@ -17,6 +17,7 @@ from tunefarm.models.alternatives import (
     algorithm_of,
     choose,
     is_alternative_key,
+    rounds_with_alternatives,
     schedule_key,
 )
 from tunefarm.records import Candidate, ErrorKind, MeasureRecord
@@ -26,6 +27,23 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 
 TARGET = {"kind": "llvm", "num-cores": 2}
+
+
+def test_rounds_are_sized_for_the_tasks_and_their_alternatives_together():
+    """The rounds a run gives a model's tasks and alternatives (embedded, and a farm job
+    whose API sized its rounds for the model's tasks alone): each of them gets about three
+    rounds, none larger than the API's, and no alternatives when a round each is more than
+    the budget."""
+    from tunefarm.search.config import batch_size_for
+
+    api_rounds = batch_size_for(500, 28)  # ResNet-18's 28 tasks: 5 per round
+    assert api_rounds == 5
+    assert rounds_with_alternatives(500, 28 + 16, largest=api_rounds) == 4  # 16 alternatives: rounds shrink
+    assert rounds_with_alternatives(2000, 28 + 16, largest=api_rounds) == api_rounds  # never larger than the API's
+    assert rounds_with_alternatives(2000, 28 + 16) == 15
+    assert rounds_with_alternatives(32, 4 + 4) == 4  # 8 rounds of 4: a warm-up round each
+    assert rounds_with_alternatives(20, 4 + 4) == 2  # rounds shrink to give each its warm-up round
+    assert rounds_with_alternatives(7, 4 + 4) is None  # 7 trials cannot give 8 tasks a round each
 
 
 def _member(name: str, cost: float | None, trials: int = 4) -> Member:

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 from onnx import TensorProto, helper  # noqa: E402
 
 from tunefarm.models import examples  # noqa: E402
-from tunefarm.models.finish import batch_size_for  # noqa: E402
+from tunefarm.search.config import batch_size_for  # noqa: E402
 from tunefarm.search.session import SessionCallback  # noqa: E402
 from tunefarm.store import JsonlRecordStore  # noqa: E402
 from tunefarm.tune import tune_models  # noqa: E402

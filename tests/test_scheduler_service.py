@@ -74,3 +74,33 @@ def test_the_archive_round_trips_and_refuses_strange_entries(tmp_path):
     assert not (tmp_path / "escape.txt").exists()
 
 
+
+
+def test_unconfirmed_bests_name_only_kernels_that_would_have_changed_the_model():
+    """A task's unconfirmed fastest kernel is listed (the model uses a slower confirmed one);
+    an alternative's unconfirmed best is listed only when it beats what its task took."""
+    from services.scheduler.farm_job import unconfirmed_bests
+    from tunefarm.models.alternatives import Member, choices
+    from tunefarm.records import Candidate, ErrorKind, MeasureRecord
+
+    def record(name: str, cost: float, n: int) -> MeasureRecord:
+        return MeasureRecord(
+            task=f"{name}@t", workload=name, target={}, sketch=0, sketch_sig="s",
+            decisions=Candidate.make(0, {"x": n}).decisions, trace=[], costs=(cost,), error_kind=ErrorKind.NONE,
+            error_msg="", build_secs=0.0, run_secs=0.0, verified=True, timestamp=0.0,
+        )  # fmt: skip
+
+    conv, w2, w4, add = "conv", "conv+winograd2", "conv+winograd4", "add"
+    searched = {
+        conv: (conv, record(conv, 5.0, 1)),  # confirmed
+        w2: (w2, record(w2, 7.0, 2)),  # unconfirmed, slower than the direct program the model took
+        w4: (w4, record(w4, 3.0, 3)),  # unconfirmed, faster: it would have been taken
+        add: (add, record(add, 1.0, 4)),  # unconfirmed; the model uses its slower confirmed kernel
+    }
+    confirmed = {conv: searched[conv][1], w2: None, w4: record(w4, 6.0, 5), add: record(add, 2.0, 6)}
+    groups = {conv: [conv, w2, w4], add: [add]}
+    chosen = choices(groups, {k: Member(k, k, confirmed[k], 4) for k in searched})
+    assert chosen[conv].chosen.key == conv
+    assert unconfirmed_bests(searched, confirmed, groups, chosen) == [w4, add]
+    # a task nothing of which was confirmed: its unconfirmed best is listed
+    assert unconfirmed_bests({add: searched[add]}, {add: None}, {add: [add]}, choices({add: [add]}, {add: Member(add, add, None, 4)})) == [add]

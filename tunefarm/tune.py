@@ -46,12 +46,18 @@ from tunefarm.isa import check_runs_on_host
 from tunefarm.measure.builder import LocalBuilder
 from tunefarm.measure.local import LocalMeasurer
 from tunefarm.measure.runner import LocalRunner
-from tunefarm.models.alternatives import ALGORITHMS, Choice, Member, alternatives_of, budget_covers, choices
+from tunefarm.models.alternatives import (
+    ALGORITHMS,
+    Choice,
+    Member,
+    alternatives_of,
+    choices,
+    rounds_with_alternatives,
+)
 from tunefarm.models.finish import (
     RECORDS_NAME,
     REPORT_NAME,
     ModelOutcome,
-    batch_size_for,
     finish_model,
     load_model,
     model_name,
@@ -59,7 +65,7 @@ from tunefarm.models.finish import (
     plain,
 )
 from tunefarm.models.tasks import CONV_LAYOUT_CHOICES, merge_tasks
-from tunefarm.search.config import SearchConfig, TuneConfig
+from tunefarm.search.config import SearchConfig, TuneConfig, batch_size_for
 from tunefarm.search.cost_model import cache as cost_model_cache
 from tunefarm.search.run import TaskOutcome, Timeline, TuningSummary, build_session, summarize
 from tunefarm.search.session import SessionCallback, SessionStats, StoreRecords
@@ -317,7 +323,7 @@ def _task_specs(
     n_alts = len(specs) - len(shared)
     if not n_alts:
         return specs, groups
-    if not budget_covers(trials, batch_size_for(trials, len(specs)), len(specs)):
+    if rounds_with_alternatives(trials, len(specs)) is None:
         log(f"{len(groups)} tasks could also be computed by Winograd, but {trials} trials do not give "
             f"their {n_alts} alternatives a round each: tuned as they are")  # fmt: skip
         return [TaskSpec(t.workload, dict(t.weights)) for t in shared], {}

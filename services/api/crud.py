@@ -41,9 +41,9 @@ from services.db.models import Agent, DeviceClass, Job, Model
 from services.db.session import Session, SessionFactory, transaction
 from services.db.states import JobState
 from tunefarm.models.alternatives import ALGORITHMS
-from tunefarm.models.finish import batch_size_for
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
 from tunefarm.models.timing import speedup
+from tunefarm.search.config import batch_size_for
 from tunefarm.search.task import target_key
 
 # -- models -----------------------------------------------------------------------------------

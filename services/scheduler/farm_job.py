@@ -15,8 +15,10 @@ A CPU class's job also tunes each 3x3 stride-1 convolution task's Winograd alter
 (`tunefarm.models.alternatives`), as `tunefarm tune` does: `start` makes them again from
 the model's task (the same workloads, keys and reference program every time), adds them
 to the job as task rows after the model's (`farm_tasks.add_alternative`: where the build
-workers find their modules, the measurements and confirmations their task), and puts each
-in one task-scheduler group with its task; `finish` takes, per task, the fastest member
+workers find their modules, the measurements and confirmations their task), sizes the
+job's rounds for the model's tasks and the alternatives together (the API, which cannot
+see the alternatives, sized them for the model's tasks), and puts each alternative in one
+task-scheduler group with its task; `finish` takes, per task, the fastest member
 whose best was confirmed, and the build puts that program in the task's place.
 
 Life cycle (driven by `service.SchedulerService`):
@@ -70,7 +72,14 @@ from services.scheduler.shared_model import ClassModel, SharedModelView
 from tunefarm.errors import TunefarmError, WorkloadError
 from tunefarm.gpu import is_gpu
 from tunefarm.measure import MeasureBatch, Measurer
-from tunefarm.models.alternatives import ALGORITHMS, Choice, Member, alternatives_of, budget_covers, choices
+from tunefarm.models.alternatives import (
+    ALGORITHMS,
+    Choice,
+    Member,
+    alternatives_of,
+    choices,
+    rounds_with_alternatives,
+)
 from tunefarm.models.build import build_model_library
 from tunefarm.models.check import exact_onnx_reference
 from tunefarm.models.finish import (
@@ -180,6 +189,9 @@ class FarmJob:
         self.session: TuningSession | None = None
         self.measurer: Measurer | None = None
         self.timeline = Timeline()
+        # Measurements per round: the API sized them for the model's tasks; `start` sizes
+        # them again once the alternatives are known, as `tunefarm tune` does.
+        self.batch_size = int(setup.config.get("batch_size", 32))
         self.first_step_done = setup.start_model_trained_on is not None
         self.started = time.perf_counter()
         # Taken from the session when the search ends (`begin_finishing`), for the report.
@@ -236,7 +248,7 @@ class FarmJob:
         c = self.setup.config
         return TuneConfig(
             trials=self.setup.trial_budget,
-            batch_size=int(c.get("batch_size", 32)),
+            batch_size=self.batch_size,
             seed=int(c.get("seed", 1)),
             strategy=str(c.get("strategy", "gradient")),
         )
@@ -267,8 +279,7 @@ class FarmJob:
             self._add_alternatives({t.key: rows[t.key].id for t in model_tasks}, alternatives)
         # The alternatives come after all the model's tasks (their job task rows too): each
         # group's first member is its task, whose warm-up round comes before any
-        # alternative's (a small budget, whose rounds the API sized for the model's tasks,
-        # still tunes every task of the model).
+        # alternative's (a small budget still tunes every task of the model).
         self.tasks += [alt for _, alt in alternatives]
         self.groups = {t.key: [t.key] for t in model_tasks}
         weights = {t.key: t.weight for t in model_tasks}
@@ -318,7 +329,9 @@ class FarmJob:
     def _alternatives(self, model_tasks: list[ModelTask]) -> list[tuple[ModelTask, SearchTask]]:
         """The alternatives of the model's tasks as search tasks for the class's target,
         each with its task, in the tasks' order; an alternative no sketch fits is left out,
-        and all of them where the budget does not give each a round (`budget_covers`)."""
+        and all of them where the budget does not give each a round. With alternatives,
+        the job's rounds (`batch_size`) become those `tunefarm tune` gives the same tasks
+        (`rounds_with_alternatives`), never larger than the API's."""
         out = []
         for t in model_tasks:
             for alt in alternatives_of(t.workload, self.algorithms()):
@@ -326,11 +339,15 @@ class FarmJob:
                     out.append((t, make_task(alt, self.setup.target)))
                 except WorkloadError as exc:
                     self.log(f"{alt.name} is not tuned: {exc}")
-        c = self.config()
-        if out and not budget_covers(c.trials, c.batch_size, len(model_tasks) + len(out)):
-            self.log(f"{c.trials} trials in batches of {c.batch_size} do not give the {len(out)} Winograd "
-                     "alternatives a round each: the tasks are tuned as they are")  # fmt: skip
+        if not out:
+            return out
+        trials = self.setup.trial_budget
+        batch_size = rounds_with_alternatives(trials, len(model_tasks) + len(out), largest=self.batch_size)
+        if batch_size is None:
+            self.log(f"{trials} trials do not give the {len(out)} Winograd alternatives a round each: "
+                     "the tasks are tuned as they are")  # fmt: skip
             return []
+        self.batch_size = batch_size  # rounds sized for the alternatives too
         return out
 
     def _add_alternatives(self, row_ids: dict[str, int], alternatives: list[tuple[ModelTask, SearchTask]]) -> None:
@@ -414,11 +431,8 @@ class FarmJob:
         self.outcomes = {key: replace(o, best=bests.get(key)) for key, o in self.outcomes.items()}
         chosen = self._choose_members()
         schedules = {c.schedule_key: c.chosen.best.trace for c in chosen.values() if c.chosen is not None}
-        unconfirmed = [
-            t.workload.name
-            for t, tuner in zip(self.tasks, self.tuners)
-            if tuner.state.best is not None and bests.get(t.workload.key) != tuner.state.best
-        ]
+        searched = {t.workload.key: (t.workload.name, tuner.state.best) for t, tuner in zip(self.tasks, self.tuners)}
+        unconfirmed = unconfirmed_bests(searched, bests, self.groups, chosen)
         if unconfirmed:
             self.log(f"the fastest kernels of {', '.join(unconfirmed)} were not confirmed: not used")
         root = self.ctx.artifact_root
@@ -526,6 +540,29 @@ class FarmJob:
             raise JobFailed(str(exc)) from None
 
 
+def unconfirmed_bests(
+    searched: dict[str, tuple[str, MeasureRecord | None]],
+    confirmed: dict[str, MeasureRecord | None],
+    groups: dict[str, list[str]],
+    chosen: dict[str, Choice],
+) -> list[str]:
+    """The names of the tasks and alternatives (`searched`: workload key -> name and the
+    search's best) whose fastest kernel was not confirmed and would have beaten what the
+    model took for their task (its group's `chosen` confirmed program, or the default
+    schedule): the job's `unconfirmed_bests`. An alternative whose unconfirmed best was
+    slower than the program its task took anyway changes nothing, and is not listed."""
+    task_of = {member: task for task, members in groups.items() for member in members}
+    out = []
+    for key, (name, best) in searched.items():
+        if best is None or confirmed.get(key) == best:
+            continue
+        choice = chosen.get(task_of.get(key, key))
+        taken = choice.chosen.best if choice is not None and choice.chosen is not None else None
+        if taken is None or best.cost < taken.cost:
+            out.append(name)
+    return out
+
+
 def job_result(summary: TuningSummary, outcome: ModelOutcome, task_rows: list[dict], unconfirmed: list[str]) -> dict:
     """A finished job's `result` (the API's job, `tunefarm status`): how the search ended,
     the model measured on an agent of its class beside its peers, and its check."""
@@ -542,8 +579,9 @@ def job_result(summary: TuningSummary, outcome: ModelOutcome, task_rows: list[di
             "peer_notes": outcome.peer_notes,
             "tuned_tasks": sum(1 for r in task_rows if r["schedule"] == "tuned"),
             "tasks": len(task_rows),
-            # Tasks whose fastest measured kernel no second measurement confirmed
-            # (the model uses their fastest confirmed one, or the default schedule).
+            # Tasks (and alternatives) whose fastest measured kernel no second measurement
+            # confirmed, where it would have beaten what the model uses: their fastest
+            # confirmed one, another member's, or the default schedule (`unconfirmed_bests`).
             "unconfirmed_bests": unconfirmed,
         }
     )

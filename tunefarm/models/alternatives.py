@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunefarm.records import MeasureRecord
+from tunefarm.search.config import batch_size_for
 from tunefarm.workloads.base import Workload
 
 ALGORITHMS = ("winograd",)
@@ -43,11 +44,13 @@ def alternatives_of(workload: Workload, algorithms: Sequence[str] = ALGORITHMS) 
     return winograd_alternatives(workload) if "winograd" in algorithms else ()
 
 
-def budget_covers(trials: int, batch_size: int, n_tasks: int) -> bool:
-    """Whether `trials` in rounds of `batch_size` give each of `n_tasks` (the model's tasks
-    and their alternatives) a round: below that, alternatives would only cost their
+def rounds_with_alternatives(trials: int, n_tasks: int, largest: int = 32) -> int | None:
+    """Measurements per round for `n_tasks`, a model's tasks and their alternatives
+    together (`batch_size_for` them all, at most `largest`); None when `trials` in such
+    rounds do not give each of them a round: alternatives would then only cost their
     preparation (the model's own tasks warm up first), so a run tunes none."""
-    return trials >= batch_size * n_tasks
+    batch_size = batch_size_for(trials, n_tasks, largest)
+    return batch_size if trials >= batch_size * n_tasks else None
 
 
 def algorithm_of(task_name: str, member_name: str) -> str:

@@ -13,7 +13,6 @@ Map:
 - `load_model` / `LoadedModel`: an imported model, its tasks and its reference
   (onnxruntime on the ONNX graph as given, the module itself for torch); `model_inputs`
   seeds its inputs (the timing input, the first of the check's input kinds);
-- `batch_size_for`: measurements per round for a model's budget and task count;
 - `finish_model`: build with the tasks' best schedules, check it against the reference
   on every input kind (`tunefarm.models.check`; a mismatch beyond float32 noise is an
   error: the library is kept as `model.failed-check.so` and the task to suspect is
@@ -177,15 +176,6 @@ def check_inputs(model: LoadedModel) -> dict[str, dict[str, np.ndarray]]:
 def model_inputs(model: LoadedModel) -> dict[str, np.ndarray]:
     """The timing input: the first input kind's set."""
     return check_inputs(model)[check.INPUT_KINDS[0].name]
-
-
-def batch_size_for(trials: int, n_tasks: int, largest: int = 32) -> int:
-    """Measurements per round: small budgets per task are the normal case in a model, so
-    rounds shrink until every task can get about three (at most `largest`, at least 4
-    unless the budget could not then give every task its warm-up round)."""
-    n_tasks = max(1, n_tasks)
-    floor = max(1, min(4, trials // n_tasks))
-    return int(max(floor, min(largest, trials // (3 * n_tasks))))
 
 
 # -- building and checking ------------------------------------------------------------------

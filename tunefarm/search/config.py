@@ -95,3 +95,12 @@ class TuneConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def batch_size_for(trials: int, n_tasks: int, largest: int = 32) -> int:
+    """Measurements per round: small budgets per task are the normal case in a model, so
+    rounds shrink until every task can get about three (at most `largest`, at least 4
+    unless the budget could not then give every task its warm-up round)."""
+    n_tasks = max(1, n_tasks)
+    floor = max(1, min(4, trials // n_tasks))
+    return int(max(floor, min(largest, trials // (3 * n_tasks))))
