@@ -39,6 +39,7 @@ def report_dict(result: TuneResult) -> dict[str, Any]:
         "seconds_per_trial": round(stats.wall_secs / max(1, new), 4),
         "search_share": round(stats.search_secs / stats.wall_secs, 4) if stats.wall_secs else None,
         "stop_reason": stop_reason(result),
+        "cost_model": result.cost_model.as_report() if result.cost_model else None,
         "curve": [[t, s] for t, s in state.curve],
         "rounds": state.rounds,
         "best_schedule": best_schedule(task, outcome),
@@ -107,4 +108,11 @@ def summary_lines(result: TuneResult) -> list[str]:
             f" + build and measure {stats.measure_secs:.1f} s; {stats.wall_secs / max(1, n):.2f} s per trial"
         )
     lines.append(f"invalid    {state.invalid} sampled programs rejected before measurement")
+    if result.cost_model is not None:
+        lines.append(cost_model_line(result.cost_model.as_report()))
     return lines
+
+
+def cost_model_line(start: dict[str, Any]) -> str:
+    """Which cost model a run started from (`CostModelStart.as_report`), as a summary line."""
+    return f"cost model {start['start']}" + (f" ({start['file']})" if start.get("file") else "")
