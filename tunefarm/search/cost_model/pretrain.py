@@ -388,4 +388,3 @@ def ranking_report(scores: np.ndarray, programs: TrainingPrograms) -> RankingRep
 
 def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else math.nan
-
