@@ -203,8 +203,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from tunefarm.target import parse_target
     from tunefarm.tune import tune_models
     from tunefarm_app.progress import ProgressView
-    from tunefarm_app.report import cost_model_line
-    from tunefarm_app.tuned_report import check_lines, latency_lines
+    from tunefarm_app.tuned_report import check_lines, cost_model_line, latency_lines
 
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")

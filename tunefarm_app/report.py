@@ -7,6 +7,7 @@ from typing import Any
 from tunefarm.search.run import TaskOutcome
 from tunefarm.search.task import SearchTask
 from tunefarm.tune import TuneResult
+from tunefarm_app.tuned_report import cost_model_line
 
 
 def report_dict(result: TuneResult) -> dict[str, Any]:
@@ -112,7 +113,3 @@ def summary_lines(result: TuneResult) -> list[str]:
         lines.append(cost_model_line(result.cost_model.as_report()))
     return lines
 
-
-def cost_model_line(start: dict[str, Any]) -> str:
-    """Which cost model a run started from (`CostModelStart.as_report`), as a summary line."""
-    return f"cost model {start['start']}" + (f" ({start['file']})" if start.get("file") else "")
