@@ -7,7 +7,9 @@ Two ways in:
   run resumable. It builds the run of `tunefarm.search.run` (task scheduler, one
   evolutionary search per task, one shared cost model) over a `LocalMeasurer`. With
   `cost_model_path`, the shared cost model is loaded from that file (when it fits the
-  target) and saved back at the end (`tunefarm.search.cost_model.cache`).
+  target) and saved back at the end (`tunefarm.search.cost_model.cache`); a target
+  without one starts from its nearest cached target's or the shipped pretrained model
+  (`pretrained=False`: not the latter), and the result says which (`cost_model`).
 - `tune_models` (and `tune_model`, `tunefarm.tune_model`): whole models,
   `tunefarm tune model.onnx ... --out tuned/`. One run:
   1. import every model (ONNX through TVM's Relax frontend after simplification, or a
@@ -67,6 +69,7 @@ from tunefarm.models.finish import (
 from tunefarm.models.tasks import CONV_LAYOUT_CHOICES, merge_tasks
 from tunefarm.search.config import SearchConfig, TuneConfig, batch_size_for
 from tunefarm.search.cost_model import cache as cost_model_cache
+from tunefarm.search.cost_model.cache import CostModelStart
 from tunefarm.search.run import TaskOutcome, Timeline, TuningSummary, build_session, summarize
 from tunefarm.search.session import SessionCallback, SessionStats, StoreRecords
 from tunefarm.search.task import SearchTask, make_task
@@ -107,6 +110,7 @@ class TuneResult:
     infos: list[TaskInfo]  # what the task scheduler knew of each task (weights per model)
     summary: TuningSummary
     stats: SessionStats
+    cost_model: CostModelStart | None = None  # which model the run started from
 
     @property
     def trials(self) -> int:
@@ -133,10 +137,12 @@ def tune_tasks(
     cost_model_path: Path | None = None,
     callbacks: Sequence[SessionCallback] = (),
     latency_targets: dict[str, float] | None = None,
+    pretrained: bool = True,
     log: Callable[[str], None] = _stderr,
 ) -> TuneResult:
     """Tune `specs` on `target` within `config.trials` measurements in all (resumed ones
-    included), in embedded mode."""
+    included), in embedded mode. `pretrained`: a target without a cost model of its own
+    may start from the shipped pretrained one (`cost_model_cache.start_cost_model`)."""
     _check_can_measure(config, target)
     specs, tasks = _search_tasks(specs, target, log)
     store = JsonlRecordStore(records)
@@ -150,7 +156,9 @@ def tune_tasks(
         f"{config.trials} trials, seed {config.seed}, {config.strategy} task scheduler"
     )
     log("config " + json.dumps(config.as_dict(), separators=(",", ":"), default=str))
-    model = cost_model_cache.load_cost_model(cost_model_path, target, seed=config.seed, batch_size=config.batch_size, log=log)
+    model, start = cost_model_cache.start_cost_model(
+        cost_model_path, target, seed=config.seed, batch_size=config.batch_size, log=log, pretrained=pretrained
+    )
     learnt = cost_model_cache.learnt_programs(model)
     cores = targets.num_cores(target)
     timeline = Timeline()
@@ -174,7 +182,7 @@ def tune_tasks(
             if cost_model_path is not None:  # what was learnt is kept, interrupted or not
                 cost_model_cache.save_model(model, cost_model_path, target, learnt=learnt, log=log)
     outcomes, summary = summarize(session, timeline)
-    return TuneResult(tasks, [t.state for t in session.tuners], outcomes, session.infos, summary, stats)
+    return TuneResult(tasks, [t.state for t in session.tuners], outcomes, session.infos, summary, stats, start)
 
 
 def _search_tasks(
@@ -217,12 +225,13 @@ def tune_workload(
     work_dir: Path | None = None,
     cost_model_path: Path | None = None,
     callbacks: Sequence[SessionCallback] = (),
+    pretrained: bool = True,
     log: Callable[[str], None] = _stderr,
 ) -> TuneResult:
     """Tune one operator (`tunefarm tune-op`): a session with a single task."""
     return tune_tasks(
         [TaskSpec(workload, {workload.name: 1})], target, config, records=records, work_dir=work_dir,
-        cost_model_path=cost_model_path, callbacks=callbacks, log=log,
+        cost_model_path=cost_model_path, callbacks=callbacks, pretrained=pretrained, log=log,
     )  # fmt: skip
 
 
@@ -256,6 +265,7 @@ def tune_models(
     search: SearchConfig | None = None,
     conv_layout: str = "nhwc",
     algorithms: Sequence[str] = ALGORITHMS,
+    pretrained: bool = True,
     log: Callable[[str], None] = _stderr,
 ) -> ModelTuneResult:
     """Tune one or several models together and write the tuned models to `out`.
@@ -264,7 +274,8 @@ def tune_models(
     evolutionary search's parameters (default `SearchConfig()`). `conv_layout`: the
     layout convolutions compute in, a key of `CONV_LAYOUT_CHOICES` ("nhwc" or "model").
     `algorithms`: the other algorithms a task may be computed by, each tuned as an
-    alternative beside it (`tunefarm.models.alternatives`; () for none). `peers`: the
+    alternative beside it (`tunefarm.models.alternatives`; () for none). `pretrained`:
+    without a cost model of its own, start from the shipped pretrained one. `peers`: the
     engines each tuned model is timed beside (None: those installed; (): none; its
     output is checked against its reference either way)."""
     _check_tune_arguments(trials, out, conv_layout)
@@ -285,7 +296,7 @@ def tune_models(
     result = tune_tasks(
         specs, target, config, records=out / RECORDS_NAME,
         work_dir=work_dir, cost_model_path=cost_model, callbacks=callbacks,
-        latency_targets=latency_targets or None, log=log,
+        latency_targets=latency_targets or None, pretrained=pretrained, log=log,
     )  # fmt: skip
     chosen = _choose_members(shared, groups, result)
     schedules = {c.schedule_key: c.chosen.best.trace for c in chosen.values() if c.chosen is not None}
@@ -299,6 +310,7 @@ def tune_models(
     report = model_report(models, outcomes, by_key, result.summary, target, trials, time.perf_counter() - t_start,
                           choices=chosen)  # fmt: skip
     report["conv_layout"] = conv_layout
+    report["cost_model"] = result.cost_model.as_report() if result.cost_model else None
     report["algorithms"] = list(algorithms)
     (out / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
     return ModelTuneResult(out, outcomes, result, report)

@@ -8,6 +8,7 @@
   tunefarm sketches WORKLOAD [--shape ...]
   tunefarm export-ms RECORDS --out DIR
   tunefarm dataset RECORDS... --out FILE.parquet [--device-class NAME] [--include-errors]
+  tunefarm pretrain DATASET.parquet... --out FILE.npz [--objective squared|rank] [--hold-out-fraction F] [--compare]
   tunefarm report DIR [--html [--out FILE]]
   tunefarm bench ops [--trials N]
   tunefarm bench models [--trials N] [--models resnet18,bert_layer] [--json F]
@@ -28,7 +29,7 @@ import sys
 from pathlib import Path
 
 from tunefarm.errors import TunefarmError, UsageError
-from tunefarm_app import farm_commands, model_commands, operator_commands
+from tunefarm_app import farm_commands, model_commands, operator_commands, pretrain_command
 from tunefarm_app.bench import farm as bench_farm
 from tunefarm_app.bench import farm_load as bench_farm_load
 from tunefarm_app.bench import fastmath as bench_math
@@ -107,6 +108,7 @@ def _add_records_commands(sub) -> None:
     d.add_argument("--out", type=Path, required=True, help="the Parquet file to write (and FILE.json: how it was made)")
     d.add_argument("--device-class", help="the device class the records were measured on (default: from each target)")
     d.add_argument("--include-errors", action="store_true", help="also failed measurements (cost inf)")
+    pretrain_command.add_command(sub)
     e = sub.add_parser("export-ms", help="write the records as a TVM MetaSchedule JSON database")
     e.add_argument("records", type=Path, help="a records file (JSON lines)")
     e.add_argument("--out", type=Path, required=True, help="database directory")
@@ -190,6 +192,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _export_ms(args)
     if args.command == "dataset":
         return _dataset(args)
+    if args.command == "pretrain":
+        return pretrain_command.run(args)
     if args.command == "report":
         return _report(args)
     if args.command == "bench" and args.suite == "models":
@@ -238,6 +242,7 @@ def _tune_op(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         cost_model_path=model_commands.cost_model_file(args, target),
         callbacks=callbacks,
+        pretrained=not args.no_pretrained,
     )
     if not only_json(args):
         for line in summary_lines(result):

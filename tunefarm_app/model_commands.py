@@ -81,7 +81,14 @@ def add_cost_model_args(p) -> None:
     p.add_argument(
         "--no-cost-model-cache",
         action="store_true",
-        help="start from a fresh cost model and keep nothing (without --cost-model)",
+        help="start without the cached cost model and keep nothing (without --cost-model); "
+        "the shipped pretrained model still applies unless --no-pretrained",
+    )
+    p.add_argument(
+        "--no-pretrained",
+        action="store_true",
+        help="without a cost model of its own (file or cache), start from a fresh one, not the "
+        "shipped pretrained model of the target's device family",
     )
 
 
@@ -196,7 +203,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from tunefarm.target import parse_target
     from tunefarm.tune import tune_models
     from tunefarm_app.progress import ProgressView
-    from tunefarm_app.tuned_report import check_lines, latency_lines
+    from tunefarm_app.tuned_report import check_lines, cost_model_line, latency_lines
 
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
@@ -221,6 +228,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         callbacks=callbacks,
         work_dir=args.work_dir,
         cost_model=cost_model_file(args, target),
+        pretrained=not args.no_pretrained,
         conv_layout=args.conv_layout,
         algorithms=() if args.no_winograd else ALGORITHMS,
     )
@@ -243,6 +251,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"trials     {report['trials']} ({report['trials'] - report['resumed_trials']} this run, "
         f"{report['resumed_trials']} resumed); {report['tuning_seconds']:.0f} s tuning, search {share:.0%}"
     )
+    if report.get("cost_model"):
+        print(cost_model_line(report["cost_model"]))
     print(f"report     {args.out / 'report.json'}")
     return 1 if failed else 0
 

@@ -7,6 +7,7 @@ from typing import Any
 from tunefarm.search.run import TaskOutcome
 from tunefarm.search.task import SearchTask
 from tunefarm.tune import TuneResult
+from tunefarm_app.tuned_report import cost_model_line
 
 
 def report_dict(result: TuneResult) -> dict[str, Any]:
@@ -39,6 +40,7 @@ def report_dict(result: TuneResult) -> dict[str, Any]:
         "seconds_per_trial": round(stats.wall_secs / max(1, new), 4),
         "search_share": round(stats.search_secs / stats.wall_secs, 4) if stats.wall_secs else None,
         "stop_reason": stop_reason(result),
+        "cost_model": result.cost_model.as_report() if result.cost_model else None,
         "curve": [[t, s] for t, s in state.curve],
         "rounds": state.rounds,
         "best_schedule": best_schedule(task, outcome),
@@ -107,4 +109,7 @@ def summary_lines(result: TuneResult) -> list[str]:
             f" + build and measure {stats.measure_secs:.1f} s; {stats.wall_secs / max(1, n):.2f} s per trial"
         )
     lines.append(f"invalid    {state.invalid} sampled programs rejected before measurement")
+    if result.cost_model is not None:
+        lines.append(cost_model_line(result.cost_model.as_report()))
     return lines
+

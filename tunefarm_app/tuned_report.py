@@ -244,6 +244,11 @@ def check_lines(check: Mapping[str, Any]) -> list[str]:
 # -- the terminal -----------------------------------------------------------------------------
 
 
+def cost_model_line(start: Mapping[str, Any]) -> str:
+    """Which cost model a run started from (`CostModelStart.as_report`), as a summary line."""
+    return f"cost model {start['start']}" + (f" ({start['file']})" if start.get("file") else "")
+
+
 def print_report(report: Mapping[str, Any], file: Path, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -262,6 +267,8 @@ def print_report(report: Mapping[str, Any], file: Path, console=None) -> None:
     share = report.get("search_share")
     p(f"time       {report['tuning_seconds']:.0f} s tuning ({report['wall_seconds']:.0f} s in all), "
       f"search {share or 0:.0%}, {report['seconds_per_trial']:.2f} s per trial")
+    if report.get("cost_model"):  # reports before the pretrained model have none
+        p(cost_model_line(report["cost_model"]), markup=False)
     for m in report["models"]:
         p()
         p(f"[bold]model      {m['name']}[/bold]")

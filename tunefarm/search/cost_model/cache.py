@@ -21,16 +21,36 @@ A target with no cache file of its own yet starts from the cached model of its n
 target (`tunefarm.search.cost_model.transfer.nearest`: same kind, then architecture family, ISA
 overlap, core count), transferred (`XGBCostModel.transferred`): tune on one machine, then
 another, and the second starts ranked, as a new device class in the farm does.
+
+Where a run's model starts (`start_cost_model`, first that applies; `CostModelStart`
+says which, for the log and the run's report):
+1. "file" / "cache": the run's own file (`--cost-model PATH`, else the target's cache
+   file), when it is there and fits;
+2. "nearest": the nearest cached target's model, transferred (only for the target's
+   cache file, not an explicit `--cost-model`): this machine's own measurements on a
+   similar device. If that model carries a pretrained base (it started from one), the
+   base comes along, scoring for the new target's device descriptor;
+3. "pretrained": the shipped pretrained base of the target's device family
+   (`tunefarm.search.cost_model.pretrained`), unless `pretrained=False`
+   (`--no-pretrained`); with `--no-cost-model-cache` too: the shipped model is part of
+   the package, not what earlier runs left;
+4. "fresh": random scores until the first batch is measured.
+A model started from a base saves it with its own trees, so the target's next run starts
+from both (a file whose base no longer fits this installation is ignored as a whole: its
+own trees were trained on top of that base).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tunefarm.search.cost_model import XGBConfig, XGBCostModel
+from tunefarm.search.cost_model import pretrained as shipped
+from tunefarm.search.cost_model.descriptor import device_descriptor
 from tunefarm.search.features import feature_width
 from tunefarm.search.space.rule_set import rule_set_for
 from tunefarm.search.task import target_key
@@ -72,38 +92,88 @@ def fresh_model(seed: int, batch_size: int) -> XGBCostModel:
     )
 
 
+@dataclass(frozen=True)
+class CostModelStart:
+    """Which model a run started from (module doc): "file" (`--cost-model`), "cache" (the
+    target's cache file), "nearest" (another target's cached model, transferred),
+    "pretrained" (the shipped base) or "fresh"; the file it came from; and the note logged."""
+
+    source: str
+    path: str | None
+    note: str
+
+    def as_report(self) -> dict[str, Any]:
+        return {"start": self.source, "file": self.path, "note": self.note}
+
+
 def load_cost_model(
-    path: Path | None, target: dict[str, Any], *, seed: int, batch_size: int, log: Callable[[str], None]
+    path: Path | None,
+    target: dict[str, Any],
+    *,
+    seed: int,
+    batch_size: int,
+    log: Callable[[str], None],
+    pretrained: bool = True,
 ) -> XGBCostModel:
-    """The model saved at `path` if it is there and fits this target and these features;
-    otherwise (with a warning when a file was there) a fresh one."""
-    if path is None:
-        return fresh_model(seed, batch_size)
-    if not path.exists():
-        nearest = nearest_cached(target) if path == cache_path(target) else None
-        if nearest is None:
-            return fresh_model(seed, batch_size)
-        source, why = nearest
+    """`start_cost_model`'s model."""
+    return start_cost_model(path, target, seed=seed, batch_size=batch_size, log=log, pretrained=pretrained)[0]
+
+
+def start_cost_model(
+    path: Path | None,
+    target: dict[str, Any],
+    *,
+    seed: int,
+    batch_size: int,
+    log: Callable[[str], None],
+    pretrained: bool = True,
+) -> tuple[XGBCostModel, CostModelStart]:
+    """The model a run on `target` starts from and where it came from (module doc): the
+    one saved at `path` if it is there and fits this target and these features (a warning
+    when a file was there and does not), else the nearest cached target's (when `path` is
+    the target's cache file), else the pretrained one (with `pretrained`), else a fresh one."""
+    own = "cache" if path is not None and path == cache_path(target) else "file"
+    if path is not None and path.exists():
         try:
-            model = transferred_model(source, target)
+            model = XGBCostModel.load(path)
+            problem = incompatibility(model, target)
         except Exception as exc:  # any unreadable file: a cache must never stop a run
-            log(f"warning: cost model {source} is unreadable ({type(exc).__name__}: {exc}); starting from a fresh one")
-            return fresh_model(seed, batch_size)
-        log(f"cost model: none for this target yet; starting from {source} ({model.num_prior} programs; {why})")
-        return model
+            model, problem = None, f"unreadable ({type(exc).__name__}: {exc})"
+        if model is not None and not problem:
+            note = f"cost model: {path} ({model.num_samples} programs of earlier runs, trained on {model.trained_on})"
+            log(note)
+            return model, CostModelStart(own, str(path), note)
+        log(f"warning: cost model {path} {'is' if model is None else 'was'} {problem}; starting without it")
+    if own == "cache":
+        started = _start_from_nearest(target, log)
+        if started is not None:
+            return started
+    if pretrained:
+        model, why = shipped.load_pretrained(target, config=fresh_model(seed, batch_size).config)
+        if model is not None:
+            note = f"cost model: starting from the {why}"
+            log(note)
+            return model, CostModelStart("pretrained", str(shipped.pretrained_path(target)), note)
+        note = f"cost model: a fresh one ({why})"
+    else:
+        note = "cost model: a fresh one (pretrained model switched off)"
+    log(note)
+    return fresh_model(seed, batch_size), CostModelStart("fresh", None, note)
+
+
+def _start_from_nearest(target: dict[str, Any], log: Callable[[str], None]) -> tuple[XGBCostModel, CostModelStart] | None:
+    nearest = nearest_cached(target)
+    if nearest is None:
+        return None
+    source, why = nearest
     try:
-        model = XGBCostModel.load(path)
+        model = transferred_model(source, target)
     except Exception as exc:  # any unreadable file: a cache must never stop a run
-        log(
-            f"warning: cost model {path} is unreadable ({type(exc).__name__}: {exc}); starting from a fresh one"
-        )
-        return fresh_model(seed, batch_size)
-    problem = incompatibility(model, target)
-    if problem:
-        log(f"warning: cost model {path} was {problem}; starting from a fresh one")
-        return fresh_model(seed, batch_size)
-    log(f"cost model: {path} ({model.num_samples} programs of earlier runs, trained on {model.trained_on})")
-    return model
+        log(f"warning: cost model {source} is unreadable ({type(exc).__name__}: {exc}); not transferred")
+        return None
+    note = f"cost model: none for this target yet; starting from {source} ({model.num_prior} programs; {why})"
+    log(note)
+    return model, CostModelStart("nearest", str(source), note)
 
 
 def incompatibility(model: XGBCostModel, target: dict[str, Any]) -> str | None:
@@ -120,6 +190,10 @@ def incompatibility(model: XGBCostModel, target: dict[str, Any]) -> str | None:
         )
     if meta.get("target_key") != target_key(target):
         return f"trained for target {meta.get('target')!r}"
+    if model.base is not None:
+        problem = shipped.incompatibility(model.base, target)
+        if problem:
+            return f"started from a pretrained base {problem}"
     return None
 
 
@@ -150,7 +224,12 @@ def transferred_model(source: Path, target: dict[str, Any]) -> XGBCostModel:
     """The model cached at `source` transferred to `target` (its trees, and its history
     as prior programs), with `target`'s metadata."""
     loaded = XGBCostModel.load(source)
-    model = loaded.transferred(describe(loaded.metadata.get("target") or {}))
+    if loaded.base is not None:
+        problem = shipped.incompatibility(loaded.base, target)
+        if problem:
+            raise ValueError(f"its pretrained base was {problem}")
+    descriptor = device_descriptor(target) if loaded.base is not None else None
+    model = loaded.transferred(describe(loaded.metadata.get("target") or {}), descriptor)
     model.metadata = {
         "cache_format": CACHE_FORMAT,
         "feature_version": rule_set_for(target).feature_version,

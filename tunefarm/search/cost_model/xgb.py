@@ -44,6 +44,17 @@ Transfer (tune on one device, then another)
     device's data grows. The features describe programs, not machines, so what was learnt
     about which loop structures run fast carries over; the weights let the new device's
     own timings overrule it where the machines differ.
+
+Base (a pretrained model under the device's own trees)
+    A model may carry `BaseTrees` (`base_trees.py`): trees trained across many tasks and
+    device classes (`pretrain.py`) on rows with a device descriptor appended. Such a model
+    scores with the base from the start (no random warm-up), and its own trees are
+    trained on the residual: each row's base value is its XGBoost ``base_margin``, so the
+    pack-sum objective above sees base + own and the own trees correct the base where the
+    device's measurements disagree. The base values of a program's rows are computed once,
+    when it enters the history, with the descriptor of the device it was measured on (a
+    transferred model's prior programs keep theirs). Without a base nothing of this applies:
+    own trees on plain rows, random scores during warm-up, as before.
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ import numpy as np
 import xgboost as xgb
 
 from .base import INVALID_SCORE, CostModel, check_update_args, program_row_counts
+from .base_trees import BaseTrees
 from .random_model import RandomCostModel
 
 logger = logging.getLogger(__name__)
@@ -227,6 +239,7 @@ class _TrainingData:
     row_program: np.ndarray  # (R,) index of each row's program in y / w
     y: np.ndarray  # normalised throughput per program with rows
     w: np.ndarray  # loss weight per program with rows (prior programs' scaled down)
+    margins: np.ndarray | None = None  # (R,) each row's base value (None: the model has no base)
 
 
 class _History:
@@ -240,6 +253,7 @@ class _History:
         self._costs = _GrowingArray((), np.float64)
         self._group_ids = _GrowingArray((), np.int64)
         self._prior = _GrowingArray((), np.bool_)  # transferred from another device's model
+        self._margins: _GrowingArray | None = None  # each row's base value; None without a base
         self.group_names: list[str] = []
         self._group_index: dict[str, int] = {}
 
@@ -251,10 +265,26 @@ class _History:
     def num_prior(self) -> int:
         return int(np.count_nonzero(self._prior.view()))
 
-    def append(self, features: Sequence[np.ndarray], costs: np.ndarray, groups: Sequence[str]) -> None:
+    @property
+    def num_rows(self) -> int:
+        return len(self._row_program.view())
+
+    def append(
+        self,
+        features: Sequence[np.ndarray],
+        costs: np.ndarray,
+        groups: Sequence[str],
+        base: BaseTrees | None = None,
+    ) -> None:
+        """Add programs; with `base`, their rows' base values (`BaseTrees.row_values`) too."""
         counts = program_row_counts(features)
         rows = self.stack_rows(features, counts)
         start = self.num_programs
+        if base is not None:
+            local = np.repeat(np.arange(len(counts)), counts)
+            self._extend_margins(base.row_values(rows, local, counts))
+        elif self._margins is not None:
+            self._margins.extend(np.zeros(rows.shape[0], np.float32))
         if rows.shape[0]:
             if self._rows is None:
                 self._rows = _GrowingArray(rows.shape[1:], np.float32)
@@ -264,6 +294,12 @@ class _History:
         self._costs.extend(costs)
         self._group_ids.extend(np.array([self._group_id(g) for g in groups], dtype=np.int64))
         self._prior.extend(np.zeros(len(counts), dtype=np.bool_))
+
+    def _extend_margins(self, values: np.ndarray) -> None:
+        if self._margins is None:  # rows that came before any base have none
+            self._margins = _GrowingArray((), np.float32)
+            self._margins.extend(np.zeros(self.num_rows, np.float32))
+        self._margins.extend(values)
 
     def stack_rows(self, features: Sequence[np.ndarray], counts: np.ndarray) -> np.ndarray:
         """Rows of all programs with rows, stacked as one (R, F) float32 array.
@@ -295,12 +331,13 @@ class _History:
         # Renumber programs so that programs without rows (no loss term) drop out.
         new_index = np.cumsum(has_rows) - 1
         rows = self._rows.view() if self._rows is not None else np.empty((0, 0), np.float32)
-        return _TrainingData(rows, new_index[self._row_program.view()], y[has_rows], w[has_rows])
+        margins = self._margins.view() if self._margins is not None else None
+        return _TrainingData(rows, new_index[self._row_program.view()], y[has_rows], w[has_rows], margins)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The history as plain arrays (for saving)."""
         rows = self._rows.view() if self._rows is not None else np.empty((0, 0), np.float32)
-        return {
+        arrays = {
             "rows": rows,
             "row_counts": self._row_counts.view(),
             "costs": self._costs.view(),
@@ -308,6 +345,9 @@ class _History:
             "group_names": np.array(self.group_names, dtype=str),
             "prior": self._prior.view(),
         }
+        if self._margins is not None:
+            arrays["margins"] = self._margins.view()
+        return arrays
 
     def keep_last(self, n: int) -> _History:
         """The history of the latest `n` programs only (group names all kept)."""
@@ -316,8 +356,10 @@ class _History:
         arrays = self.arrays()
         start = self.num_programs - n
         first_row = int(arrays["row_counts"][:start].sum())
-        kept = {key: arrays[key][start:] for key in ("row_counts", "costs", "group_ids")}
+        kept = {key: arrays[key][start:] for key in ("row_counts", "costs", "group_ids", "prior")}
         kept["rows"] = arrays["rows"][first_row:] if arrays["rows"].size else arrays["rows"]
+        if "margins" in arrays:
+            kept["margins"] = arrays["margins"][first_row:]
         kept["group_names"] = arrays["group_names"]
         return _History.from_arrays(kept, self.num_features)
 
@@ -334,6 +376,9 @@ class _History:
         history._costs.extend(arrays["costs"])
         history._group_ids.extend(arrays["group_ids"])
         history._prior.extend(arrays.get("prior", np.zeros(len(counts), dtype=np.bool_)))
+        if "margins" in arrays:
+            history._margins = _GrowingArray((), np.float32)
+            history._margins.extend(arrays["margins"])
         history.group_names = [str(name) for name in arrays["group_names"]]
         history._group_index = {name: i for i, name in enumerate(history.group_names)}
         return history
@@ -357,12 +402,14 @@ class _History:
 
 
 class XGBCostModel(CostModel):
-    """Ansor's pack-sum XGBoost model; random scores until `num_warmup_samples` programs."""
+    """Ansor's pack-sum XGBoost model; random scores until `num_warmup_samples` programs,
+    unless it has a `base` (module doc, "Base"): then the base's scores."""
 
-    def __init__(self, config: XGBConfig | None = None) -> None:
+    def __init__(self, config: XGBConfig | None = None, *, base: BaseTrees | None = None) -> None:
         self._config = config or XGBConfig()
         self._history = _History()
         self._random = RandomCostModel(self._config.seed)  # answers during warm-up
+        self._base = base
         self._booster: xgb.Booster | None = None
         self._trained_on = 0
         self._last_training: TrainingStats | None = None
@@ -385,18 +432,29 @@ class XGBCostModel(CostModel):
 
     @property
     def trained_on(self) -> int:
-        """Programs the current trees were trained on; 0 while predictions are random."""
+        """Programs the current own trees were trained on; 0 before any (predictions are
+        then random, or the base's)."""
         return self._trained_on
+
+    @property
+    def base(self) -> BaseTrees | None:
+        """The pretrained trees under its own ones (module doc, "Base"), or None."""
+        return self._base
 
     @property
     def num_prior(self) -> int:
         """Programs of the history transferred from another device's model (`transferred`)."""
         return self._history.num_prior
 
-    def transferred(self, label: str) -> XGBCostModel:
+    def transferred(self, label: str, descriptor: np.ndarray | None = None) -> XGBCostModel:
         """A model for another device that starts from this one (module doc, "Transfer"):
-        this one's trees and, as prior programs under groups `label/...`, its history."""
-        model = type(self)(self._config)
+        this one's trees and, as prior programs under groups `label/...`, its history.
+        Its base, if it has one, is kept, scoring for the device `descriptor` describes
+        (the prior programs keep the base values of the device they were measured on)."""
+        base = self._base
+        if base is not None and descriptor is not None:
+            base = base.with_descriptor(descriptor)
+        model = type(self)(self._config, base=base)
         model._history = self._history.as_prior(label)
         if self._booster is not None:
             model._booster = xgb.Booster(model_file=bytearray(self._booster.save_raw("ubj")))
@@ -425,20 +483,25 @@ class XGBCostModel(CostModel):
         cost_array = check_update_args(features, costs, groups)
         if not len(features):
             return
-        self._history.append(features, cost_array, groups)
+        self._history.append(features, cost_array, groups, self._base)
         if self._should_train():
             self._train()
 
     def predict(self, features: Sequence[np.ndarray]) -> np.ndarray:
-        """Sum of per-row predictions per program, one booster call for the whole batch."""
-        if self._booster is None:
+        """Sum of per-row predictions per program, one booster call (and one of the base's,
+        if it has one) for the whole batch."""
+        if self._booster is None and self._base is None:
             return self._random.predict(features)
         counts = program_row_counts(features)
         rows = self._history.stack_rows(features, counts)
         scores = np.full(len(features), INVALID_SCORE)
         if rows.shape[0]:
-            row_preds = self._booster.inplace_predict(rows)
             program = np.repeat(np.arange(len(counts)), counts)
+            row_preds = np.zeros(rows.shape[0], np.float64)
+            if self._base is not None:
+                row_preds += self._base.row_values(rows, program, counts)
+            if self._booster is not None:
+                row_preds += self._booster.inplace_predict(rows)
             valid = counts > 0
             scores[valid] = pack_sum(row_preds, program, len(counts))[valid]
         return scores
@@ -460,6 +523,9 @@ class XGBCostModel(CostModel):
         booster = np.empty(0, np.uint8)
         if self._booster is not None:
             booster = np.frombuffer(self._booster.save_raw("ubj"), np.uint8)
+        if self._base is not None:
+            state["base"] = self._base.state()
+            arrays["base_trees"] = self._base.tree_bytes()
         directory = os.path.dirname(os.path.abspath(path))
         with tempfile.NamedTemporaryFile(dir=directory, suffix=".tmp", delete=False) as f:
             try:
@@ -486,7 +552,12 @@ class XGBCostModel(CostModel):
         state = json.loads(str(arrays.pop("state")))
         if state.get("format") != _FORMAT:
             raise ValueError(f"{os.fspath(path)} is not a saved XGBCostModel")
-        model = cls(XGBConfig(**state["config"]))
+        base_trees = arrays.pop("base_trees", None)
+        config = XGBConfig(**state["config"])
+        base = None
+        if state.get("base") is not None and base_trees is not None:
+            base = BaseTrees.from_saved(state["base"], base_trees, config.nthread)
+        model = cls(config, base=base)
         model._history = _History.from_arrays(arrays, state["num_features"])
         model._random.set_rng_state(state["rng_state"])
         model._trained_on = int(state["trained_on"])
@@ -519,7 +590,7 @@ class XGBCostModel(CostModel):
         def metric(row_preds: np.ndarray, _: xgb.DMatrix) -> tuple[str, float]:
             return "p-rmse", weighted_p_rmse(row_preds, data.row_program, data.y, data.w)
 
-        dtrain = xgb.DMatrix(data.rows, nthread=self._config.nthread)
+        dtrain = xgb.DMatrix(data.rows, base_margin=data.margins, nthread=self._config.nthread)
         booster = xgb.train(
             self._config.xgb_params(),
             dtrain,

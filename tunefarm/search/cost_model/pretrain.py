@@ -1,0 +1,390 @@
+"""Pretraining a base cost model across tasks and device classes (TenSet-style).
+
+The embedded model starts each device class from nothing; a base trained on what the
+project has measured (a `tunefarm dataset` file: one row per measured program) ranks a
+new task, or a new class, from its first batch (`base_trees.py`, `XGBCostModel(base=)`).
+
+1. `training_programs(rows)`: the dataset rows of one device family (`device_family`:
+   one feature layout) as programs. A group is a device class and a task, so labels are
+   normalised per task per class (a program's throughput over the best of its task on its
+   class). Each program carries its class's device descriptor (`device_descriptor` of the
+   row's target; a target without "num-cores" takes the row's `cores`). A program measured
+   twice (same group, identical feature matrix) is one program: the median of its finite
+   costs, the larger of its noises and the spread between its measurements.
+2. `pretrain(programs, config)`: XGBoost pack-sum trees on the rows with the descriptor
+   appended, with one of two objectives (`PretrainConfig.objective`):
+   - "squared": today's weighted squared error on normalised throughput (`xgb.py`);
+   - "rank": the pairwise ranking loss within groups (`ranking.py`), then one affine map
+     onto the label scale (`BaseTrees.scale`/`offset`: the search and the own trees need
+     one), fitted by weighted least squares on the training programs.
+   Early stopping watches the training loss (as `XGBCostModel` does); `num_boost_round`
+   caps the trees, and so the file's size.
+3. `split_by_workload` / `held_out_workloads`: held-out evaluation is by workload (every
+   class's programs of a held-out workload leave training), never by random rows: rows of
+   one search are near twins. `ranking_report` scores held-out programs with their own
+   class's descriptor: pairwise accuracy beyond the noise (`metrics.pairwise_beyond_noise`,
+   pooled over groups) and recall@k (mean over groups with more than k programs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import xgboost as xgb
+
+from tunefarm.errors import UsageError
+from tunefarm.search.features import feature_width
+
+from .base_trees import BaseTrees, row_values
+from .descriptor import DESCRIPTOR_VERSION, DESCRIPTOR_WIDTH, device_descriptor, device_family
+from .metrics import NO_PAIRS, NOISE_FLOOR, PairCounts, pairwise_beyond_noise, recall_at_k
+from .ranking import pairwise_rank_gradient, pairwise_rank_loss, ranking_pairs
+from .xgb import normalized_throughputs, pack_sum, pack_sum_gradient, weighted_p_rmse
+
+OBJECTIVES = ("squared", "rank")
+
+RECALL_K = 8
+"""k of the reported recall@k (as `tunefarm bench` reports it)."""
+
+
+class DatasetError(UsageError):
+    """Dataset rows that cannot be trained on (none, mixed layouts, malformed)."""
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Hyperparameters of `pretrain`; the tree parameters are `XGBConfig`'s."""
+
+    objective: str = "squared"  # "squared" or "rank" (module doc)
+    max_depth: int = 10
+    gamma: float = 0.001
+    min_child_weight: float = 0.0
+    eta: float = 0.2
+    max_bin: int = 64
+    num_boost_round: int = 200  # cap on the trees (and so on the shipped file's size)
+    early_stopping_rounds: int = 20
+    min_weight: float = 0.05  # squared objective: floor of the loss weight, as XGBConfig.min_weight
+    max_pairs: int = 4096  # rank objective: pairs drawn per group at most
+    seed: int = 43
+    nthread: int = 1
+
+    def xgb_params(self) -> dict[str, Any]:
+        return {
+            "max_depth": self.max_depth, "gamma": self.gamma, "min_child_weight": self.min_child_weight,
+            "eta": self.eta, "seed": self.seed, "nthread": self.nthread, "max_bin": self.max_bin,
+            "tree_method": "hist", "base_score": 0.0, "disable_default_eval_metric": 1, "verbosity": 0,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TrainingPrograms:
+    """Distinct measured programs of one device family, each with its class's descriptor."""
+
+    features: list[np.ndarray]  # (n_stores, F) float32 each
+    costs: np.ndarray  # median seconds; inf for a failure
+    noise: np.ndarray  # relative spread
+    groups: list[str]  # "<class>/<task>"
+    classes: list[str]
+    workloads: list[str]
+    descriptors: np.ndarray  # (P, DESCRIPTOR_WIDTH) float32
+    family: str
+    feature_version: int
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def subset(self, keep: np.ndarray) -> TrainingPrograms:
+        index = np.flatnonzero(keep)
+        return replace(
+            self,
+            features=[self.features[i] for i in index], costs=self.costs[index], noise=self.noise[index],
+            groups=[self.groups[i] for i in index], classes=[self.classes[i] for i in index],
+            workloads=[self.workloads[i] for i in index], descriptors=self.descriptors[index],
+        )  # fmt: skip
+
+    def summary(self) -> dict[str, Any]:
+        per_class: dict[str, int] = {}
+        for c in self.classes:
+            per_class[c] = per_class.get(c, 0) + 1
+        return {
+            "programs": len(self), "tasks": len({g.split("/", 1)[1] for g in self.groups}),
+            "workloads": len(set(self.workloads)), "classes": dict(sorted(per_class.items())),
+        }  # fmt: skip
+
+
+def training_programs(rows: Iterable[Mapping[str, Any]], *, family: str | None = None) -> TrainingPrograms:
+    """The distinct programs of the dataset rows of `family` (module doc, 1); with no
+    family, the one family the rows have. Raises DatasetError."""
+    rows = list(rows)
+    if not rows:
+        raise DatasetError("the dataset has no rows")
+    targets: dict[tuple[str, int], dict[str, Any]] = {}
+    families: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        try:
+            target = _row_target(row, targets)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DatasetError(f"a dataset row has no usable target ({type(exc).__name__}: {exc})") from None
+        families.setdefault(device_family(target), []).append(row)
+    if family is None:
+        if len(families) > 1:
+            raise DatasetError(f"the dataset holds device families {', '.join(sorted(families))}: choose one")
+        family = next(iter(families))
+    mine = families.get(family)
+    if not mine:
+        raise DatasetError(f"the dataset has no row of device family {family!r} (it has {', '.join(sorted(families))})")
+    versions = {int(r["feature_version"]) for r in mine}
+    if len(versions) != 1:
+        raise DatasetError(f"the {family} rows have features of versions {sorted(versions)}: one layout per model")
+    version = versions.pop()
+    width = feature_width(version)
+    descriptors: dict[str, np.ndarray] = {}
+    merged: dict[tuple[str, str], _Measured] = {}
+    for row in mine:
+        features = np.asarray(row["features"], dtype=np.float32)
+        if features.ndim != 2 or features.shape[1] != width or not features.shape[0]:
+            raise DatasetError(f"a row of task {row.get('task')!r} has features of shape {features.shape}, "
+                               f"not (stores, {width}) of version {version}")  # fmt: skip
+        target = _row_target(row, targets)
+        key = json.dumps(target, sort_keys=True)
+        if key not in descriptors:
+            descriptors[key] = device_descriptor(target)
+        group = f"{row['device_class']}/{row['task']}"
+        digest = hashlib.sha1(np.ascontiguousarray(features).tobytes()).hexdigest()
+        m = merged.setdefault((group, f"{features.shape}:{digest}"),
+                              _Measured(features, str(row["device_class"]), str(row["workload"]), descriptors[key]))
+        m.costs.append(float(row["cost"]) if row.get("cost") is not None else math.inf)
+        m.noise.append(float(row.get("noise") or 0.0))  # fmt: skip
+    keys = list(merged)
+    programs = [merged[k] for k in keys]
+    return TrainingPrograms(
+        features=[p.features for p in programs],
+        costs=np.array([p.cost() for p in programs]),
+        noise=np.array([p.spread() for p in programs]),
+        groups=[group for group, _ in keys],
+        classes=[p.device_class for p in programs],
+        workloads=[p.workload for p in programs],
+        descriptors=np.stack([p.descriptor for p in programs]).astype(np.float32),
+        family=family,
+        feature_version=version,
+    )
+
+
+@dataclass
+class _Measured:
+    features: np.ndarray
+    device_class: str
+    workload: str
+    descriptor: np.ndarray
+    costs: list[float] = field(default_factory=list)
+    noise: list[float] = field(default_factory=list)
+
+    def cost(self) -> float:
+        finite = [c for c in self.costs if math.isfinite(c) and c > 0]
+        return float(np.median(finite)) if finite else math.inf
+
+    def spread(self) -> float:
+        finite = [c for c in self.costs if math.isfinite(c) and c > 0]
+        between = float(np.std(finite, ddof=1) / np.mean(finite)) if len(finite) > 1 else 0.0
+        return max(max(self.noise, default=0.0), between)
+
+
+def _row_target(row: Mapping[str, Any], cache: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """The row's target dict; "num-cores" from the row's `cores` when the target has none."""
+    key = (str(row["target"]), int(row.get("cores") or 0))
+    if key not in cache:
+        target = json.loads(key[0])
+        if not isinstance(target, dict) or "kind" not in target:
+            raise ValueError(f"target {key[0]!r} is not a target dict")
+        if "num-cores" not in target and key[1] > 0 and target.get("kind") == "llvm":
+            target = {**target, "num-cores": key[1]}
+        cache[key] = target
+    return cache[key]
+
+
+# --- held-out split --------------------------------------------------------------------------
+
+
+def held_out_workloads(programs: TrainingPrograms, fraction: float) -> list[str]:
+    """About `fraction` of the workloads, chosen by a hash of their names (the same
+    workloads for the same dataset, whatever the row order), at least one when
+    fraction > 0 and at least one left to train on."""
+    names = sorted(set(programs.workloads))
+    if fraction <= 0 or len(names) < 2:
+        return []
+    by_hash = sorted(names, key=lambda n: hashlib.sha1(n.encode()).hexdigest())
+    count = min(max(1, round(fraction * len(names))), len(names) - 1)
+    return sorted(by_hash[:count])
+
+
+def split_by_workload(programs: TrainingPrograms, held_out: Collection[str]) -> tuple[TrainingPrograms, TrainingPrograms]:
+    """(training programs, held-out programs): a program is held out when its workload
+    (or its task) is named in `held_out`. Raises DatasetError when a side is empty."""
+    names = set(held_out)
+    out = np.array([w in names or g.split("/", 1)[1] in names for w, g in zip(programs.workloads, programs.groups)])
+    if not out.any():
+        raise DatasetError(f"no workload of the dataset is named in the held-out list ({', '.join(sorted(names))})")
+    if out.all():
+        raise DatasetError("every workload is held out: nothing left to train on")
+    return programs.subset(~out), programs.subset(out)
+
+
+# --- training --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PretrainResult:
+    base: BaseTrees  # descriptor zeros: set per target when loaded
+    num_trees: int
+    train_loss: float  # the objective's metric at the best round
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Stacked:
+    rows: np.ndarray  # (R, F + D): rows with their program's descriptor appended
+    row_program: np.ndarray
+    counts: np.ndarray
+
+
+def _stack(programs: TrainingPrograms) -> _Stacked:
+    counts = np.array([f.shape[0] for f in programs.features], dtype=np.int64)
+    row_program = np.repeat(np.arange(len(counts)), counts)
+    rows = np.concatenate(programs.features, axis=0).astype(np.float32, copy=False)
+    return _Stacked(np.concatenate([rows, programs.descriptors[row_program]], axis=1), row_program, counts)
+
+
+def pretrain(programs: TrainingPrograms, config: PretrainConfig = PretrainConfig()) -> PretrainResult:
+    """Base trees trained on `programs` (module doc, 2)."""
+    if config.objective not in OBJECTIVES:
+        raise UsageError(f"objective {config.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+    if not len(programs):
+        raise DatasetError("no program to train on")
+    start = time.perf_counter()
+    group_names = sorted(set(programs.groups))
+    index = {g: i for i, g in enumerate(group_names)}
+    group_ids = np.array([index[g] for g in programs.groups], dtype=np.int64)
+    y = normalized_throughputs(programs.costs, group_ids, len(group_names))
+    w = np.maximum(y, config.min_weight)
+    data = _stack(programs)
+    n = len(programs)
+    if config.objective == "rank":
+        pairs = ranking_pairs(y, group_ids, noise=programs.noise, floor=NOISE_FLOOR, max_pairs=config.max_pairs,
+                              seed=config.seed)  # fmt: skip
+        if not len(pairs.weight):
+            raise DatasetError("no two programs of one task differ beyond the noise: nothing to rank")
+        total = float(pairs.weight.sum())
+
+        def objective(preds: np.ndarray, _: xgb.DMatrix) -> tuple[np.ndarray, np.ndarray]:
+            return pairwise_rank_gradient(preds, data.row_program, n, pairs)
+
+        def metric(preds: np.ndarray, _: xgb.DMatrix) -> tuple[str, float]:
+            return "rank-loss", pairwise_rank_loss(preds, data.row_program, n, pairs) / total
+    else:
+
+        def objective(preds: np.ndarray, _: xgb.DMatrix) -> tuple[np.ndarray, np.ndarray]:
+            return pack_sum_gradient(preds, data.row_program, y, w)
+
+        def metric(preds: np.ndarray, _: xgb.DMatrix) -> tuple[str, float]:
+            return "p-rmse", weighted_p_rmse(preds, data.row_program, y, w)
+
+    dtrain = xgb.DMatrix(data.rows, nthread=config.nthread)
+    booster = xgb.train(
+        config.xgb_params(), dtrain, num_boost_round=config.num_boost_round, evals=[(dtrain, "tr")],
+        obj=objective, custom_metric=metric, early_stopping_rounds=config.early_stopping_rounds, verbose_eval=False,
+    )  # fmt: skip
+    best = booster.best_iteration
+    trees = booster[: best + 1]
+    trees.set_param({"nthread": 1})
+    scale, offset = 1.0, 0.0
+    if config.objective == "rank":
+        scores = pack_sum(trees.inplace_predict(data.rows).astype(np.float64), data.row_program, n)
+        scale, offset = affine_fit(scores, y, w)
+    base = BaseTrees(
+        booster=trees, descriptor=np.zeros(DESCRIPTOR_WIDTH, np.float32), scale=scale, offset=offset,
+        info={
+            "objective": config.objective, "family": programs.family, "feature_version": programs.feature_version,
+            "feature_width": feature_width(programs.feature_version), "descriptor_version": DESCRIPTOR_VERSION,
+            "descriptor_width": DESCRIPTOR_WIDTH, "num_trees": best + 1, **programs.summary(),
+        },
+    )  # fmt: skip
+    return PretrainResult(base, best + 1, float(booster.best_score), time.perf_counter() - start)
+
+
+def affine_fit(scores: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """(a, b) minimising sum w (a * score + b - y)^2, with a > 0 (a map that keeps the
+    order); (1, 0) when the scores are all equal."""
+    sw = float(np.sum(w))
+    mean_s, mean_y = float(np.sum(w * scores)) / sw, float(np.sum(w * y)) / sw
+    var = float(np.sum(w * (scores - mean_s) ** 2))
+    if var <= 0:
+        return 1.0, mean_y - mean_s
+    a = float(np.sum(w * (scores - mean_s) * (y - mean_y))) / var
+    a = max(a, 1e-6)
+    return a, mean_y - a * mean_s
+
+
+# --- evaluation ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankingReport:
+    """How well scores rank held-out programs within their groups (class + task)."""
+
+    pairwise: float  # over pairs beyond the noise, pooled over groups; NaN without pairs
+    pairs: int
+    dropped: int  # pairs within the noise
+    recall: float  # recall@RECALL_K, mean over groups with more than RECALL_K valid programs
+    groups: int
+    programs: int
+    per_class: Mapping[str, tuple[float, float]]  # class -> (pairwise, recall)
+
+    def as_report(self) -> dict[str, Any]:
+        return {
+            "pairwise": self.pairwise, "pairs": self.pairs, "dropped": self.dropped, "recall_at_k": self.recall,
+            "k": RECALL_K, "groups": self.groups, "programs": self.programs,
+            "per_class": {c: {"pairwise": p, "recall_at_k": r} for c, (p, r) in self.per_class.items()},
+        }  # fmt: skip
+
+
+def base_scores(base: BaseTrees, programs: TrainingPrograms) -> np.ndarray:
+    """The base's score of each program, with the descriptor of the program's own class."""
+    data = _stack(programs)
+    values = row_values(base.booster, data.rows, data.row_program, data.counts, base.scale, base.offset)
+    return pack_sum(values.astype(np.float64), data.row_program, len(programs))
+
+
+def ranking_report(scores: np.ndarray, programs: TrainingPrograms) -> RankingReport:
+    """`scores` (one per program) against the programs' costs, per group (module doc, 3)."""
+    group = np.array(programs.groups, dtype=object)
+    pooled: PairCounts = NO_PAIRS
+    by_class: dict[str, tuple[PairCounts, list[float]]] = {}
+    recalls: list[float] = []
+    for g in dict.fromkeys(programs.groups):
+        mine = group == g
+        costs = programs.costs[mine]
+        counts = pairwise_beyond_noise(scores[mine], costs, programs.noise[mine])
+        pooled = pooled + counts
+        cls = g.split("/", 1)[0]
+        pairs, class_recalls = by_class.get(cls, (NO_PAIRS, []))
+        if int(np.isfinite(costs).sum()) > RECALL_K:
+            r = recall_at_k(scores[mine], costs, RECALL_K)
+            recalls.append(r)
+            class_recalls = [*class_recalls, r]
+        by_class[cls] = (pairs + counts, class_recalls)
+    return RankingReport(
+        pairwise=pooled.accuracy, pairs=pooled.compared, dropped=pooled.dropped, recall=_mean(recalls),
+        groups=len(set(programs.groups)), programs=len(programs),
+        per_class={c: (p.accuracy, _mean(r)) for c, (p, r) in sorted(by_class.items())},
+    )  # fmt: skip
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else math.nan
