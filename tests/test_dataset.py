@@ -49,3 +49,27 @@ def test_records_become_a_dataset_with_features_noise_and_provenance(tmp_path, c
 def test_a_missing_records_file_is_one_line(tmp_path, capsys):
     assert main(["dataset", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "x.parquet")]) == 2
     assert "no such records file" in capsys.readouterr().err
+
+
+def test_build_dataset_measures_the_operators_on_each_class_and_writes_one_dataset_per_class(tmp_path, capsys):
+    """`build-dataset`: one records file per class and session (resumed by a rerun, which
+    measures nothing more), one Parquet file per class with the workloads and budgets in
+    its sidecar; an unknown class is one line, exit 2, before anything runs."""
+    out = tmp_path / "data"
+    argv = ["build-dataset", "--out", str(out), "--classes", "host", "--ops", "bmm", "--trials", "3", "--models", "none"]
+    assert main(argv) == 0
+    rows = read_dataset(out / "host.parquet")
+    assert len(rows) >= 1 and {r["device_class"] for r in rows} == {"host"}
+    assert {r["workload"] for r in rows} == {"batch_matmul(B=12,M=128,N=128,K=64)"}
+    made = json.loads((out / "host.parquet.json").read_text())
+    assert made["workloads"] == {"batch_matmul(B=12,M=128,N=128,K=64)": 3}
+    assert made["command"] and made["sources"] == [str((out / "records" / "host-ops.jsonl").resolve())]
+    records = out / "records" / "host-ops.jsonl"
+    before = records.read_text()
+    assert len(before.splitlines()) == 3
+    assert main(argv) == 0  # resumed: the budget is spent, nothing is measured again
+    assert records.read_text() == before
+    capsys.readouterr()
+    assert main([*argv[:4], "not-a-cpu", *argv[5:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'not-a-cpu' is neither host nor a CPU LLVM knows" in err[0]

@@ -8,6 +8,7 @@
   tunefarm sketches WORKLOAD [--shape ...]
   tunefarm export-ms RECORDS --out DIR
   tunefarm dataset RECORDS... --out FILE.parquet [--device-class NAME] [--include-errors]
+  tunefarm build-dataset --out DIR [--classes host,haswell] [--trials N] [--models small_cnn]
   tunefarm pretrain DATASET.parquet... --out FILE.npz [--objective squared|rank] [--hold-out-fraction F] [--compare]
   tunefarm report DIR [--html [--out FILE]]
   tunefarm bench ops [--trials N]
@@ -29,7 +30,7 @@ import sys
 from pathlib import Path
 
 from tunefarm.errors import TunefarmError, UsageError
-from tunefarm_app import farm_commands, model_commands, operator_commands, pretrain_command
+from tunefarm_app import dataset_build, farm_commands, model_commands, operator_commands, pretrain_command
 from tunefarm_app.bench import farm as bench_farm
 from tunefarm_app.bench import farm_load as bench_farm_load
 from tunefarm_app.bench import fastmath as bench_math
@@ -108,6 +109,7 @@ def _add_records_commands(sub) -> None:
     d.add_argument("--out", type=Path, required=True, help="the Parquet file to write (and FILE.json: how it was made)")
     d.add_argument("--device-class", help="the device class the records were measured on (default: from each target)")
     d.add_argument("--include-errors", action="store_true", help="also failed measurements (cost inf)")
+    dataset_build.add_command(sub)
     pretrain_command.add_command(sub)
     e = sub.add_parser("export-ms", help="write the records as a TVM MetaSchedule JSON database")
     e.add_argument("records", type=Path, help="a records file (JSON lines)")
@@ -192,6 +194,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _export_ms(args)
     if args.command == "dataset":
         return _dataset(args)
+    if args.command == "build-dataset":
+        return dataset_build.run(args)
     if args.command == "pretrain":
         return pretrain_command.run(args)
     if args.command == "report":
