@@ -41,6 +41,7 @@ import xgboost as xgb
 
 from tunefarm.errors import UsageError
 from tunefarm.search.features import feature_width
+from tunefarm.search.task import workload_of
 
 from .base_trees import BaseTrees, row_values
 from .descriptor import DESCRIPTOR_VERSION, DESCRIPTOR_WIDTH, device_descriptor, device_family
@@ -108,6 +109,10 @@ class TrainingPrograms:
             groups=[self.groups[i] for i in index], classes=[self.classes[i] for i in index],
             workloads=[self.workloads[i] for i in index], descriptors=self.descriptors[index],
         )  # fmt: skip
+
+    def workload_keys(self) -> list[str]:
+        """The identities (`workload_identity`) of the programs' workloads, sorted."""
+        return sorted({workload_identity(workload_of(g.split("/", 1)[1])) for g in self.groups})
 
     def summary(self) -> dict[str, Any]:
         per_class: dict[str, int] = {}
@@ -224,11 +229,38 @@ def held_out_workloads(programs: TrainingPrograms, fraction: float) -> list[str]
     return sorted(by_hash[:count])
 
 
+def workload_identity(workload_key: str) -> str:
+    """A workload's computation, whatever inputs are constant: its key (`Workload.key`,
+    "name#hash[+const...]", or a task key's workload part) without the constants."""
+    name, sep, rest = workload_key.rpartition("#")
+    return f"{name}{sep}{rest.split('+', 1)[0]}" if sep else workload_key
+
+
+def held_out_mask(programs: TrainingPrograms, held_out: Collection[str]) -> np.ndarray:
+    """Which programs are of a workload named in `held_out`: by its name, its task key or
+    its workload key (constant inputs or not: `workload_identity`)."""
+    names = set(held_out) | {workload_identity(n) for n in held_out}
+    return np.array([
+        w in names or task in names or workload_identity(workload_of(task)) in names
+        for w, task in ((w, g.split("/", 1)[1]) for w, g in zip(programs.workloads, programs.groups))
+    ], dtype=bool)  # fmt: skip
+
+
+def trained_workloads(info: Mapping[str, Any]) -> set[str] | None:
+    """The workloads a pretrained base learnt from, as its metadata (`BaseTrees.info`)
+    records them: their names and identities (`workload_identity`); None for a file that
+    does not record them (written before it did)."""
+    names, keys = info.get("workload_names"), info.get("workload_keys")
+    if not isinstance(names, list) or not isinstance(keys, list):
+        return None
+    return {str(n) for n in names} | {workload_identity(str(k)) for k in keys}
+
+
 def split_by_workload(programs: TrainingPrograms, held_out: Collection[str]) -> tuple[TrainingPrograms, TrainingPrograms]:
     """(training programs, held-out programs): a program is held out when its workload
-    (or its task) is named in `held_out`. Raises DatasetError when a side is empty."""
+    is named in `held_out` (`held_out_mask`). Raises DatasetError when a side is empty."""
     names = set(held_out)
-    out = np.array([w in names or g.split("/", 1)[1] in names for w, g in zip(programs.workloads, programs.groups)])
+    out = held_out_mask(programs, names)
     if not out.any():
         raise DatasetError(f"no workload of the dataset is named in the held-out list ({', '.join(sorted(names))})")
     if out.all():
@@ -313,6 +345,7 @@ def pretrain(programs: TrainingPrograms, config: PretrainConfig = PretrainConfig
             "objective": config.objective, "family": programs.family, "feature_version": programs.feature_version,
             "feature_width": feature_width(programs.feature_version), "descriptor_version": DESCRIPTOR_VERSION,
             "descriptor_width": DESCRIPTOR_WIDTH, "num_trees": best + 1, **programs.summary(),
+            "workload_names": sorted(set(programs.workloads)), "workload_keys": programs.workload_keys(),
         },
     )  # fmt: skip
     return PretrainResult(base, best + 1, float(booster.best_score), time.perf_counter() - start)

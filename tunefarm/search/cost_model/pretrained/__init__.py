@@ -120,17 +120,21 @@ def describe(base: BaseTrees) -> str:
 
 
 def load_pretrained(
-    target: dict[str, Any], *, config: XGBConfig | None = None, directory: Path | None = None
+    target: dict[str, Any], *, config: XGBConfig | None = None, directory: Path | None = None, path: Path | None = None
 ) -> tuple[XGBCostModel | None, str]:
-    """A model with no history of its own over the pretrained base of `target`'s family,
-    scoring for `target`'s descriptor, and a note saying what it is; (None, why) when
-    there is no such file or it does not fit (module doc)."""
-    try:
-        path = pretrained_path(target, directory)
-    except Exception as exc:  # a target the ISA tables cannot place: no family, no file
-        return None, f"no pretrained cost model for this target ({type(exc).__name__}: {exc})"
-    if not path.is_file():
-        return None, f"no pretrained cost model for {path.stem} in {path.parent}"
+    """A model with no history of its own over the pretrained base of `target`'s family
+    (the file in `directory`, or the file `path` names), scoring for `target`'s
+    descriptor, and a note saying what it is; (None, why) when there is no such file or
+    it does not fit (module doc)."""
+    if path is None:
+        try:
+            path = pretrained_path(target, directory)
+        except Exception as exc:  # a target the ISA tables cannot place: no family, no file
+            return None, f"no pretrained cost model for this target ({type(exc).__name__}: {exc})"
+        if not path.is_file():
+            return None, f"no pretrained cost model for {path.stem} in {path.parent}"
+    elif not path.is_file():
+        return None, f"no pretrained cost model {path}"
     try:
         base = read_pretrained(path, nthread=(config or XGBConfig()).nthread)
         problem = incompatibility(base, target)
