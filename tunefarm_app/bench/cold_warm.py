@@ -67,3 +67,14 @@ def geomean(values: Iterable[float]) -> float:
 
 def ms(secs: float) -> str:
     return f"{secs * 1e3:.4f} ms" if math.isfinite(secs) else "-"
+
+
+def parse_seeds(spec: str) -> list[int]:
+    """`--seeds 1,2,3` -> [1, 2, 3]. Raises UsageError."""
+    try:
+        seeds = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds: not a comma-separated list of integers: {spec!r}") from None
+    if not seeds or any(s < 1 for s in seeds):
+        raise UsageError("--seeds: give at least one seed, each at least 1")
+    return seeds

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tunefarm.errors import UsageError
-from tunefarm_app.bench.cold_warm import geomean, measured_costs, ms, reach, trials_ratio
+from tunefarm_app.bench.cold_warm import geomean, measured_costs, ms, parse_seeds, reach, trials_ratio
 
 WORKLOADS: dict[str, tuple[str, dict[str, int], tuple[str, ...]]] = {
     "gemm256": ("matmul", {"M": 256, "N": 256, "K": 256}, ("B",)),
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         target.setdefault("num-cores", num_cores(target))
         check_runs_on_host(target, name)
     workloads = _select(args.workloads)
-    seeds = _seeds(args.seeds)
+    seeds = parse_seeds(args.seeds)
     if args.trials < 2 or args.batch_size < 1:
         raise UsageError("--trials must be at least 2 and --batch-size at least 1")
     rows: list[TransferRow] = []
@@ -215,13 +215,3 @@ def _select(spec: str | None) -> list[str]:
     if unknown or not wanted:
         raise UsageError(f"--workloads: unknown workload {unknown[0] if unknown else ''!r}; known: {', '.join(WORKLOADS)}")
     return wanted
-
-
-def _seeds(spec: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in spec.split(",") if s.strip()]
-    except ValueError:
-        raise UsageError(f"--seeds: not a comma-separated list of integers: {spec!r}") from None
-    if not seeds or any(s < 1 for s in seeds):
-        raise UsageError("--seeds: give at least one seed, each at least 1")
-    return seeds

@@ -8,8 +8,9 @@ base trained on one's own dataset with `tunefarm pretrain`).
 
 A file is the trees of a `BaseTrees` and its metadata (`save_pretrained`): the feature
 version and width and the descriptor version and width it was trained with, the TVM
-release series (major.minor) whose kernels were measured, the objective, the classes and
-numbers of programs, tasks and workloads it learnt from, and the dataset's provenance.
+release series (major.minor) whose kernels were measured, the objective, the classes (and
+their targets), the numbers of programs, tasks and workloads it learnt from, those
+workloads by name and key (`pretrain.trained_workloads`), and the dataset's provenance.
 `load_pretrained` returns None with a note, never an exception, when there is no file or
 it does not fit: another feature or descriptor layout, another TVM series, another family,
 or an unreadable file. A run never fails because of it.
