@@ -134,3 +134,19 @@ def test_bench_pretrained_trains_without_the_held_out_workloads_and_prints_the_r
     assert held.name in info["provenance"]["held_out_workloads"]
     # each run started as asked (`tune_run` checks), and neither left a cost model behind
     assert [p.name for p in (tmp_path / "work").rglob("*.npz")] == ["pretrained-x86.npz"]
+
+
+def test_a_models_tasks_are_held_out_too_and_refused_when_trained_on(tmp_path, capsys):
+    from onnx_models import gpu_mix_onnx
+
+    from tunefarm_app.bench.pretrained import held_out_workloads
+
+    onnx = gpu_mix_onnx(tmp_path / "mix.onnx")
+    workloads = held_out_workloads(["matmul:M=16,N=16,K=16"], onnx)
+    assert workloads[0].name == "matmul(M=16,N=16,K=16)" and len(workloads) > 2
+    assert all(w.name.startswith("mix:") for w in workloads[1:])
+    task = workloads[-1].workload
+    model = _model(tmp_path, _rows(range(2), per_group=6) + _as(_rows(range(1), per_group=6), "a-name", f"{task.key}@1"))
+    assert main(["bench", "pretrained", "--model", model, "--model-tasks", str(onnx), "--target", SSE_HERE]) == 2
+    err = capsys.readouterr().err
+    assert workloads[-1].name in err and "not held out" in err and len(err.strip().splitlines()) == 1
