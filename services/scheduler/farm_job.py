@@ -302,7 +302,8 @@ class FarmJob:
         # tuner ingests a candidate once and ignores it the second time).
         with transaction(self.ctx.sessions) as db:
             seen = job_store.last_measurement_id(db, job_id=self.job_id)
-            job_store.note_cost_model(db, job_id=self.job_id, version_id=self.shared.start_version_id)
+            job_store.note_cost_model(db, job_id=self.job_id, version_id=self.shared.start_version_id,
+                                      pretrained=self.shared.pretrained)  # fmt: skip
         measurer = self.ctx.measurer_factory(s, seen)
         self.measurer = measurer
         in_flight: Callable[[], list[MeasureBatch]] | None = getattr(measurer, "in_flight_batches", None)
