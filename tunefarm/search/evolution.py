@@ -47,6 +47,18 @@ def _unique(programs: list[Built]) -> list[Built]:
     return list({b.candidate.key: b for b in programs}.values())
 
 
+def _best_ranked(best: dict[str, tuple[float, Built]], keep: int) -> dict[str, tuple[float, Built]]:
+    """The `keep` best-scored entries of `best` (ties: the earlier entry), still in their
+    order of entry. Keeps a round from holding every program it scored (thousands, a
+    loop-nest model each, which the garbage collector walks again and again) when the
+    batch takes the best `2 n` at most: a program dropped here and met again scores the
+    same, behind at least `keep` others, so the batch is the one the whole dict gives."""
+    if len(best) <= keep:
+        return best
+    kept = {key for key, _ in sorted(best.items(), key=lambda kv: -kv[1][0])[:keep]}
+    return {key: entry for key, entry in best.items() if key in kept}
+
+
 def random_picks(n: int, cfg: SearchConfig) -> int:
     """Random programs in a batch of `n`: the `eps_greedy` share, at least
     `min_random_per_batch` when the batch has room for a guided pick beside them."""
@@ -105,6 +117,7 @@ class EvolutionarySearch:
                 key = b.candidate.key
                 if key not in measured and math.isfinite(s) and (key not in best or best[key][0] < s):
                     best[key] = (float(s), b)
+            best = _best_ranked(best, 2 * n)
             if gen == cfg.generations:
                 break
             population = self._breed(population, scores, cfg)
