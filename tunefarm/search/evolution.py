@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from tunefarm.records import Candidate
+from tunefarm.search.collector import collector_paused
 from tunefarm.search.config import SearchConfig
 from tunefarm.search.cost_model import CostModel
 from tunefarm.search.space.program_space import Built, ProgramSpace
@@ -85,7 +86,21 @@ class EvolutionarySearch:
         """Up to `2 n` unmeasured programs, the ones to measure first at the front; the
         caller takes them in order and skips any TVM rejects. `population` overrides
         the configured population size for this round; `transferred` are programs made
-        from similar tasks' best, added to the initial population."""
+        from similar tasks' best, added to the initial population. The garbage collector
+        is paused meanwhile (`collector.py`)."""
+        with collector_paused():
+            return self._next_batch(model, n, measured, best_measured, model_ready, population, transferred)
+
+    def _next_batch(
+        self,
+        model: CostModel,
+        n: int,
+        measured: set[str],
+        best_measured: list[Candidate],
+        model_ready: bool,
+        population: int | None,
+        transferred: Sequence[Built],
+    ) -> tuple[list[Built], RoundStats]:
         t0 = time.perf_counter()
         stats = RoundStats()
         cfg = self.config
