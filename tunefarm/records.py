@@ -78,6 +78,10 @@ def _decision_json(slot: str, value: DecisionValue) -> str:
 
 
 def _freeze(value: Any) -> DecisionValue:
+    if type(value) is int:  # the search's own values: as they are
+        return value
+    if type(value) is tuple and all(type(v) is int for v in value):
+        return value
     if isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     return int(value)

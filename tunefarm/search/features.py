@@ -534,6 +534,8 @@ def _curve(b: _Batch, store_bytes_at: np.ndarray) -> np.ndarray:
 
 def _merge_accesses(accesses: tuple[Access, ...]) -> list[tuple[Access, int]]:
     """Group the accesses by buffer: (representative access, number of accesses)."""
+    if len({a.buffer.name for a in accesses}) == len(accesses):  # one access per buffer
+        return [(a, 1) for a in accesses]
     groups: dict[str, list[Access]] = {}
     for a in accesses:
         groups.setdefault(a.buffer.name, []).append(a)

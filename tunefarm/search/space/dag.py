@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -131,7 +131,12 @@ class BufferSpec:
 
     @property
     def elem_bytes(self) -> int:
-        return int(np.dtype(self.dtype).itemsize) if self.dtype != "bool" else 1
+        return _elem_bytes(self.dtype)
+
+
+@lru_cache(maxsize=64)
+def _elem_bytes(dtype: str) -> int:
+    return int(np.dtype(dtype).itemsize) if dtype != "bool" else 1
 
 
 @dataclass(frozen=True)
