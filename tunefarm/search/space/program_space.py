@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from tunefarm.search.space.sketch import Sketch
 from tunefarm.search.space.slots import ChoiceDomain, Decider, Domain, IntRange, InvalidDecision, TileDomain
 
 
+@lru_cache(maxsize=4096)
 def slot_kind(slot: str) -> str:
     """Which mutation rule a slot belongs to (see SearchConfig.mutation_weights)."""
     tail = slot.rsplit(".", 1)[-1]
