@@ -215,6 +215,8 @@ def test_a_model_with_a_base_ranks_with_it_before_warm_up(squared_base):
     # the same programs on the other class's descriptor rank by the other rule
     other = XGBCostModel(XGBConfig(seed=1), base=squared_base.with_descriptor(device_descriptor(AVX512)))
     assert ranking_report(other.predict(feats), _programs(feats, costs, "sse")).pairwise < 0.7
+    # the search evolves its first population by the base's scores, not at random
+    assert a.ranks and a.trained_on == 0 and not XGBCostModel(XGBConfig(seed=1)).ranks
 
 
 def _programs(feats, costs, cls):

@@ -187,6 +187,10 @@ class SharedModelView(CostModel):
     def trained_on(self) -> int:
         return self.shared.model.trained_on
 
+    @property
+    def ranks(self) -> bool:
+        return self.shared.model.ranks
+
 
 class ClassModels:
     def __init__(

@@ -218,7 +218,9 @@ class TaskTuner:
         return population_for(self.config.search, self.pace, n)
 
     def model_ready(self) -> bool:
-        return getattr(self.model, "trained_on", 0) > 0
+        """Whether the cost model's scores rank programs (`CostModel.ranks`): trained on
+        measurements, or scoring with a pretrained base from the first round."""
+        return self.model.ranks
 
     def propose(self, n: int) -> Proposal:
         """Up to `n` new programs to measure, realized in TVM, best first."""
