@@ -13,7 +13,8 @@ One round, `EvolutionarySearch.next_batch`:
      least `min_random_per_batch` in a batch of two or more, `random_picks`).
 While the cost model has too little data to be trusted (`model_ready` False), the
 evolution is skipped and the batch is random, as Ansor does with its random model
-(transferred programs first, up to half of it).
+(transferred programs first, up to half of it), drawn from twice the batch's programs
+rather than a whole population: ranking nothing, a population only costs its sampling.
 Nothing already measured is proposed again.
 """
 
@@ -110,11 +111,15 @@ class EvolutionarySearch:
         n_seed = min(len(best_measured), int(cfg.use_measured_ratio * cfg.population)) if model_ready else 0
         transferred = [b for b in transferred if b.candidate.key not in measured]
         stats.transferred = len(transferred)
-        fresh = self.space.sample_many(
-            max(cfg.population - n_seed - len(transferred), 1), self.rng, cfg.max_invalid_draws
-        )
-        stats.sampled = len(fresh)
+        # A random batch needs no population: twice the batch (what the evolution would
+        # hand on), more only when most of those draws were measured already.
+        wanted = cfg.population - n_seed - len(transferred) if model_ready else min(2 * n, cfg.population)
+        fresh = self.space.sample_many(max(wanted, 1), self.rng, cfg.max_invalid_draws)
         unmeasured_fresh = [b for b in fresh if b.candidate.key not in measured]
+        if not model_ready and len(unmeasured_fresh) < n and cfg.population > wanted:
+            fresh += self.space.sample_many(cfg.population - wanted, self.rng, cfg.max_invalid_draws)
+            unmeasured_fresh = [b for b in fresh if b.candidate.key not in measured]
+        stats.sampled = len(fresh)
         if not model_ready:
             self.rng.shuffle(unmeasured_fresh)
             stats.invalid = self.space.invalid_draws - invalid_before
