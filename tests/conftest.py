@@ -34,6 +34,25 @@ def private_cache_home(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_shipped_pretrained_model(tmp_path_factory):
+    """Runs start from the shipped pretrained cost model of their device family when one
+    ships (`tunefarm.search.cost_model.pretrained`): tests (and the processes they start,
+    farms included: they inherit this environment) look in an empty directory instead,
+    so that what they assume of a fresh start holds whatever the package ships. A test
+    about the pretrained start sets its own directory (`monkeypatch.setenv`)."""
+    from tunefarm.search.cost_model.pretrained import DIRECTORY_ENV
+
+    path = tmp_path_factory.mktemp("no-pretrained")
+    old = os.environ.get(DIRECTORY_ENV)
+    os.environ[DIRECTORY_ENV] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop(DIRECTORY_ENV, None)
+    else:
+        os.environ[DIRECTORY_ENV] = old
+
+
 @pytest.fixture(autouse=True)
 def fresh_cache_home(private_cache_home, monkeypatch, request):
     """...and one of their own each: a model one test's tuning kept must not steer another's."""

@@ -137,3 +137,32 @@ def test_a_small_batch_gets_a_random_program():
         not {b.candidate.key for b in EvolutionarySearch(space, off, rng)._eps_greedy(ranked, randoms, 4)[:4]}
         & random_keys
     )
+
+
+def test_best_ranked_keeps_the_best_in_entry_order_and_ties_to_the_earlier():
+    from tunefarm.search.evolution import _best_ranked
+
+    best = {k: (s, None) for k, s in [("a", 1.0), ("b", 3.0), ("c", 2.0), ("d", 3.0), ("e", 2.0)]}
+    kept = _best_ranked(best, 3)
+    assert list(kept) == ["b", "c", "d"]  # "e" ties "c" and came later
+    assert sorted(kept.values(), key=lambda t: -t[0]) == sorted(best.values(), key=lambda t: -t[0])[:3]
+    assert _best_ranked(best, 9) is best
+
+
+def test_proposing_leaves_the_garbage_collector_as_it_found_it():
+    import gc
+
+    from tunefarm.search.collector import collector_paused
+
+    space = _space()
+    search = EvolutionarySearch(space, SMALL_SEARCH, random.Random(5))
+    assert gc.isenabled()
+    search.next_batch(PreferVectorized(), 4, set(), [], model_ready=True)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -196,7 +196,8 @@ def test_a_class_without_a_model_starts_from_its_nearest_classs_latest_version(d
 def test_the_transfer_bench_counts_trials_to_reach_the_cold_runs_final_latency(capsys):
     import math
 
-    from tunefarm_app.bench.transfer import compare, trials_to_reach
+    from tunefarm_app.bench.cold_warm import trials_to_reach
+    from tunefarm_app.bench.transfer import compare
     from tunefarm_app.cli import main as cli
 
     assert trials_to_reach([5.0, 3.0, 2.0], 3.0) == 2 and trials_to_reach([5.0], 3.0) is None

@@ -195,3 +195,18 @@ def test_unroll_that_would_take_minutes_to_compile_is_rejected():
         build(dag, sketch, Decider(slow, None), 2)
     fine = dict(slow, **{"C.tile.v_j": (4, 6, 1, 16)})
     assert build(dag, sketch, Decider(fine, None), 2).instructions
+
+
+def test_derived_dags_are_made_once_and_equal_a_fresh_derivation():
+    from tunefarm.search.space.dag import _inline_into_consumers, inline_into_consumers
+    from tunefarm.search.space.sketch import _apply_cache_write, apply_cache_write
+
+    dag = analyse(registry.make("conv2d", {"N": 1, "C": 8, "H": 14, "W": 14, "F": 16}).mod["main"])
+    pad, conv = dag.blocks[0].name, dag.blocks[1].name
+    inlined = inline_into_consumers(dag, pad)
+    assert inlined is inline_into_consumers(dag, pad)
+    assert inlined == _inline_into_consumers(dag, pad) and inlined != dag
+    cached = apply_cache_write(inlined, conv)
+    assert cached is apply_cache_write(inlined, conv)
+    assert cached == _apply_cache_write(inlined, conv, "global")
+    assert apply_cache_write(inlined, conv, "local") != cached

@@ -215,6 +215,8 @@ def test_a_model_with_a_base_ranks_with_it_before_warm_up(squared_base):
     # the same programs on the other class's descriptor rank by the other rule
     other = XGBCostModel(XGBConfig(seed=1), base=squared_base.with_descriptor(device_descriptor(AVX512)))
     assert ranking_report(other.predict(feats), _programs(feats, costs, "sse")).pairwise < 0.7
+    # the search evolves its first population by the base's scores, not at random
+    assert a.ranks and a.trained_on == 0 and not XGBCostModel(XGBConfig(seed=1)).ranks
 
 
 def _programs(feats, costs, cls):
@@ -418,3 +420,67 @@ def test_tune_op_starts_from_the_pretrained_model_unless_told_not_to(tmp_path, m
     assert main([*argv, "--trials", "4", "--no-pretrained", "--json", str(tmp_path / "b.json")]) == 0
     start = json.loads((tmp_path / "b.json").read_text())["cost_model"]
     assert start["start"] == "fresh" and start["file"] is None and "switched off" in start["note"]
+
+
+# --- the farm: a class with no model starts from the pretrained one ------------------------------
+
+
+def test_a_farm_class_with_no_model_starts_from_the_pretrained_model_and_its_jobs_say_so(
+    db_sessions, tmp_path, squared_base
+):
+    import uuid
+
+    from farm_state import seed_farm
+
+    from services.api import crud
+    from services.db import device_classes, job_store
+    from services.db.models import Job
+    from services.db.session import transaction
+    from services.scheduler.shared_model import ClassModels
+    from tunefarm_app.farm_commands import pretrained_text
+
+    shipped = tmp_path / "shipped"
+    pretrained.save_pretrained(squared_base, shipped / "x86.npz", provenance={})
+    uid = uuid.uuid4().hex[:8]
+    with transaction(db_sessions) as s:
+        sse = device_classes.ensure_device_class(s, name=f"pre-sse-{uid}", target=SSE).id
+        avx512 = device_classes.ensure_device_class(s, name=f"pre-avx512-{uid}", target=AVX512).id
+
+    def models(**kwargs) -> ClassModels:
+        return ClassModels(db_sessions, tmp_path / "artifacts", warmup=4, save_every=1000, catch_up_secs=60, **kwargs)
+
+    # no file in the pretrained directory (the tests' empty one), or switched off: fresh, as before
+    assert models().get(sse).model.base is None and models().get(sse).pretrained is None
+    assert models(pretrained_dir=shipped, pretrained=False).get(sse).model.base is None
+    classes = models(pretrained_dir=shipped)
+    shared = classes.get(sse)
+    assert shared.start_version_id is None and shared.transferred_from is None and shared.model.num_samples == 0
+    np.testing.assert_array_equal(shared.model.base.descriptor, device_descriptor(SSE))
+    assert shared.pretrained == {"family": "x86", "objective": "squared", "programs": squared_base.info["programs"],
+                                 "tasks": 6, "classes": 2, "written": shared.model.base.info["written"]}  # fmt: skip
+    # its first batch is ranked by the base, by the class's own rule
+    feats, costs, groups = _own_batch("sse", 9, 40, seed=4)
+    assert ranking_report(shared.model.predict(feats), _programs(feats, costs, "sse")).pairwise > 0.75
+    # its own measurements train on top of it; the version it saves keeps the base
+    shared.model.update(feats, costs, groups)
+    assert classes.save(shared) == 1
+    again = models().get(sse)  # no shipped file needed any more: the version carries its base
+    assert again.version == 1 and again.model.num_samples == 40 and again.pretrained["family"] == "x86"
+    # a new class transfers the nearest class's model, its base scoring for the new class's device
+    near = models().get(avx512)
+    assert near.transferred_from.device_class == f"pre-sse-{uid}" and near.pretrained is not None
+    np.testing.assert_array_equal(near.model.base.descriptor, device_descriptor(AVX512))
+
+    # a job starting from it records the base; its status says it started from the pretrained model
+    state = seed_farm(db_sessions)
+    with transaction(db_sessions) as s:
+        team = s.get(Job, state.job_b).team_id
+        job_store.note_cost_model(s, job_id=state.job_b, pretrained=shared.pretrained)
+    with transaction(db_sessions) as s:
+        public = crud.job_public(s, team_id=team, job_id=state.job_b, fresh_secs=60.0).cost_model
+    assert public.version is None and public.pretrained.family == "x86" and public.pretrained.classes == 2
+    words = pretrained_text(public.pretrained.model_dump(), started=True)
+    assert words.startswith("the pretrained x86 model (squared objective") and "no model of its own" in words
+    with transaction(db_sessions) as s:
+        other = crud.job_public(s, team_id=s.get(Job, state.job_a).team_id, job_id=state.job_a, fresh_secs=60.0)
+    assert other.cost_model.pretrained is None  # a job that recorded none

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -73,6 +74,16 @@ def test_candidate_keys_ignore_decision_order():
     b = Candidate.make(1, {"y": (2, 3), "x": 1})
     assert a == b and a.key == b.key
     assert Candidate.make(0, {"x": 1}).key != a.key
+
+
+@pytest.mark.parametrize(
+    "decisions",
+    [{}, {"conv.tile.ff": (1, 4, 16), "conv.unroll": 2}, {'odd"name\\é.x': 0, "empty": ()}],
+)
+def test_candidate_key_is_the_sketch_and_its_decisions_as_compact_json(decisions):
+    """Keys are stored in records: the fast encoder must give what `json.dumps` gives."""
+    c = Candidate.make(3, decisions)
+    assert c.key == "3:" + json.dumps(c.decisions, separators=(",", ":"))
 
 
 def test_median():

@@ -86,8 +86,8 @@ class PreferExactly(CostModel):
         return 0
 
     @property
-    def trained_on(self):
-        return 1
+    def ranks(self):
+        return True
 
 
 def _first_round_picks(similar: SimilarPrograms, transfer: bool):

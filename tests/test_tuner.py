@@ -349,3 +349,21 @@ def test_a_model_that_learns_elsewhere_costs_no_features(host_target, monkeypatc
         pass
     session.close()
     assert session.trials == 8 and computed == []
+
+
+def test_the_population_leaves_room_for_realizing_and_retraining_in_the_search_share():
+    """The search's share of a round covers realizing the picks and retraining the cost
+    model too: their time per round comes off the evolution's allowance."""
+    from tunefarm.search.tuner import SearchPace, population_for
+
+    cfg = SearchConfig(population=512, min_population=48, generations=4, target_search_share=0.15)
+    assert population_for(cfg, SearchPace(), 32) == 512  # no pace yet: as configured
+    pace = SearchPace(measure_secs_per_trial=1.0, secs_per_scored=0.001)
+    # 32 trials of 1 s: 0.15/0.85 * 32 = 5.6 s for the search, 5 ms per program over 5 generations
+    assert population_for(cfg, pace, 32) == 512
+    pace.note_search(scored=1000, secs=1.0, fixed_secs=2.0)  # realizing the picks: 2 s a round
+    pace.note_training(2.5)  # and a retraining of 2.5 s
+    assert pace.fixed_secs_per_round == pytest.approx(4.5)
+    assert population_for(cfg, pace, 32) == int((0.15 / 0.85 * 32 - 4.5) / (0.001 * 5)) == 229
+    pace.note_training(20.0)  # retraining alone beyond the share: the smallest population
+    assert population_for(cfg, pace, 32) == 48

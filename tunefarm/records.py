@@ -17,6 +17,8 @@ import json
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 RECORD_VERSION = 1
@@ -57,15 +59,29 @@ class Candidate:
     def make(sketch: int, decisions: dict[str, DecisionValue]) -> Candidate:
         return Candidate(sketch, tuple(sorted((k, _freeze(v)) for k, v in decisions.items())))
 
-    @property
+    @cached_property
     def key(self) -> str:
-        return f"{self.sketch}:" + json.dumps(self.decisions, separators=(",", ":"))
+        """`<sketch>:<decisions as compact JSON>`; computed once per candidate (the search
+        asks for it many times per program)."""
+        return f"{self.sketch}:[" + ",".join(_decision_json(s, v) for s, v in self.decisions) + "]"
 
     def as_dict(self) -> dict[str, DecisionValue]:
         return dict(self.decisions)
 
 
+def _decision_json(slot: str, value: DecisionValue) -> str:
+    """`json.dumps((slot, value), separators=(",", ":"))`, without the encoder's set-up
+    cost: the value is an int or a tuple of ints (`_freeze`)."""
+    if isinstance(value, tuple):
+        return f"[{encode_basestring_ascii(slot)},[{','.join(map(str, value))}]]"
+    return f"[{encode_basestring_ascii(slot)},{value}]"
+
+
 def _freeze(value: Any) -> DecisionValue:
+    if type(value) is int:  # the search's own values: as they are
+        return value
+    if type(value) is tuple and all(type(v) is int for v in value):
+        return value
     if isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     return int(value)

@@ -138,11 +138,13 @@ def tune_tasks(
     callbacks: Sequence[SessionCallback] = (),
     latency_targets: dict[str, float] | None = None,
     pretrained: bool = True,
+    pretrained_file: Path | None = None,
     log: Callable[[str], None] = _stderr,
 ) -> TuneResult:
     """Tune `specs` on `target` within `config.trials` measurements in all (resumed ones
     included), in embedded mode. `pretrained`: a target without a cost model of its own
-    may start from the shipped pretrained one (`cost_model_cache.start_cost_model`)."""
+    may start from the shipped pretrained one (`cost_model_cache.start_cost_model`), or
+    from `pretrained_file` (a `tunefarm pretrain` file) instead."""
     _check_can_measure(config, target)
     specs, tasks = _search_tasks(specs, target, log)
     store = JsonlRecordStore(records)
@@ -157,7 +159,8 @@ def tune_tasks(
     )
     log("config " + json.dumps(config.as_dict(), separators=(",", ":"), default=str))
     model, start = cost_model_cache.start_cost_model(
-        cost_model_path, target, seed=config.seed, batch_size=config.batch_size, log=log, pretrained=pretrained
+        cost_model_path, target, seed=config.seed, batch_size=config.batch_size, log=log, pretrained=pretrained,
+        pretrained_file=pretrained_file,
     )
     learnt = cost_model_cache.learnt_programs(model)
     cores = targets.num_cores(target)

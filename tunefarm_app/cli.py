@@ -15,6 +15,7 @@
   tunefarm bench models [--trials N] [--models resnet18,bert_layer] [--json F]
   tunefarm bench gpu-models [--trials N] [--models yolov8n_like] [--no-compile]   # on an NVIDIA GPU
   tunefarm bench transfer [--source T] [--dest T] [--trials N] [--workloads gemm256,...]
+  tunefarm bench pretrained (--model F.npz | --datasets D.parquet...) --workload OP:SHAPE [--target T] [--trials N]
 
 Every error is one line on stderr, and nothing already stored is lost. The exit status
 says whose it is: 2 a bad command (a flag, a file, a shape), 1 a failure of the work
@@ -36,6 +37,7 @@ from tunefarm_app.bench import farm_load as bench_farm_load
 from tunefarm_app.bench import fastmath as bench_math
 from tunefarm_app.bench import gpu_models as bench_gpu_models
 from tunefarm_app.bench import models as bench_models
+from tunefarm_app.bench import pretrained as bench_pretrained
 from tunefarm_app.bench import transfer as bench_transfer
 from tunefarm_app.json_output import add_json_flag, emit_json, only_json
 
@@ -142,6 +144,7 @@ def _add_bench_commands(sub) -> None:
     bench_farm_load.add_command(bsub)
     bench_math.add_command(bsub)
     bench_transfer.add_command(bsub)
+    bench_pretrained.add_command(bsub)
 
 
 def version_text() -> str:
@@ -212,6 +215,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return bench_math.run(args)
     if args.command == "bench" and args.suite == "transfer":
         return bench_transfer.run(args)
+    if args.command == "bench" and args.suite == "pretrained":
+        return bench_pretrained.run(args)
     if args.command == "bench":
         from tunefarm_app.bench.ops import run_ops_bench
 

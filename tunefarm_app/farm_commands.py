@@ -312,6 +312,17 @@ def _print_end(job: dict) -> int:
     return 0 if job["state"] == "succeeded" else 1
 
 
+def pretrained_text(pre: dict, *, started: bool) -> str:
+    """A job's pretrained base (the API's `cost_model.pretrained`) in words: the job
+    `started` from it (its class had no model of its own), or its class's model is on top of it."""
+    learnt = (f"{pre.get('objective') or '?'} objective, {pre.get('programs') or '?'} programs of "
+              f"{pre.get('tasks') or '?'} tasks on {pre.get('classes', 0)} device classes")  # fmt: skip
+    family = pre.get("family") or "?"
+    if started:
+        return f"the pretrained {family} model ({learnt}): this class had no model of its own"
+    return f"over the pretrained {family} model ({learnt})"
+
+
 def _print_job(job: dict) -> None:
     from tunefarm_app.progress import format_cost
     from tunefarm_app.tuned_report import latency_text, peer_lines
@@ -344,8 +355,13 @@ def _print_job(job: dict) -> None:
     elif src:
         print(f"cost model version {cm['version']} of this class, descending from class {src['device_class']}'s "
               f"version {src['version']} (transferred)")
+    pre = cm.get("pretrained")
+    if pre:
+        print(f"cost model {pretrained_text(pre, started=cm.get('version') is None)}")
     if cm["trained_on_at_first_batch"] is not None:
         ranked = "at random" if not cm["trained_on_at_first_batch"] else f"by the class's model ({cm['trained_on_at_first_batch']} programs)"
+        if pre and not cm["trained_on_at_first_batch"]:
+            ranked = "by the pretrained model"
         print(f"first batch ranked {ranked}")
     if job["error"]:
         print(f"error      {job['error']}")

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from tunefarm.search.cost_model.pretrained import save_pretrained
 
     _check_args(args)
-    rows = [row for path in args.datasets for row in _read(path)]
+    rows = [row for path in args.datasets for row in read_rows(path)]
     programs = training_programs(rows, family=args.family)
     named = [n.strip() for item in args.hold_out_workloads for n in item.split(",") if n.strip()]
     held = named or held_out_workloads(programs, args.hold_out_fraction)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     assert chosen is not None
     provenance = {
         "command": command_line(),
-        "datasets": [_dataset_provenance(p) for p in args.datasets],
+        "datasets": [dataset_provenance(p) for p in args.datasets],
         "held_out_workloads": sorted(set(test.workloads)) if test is not None else [],
         "held_out": results[args.objective].get("held_out"),
     }
@@ -132,7 +132,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--rounds, --max-depth and --threads must be at least 1")
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The columns training reads of a `tunefarm dataset` file's rows. Raises UsageError."""
     if not path.is_file():
         raise UsageError(f"{path}: no such dataset file")
     try:
@@ -150,7 +151,7 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return table.select(sorted(needed | ({"cores"} & set(table.column_names)))).to_pylist()
 
 
-def _dataset_provenance(path: Path) -> dict[str, Any]:
+def dataset_provenance(path: Path) -> dict[str, Any]:
     """The dataset file's name, digest and how it was made (its `.json` sidecar)."""
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     manifest_path = path.with_name(path.name + ".json")

@@ -31,6 +31,7 @@ from services.api.schemas import (
     ModelPublic,
     ModelSummary,
     ModelTaskPublic,
+    PretrainedPublic,
     ProgressPoint,
     TensorPublic,
     TransferPublic,
@@ -221,7 +222,18 @@ def _cost_model_public(seen: jobs.JobOverview) -> CostModelPublic:
         transferred_from=(
             TransferPublic(device_class=source_class, version=seen.source_version) if source_class is not None else None
         ),
+        pretrained=_pretrained_public(seen.job.cost_model_pretrained),
     )
+
+
+def _pretrained_public(summary: dict[str, Any] | None) -> PretrainedPublic | None:
+    """The pretrained base a job recorded (`shared_model.pretrained_summary`)."""
+    if not summary:
+        return None
+    return PretrainedPublic(
+        family=summary.get("family"), objective=summary.get("objective"), programs=summary.get("programs"),
+        tasks=summary.get("tasks"), classes=int(summary.get("classes") or 0), written=summary.get("written"),
+    )  # fmt: skip
 
 
 def waiting_message(seen: jobs.JobOverview, stall_secs: float) -> str | None:

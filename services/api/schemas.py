@@ -153,13 +153,22 @@ class TransferPublic(BaseModel):
     version: int = Field(description="that class's version")
 
 
+class PretrainedPublic(BaseModel):
+    family: str | None = Field(description="the device family the pretrained model serves (x86, arm, cuda)")
+    objective: str | None = Field(description="its training objective (squared or rank)")
+    programs: int | None = Field(description="measured programs it was trained on")
+    tasks: int | None = Field(description="tasks those programs are of")
+    classes: int = Field(description="device classes they were measured on")
+    written: str | None = Field(description="when the model file was written (UTC)")
+
+
 class CostModelPublic(BaseModel):
     version_id: int | None = Field(description="the class's cost model version the job started from")
     version: int | None
     trained_on: int | None = Field(description="programs that version was trained on")
     trained_on_at_first_batch: int | None = Field(
         description="programs the shared model had learned from when the job's first batch was ranked "
-        "(0: ranked at random; null: no batch yet)"
+        "(0: ranked at random, or by the pretrained model alone when there is one; null: no batch yet)"
     )
     device_class: str | None = Field(
         None, description="the class that version belongs to: the job's own, or the one it was transferred from"
@@ -168,6 +177,12 @@ class CostModelPublic(BaseModel):
         None,
         description="the job's class had no cost model of its own: its model started from this nearest "
         "class's (null: trained on the class's own measurements only, or fresh)",
+    )
+    pretrained: PretrainedPublic | None = Field(
+        None,
+        description="the pretrained cost model of the class's device family under the job's model: its trees "
+        "rank programs, and the class's own measurements train trees on top of it. With version null, the "
+        "class had no model of its own nor a near class's, and the job started from it (null: none)",
     )
 
 

@@ -189,13 +189,23 @@ def last_measurement_id(session: Session, *, job_id: int) -> int:
 
 
 def note_cost_model(
-    session: Session, *, job_id: int, version_id: int | None = None, trained_on: int | None = None
+    session: Session,
+    *,
+    job_id: int,
+    version_id: int | None = None,
+    trained_on: int | None = None,
+    pretrained: dict[str, Any] | None = None,
 ) -> None:
-    """Record the class model version the job starts from, and (once) how many programs
-    the model had learnt from when its first batch was ranked."""
+    """Record the class model version the job starts from and the pretrained base under
+    it (each once), and (once) how many programs the model had learnt from when its
+    first batch was ranked."""
     if version_id is not None:
         session.execute(
             update(Job).where(Job.id == job_id, Job.cost_model_version_id.is_(None)).values(cost_model_version_id=version_id)
+        )
+    if pretrained is not None:
+        session.execute(
+            update(Job).where(Job.id == job_id, Job.cost_model_pretrained.is_(None)).values(cost_model_pretrained=pretrained)
         )
     if trained_on is not None:
         session.execute(

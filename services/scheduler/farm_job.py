@@ -191,7 +191,7 @@ class FarmJob:
         self.timeline = Timeline()
         # Measurements per round: the API sized them for the model's tasks; `start` sizes
         # them again once the alternatives are known, as `tunefarm tune` does.
-        self.batch_size = int(setup.config.get("batch_size", 32))
+        self.batch_size = 32
         self.first_step_done = setup.start_model_trained_on is not None
         self.started = time.perf_counter()
         # Taken from the session when the search ends (`begin_finishing`), for the report.
@@ -266,6 +266,7 @@ class FarmJob:
         """Build the session, resume it from Postgres and adopt the batches in flight."""
         s = self.setup
         rows = {r.workload_key: r for r in s.tasks if r.alternative_of is None}
+        self.batch_size = int(s.config.get("batch_size", 32))
         try:
             self.model = self.load_model()
             model_tasks = [t for t in self.model.tasks.tasks if t.key in rows]
@@ -301,7 +302,8 @@ class FarmJob:
         # tuner ingests a candidate once and ignores it the second time).
         with transaction(self.ctx.sessions) as db:
             seen = job_store.last_measurement_id(db, job_id=self.job_id)
-            job_store.note_cost_model(db, job_id=self.job_id, version_id=self.shared.start_version_id)
+            job_store.note_cost_model(db, job_id=self.job_id, version_id=self.shared.start_version_id,
+                                      pretrained=self.shared.pretrained)  # fmt: skip
         measurer = self.ctx.measurer_factory(s, seen)
         self.measurer = measurer
         in_flight: Callable[[], list[MeasureBatch]] | None = getattr(measurer, "in_flight_batches", None)

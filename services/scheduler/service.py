@@ -149,6 +149,8 @@ class SchedulerService:
             save_every=settings.cost_model_save_every,
             catch_up_secs=settings.cost_model_catch_up_secs,
             transfer=settings.cost_model_transfer,
+            pretrained=settings.cost_model_pretrained,
+            pretrained_dir=settings.pretrained_dir,
             decoded=decoded,
             log=self.log,
         )

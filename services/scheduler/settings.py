@@ -15,6 +15,9 @@ live agent):
 | TUNEFARM_COST_MODEL_WARMUP | 32 | programs a class's cost model sees before it ranks (random before) |
 | TUNEFARM_COST_MODEL_SAVE_EVERY | 256 | new measurements between two saved versions of a class's model |
 | TUNEFARM_COST_MODEL_CATCH_UP_SECS | 10 | how often a class's model reads measurements made elsewhere |
+| TUNEFARM_COST_MODEL_TRANSFER | true | a class with no cost model of its own starts from its nearest class's |
+| TUNEFARM_COST_MODEL_PRETRAINED | true | ... else from the pretrained model of its device family (false: fresh) |
+| TUNEFARM_PRETRAINED_DIR | unset | the directory of the pretrained models (`<family>.npz`) instead of the package's |
 | TUNEFARM_CHECK_TUNED_MODEL | true | have an agent of the class run and time the tuned model (beside onnxruntime and OpenVINO) and check it against onnxruntime before keeping it |
 | TUNEFARM_MODEL_RUN_WAIT_SECS | 1800 | how long an agent of the class may take to run and time a tuned model |
 | TUNEFARM_BUILD_CHECK_SECS | 5 | how often batches in flight are checked for builds nobody is doing (a killed worker, Redis's data lost) |
@@ -54,6 +57,11 @@ class SchedulerSettings(ServiceSettings):
     # A class with no cost model of its own starts from its nearest class's latest one
     # (tunefarm.search.cost_model.transfer); False: it starts fresh.
     cost_model_transfer: bool = True
+    # A class with no cost model of its own nor a near class's starts from the pretrained
+    # model of its device family (tunefarm.search.cost_model.pretrained: the package's
+    # file, or pretrained_dir's <family>.npz); False: it starts fresh.
+    cost_model_pretrained: bool = True
+    pretrained_dir: Path | None = None
     # Run the tuned model on an agent of the class (a model run: its outputs, and its
     # latency beside onnxruntime's and OpenVINO's on that agent) and compare its outputs
     # with onnxruntime's here before keeping it; the agent has model_run_wait_secs to

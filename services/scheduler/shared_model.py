@@ -29,7 +29,21 @@ new class's first batch, and its measurements stay in the history as prior data 
 weight fades as the class's own measurements arrive. Every version the class then saves
 names the version it descends from (`cost_model_versions.transferred_from_id`), and a job
 that starts from such a model says so in its status (`ClassModel.transferred_from`).
-`ClassModels(transfer=False)` starts such a class fresh instead.
+`ClassModels(transfer=False)` starts such a class fresh instead. A transferred model
+that carries a pretrained base (it, or its ancestor, started from one) keeps it, scoring
+for the new class's device descriptor.
+
+Pretrained: a class with no version of its own and no nearest class with one starts from
+the shipped pretrained cost model of its device family
+(`tunefarm.search.cost_model.pretrained`: `<family>.npz` of the package, or of the
+directory `pretrained_dir` / TUNEFARM_PRETRAINED_DIR names), as an embedded run does
+(`cache.start_cost_model`): the base's trees rank its first batch, and the class's own
+trees learn on top of it from its measurements. The base is saved in every version the
+class saves, so it stays under the class's model; a job says so in its status
+(`ClassModel.pretrained`, `jobs.cost_model_pretrained`). `ClassModels(pretrained=False)`
+starts such a class fresh instead. A version (or a nearest class's) whose base no longer
+fits this installation (another feature or descriptor layout, another TVM series) is
+not used, as a cached model's is not.
 
 Only believed measurements train it: one agent with a valid token could otherwise teach
 every team's model its invented timings. A measurement is vouched for
@@ -71,11 +85,14 @@ import numpy as np
 from services.common import artifacts
 from services.db import class_models, confirmations, cost_models
 from services.db.exceptions import DatabaseError
+from services.db.models import CostModelVersion
 from services.db.session import Session, SessionFactory, transaction
 from services.scheduler.decoded_records import DecodedRecords
 from tunefarm.errors import TargetError
 from tunefarm.records import MeasureRecord
 from tunefarm.search.cost_model import CostModel, XGBConfig, XGBCostModel, transfer
+from tunefarm.search.cost_model import pretrained as shipped
+from tunefarm.search.cost_model.descriptor import device_descriptor
 from tunefarm.search.space.rule_set import rule_set_for
 from tunefarm.search.task import SearchTask, make_task
 from tunefarm.workloads.base import workload_from_stored
@@ -122,6 +139,24 @@ class ClassModel:
     def unsaved(self) -> int:
         return self.model.num_samples - self.saved_samples
 
+    @property
+    def pretrained(self) -> dict[str, Any] | None:
+        """The pretrained base under the class's model (`pretrained_summary`), or None."""
+        return pretrained_summary(self.model)
+
+
+def pretrained_summary(model: XGBCostModel) -> dict[str, Any] | None:
+    """What the pretrained base under `model` learnt from, from its metadata (a job's
+    report says so); None for a model without one."""
+    base = model.base
+    if base is None:
+        return None
+    info = base.info
+    return {
+        "family": info.get("family"), "objective": info.get("objective"), "programs": info.get("programs"),
+        "tasks": info.get("tasks"), "classes": len(info.get("classes") or {}), "written": info.get("written"),
+    }  # fmt: skip
+
 
 class SharedModelView(CostModel):
     """A job's view of its class's model: predictions from it, no updates of its own."""
@@ -152,6 +187,10 @@ class SharedModelView(CostModel):
     def trained_on(self) -> int:
         return self.shared.model.trained_on
 
+    @property
+    def ranks(self) -> bool:
+        return self.shared.model.ranks
+
 
 class ClassModels:
     def __init__(
@@ -164,10 +203,13 @@ class ClassModels:
         catch_up_secs: float,
         seed: int = 43,
         transfer: bool = True,
+        pretrained: bool = True,
+        pretrained_dir: Path | None = None,
         decoded: DecodedRecords | None = None,
         log: Callable[[str], None] = lambda msg: None,
     ):
-        """`decoded`: the process's decoded records, shared with its jobs' measurers."""
+        """`decoded`: the process's decoded records, shared with its jobs' measurers.
+        `pretrained_dir`: where the pretrained files are (None: `shipped.pretrained_dir()`)."""
         self.sessions = sessions
         self.decoded = decoded if decoded is not None else DecodedRecords()
         self.root = Path(artifact_root)
@@ -176,6 +218,8 @@ class ClassModels:
         self.catch_up_secs = catch_up_secs
         self.seed = seed
         self.transfer = transfer
+        self.pretrained = pretrained
+        self.pretrained_dir = pretrained_dir
         self.log = log
         self.models: dict[int, ClassModel] = {}
 
@@ -199,31 +243,55 @@ class ClassModels:
             )
             source = _source(s, latest.transferred_from_id) if latest is not None else None
         if latest is not None:
-            try:
-                model = XGBCostModel.load(self.root / latest.path)
-            except (OSError, ValueError) as exc:
-                self.log(f"cost model version {latest.version} of class {device_class_id} unreadable ({exc}); starting fresh")
-            else:
-                self.log(
-                    f"class {device_class_id}: cost model version {latest.version} "
-                    f"({latest.trained_on} programs, measurements through #{latest.last_measurement_id})"
-                )
-                return ClassModel(
-                    device_class_id,
-                    dict(target or {}),
-                    model,
-                    latest.id,
-                    latest.version,
-                    latest.last_measurement_id or 0,
-                    model.num_samples,
-                    transferred_from=source,
-                )
+            own = self._own_version(device_class_id, dict(target or {}), latest, source)
+            if own is not None:
+                return own
         if self.transfer:
             transferred = self._transferred(device_class_id, dict(target or {}))
             if transferred is not None:
                 return transferred
-        model = XGBCostModel(XGBConfig(seed=self.seed, adaptive_training=False, num_warmup_samples=self.warmup))
-        return ClassModel(device_class_id, dict(target or {}), model, None, None, 0, 0)
+        if self.pretrained:
+            started = self._pretrained(device_class_id, dict(target or {}))
+            if started is not None:
+                return started
+        return ClassModel(device_class_id, dict(target or {}), XGBCostModel(self._config()), None, None, 0, 0)
+
+    def _config(self) -> XGBConfig:
+        return XGBConfig(seed=self.seed, adaptive_training=False, num_warmup_samples=self.warmup)
+
+    def _own_version(
+        self, device_class_id: int, target: dict[str, Any], latest: CostModelVersion, source: TransferSource | None
+    ) -> ClassModel | None:
+        """The class's model from its latest version, or None when that file cannot be
+        read or its pretrained base no longer fits (then the class starts as a new one)."""
+        try:
+            model = XGBCostModel.load(self.root / latest.path)
+        except (OSError, ValueError) as exc:
+            self.log(f"cost model version {latest.version} of class {device_class_id} unreadable ({exc}); starting fresh")
+            return None
+        problem = _base_problem(model, target)
+        if problem:
+            self.log(f"cost model version {latest.version} of class {device_class_id} started from a pretrained base "
+                     f"{problem}; not used")  # fmt: skip
+            return None
+        self.log(
+            f"class {device_class_id}: cost model version {latest.version} "
+            f"({latest.trained_on} programs, measurements through #{latest.last_measurement_id})"
+        )
+        return ClassModel(
+            device_class_id, target, model, latest.id, latest.version, latest.last_measurement_id or 0,
+            model.num_samples, transferred_from=source,
+        )  # fmt: skip
+
+    def _pretrained(self, device_class_id: int, target: dict[str, Any]) -> ClassModel | None:
+        """The class's model started from the pretrained model of its device family
+        (module doc), or None when there is none that fits (said in the log)."""
+        model, note = shipped.load_pretrained(target, config=self._config(), directory=self.pretrained_dir)
+        if model is None:
+            self.log(f"class {device_class_id}: a fresh cost model ({note})")
+            return None
+        self.log(f"class {device_class_id}: no cost model of its own or of a near class; starts from the {note}")
+        return ClassModel(device_class_id, target, model, None, None, 0, 0)
 
     def _transferred(self, device_class_id: int, target: dict[str, Any]) -> ClassModel | None:
         """The class's model started from its nearest class's latest version (module doc),
@@ -249,7 +317,12 @@ class ClassModels:
         except (OSError, ValueError) as exc:
             self.log(f"class {device_class_id}: cost model of {choice.name} unreadable ({exc}); starting fresh")
             return None
-        model = source.transferred(choice.name)
+        problem = _base_problem(source, target)
+        if problem:
+            self.log(f"class {device_class_id}: cost model of {choice.name} started from a pretrained base {problem}; "
+                     "not transferred")  # fmt: skip
+            return None
+        model = source.transferred(choice.name, device_descriptor(target) if source.base is not None else None)
         why = choice.similarity.describe()
         self.log(
             f"class {device_class_id}: starts from class {choice.name}'s cost model version {version.version} "
@@ -370,6 +443,17 @@ class ClassModels:
             f"({shared.model.num_samples} programs, trained on {shared.model.trained_on})"
         )
         return version
+
+
+def _base_problem(model: XGBCostModel, target: dict[str, Any]) -> str | None:
+    """Why the pretrained base under `model` cannot score `target` here (None: it can, or
+    there is none)."""
+    if model.base is None:
+        return None
+    try:
+        return shipped.incompatibility(model.base, target)
+    except TargetError as exc:
+        return f"not for this target ({exc})"
 
 
 def _source(s: Session, version_id: int | None) -> TransferSource | None:

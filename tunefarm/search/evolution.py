@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from tunefarm.records import Candidate
+from tunefarm.search.collector import collector_paused
 from tunefarm.search.config import SearchConfig
 from tunefarm.search.cost_model import CostModel
 from tunefarm.search.space.program_space import Built, ProgramSpace
@@ -45,6 +46,18 @@ class RoundStats:
 
 def _unique(programs: list[Built]) -> list[Built]:
     return list({b.candidate.key: b for b in programs}.values())
+
+
+def _best_ranked(best: dict[str, tuple[float, Built]], keep: int) -> dict[str, tuple[float, Built]]:
+    """The `keep` best-scored entries of `best` (ties: the earlier entry), still in their
+    order of entry. Keeps a round from holding every program it scored (thousands, a
+    loop-nest model each, which the garbage collector walks again and again) when the
+    batch takes the best `2 n` at most: a program dropped here and met again scores the
+    same, behind at least `keep` others, so the batch is the one the whole dict gives."""
+    if len(best) <= keep:
+        return best
+    kept = {key for key, _ in sorted(best.items(), key=lambda kv: -kv[1][0])[:keep]}
+    return {key: entry for key, entry in best.items() if key in kept}
 
 
 def random_picks(n: int, cfg: SearchConfig) -> int:
@@ -73,7 +86,21 @@ class EvolutionarySearch:
         """Up to `2 n` unmeasured programs, the ones to measure first at the front; the
         caller takes them in order and skips any TVM rejects. `population` overrides
         the configured population size for this round; `transferred` are programs made
-        from similar tasks' best, added to the initial population."""
+        from similar tasks' best, added to the initial population. The garbage collector
+        is paused meanwhile (`collector.py`)."""
+        with collector_paused():
+            return self._next_batch(model, n, measured, best_measured, model_ready, population, transferred)
+
+    def _next_batch(
+        self,
+        model: CostModel,
+        n: int,
+        measured: set[str],
+        best_measured: list[Candidate],
+        model_ready: bool,
+        population: int | None,
+        transferred: Sequence[Built],
+    ) -> tuple[list[Built], RoundStats]:
         t0 = time.perf_counter()
         stats = RoundStats()
         cfg = self.config
@@ -105,6 +132,7 @@ class EvolutionarySearch:
                 key = b.candidate.key
                 if key not in measured and math.isfinite(s) and (key not in best or best[key][0] < s):
                     best[key] = (float(s), b)
+            best = _best_ranked(best, 2 * n)
             if gen == cfg.generations:
                 break
             population = self._breed(population, scores, cfg)

@@ -208,43 +208,50 @@ class _Batch:
         A = len(accs)
         D = max(1, max((len(a.indices) for _, a, _ in accs), default=1))
         self.S, self.L, self.A, self.D = S, L, A, D
-        ext = [[1.0] * L for _ in range(S)]
-        red = [[False] * L for _ in range(S)]
-        vec = [[False] * L for _ in range(S)]
-        par = [[False] * L for _ in range(S)]
-        alloc = [(0.0, 0.0)] * S
-        for si, st in enumerate(stores):
-            e, r, v, p = ext[si], red[si], vec[si], par[si]
-            for j, lp in enumerate(st.loops):
-                e[j] = lp.extent
-                r[j] = lp.reduce
-                v[j] = lp.kind == "vectorized"
-                p[j] = lp.kind == "parallel"
-            if st.alloc is not None:
-                alloc[si] = (1.0, st.alloc_elems * st.alloc.elem_bytes)
-        self.ext = np.array(ext, dtype=np.float64)
-        self.reduce = np.array(red, dtype=bool)
-        self.vec = np.array(vec, dtype=bool)
-        self.par = np.array(par, dtype=bool)
-        self.nloops = np.array([len(st.loops) for st in stores], dtype=np.int64)
+        # every loop of every store, flat: (store, position) and its extent, reduce flag, kind
+        nloops = [len(st.loops) for st in stores]
+        loop_store = np.repeat(np.arange(S), nloops)
+        loop_pos = np.concatenate([np.arange(n) for n in nloops]) if loop_store.size else loop_store
+        loops = [lp for st in stores for lp in st.loops]
+        kinds = [lp.kind for lp in loops]
+        self.ext = np.ones((S, L))
+        self.ext[loop_store, loop_pos] = [lp.extent for lp in loops]
+        self.reduce = np.zeros((S, L), dtype=bool)
+        self.reduce[loop_store, loop_pos] = [lp.reduce for lp in loops]
+        self.vec = np.zeros((S, L), dtype=bool)
+        self.vec[loop_store, loop_pos] = [k == "vectorized" for k in kinds]
+        self.par = np.zeros((S, L), dtype=bool)
+        self.par[loop_store, loop_pos] = [k == "parallel" for k in kinds]
+        self.nloops = np.array(nloops, dtype=np.int64)
         self.ops = np.array([st.ops.as_tuple() for st in stores], dtype=np.float64)
         self.unroll = np.array([st.unroll for st in stores], dtype=np.float64)
         self.is_init = np.array([st.is_init for st in stores], dtype=np.float64)
-        self.alloc = np.array(alloc, dtype=np.float64)  # (is intermediate, bytes)
-        coef = np.zeros((A, D, L))
-        dims = [[1] * D for _ in range(A)]
+        self.alloc = np.array(  # (is intermediate, bytes)
+            [(1.0, st.alloc_elems * st.alloc.elem_bytes) if st.alloc is not None else (0.0, 0.0) for st in stores],
+            dtype=np.float64,
+        ).reshape(S, 2)
+        # |coefficient| of loop j in dimension d of access a (each loop variable once per index)
         positions = [{lp.key: j for j, lp in enumerate(st.loops)} for st in stores]
+        where: list[tuple[int, int, int]] = []
+        coefs: list[int] = []
         for ai, (si, acc, _) in enumerate(accs):
             pos = positions[si]
             for d, ix in enumerate(acc.indices):
                 for v, c in ix.terms:
                     j = pos.get(v)
                     if j is not None:
-                        coef[ai, d, j] += abs(c)
-            shape = acc.buffer.shape
-            dims[ai][: len(shape)] = shape
+                        where.append((ai, d, j))
+                        coefs.append(abs(c))
+        coef = np.zeros((A, D, L))
+        if where:
+            a_i, d_i, j_i = np.array(where, dtype=np.int64).T
+            coef[a_i, d_i, j_i] = coefs
         self.coef = coef
-        self.dims = np.array(dims, dtype=np.float64)
+        dims = np.ones((A, D))
+        for ai, (_, acc, _) in enumerate(accs):
+            shape = acc.buffer.shape
+            dims[ai, : len(shape)] = shape
+        self.dims = dims
         self.acc_store = np.array([si for si, _, _ in accs], dtype=np.int64)
         self.elem = np.array([a.buffer.elem_bytes for _, a, _ in accs], dtype=np.float64)
         self.count = np.array([n for _, _, n in accs], dtype=np.float64)
@@ -527,6 +534,8 @@ def _curve(b: _Batch, store_bytes_at: np.ndarray) -> np.ndarray:
 
 def _merge_accesses(accesses: tuple[Access, ...]) -> list[tuple[Access, int]]:
     """Group the accesses by buffer: (representative access, number of accesses)."""
+    if len({a.buffer.name for a in accesses}) == len(accesses):  # one access per buffer
+        return [(a, 1) for a in accesses]
     groups: dict[str, list[Access]] = {}
     for a in accesses:
         groups.setdefault(a.buffer.name, []).append(a)

@@ -369,6 +369,7 @@ class TuningSession:
         train_secs = time.perf_counter() - t_train
         self.stats.train_secs += train_secs
         self.stats.search_secs += train_secs
+        tuner.pace.note_training(train_secs)
         for cb in self.callbacks:
             cb.on_round(self, tuner, summary)
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from tunefarm import digest
 from tunefarm.records import ErrorKind, MeasureInput, MeasureRecord, TimingConfig
-from tunefarm.search.config import TuneConfig
+from tunefarm.search.config import SearchConfig, TuneConfig
 from tunefarm.search.cost_model import CostModel
 from tunefarm.search.evolution import EvolutionarySearch, RoundStats
 from tunefarm.search.similar_programs import SimilarPrograms
@@ -55,18 +55,48 @@ class SearchPace:
 
     measure_secs_per_trial: float | None = None  # wall time of a round / its measurements
     secs_per_scored: float | None = None  # evolution time per program scored (all tasks)
+    # The search's time per round that no population size changes: realizing the picked
+    # programs in TVM, and retraining the cost model after the round (0 in most rounds).
+    propose_fixed_secs: float | None = None
+    training_secs: float | None = None
 
     def note_round(self, measured: int, secs: float) -> None:
         if measured > 0:
             self.measure_secs_per_trial = _ema(self.measure_secs_per_trial, secs / measured)
 
-    def note_search(self, scored: int, secs: float) -> None:
+    def note_search(self, scored: int, secs: float, fixed_secs: float = 0.0) -> None:
+        """A proposal: `secs` of evolution over `scored` programs, and `fixed_secs` of
+        proposing beside it (realizing the picks)."""
         if scored > 0:
             self.secs_per_scored = _ema(self.secs_per_scored, secs / scored)
+        self.propose_fixed_secs = _ema(self.propose_fixed_secs, max(fixed_secs, 0.0))
+
+    def note_training(self, secs: float) -> None:
+        """The cost model's retraining after a round (0 when it did not retrain)."""
+        self.training_secs = _ema(self.training_secs, max(secs, 0.0))
+
+    @property
+    def fixed_secs_per_round(self) -> float:
+        return (self.propose_fixed_secs or 0.0) + (self.training_secs or 0.0)
 
 
 def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
     return new if old is None else (1 - weight) * old + weight * new
+
+
+def population_for(cfg: SearchConfig, pace: SearchPace, n: int) -> int:
+    """The evolution's population for a round of `n` programs: as large as configured,
+    unless that would make the search exceed its target share of the round's time
+    (judged by the measuring pace per trial and the scoring pace, both shared). The share
+    covers the whole search of a round: what realizing the picks and retraining the cost
+    model take per round (`SearchPace.fixed_secs_per_round`) comes off the evolution's
+    allowance, down to the smallest population."""
+    if pace.secs_per_scored is None or pace.measure_secs_per_trial is None:
+        return cfg.population
+    share = cfg.target_search_share
+    allowed = share / (1.0 - share) * pace.measure_secs_per_trial * n - pace.fixed_secs_per_round
+    per_program = pace.secs_per_scored * (cfg.generations + 1)
+    return int(max(cfg.min_population, min(cfg.population, allowed / per_program)))
 
 
 @dataclass(frozen=True)
@@ -184,20 +214,13 @@ class TaskTuner:
     # -- propose ----------------------------------------------------------------------------
 
     def population(self, n: int) -> int:
-        """The evolution's population for a round of `n` programs: as large as configured,
-        unless that would make the search exceed its target share of the round's time
-        (judged by the measuring pace per trial and the scoring pace, both shared)."""
-        cfg = self.config.search
-        pace = self.pace
-        if pace.secs_per_scored is None or pace.measure_secs_per_trial is None:
-            return cfg.population
-        share = cfg.target_search_share
-        allowed = share / (1.0 - share) * pace.measure_secs_per_trial * n
-        per_program = pace.secs_per_scored * (cfg.generations + 1)
-        return int(max(cfg.min_population, min(cfg.population, allowed / per_program)))
+        """The evolution's population for a round of `n` programs (`population_for`)."""
+        return population_for(self.config.search, self.pace, n)
 
     def model_ready(self) -> bool:
-        return getattr(self.model, "trained_on", 0) > 0
+        """Whether the cost model's scores rank programs (`CostModel.ranks`): trained on
+        measurements, or scoring with a pretrained base from the first round."""
+        return self.model.ranks
 
     def propose(self, n: int) -> Proposal:
         """Up to `n` new programs to measure, realized in TVM, best first."""
@@ -235,7 +258,7 @@ class TaskTuner:
         secs = time.perf_counter() - t0
         self.state.invalid += refused + stats.invalid
         self.state.search_secs += secs
-        self.pace.note_search(stats.scored, stats.seconds)
+        self.pace.note_search(stats.scored, stats.seconds, fixed_secs=secs - stats.seconds)
         self.state.rounds.append(
             {
                 "proposed": len(inputs),

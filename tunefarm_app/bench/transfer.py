@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tunefarm.errors import UsageError
+from tunefarm_app.bench.cold_warm import geomean, measured_costs, ms, parse_seeds, reach, trials_ratio
 
 WORKLOADS: dict[str, tuple[str, dict[str, int], tuple[str, ...]]] = {
     "gemm256": ("matmul", {"M": 256, "N": 256, "K": 256}, ("B",)),
@@ -65,36 +65,18 @@ class TransferRow:
     @property
     def ratio(self) -> float:
         """warm / cold trials (a warm run that never reached the bar counts as budget + 1)."""
-        warm = self.warm_trials if self.warm_trials is not None else self.budget + 1
-        return warm / self.cold_trials
+        return trials_ratio(self.warm_trials, self.cold_trials, self.budget)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ratio": self.ratio}
-
-
-def trials_to_reach(costs: list[float], bar: float) -> int | None:
-    """1-based index of the first cost at or below `bar` (None: none is)."""
-    return next((i + 1 for i, c in enumerate(costs) if c <= bar), None)
-
-
-def measured_costs(state) -> list[float]:
-    """A task's costs in measurement order (inf for a failed measurement), from its search's state."""
-    return [r.cost if r.is_valid else math.inf for r in state.records]
 
 
 def compare(
     workload: str, seed: int, budget: int, source: list[float], cold: list[float], warm: list[float], tolerance: float
 ) -> TransferRow:
     """The row of one workload and seed from the three runs' costs."""
-    cold_best = min(cold)
-    if not math.isfinite(cold_best):
-        raise UsageError(f"{workload}: the cold run found no valid kernel")
-    bar = cold_best * (1 + tolerance)
-    cold_trials = trials_to_reach(cold, bar)
-    assert cold_trials is not None  # its own best is under the bar
-    return TransferRow(
-        workload, seed, cold_best, min(warm), min(source), cold_trials, trials_to_reach(warm, bar), budget
-    )
+    r = reach(workload, cold, warm, tolerance=tolerance, budget=budget)
+    return TransferRow(workload, seed, r.cold_best, r.warm_best, min(source), r.cold_trials, r.warm_trials, budget)
 
 
 def add_command(bsub) -> None:
@@ -123,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         target.setdefault("num-cores", num_cores(target))
         check_runs_on_host(target, name)
     workloads = _select(args.workloads)
-    seeds = _seeds(args.seeds)
+    seeds = parse_seeds(args.seeds)
     if args.trials < 2 or args.batch_size < 1:
         raise UsageError("--trials must be at least 2 and --batch-size at least 1")
     rows: list[TransferRow] = []
@@ -201,17 +183,17 @@ def render(rows: list[TransferRow], source: dict, dest: dict, args: argparse.Nam
     for r in rows:
         warm = str(r.warm_trials) if r.warm_trials is not None else f">{r.budget}"
         lines.append(
-            f"{r.workload:<11} {r.seed:>4} {_ms(r.source_best):>12} {_ms(r.cold_best):>10} {_ms(r.warm_best):>10} "
+            f"{r.workload:<11} {r.seed:>4} {ms(r.source_best):>12} {ms(r.cold_best):>10} {ms(r.warm_best):>10} "
             f"{r.cold_trials:>11} {warm:>11} {r.ratio:>9.2f}"
         )
     ratios = [r.ratio for r in rows]
-    geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else math.nan
+    ratio_mean = geomean(ratios)
     met = sum(1 for x in ratios if x <= GOAL)
     lines += [
         "",
-        f"warm/cold trials to reach the cold run's final latency: geometric mean {geomean:.2f} "
+        f"warm/cold trials to reach the cold run's final latency: geometric mean {ratio_mean:.2f} "
         f"(goal <= {GOAL:.2f}); {met} of {len(rows)} rows meet it; "
-        f"warm's final best / cold's: geometric mean {_geomean([r.warm_best / r.cold_best for r in rows]):.3f}",
+        f"warm's final best / cold's: geometric mean {geomean([r.warm_best / r.cold_best for r in rows]):.3f}",
     ]
     return "\n".join(lines)
 
@@ -222,16 +204,7 @@ def _quiet(msg: str) -> None:
 
 def _line(r: TransferRow) -> str:
     warm = r.warm_trials if r.warm_trials is not None else f">{r.budget}"
-    return f"{r.workload} seed {r.seed}: cold reached {_ms(r.cold_best)} in {r.cold_trials} trials, warm in {warm}"
-
-
-def _ms(secs: float) -> str:
-    return f"{secs * 1e3:.4f} ms" if math.isfinite(secs) else "-"
-
-
-def _geomean(values: list[float]) -> float:
-    finite = [v for v in values if math.isfinite(v) and v > 0]
-    return math.exp(sum(math.log(v) for v in finite) / len(finite)) if finite else math.nan
+    return f"{r.workload} seed {r.seed}: cold reached {ms(r.cold_best)} in {r.cold_trials} trials, warm in {warm}"
 
 
 def _select(spec: str | None) -> list[str]:
@@ -242,13 +215,3 @@ def _select(spec: str | None) -> list[str]:
     if unknown or not wanted:
         raise UsageError(f"--workloads: unknown workload {unknown[0] if unknown else ''!r}; known: {', '.join(WORKLOADS)}")
     return wanted
-
-
-def _seeds(spec: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in spec.split(",") if s.strip()]
-    except ValueError:
-        raise UsageError(f"--seeds: not a comma-separated list of integers: {spec!r}") from None
-    if not seeds or any(s < 1 for s in seeds):
-        raise UsageError("--seeds: give at least one seed, each at least 1")
-    return seeds

@@ -138,6 +138,9 @@ class Job(Base):
     # Programs the class's shared cost model had been trained on when the job's first batch
     # was ranked (0: that batch was ranked at random); None until then.
     start_model_trained_on: Mapped[int | None]
+    # The pretrained base under the cost model the job's search started from: what it
+    # learnt from (`services.scheduler.shared_model.pretrained_summary`); None: none.
+    cost_model_pretrained: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     # The finished job's summary: stop reason, the tuned model's check and latency.
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     artifact_path: Mapped[str | None]  # the tuned model archive

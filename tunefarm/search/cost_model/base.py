@@ -66,6 +66,13 @@ class CostModel(ABC):
     def num_samples(self) -> int:
         """Number of programs passed to ``update`` so far (failed and invalid ones included)."""
 
+    @property
+    def ranks(self) -> bool:
+        """Whether its scores rank programs (trained trees, or a pretrained base), so that
+        the search evolves a population by them; False: its scores are random, and a batch
+        is drawn at random instead."""
+        return False
+
 
 def program_row_counts(features: Sequence[np.ndarray]) -> np.ndarray:
     """Number of feature rows of each program (0 for an invalid program), as int64."""

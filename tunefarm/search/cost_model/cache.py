@@ -114,9 +114,11 @@ def load_cost_model(
     batch_size: int,
     log: Callable[[str], None],
     pretrained: bool = True,
+    pretrained_file: Path | None = None,
 ) -> XGBCostModel:
     """`start_cost_model`'s model."""
-    return start_cost_model(path, target, seed=seed, batch_size=batch_size, log=log, pretrained=pretrained)[0]
+    return start_cost_model(path, target, seed=seed, batch_size=batch_size, log=log, pretrained=pretrained,
+                            pretrained_file=pretrained_file)[0]  # fmt: skip
 
 
 def start_cost_model(
@@ -127,11 +129,13 @@ def start_cost_model(
     batch_size: int,
     log: Callable[[str], None],
     pretrained: bool = True,
+    pretrained_file: Path | None = None,
 ) -> tuple[XGBCostModel, CostModelStart]:
     """The model a run on `target` starts from and where it came from (module doc): the
     one saved at `path` if it is there and fits this target and these features (a warning
     when a file was there and does not), else the nearest cached target's (when `path` is
-    the target's cache file), else the pretrained one (with `pretrained`), else a fresh one."""
+    the target's cache file), else the pretrained one (with `pretrained`: the shipped one
+    of the target's family, or `pretrained_file`), else a fresh one."""
     own = "cache" if path is not None and path == cache_path(target) else "file"
     if path is not None and path.exists():
         try:
@@ -149,11 +153,12 @@ def start_cost_model(
         if started is not None:
             return started
     if pretrained:
-        model, why = shipped.load_pretrained(target, config=fresh_model(seed, batch_size).config)
+        model, why = shipped.load_pretrained(target, config=fresh_model(seed, batch_size).config, path=pretrained_file)
         if model is not None:
             note = f"cost model: starting from the {why}"
             log(note)
-            return model, CostModelStart("pretrained", str(shipped.pretrained_path(target)), note)
+            source = pretrained_file if pretrained_file is not None else shipped.pretrained_path(target)
+            return model, CostModelStart("pretrained", str(source), note)
         note = f"cost model: a fresh one ({why})"
     else:
         note = "cost model: a fresh one (pretrained model switched off)"

@@ -18,10 +18,13 @@ new task, or a new class, from its first batch (`base_trees.py`, `XGBCostModel(b
      onto the label scale (`BaseTrees.scale`/`offset`: the search and the own trees need
      one), fitted by weighted least squares on the training programs.
    Early stopping watches the training loss (as `XGBCostModel` does); `num_boost_round`
-   caps the trees, and so the file's size.
+   caps the trees, and so the file's size. The base's `info` records what it learnt
+   from: the classes (and each one's target), the numbers of programs and tasks, and the
+   workloads themselves, by name and by key (`workload_identity`), so that an evaluation
+   can tell a held-out workload from one it was trained on (`trained_workloads`).
 3. `split_by_workload` / `held_out_workloads`: held-out evaluation is by workload (every
-   class's programs of a held-out workload leave training), never by random rows: rows of
-   one search are near twins. `ranking_report` scores held-out programs with their own
+   class's programs of a held-out workload leave training; named by workload name, task
+   key or workload key), never by random rows: rows of one search are near twins. `ranking_report` scores held-out programs with their own
    class's descriptor: pairwise accuracy beyond the noise (`metrics.pairwise_beyond_noise`,
    pooled over groups) and recall@k (mean over groups with more than k programs).
 """
@@ -41,6 +44,7 @@ import xgboost as xgb
 
 from tunefarm.errors import UsageError
 from tunefarm.search.features import feature_width
+from tunefarm.search.task import workload_of
 
 from .base_trees import BaseTrees, row_values
 from .descriptor import DESCRIPTOR_VERSION, DESCRIPTOR_WIDTH, device_descriptor, device_family
@@ -96,6 +100,7 @@ class TrainingPrograms:
     descriptors: np.ndarray  # (P, DESCRIPTOR_WIDTH) float32
     family: str
     feature_version: int
+    class_targets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # class -> its target dict
 
     def __len__(self) -> int:
         return len(self.features)
@@ -108,6 +113,14 @@ class TrainingPrograms:
             groups=[self.groups[i] for i in index], classes=[self.classes[i] for i in index],
             workloads=[self.workloads[i] for i in index], descriptors=self.descriptors[index],
         )  # fmt: skip
+
+    def trained_class_targets(self) -> dict[str, dict[str, Any]]:
+        """The target of each class the programs were measured on."""
+        return {c: dict(self.class_targets[c]) for c in sorted(set(self.classes)) if c in self.class_targets}
+
+    def workload_keys(self) -> list[str]:
+        """The identities (`workload_identity`) of the programs' workloads, sorted."""
+        return sorted({workload_identity(workload_of(g.split("/", 1)[1])) for g in self.groups})
 
     def summary(self) -> dict[str, Any]:
         per_class: dict[str, int] = {}
@@ -146,6 +159,7 @@ def training_programs(rows: Iterable[Mapping[str, Any]], *, family: str | None =
     version = versions.pop()
     width = feature_width(version)
     descriptors: dict[str, np.ndarray] = {}
+    class_targets: dict[str, dict[str, Any]] = {}
     merged: dict[tuple[str, str], _Measured] = {}
     for row in mine:
         features = np.asarray(row["features"], dtype=np.float32)
@@ -156,6 +170,7 @@ def training_programs(rows: Iterable[Mapping[str, Any]], *, family: str | None =
         key = json.dumps(target, sort_keys=True)
         if key not in descriptors:
             descriptors[key] = device_descriptor(target)
+        class_targets.setdefault(str(row["device_class"]), target)
         group = f"{row['device_class']}/{row['task']}"
         digest = hashlib.sha1(np.ascontiguousarray(features).tobytes()).hexdigest()
         m = merged.setdefault((group, f"{features.shape}:{digest}"),
@@ -174,6 +189,7 @@ def training_programs(rows: Iterable[Mapping[str, Any]], *, family: str | None =
         descriptors=np.stack([p.descriptor for p in programs]).astype(np.float32),
         family=family,
         feature_version=version,
+        class_targets=class_targets,
     )
 
 
@@ -224,11 +240,38 @@ def held_out_workloads(programs: TrainingPrograms, fraction: float) -> list[str]
     return sorted(by_hash[:count])
 
 
+def workload_identity(workload_key: str) -> str:
+    """A workload's computation, whatever inputs are constant: its key (`Workload.key`,
+    "name#hash[+const...]", or a task key's workload part) without the constants."""
+    name, sep, rest = workload_key.rpartition("#")
+    return f"{name}{sep}{rest.split('+', 1)[0]}" if sep else workload_key
+
+
+def held_out_mask(programs: TrainingPrograms, held_out: Collection[str]) -> np.ndarray:
+    """Which programs are of a workload named in `held_out`: by its name, its task key or
+    its workload key (constant inputs or not: `workload_identity`)."""
+    names = set(held_out) | {workload_identity(n) for n in held_out}
+    return np.array([
+        w in names or task in names or workload_identity(workload_of(task)) in names
+        for w, task in ((w, g.split("/", 1)[1]) for w, g in zip(programs.workloads, programs.groups))
+    ], dtype=bool)  # fmt: skip
+
+
+def trained_workloads(info: Mapping[str, Any]) -> set[str] | None:
+    """The workloads a pretrained base learnt from, as its metadata (`BaseTrees.info`)
+    records them: their names and identities (`workload_identity`); None for a file that
+    does not record them (written before it did)."""
+    names, keys = info.get("workload_names"), info.get("workload_keys")
+    if not isinstance(names, list) or not isinstance(keys, list):
+        return None
+    return {str(n) for n in names} | {workload_identity(str(k)) for k in keys}
+
+
 def split_by_workload(programs: TrainingPrograms, held_out: Collection[str]) -> tuple[TrainingPrograms, TrainingPrograms]:
     """(training programs, held-out programs): a program is held out when its workload
-    (or its task) is named in `held_out`. Raises DatasetError when a side is empty."""
+    is named in `held_out` (`held_out_mask`). Raises DatasetError when a side is empty."""
     names = set(held_out)
-    out = np.array([w in names or g.split("/", 1)[1] in names for w, g in zip(programs.workloads, programs.groups)])
+    out = held_out_mask(programs, names)
     if not out.any():
         raise DatasetError(f"no workload of the dataset is named in the held-out list ({', '.join(sorted(names))})")
     if out.all():
@@ -313,6 +356,8 @@ def pretrain(programs: TrainingPrograms, config: PretrainConfig = PretrainConfig
             "objective": config.objective, "family": programs.family, "feature_version": programs.feature_version,
             "feature_width": feature_width(programs.feature_version), "descriptor_version": DESCRIPTOR_VERSION,
             "descriptor_width": DESCRIPTOR_WIDTH, "num_trees": best + 1, **programs.summary(),
+            "workload_names": sorted(set(programs.workloads)), "workload_keys": programs.workload_keys(),
+            "class_targets": programs.trained_class_targets(),
         },
     )  # fmt: skip
     return PretrainResult(base, best + 1, float(booster.best_score), time.perf_counter() - start)

@@ -437,6 +437,11 @@ class XGBCostModel(CostModel):
         return self._trained_on
 
     @property
+    def ranks(self) -> bool:
+        """Own trees trained, or a base to score with from the start."""
+        return self._trained_on > 0 or self._base is not None
+
+    @property
     def base(self) -> BaseTrees | None:
         """The pretrained trees under its own ones (module doc, "Base"), or None."""
         return self._base

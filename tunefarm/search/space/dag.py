@@ -12,9 +12,9 @@ with `exact=False`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -131,7 +131,12 @@ class BufferSpec:
 
     @property
     def elem_bytes(self) -> int:
-        return int(np.dtype(self.dtype).itemsize) if self.dtype != "bool" else 1
+        return _elem_bytes(self.dtype)
+
+
+@lru_cache(maxsize=64)
+def _elem_bytes(dtype: str) -> int:
+    return int(np.dtype(dtype).itemsize) if dtype != "bool" else 1
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,20 @@ class ComputeDag:
     @cached_property
     def _buffers(self) -> dict[str, BufferSpec]:
         return {b.name: b for b in self.buffers}
+
+    @cached_property
+    def _derived(self) -> dict[tuple, ComputeDag]:
+        return {}
+
+    def derived(self, step: tuple, derive: Callable[[], ComputeDag]) -> ComputeDag:
+        """The DAG `derive()` gives, made once per `step` (a transform's name and
+        arguments: `derive` must be a pure function of this DAG and them) and kept: every
+        program of a sketch applies the same transforms to the same DAGs, and the DAGs it
+        derives keep their own lookups (`block`, `buffer`) and derived DAGs."""
+        out = self._derived.get(step)
+        if out is None:
+            out = self._derived[step] = derive()
+        return out
 
     def block(self, name: str) -> BlockSpec:
         return self._by_name[name]
@@ -610,6 +629,10 @@ def reduce_size(block: BlockSpec) -> int:
 def inline_into_consumers(dag: ComputeDag, name: str) -> ComputeDag:
     """The DAG after `compute_inline(name)`: every consumer reads what the block read,
     at composed indices, and does its arithmetic once per use."""
+    return dag.derived(("inline", name), lambda: _inline_into_consumers(dag, name))
+
+
+def _inline_into_consumers(dag: ComputeDag, name: str) -> ComputeDag:
     block = dag.block(name)
     out_buf = block.write.buffer
     blocks = []

@@ -192,7 +192,7 @@ class Program:
                 n_outer = len(chain) - len(nest.loops)
                 own_after = [lp for lp in nest.loops[nest.init_at :] if not lp.reduce]
                 init_loops = chain[: n_outer + nest.init_at] + own_after
-                init_write = self._access(spec.write, nest, is_write=True)
+                init_write = replace(write, is_read=False)  # the same write, not read
                 out.append(
                     Store(name, tuple(init_loops), (init_write,), OpCounts(), unroll, True, alloc, alloc_elems, shared, local)
                 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -28,6 +29,7 @@ MUTATION_TRIES = 8
 repair around it mends (a tile whose own thread or vthread factor is past the GPU's)."""
 
 
+@lru_cache(maxsize=4096)
 def slot_kind(slot: str) -> str:
     """Which mutation rule a slot belongs to (see SearchConfig.mutation_weights)."""
     tail = slot.rsplit(".", 1)[-1]

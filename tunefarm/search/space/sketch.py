@@ -253,6 +253,10 @@ def cache_write_names(dag: ComputeDag, block: str, scope: str = "global") -> tup
 def apply_cache_write(dag: ComputeDag, block: str, scope: str = "global") -> ComputeDag:
     """The DAG after `cache_write(block)`: the block writes a cache buffer and a new
     elementwise block copies it to the original buffer."""
+    return dag.derived(("cache_write", block, scope), lambda: _apply_cache_write(dag, block, scope))
+
+
+def _apply_cache_write(dag: ComputeDag, block: str, scope: str) -> ComputeDag:
     b = dag.block(block)
     out = dag.buffer(b.write.buffer)
     copy_name, cache_name = cache_write_names(dag, block, scope)

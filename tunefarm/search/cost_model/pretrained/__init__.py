@@ -8,8 +8,9 @@ base trained on one's own dataset with `tunefarm pretrain`).
 
 A file is the trees of a `BaseTrees` and its metadata (`save_pretrained`): the feature
 version and width and the descriptor version and width it was trained with, the TVM
-release series (major.minor) whose kernels were measured, the objective, the classes and
-numbers of programs, tasks and workloads it learnt from, and the dataset's provenance.
+release series (major.minor) whose kernels were measured, the objective, the classes (and
+their targets), the numbers of programs, tasks and workloads it learnt from, those
+workloads by name and key (`pretrain.trained_workloads`), and the dataset's provenance.
 `load_pretrained` returns None with a note, never an exception, when there is no file or
 it does not fit: another feature or descriptor layout, another TVM series, another family,
 or an unreadable file. A run never fails because of it.
@@ -120,17 +121,21 @@ def describe(base: BaseTrees) -> str:
 
 
 def load_pretrained(
-    target: dict[str, Any], *, config: XGBConfig | None = None, directory: Path | None = None
+    target: dict[str, Any], *, config: XGBConfig | None = None, directory: Path | None = None, path: Path | None = None
 ) -> tuple[XGBCostModel | None, str]:
-    """A model with no history of its own over the pretrained base of `target`'s family,
-    scoring for `target`'s descriptor, and a note saying what it is; (None, why) when
-    there is no such file or it does not fit (module doc)."""
-    try:
-        path = pretrained_path(target, directory)
-    except Exception as exc:  # a target the ISA tables cannot place: no family, no file
-        return None, f"no pretrained cost model for this target ({type(exc).__name__}: {exc})"
-    if not path.is_file():
-        return None, f"no pretrained cost model for {path.stem} in {path.parent}"
+    """A model with no history of its own over the pretrained base of `target`'s family
+    (the file in `directory`, or the file `path` names), scoring for `target`'s
+    descriptor, and a note saying what it is; (None, why) when there is no such file or
+    it does not fit (module doc)."""
+    if path is None:
+        try:
+            path = pretrained_path(target, directory)
+        except Exception as exc:  # a target the ISA tables cannot place: no family, no file
+            return None, f"no pretrained cost model for this target ({type(exc).__name__}: {exc})"
+        if not path.is_file():
+            return None, f"no pretrained cost model for {path.stem} in {path.parent}"
+    elif not path.is_file():
+        return None, f"no pretrained cost model {path}"
     try:
         base = read_pretrained(path, nthread=(config or XGBConfig()).nthread)
         problem = incompatibility(base, target)
