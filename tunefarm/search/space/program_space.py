@@ -23,7 +23,6 @@ from tunefarm.search.space.rule_set import RuleSet
 from tunefarm.search.space.sketch import Sketch
 from tunefarm.search.space.slots import ChoiceDomain, Decider, Domain, IntRange, InvalidDecision, TileDomain
 
-
 MUTATION_TRIES = 8
 """New values of the chosen slot a mutation tries when a value breaks a limit that no
 repair around it mends (a tile whose own thread or vthread factor is past the GPU's)."""
