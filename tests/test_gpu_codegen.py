@@ -120,6 +120,67 @@ def test_random_gpu_programs_verify_and_use_the_memory_the_model_says(op, shape)
                 assert _allocated_bytes(k, "local") == prog.kernel_bytes(root, "local"), (op, seed, root)
 
 
+SM90 = {"kind": "cuda", "arch": "sm_90"}
+AT_THE_LIMITS = [
+    ("matmul", {"M": 1024, "N": 1024, "K": 1024}),
+    ("conv2d_nhwc", {"N": 1, "C": 128, "H": 28, "W": 28, "F": 128}),
+]
+
+
+def _at_the_limits(op: str, shape: dict, unroll: int | None = None):
+    """Of 40 fresh sm_90 samples, the program with the most threads per block and the
+    one with the most shared memory (the GPU's limits: 1024 threads, 48 KB), rebuilt
+    from their decisions (with auto-unroll 0 when `unroll` is 0: faster to compile)."""
+    from tunefarm.search.space.program_space import ProgramSpace
+
+    rules = GpuRules(GpuLimits.of(SM90))
+    wl = registry.make(op, shape)
+    dag = analyse(wl.mod["main"])
+    space = ProgramSpace(dag, rules.sketches(dag), rules)
+    samples = space.sample_many(40, random.Random(11))
+    root = next(n for n in samples[0].program.order if samples[0].program.nests[n].tiled)
+    picks = [
+        max(samples, key=lambda b: (b.program.nests[root].threads, b.program.kernel_bytes(root, "shared"))),
+        max(samples, key=lambda b: (b.program.kernel_bytes(root, "shared"), b.program.nests[root].threads)),
+    ]
+    progs = []
+    for b in picks:
+        decisions = b.candidate.as_dict()
+        if unroll is not None:
+            decisions = {k: (unroll if k.endswith(".unroll") else v) for k, v in decisions.items()}
+        progs.append(space.build(b.candidate.sketch, decisions).program)
+    return wl, root, progs
+
+
+@pytest.mark.parametrize("op, shape", AT_THE_LIMITS, ids=[c[0] for c in AT_THE_LIMITS])
+def test_sampled_programs_at_the_limits_pass_the_verifier_with_the_memory_the_model_says(op, shape):
+    """The tile draw reaches the GPU's limits (a block of 1024 threads, shared stages of
+    nearly 48 KB) and what it draws there is still a kernel TVM's verifier accepts within
+    sm_90's limits, allocating the shared memory and registers the model counted."""
+    wl, root, progs = _at_the_limits(op, shape)
+    assert progs[0].nests[root].threads == 1024
+    assert progs[1].kernel_bytes(root, "shared") >= 40 * 1024
+    limits = GpuLimits.of(SM90).verifier_constraints()
+    for prog in progs:
+        (kernel,) = _lowered_kernels(realize(wl.mod, prog.instructions).mod)
+        assert tvm.s_tir.analysis.verify_gpu_code(kernel, limits)
+        assert _allocated_bytes(kernel, "shared") == prog.kernel_bytes(root, "shared")
+        assert _allocated_bytes(kernel, "local") == prog.kernel_bytes(root, "local")
+
+
+@needs_nvcc
+def test_sampled_gemms_at_the_limits_compile_for_sm_90(tmp_path):
+    """The build worker's path for those GEMMs: replay, verify, nvcc for sm_90."""
+    op, shape = AT_THE_LIMITS[0]
+    wl, _, progs = _at_the_limits(op, shape, unroll=0)
+    wl_path = tmp_path / "wl.json"
+    wl_path.write_text(wl.to_json())
+    for i, prog in enumerate(progs):
+        out = tmp_path / f"{op}-{i}{cuda.CUDA_KERNEL_SUFFIX}"
+        build_module(str(wl_path), trace_json(realize(wl.mod, prog.instructions)), SM90, str(out))
+        assert cuda.read_manifest(out)["arch"] == "sm_90"
+
+
 def test_the_verifier_rejects_a_kernel_over_the_limits(tmp_path):
     wl, prog = _program("matmul_relu", {"M": 256, "N": 128, "K": 64}, seed=3, unroll=0)
     threads = prog.nests["C"].threads

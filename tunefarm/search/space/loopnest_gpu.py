@@ -3,8 +3,9 @@ thread binding, and the checks that reject a program that cannot launch.
 
 Map of this module:
   apply(prog, step, decider, gpu)        dispatch one GPU sketch step
-  draw_feasible_tiles                    a tiled block's tile sizes drawn jointly until
-                                         they fit the GPU (sampling only)
+  draw_feasible_tiles                    a tiled block's tile sizes drawn one level at a
+                                         time within the GPU's limits (sampling only)
+  TileLimits / TileLevels                those limits on tile sizes alone, the levels
   _cache_read_shared                     CacheReadStep: the stage, its region, the fetch
   _bind_tiled / _bind_cross_thread /     ThreadBindStep for a tiled block, a cross-thread
   _bind_fallback                         reduction, any other root block
@@ -31,7 +32,9 @@ block limit, and an estimate of the registers a thread's accumulators take.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from tunefarm.gpu import GpuLimits
 from tunefarm.search.space.dag import AccessSpec, Affine, BlockSpec, BufferSpec, IterSpec, OpCounts
@@ -205,114 +208,275 @@ def _cooperative_fetch(prog: Program, name: str, threads: int, vec: int) -> None
 
 # ------------------------------------------------------------------------ tile sampling
 
-MAX_TILE_DRAWS = 64
-"""Draws of a block's tile sizes before the sampler gives up on the block (a level-wise
-draw fails only where a fixed slot leaves no room, e.g. a mutated thread factor)."""
+WARP_MULTIPLE_SHARE = 0.5
+"""Share of the thread-level draws made among the thread counts that are whole warps
+(where the limits leave any): a block of 48 threads idles half its second warp, and
+the fast kernels use whole warps. A preference, not a rule: the other draws are uniform
+over every thread count that fits."""
+
+REGISTER_TILE_SHARE = 0.5
+"""Share of the inner-level draws made among the register tiles that fill at least
+`REGISTER_TILE_FILL` of the accumulator budget (where the limits leave any): uniform
+draws over the combinations of factors favour small tiles, and a fast GEMM holds 64
+accumulators in each of 256 threads, a third of the budget."""
+
+REGISTER_TILE_FILL = 0.25
+
+PICK_TRIES = 8
+"""Random picks of a level's options tried before they are all checked (`_pick`)."""
 
 
 def draw_feasible_tiles(prog: Program, name: str, structure: str, decider: Decider, gpu: GpuLimits) -> None:
     """Draw a tiled block's tile sizes so that its kernel can launch. Ansor draws each
     split alone and rejects the program afterwards: on a 1024^3 GEMM fewer than 2% of
-    such draws pass the GPU checks; drawing all splits together and rejecting left a
-    third of fresh GEMM samples invalid. Here the splits are drawn one tile level at a
-    time, each level conditioned on the levels and the slots already chosen
-    (`_draw_levels`): threads per block in [warp, max], at most `max_vthreads` virtual
-    threads, the accumulators within the registers those threads leave, then each
-    reduction tile within the shared memory a block may have. The checks are those of
-    `check_tiled_block` (`_tiles_fit`). Slots already given (mutation, crossover,
-    records) are kept; nothing is drawn without an rng. The chosen values become given
-    slots, so `_tile` takes them as it would any."""
+    such draws pass the GPU checks. Here the splits are drawn one tile level at a time,
+    each level uniform over its options that still leave a valid program (`_draw_tiling`):
+    the thread factors (threads per block in [warp, max]; half the draws among whole
+    warps), the vthread factors (at most `max_vthreads`), the inner factors (accumulators
+    within the registers those threads leave), then each reduction tile (the shared
+    stages within the block's shared memory). The checks are `check_tiled_block`'s, from
+    the tile sizes alone (`TileLimits`). The draw fails only where no tiling at all fits
+    beside the slots already given (mutation, crossover, records), which are kept (a
+    given one outside its domain is refit where the decider refits, else drawn);
+    InvalidProgram then. Nothing is drawn without an rng, so a measured program rebuilds
+    from its decisions as it was. The chosen values become given slots, so `_tile` takes
+    them as it would any."""
     spec = prog.nests[name].spec
     rng = decider.rng
-    slots = {it.name: f"{name}.tile.{it.name}" for it in spec.iters}
-    missing = [it for it in spec.iters if slots[it.name] not in decider.given]
-    if rng is None or not missing:
-        return
     n_s, n_r = structure.count("S"), structure.count("R")
+    if rng is None or n_s < 4:
+        return  # nothing to draw, or not a GPU tiling (check_tiled_block rejects it)
+    slots = {it.name: f"{name}.tile.{it.name}" for it in spec.iters}
     domains = {it.name: TileDomain(it.extent, n_s if it.kind == "S" else n_r, MAX_INNERMOST_TILE) for it in spec.iters}
-    fixed = {it.name: decider.given[slots[it.name]] for it in spec.iters if it not in missing}
-    draw: dict[str, tuple[int, ...]] = {}
-    for _ in range(MAX_TILE_DRAWS):
-        drawn = _draw_levels(prog, spec, domains, fixed, missing, gpu, rng)
-        draw = drawn if drawn is not None else {**fixed, **{it.name: domains[it.name].sample(rng) for it in missing}}
-        if all(domains[k].contains(v) for k, v in draw.items()) and _tiles_fit(prog, spec, draw, gpu):
-            break
-    decider.given = {**decider.given, **{slots[it.name]: draw[it.name] for it in missing}}
+    fixed: dict[str, tuple[int, ...]] = {}
+    for it in spec.iters:
+        value = decider.given.get(slots[it.name])
+        domain = domains[it.name]
+        if value is not None and not domain.contains(value) and decider.refit:
+            value = domain.nearest(value)
+        if value is not None and domain.contains(value):
+            fixed[it.name] = value
+    if len(fixed) == len(spec.iters):
+        return
+    drawn = _draw_tiling(TileLimits.of(prog, spec, gpu), domains, fixed, rng)
+    if drawn is None:
+        given = ", ".join(f"{slots[k]}={v}" for k, v in fixed.items())
+        raise InvalidProgram(f"{name}: no tiling fits the GPU's limits beside {given or 'nothing'}")
+    decider.given = {**decider.given, **{slots[k]: v for k, v in drawn.items()}}
 
 
-def _draw_levels(
-    prog: Program, spec: BlockSpec, domains: dict[str, TileDomain], fixed: dict[str, tuple[int, ...]],
-    missing: list[IterSpec], gpu: GpuLimits, rng,
+@dataclass(frozen=True)
+class StagedRead:
+    """A buffer a tiled block stages in shared memory: per dimension, the tiled block's
+    iterators in its index with their |coefficient|, and the dimension's extent."""
+
+    dims: tuple[tuple[tuple[tuple[str, int], ...], int], ...]
+    elem_bytes: int
+
+    def elems(self, span: dict[str, int]) -> int:
+        n = 1
+        for terms, dim in self.dims:
+            n *= min(1 + sum(c * (span[v] - 1) for v, c in terms if v in span), dim)
+        return n
+
+
+@dataclass(frozen=True)
+class TileLimits:
+    """`check_tiled_block`'s checks from a tiled block's tile sizes alone, on the level
+    factors of its iterators: per spatial iterator its vthread, thread and inner
+    (product of the levels inside the thread level) factors, per reduction iterator its
+    span (the levels inside the outermost, the shared stages' extent along it)."""
+
+    gpu: GpuLimits
+    spatial: tuple[str, ...]
+    min_threads: int  # a warp, unless the whole space is small (Ansor's 2 x warp rule)
+    accumulator_bytes: int
+    staged: tuple[StagedRead, ...]  # the global buffers the block reads (its shared stages)
+
+    @staticmethod
+    def of(prog: Program, spec: BlockSpec, gpu: GpuLimits) -> TileLimits:
+        spatial = tuple(it.name for it in spec.iters if it.kind == "S")
+        space = _prod(it.extent for it in spec.iters if it.kind == "S")
+        staged = []
+        for buffer in dict.fromkeys(a.buffer for a in spec.reads):
+            buf = prog.dag.buffer(buffer)
+            if buf.scope != "global":
+                continue
+            acc = next(a for a in spec.reads if a.buffer == buffer)
+            dims = tuple(
+                (tuple((v, abs(c)) for v, c in ix.terms), int(dim)) for ix, dim in zip(acc.indices, buf.shape)
+            )
+            staged.append(StagedRead(dims, buf.elem_bytes))
+        return TileLimits(
+            gpu,
+            spatial,
+            gpu.warp_size if space > 2 * gpu.warp_size else 1,
+            prog.dag.buffer(spec.write.buffer).elem_bytes,
+            tuple(staged),
+        )
+
+    def max_accumulators(self, threads: int) -> int:
+        """Accumulators one of `threads` threads may hold (`check_tiled_block`'s budget)."""
+        budget = min(self.gpu.max_registers_per_thread, self.gpu.registers_per_block // max(threads, 1))
+        return int(ACCUMULATOR_REGISTER_SHARE * budget) * 4 // self.accumulator_bytes
+
+    def shared_bytes(self, span: dict[str, int]) -> int:
+        """Shared memory of the block's stages, `span`: each iterator's tile extent."""
+        return sum(s.elems(span) * s.elem_bytes for s in self.staged)
+
+    def fits(self, levels: TileLevels) -> bool:
+        th, vth, inner = levels.threads, levels.vthreads, levels.inner
+        threads = _prod(th.values())
+        if not self.min_threads <= threads <= self.gpu.max_threads_per_block:
+            return False
+        if _prod(vth.values()) > self.gpu.max_vthreads:
+            return False
+        if _prod(vth[n] * inner[n] for n in self.spatial) > self.max_accumulators(threads):
+            return False
+        span = {**levels.spans, **{n: vth[n] * th[n] * inner[n] for n in self.spatial}}
+        return self.shared_bytes(span) <= self.gpu.max_shared_memory_per_block
+
+
+@dataclass
+class TileLevels:
+    """A tiled block's level factors, drawn or given; an iterator not drawn yet has 1 at
+    every level it has not drawn (the least it may take: each limit but the lower bound
+    on threads only grows with a factor, so a level whose options are checked with the
+    later levels at 1 never leaves the later ones without a valid option)."""
+
+    threads: dict[str, int]
+    vthreads: dict[str, int]
+    inner: dict[str, int]  # spatial: product of the levels inside the thread level
+    spans: dict[str, int]  # reduction: product of the levels inside the outermost
+
+    @staticmethod
+    def of(limits: TileLimits, iters: list[str], fixed: dict[str, tuple[int, ...]]) -> TileLevels:
+        spatial = set(limits.spatial)
+        levels = TileLevels({}, {}, {}, {})
+        for n in iters:
+            f = fixed.get(n)
+            if n in spatial:
+                levels.vthreads[n], levels.threads[n], levels.inner[n] = (f[1], f[2], _prod(f[3:])) if f else (1, 1, 1)
+            else:
+                levels.spans[n] = _prod(f[1:]) if f else 1
+        return levels
+
+    def with_(self, field: str, values: dict[str, int]) -> TileLevels:
+        return replace(self, **{field: {**getattr(self, field), **values}})
+
+
+def _draw_tiling(
+    limits: TileLimits, domains: dict[str, TileDomain], fixed: dict[str, tuple[int, ...]], rng
 ) -> dict[str, tuple[int, ...]] | None:
-    """One level-wise draw of the `missing` iterators' tilings beside the `fixed` ones
-    (see `draw_feasible_tiles`); None where the fixed ones leave no valid choice.
+    """The tilings of the iterators not in `fixed`, drawn level by level (see
+    `draw_feasible_tiles`); None where no tiling beside `fixed` fits.
 
-    Spatial tilings are (block, vthread, thread, inner...): the thread factors first,
-    their product within [warp, max] (below a warp only for a block with little work),
-    then the vthread factors (product at most `max_vthreads`), then the inner factors
-    (accumulators per thread: vthread x inner over all spatial iterators, within the
-    register share those threads leave), split over the inner levels with the innermost
-    at most `MAX_INNERMOST_TILE`; the block level takes what is left. Reduction tilings
-    are drawn from their domain among those whose shared stages still fit."""
-    spatial = [it for it in spec.iters if it.kind == "S"]
-    if any(domains[it.name].parts < 4 for it in spatial):
-        return None  # not a GPU tiling (check_tiled_block rejects it)
-    free = [it for it in spatial if it in missing]
-    rest = {it.name: it.extent for it in free}
-    fixed_s = [fixed[it.name] for it in spatial if it.name in fixed]
-    space = _prod(it.extent for it in spatial)
-    low = gpu.warp_size if space > 2 * gpu.warp_size else 1
-    threads_fixed = _prod(f[2] for f in fixed_s)
-    threads = _draw_factors(free, rest, rng, base=threads_fixed, low=low, high=gpu.max_threads_per_block)
-    if threads is None:
-        return None
-    rest = {k: rest[k] // threads[k] for k in rest}
-    vthreads = _draw_factors(free, rest, rng, base=_prod(f[1] for f in fixed_s), low=1, high=gpu.max_vthreads)
-    if vthreads is None:
-        return None
-    rest = {k: rest[k] // vthreads[k] for k in rest}
-    n_threads = threads_fixed * _prod(threads.values())
-    budget = min(gpu.max_registers_per_thread, gpu.registers_per_block // max(n_threads, 1))
-    elem_bytes = prog.dag.buffer(spec.write.buffer).elem_bytes
-    max_accumulators = int(ACCUMULATOR_REGISTER_SHARE * budget) * 4 // elem_bytes
-    fixed_acc = _prod(f[1] * _prod(f[3:]) for f in fixed_s) * _prod(vthreads.values())
-    inner = _draw_factors(free, rest, rng, base=fixed_acc, low=1, high=max_accumulators)
-    if inner is None:
-        return None
-    draw = dict(fixed)
-    for it in free:
-        n_inner = domains[it.name].parts - 3
-        split = TileDomain(inner[it.name], n_inner, MAX_INNERMOST_TILE).sample(rng) if n_inner > 0 else ()
-        block = rest[it.name] // inner[it.name]
-        draw[it.name] = (block, vthreads[it.name], threads[it.name], *split)
-    reduction = [it for it in spec.iters if it.kind != "S" and it in missing]
-    rng.shuffle(reduction)
-    for it in reduction:  # the others still untiled: (extent, 1, ...)
-        pending = {r.name: (r.extent,) + (1,) * (domains[r.name].parts - 1) for r in reduction if r.name not in draw}
-        fits = [o for o in domains[it.name].options() if _tiles_fit(prog, spec, {**pending, **draw, it.name: o}, gpu)]
-        if not fits:
+    Spatial tilings are (block, vthread, thread, inner...): for the free spatial
+    iterators together, the thread factors first, then the vthread factors, then the
+    inner factors (each a divisor of what the earlier levels left), each level uniform
+    over the combinations that fit with the later levels at 1; the inner factor is split
+    over the inner levels (innermost at most `MAX_INNERMOST_TILE`), the block level takes
+    what is left. Then each free reduction tiling (in random order), uniform over its
+    domain's tilings that fit with the reductions still to draw untiled."""
+    levels = TileLevels.of(limits, list(domains), fixed)
+    free = [n for n in limits.spatial if n not in fixed]
+    gpu = limits.gpu
+    rest = {n: domains[n].extent for n in free}
+    if free:
+        base = _prod(levels.threads.values())
+        low = -(-limits.min_threads // base)
+        options, whole_warps = _level_options(
+            tuple(rest.values()), low, gpu.max_threads_per_block // base, gpu.warp_size // math.gcd(gpu.warp_size, base), low
+        )  # fmt: skip
+        levels = _pick_level(levels, "threads", free, options, whole_warps, WARP_MULTIPLE_SHARE, limits, rng)
+        if levels is None:
             return None
-        draw[it.name] = rng.choice(fits)
-    return draw
-
-
-def _draw_factors(
-    iters: list[IterSpec], extents: dict[str, int], rng, *, base: int, low: int, high: int
-) -> dict[str, int] | None:
-    """A divisor of each iterator's extent, drawn one iterator at a time (in random order),
-    such that `base` times their product lies in [low, high]; None when none can."""
-    order = list(iters)
-    rng.shuffle(order)
-    chosen: dict[str, int] = {}
-    product = base
-    for i, it in enumerate(order):
-        reach = _prod(extents[o.name] for o in order[i + 1 :])  # the most the others can add
-        options = [d for d in divisors(extents[it.name]) if product * d <= high and product * d * reach >= low]
-        if not options:
+        rest = {n: rest[n] // levels.threads[n] for n in free}
+        high = gpu.max_vthreads // _prod(levels.vthreads.values())
+        options, _ = _level_options(tuple(rest.values()), 1, high, 1, 1)
+        levels = _pick_level(levels, "vthreads", free, options, (), 0.0, limits, rng)
+        if levels is None:
             return None
-        chosen[it.name] = rng.choice(options)
-        product *= chosen[it.name]
-    return chosen if low <= product <= high else None
+        rest = {n: rest[n] // levels.vthreads[n] for n in free}
+        accumulators = _prod(levels.vthreads[n] * levels.inner[n] for n in limits.spatial)
+        budget = limits.max_accumulators(_prod(levels.threads.values()))
+        full = -(-int(budget * REGISTER_TILE_FILL) // accumulators)
+        options, large = _level_options(tuple(rest.values()), 1, budget // accumulators, 1, full)
+        levels = _pick_level(levels, "inner", free, options, large, REGISTER_TILE_SHARE, limits, rng)
+        if levels is None:
+            return None
+    elif not limits.fits(levels):
+        return None
+    drawn: dict[str, tuple[int, ...]] = {}
+    for n in free:
+        inner = levels.inner[n]
+        split = TileDomain(inner, domains[n].parts - 3, MAX_INNERMOST_TILE).sample(rng)
+        drawn[n] = (rest[n] // inner, levels.vthreads[n], levels.threads[n], *split)
+    reductions = [n for n in domains if n not in limits.spatial and n not in fixed]
+    rng.shuffle(reductions)
+    for n in reductions:
+        options = domains[n].options()
+        choice = _pick(options, lambda o, n=n, lv=levels: limits.fits(lv.with_("spans", {n: _prod(o[1:])})), rng)
+        if choice is None:
+            return None
+        levels = levels.with_("spans", {n: _prod(choice[1:])})
+        drawn[n] = choice
+    return drawn
+
+
+def _pick_level(
+    levels: TileLevels, field: str, free: list[str], options: tuple[tuple[int, ...], ...],
+    preferred: tuple[tuple[int, ...], ...], share: float, limits: TileLimits, rng,
+) -> TileLevels | None:
+    """`levels` with one level's factors of the `free` iterators drawn uniformly from
+    the `options` that fit; with probability `share` (when there are `preferred`
+    options), from the `preferred` ones that fit, if any do."""
+
+    def with_level(combo: tuple[int, ...]) -> TileLevels:
+        return levels.with_(field, dict(zip(free, combo)))
+
+    def fits(combo: tuple[int, ...]) -> bool:
+        return limits.fits(with_level(combo))
+
+    combo = _pick(preferred, fits, rng) if preferred and rng.random() < share else None
+    if combo is None:
+        combo = _pick(options, fits, rng)
+    return None if combo is None else with_level(combo)
+
+
+def _pick(options, fits, rng):
+    """One of `options` that `fits`, uniformly among them (a few random picks, then all
+    of them checked); None when none does."""
+    if not options:
+        return None
+    for _ in range(PICK_TRIES):
+        option = options[rng.randrange(len(options))]
+        if fits(option):
+            return option
+    fitting = [o for o in options if fits(o)]
+    return rng.choice(fitting) if fitting else None
+
+
+@lru_cache(maxsize=4096)
+def _level_options(
+    extents: tuple[int, ...], low: int, high: int, multiple: int, at_least: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Every combination of a divisor of each extent whose product lies in [low, high],
+    and those of them whose product is a multiple of `multiple` and at least `at_least`."""
+    combos: list[tuple[int, ...]] = [()]
+    products = [1]
+    for e in extents:
+        step_c, step_p = [], []
+        for c, p in zip(combos, products):
+            for d in divisors(e):
+                if p * d > high:
+                    break
+                step_c.append((*c, d))
+                step_p.append(p * d)
+        combos, products = step_c, step_p
+    options = tuple(c for c, p in zip(combos, products) if p >= low)
+    preferred = tuple(c for c, p in zip(combos, products) if p >= max(low, at_least) and p % multiple == 0)
+    return options, preferred
 
 
 def _prod(values) -> int:
@@ -320,42 +484,6 @@ def _prod(values) -> int:
     for v in values:
         n *= v
     return n
-
-
-def _tiles_fit(prog: Program, spec: BlockSpec, factors: dict[str, tuple[int, ...]], gpu: GpuLimits) -> bool:
-    def prod(xs) -> int:
-        n = 1
-        for x in xs:
-            n *= x
-        return n
-
-    spatial = [it for it in spec.iters if it.kind == "S"]
-    threads = prod(factors[it.name][2] for it in spatial)
-    vthreads = prod(factors[it.name][1] for it in spatial)
-    space = prod(it.extent for it in spatial)
-    if threads > gpu.max_threads_per_block or vthreads > gpu.max_vthreads:
-        return False
-    if threads < gpu.warp_size and space > 2 * gpu.warp_size:
-        return False
-    out = prog.dag.buffer(spec.write.buffer)
-    accumulators = prod(factors[it.name][1] * prod(factors[it.name][3:]) for it in spatial)
-    budget = min(gpu.max_registers_per_thread, gpu.registers_per_block // max(threads, 1))
-    if -(-accumulators * out.elem_bytes // 4) > ACCUMULATOR_REGISTER_SHARE * budget:
-        return False
-    # A block's tile of every buffer it reads, for one step of the outer reduction tile.
-    span = {it.name: prod(factors[it.name][1:]) for it in spec.iters}
-    shared = 0
-    for buffer in dict.fromkeys(a.buffer for a in spec.reads):
-        buf = prog.dag.buffer(buffer)
-        if buf.scope != "global":
-            continue
-        elems = 1
-        acc = next(a for a in spec.reads if a.buffer == buffer)
-        for ix, dim in zip(acc.indices, buf.shape):
-            ext = 1 + sum(abs(c) * (span.get(v, 1) - 1) for v, c in ix.terms)
-            elems *= min(ext, int(dim))
-        shared += elems * buf.elem_bytes
-    return shared <= gpu.max_shared_memory_per_block
 
 
 # ------------------------------------------------------------------------------ binding

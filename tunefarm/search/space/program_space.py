@@ -23,6 +23,10 @@ from tunefarm.search.space.rule_set import RuleSet
 from tunefarm.search.space.sketch import Sketch
 from tunefarm.search.space.slots import ChoiceDomain, Decider, Domain, IntRange, InvalidDecision, TileDomain
 
+MUTATION_TRIES = 8
+"""New values of the chosen slot a mutation tries when a value breaks a limit that no
+repair around it mends (a tile whose own thread or vthread factor is past the GPU's)."""
+
 
 @lru_cache(maxsize=4096)
 def slot_kind(slot: str) -> str:
@@ -111,7 +115,9 @@ class ProgramSpace:
 
     # -- evolution operators
     def mutate(self, parent: Built, rng: random.Random, weights: dict[str, float]) -> Built | None:
-        """Change one slot, chosen by mutation kind weight (Ansor's mutation rules)."""
+        """Change one slot, chosen by mutation kind weight (Ansor's mutation rules). A
+        new value that breaks a limit is repaired around (`_repair`); where no repair
+        keeps it, another new value of the same slot is tried (`MUTATION_TRIES`)."""
         by_kind: dict[str, list[str]] = {}
         for slot, dom in parent.domains.items():
             if isinstance(dom, TileDomain) and (dom.extent == 1 or dom.parts == 1):
@@ -126,19 +132,21 @@ class ProgramSpace:
             return None
         kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
         slot = rng.choice(by_kind[kind])
-        decisions = parent.candidate.as_dict()
-        new = parent.domains[slot].mutate(decisions[slot], rng)
-        if new is None:
-            return None
-        decisions[slot] = new
-        try:
-            return self.build(parent.candidate.sketch, decisions, rng)
-        except InvalidProgram:
-            pass
-        repaired = self._repair(parent.candidate.sketch, decisions, slot, rng)
-        if repaired is None:
-            self.invalid_draws += 1
-        return repaired
+        for _ in range(MUTATION_TRIES):
+            decisions = parent.candidate.as_dict()
+            new = parent.domains[slot].mutate(decisions[slot], rng)
+            if new is None:
+                return None
+            decisions[slot] = new
+            try:
+                return self.build(parent.candidate.sketch, decisions, rng)
+            except InvalidProgram:
+                pass
+            repaired = self._repair(parent.candidate.sketch, decisions, slot, rng)
+            if repaired is not None:
+                return repaired
+        self.invalid_draws += 1
+        return None
 
     def _repair(self, sketch: int, decisions: dict[str, DecisionValue], kept: str, rng: random.Random) -> Built | None:
         """A mutated program that broke a limit, made valid again: the mutated tile slot
