@@ -181,3 +181,29 @@ def test_a_random_batch_draws_twice_the_batch_not_a_population():
     search = EvolutionarySearch(space, SearchConfig(population=512, generations=2), random.Random(3))
     picks, stats = search.next_batch(RandomCostModel(1), 8, first, [], model_ready=False)
     assert stats.sampled > 16 and len(picks) >= 8 and not first & {b.candidate.key for b in picks}
+
+
+def test_crossover_draws_the_same_children_in_every_process():
+    """A seed gives the same crossovers whatever Python's string hashing (the blocks are
+    visited in a fixed order while drawing)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import random\n"
+        "from tunefarm.search.task import make_task\n"
+        "from tunefarm.workloads import registry\n"
+        "space = make_task(registry.make('conv2d_nhwc', {'C': 16, 'H': 8, 'W': 8, 'F': 16}), "
+        "{'kind': 'llvm', 'num-cores': 2}).space\n"
+        "rng = random.Random(7)\n"
+        "pop = space.sample_many(40, rng)\n"
+        "kids = [space.crossover(pop[i], pop[j], rng) for i in range(10) for j in range(10, 20)]\n"
+        "print(sorted(k.candidate.key for k in kids if k is not None))\n"
+    )
+    outs = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout  # fmt: skip
+        for seed in ("1", "2", "3")
+    ]
+    assert outs[0] != "[]\n" and outs[0] == outs[1] == outs[2]

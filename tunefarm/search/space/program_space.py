@@ -173,7 +173,7 @@ class ProgramSpace:
         blocks = set(self.dag_blocks())
         da, db = a.candidate.as_dict(), b.candidate.as_dict()
         owners = {slot_block(s, blocks) for s in set(da) | set(db)}
-        take_b = {blk for blk in owners if rng.random() < 0.5}
+        take_b = {blk for blk in sorted(owners) if rng.random() < 0.5}  # sorted: the same draws in every process
         if not take_b or take_b == owners:
             return None
         mixed = {s: (db if slot_block(s, blocks) in take_b else da).get(s) for s in set(da) | set(db)}
