@@ -19,6 +19,7 @@ from tunefarm_app.cli import main
         (["tune-op", "matmul", "--trials", "0"], "--trials must be at least 1"),
         (["tune-op", "matmul", "--target", "{nope"], "not valid JSON"),
         (["tune-op", "matmul", "--target", '{"kind": "nosuchkind"}'], "TVM rejects the target"),
+        (["tune-op", "matmul", "--target", '{"kind": "llvm", "mcpu": "bogus"}'], "LLVM knows no CPU 'bogus'"),
         (["tune-op", "missing_file.py:f"], "no such file"),
         (["apply-best", "missing.jsonl", "--out", "x.so"], "no such records file"),
         (["tune-op"], "required"),

@@ -9,7 +9,7 @@ from typing import Any
 
 from tunefarm.errors import TargetError
 from tunefarm.gpu import GpuLimits, is_gpu
-from tunefarm.tvm_target import to_tvm_target
+from tunefarm.tvm_target import check_llvm_cpu, to_tvm_target
 
 
 def physical_cores() -> int:
@@ -63,6 +63,7 @@ def parse_target(text: str | None) -> dict[str, Any]:
         raise TargetError('--target must be a JSON object with a "kind", e.g. {"kind": "llvm", "mcpu": "skylake"}')
     if is_gpu(data):
         GpuLimits.of(data)  # a CUDA target names its compute capability
+    check_llvm_cpu(data)
     to_tvm_target(data)  # validate now, not in a worker
     return data
 

@@ -52,22 +52,17 @@ def class_target(name: str) -> dict[str, Any]:
     that runs here (UsageError otherwise)."""
     from tunefarm.isa import check_runs_on_host
     from tunefarm.target import host_target_dict, num_cores
+    from tunefarm.tvm_target import llvm_cpus
 
     if name == "host":
         return host_target_dict()
     target: dict[str, Any] = {"kind": "llvm", "mcpu": name}
-    known = _llvm_cpus(target)
+    known = llvm_cpus(target)
     if name not in known:
         raise UsageError(f"--classes: {name!r} is neither host nor a CPU LLVM knows (e.g. {', '.join(known[:6])})")
     target["num-cores"] = num_cores(target)
     check_runs_on_host(target, f"--classes {name}")
     return target
-
-
-def _llvm_cpus(target: dict[str, Any]) -> list[str]:
-    import tvm
-
-    return sorted(str(c) for c in tvm.target.codegen.llvm_get_cpu_archlist(tvm.target.Target(target)))
 
 
 def operator_workloads(spec: str) -> list:
