@@ -34,7 +34,7 @@ def test_saved_model_loads_for_the_same_target_and_predicts_the_same(tmp_path):
     path = tmp_path / "sub" / "m.npz"
     cache.save_model(model, path, TARGET, log=print)
     logs: list[str] = []
-    loaded = cache.load_cost_model(path, TARGET, seed=5, batch_size=8, log=logs.append)
+    loaded = cache.start_cost_model(path, TARGET, seed=5, batch_size=8, log=logs.append)[0]
     assert loaded.trained_on == model.trained_on > 0
     np.testing.assert_array_equal(loaded.predict(feats), model.predict(feats))
     assert logs and "80 programs of earlier runs" in logs[0]
@@ -45,20 +45,20 @@ def test_a_file_of_another_target_or_feature_version_or_a_corrupt_one_is_ignored
     path = tmp_path / "m.npz"
     cache.save_model(model, path, TARGET, log=print)
     other_target: list[str] = []
-    fresh = cache.load_cost_model(
+    fresh = cache.start_cost_model(
         path, {**TARGET, "mcpu": "znver4"}, seed=5, batch_size=8, log=other_target.append
-    )
+    )[0]
     assert fresh.num_samples == 0 and "trained for target" in other_target[0]
 
     model.metadata = {**model.metadata, "feature_version": -1}
     model.save(path)
     other_features: list[str] = []
-    assert cache.load_cost_model(path, TARGET, seed=5, batch_size=8, log=other_features.append).num_samples == 0
+    assert cache.start_cost_model(path, TARGET, seed=5, batch_size=8, log=other_features.append)[0].num_samples == 0
     assert "features version -1" in other_features[0]
 
     path.write_bytes(b"PK\x03\x04 not really a zip")
     corrupt: list[str] = []
-    fresh = cache.load_cost_model(path, TARGET, seed=5, batch_size=8, log=corrupt.append)
+    fresh = cache.start_cost_model(path, TARGET, seed=5, batch_size=8, log=corrupt.append)[0]
     assert fresh.num_samples == 0 and "unreadable" in corrupt[0]
     assert fresh.config.num_warmup_samples == 8  # a fresh model learns after the first batch
 
@@ -113,7 +113,7 @@ def test_resumed_records_the_kept_model_learnt_are_not_learnt_twice(tmp_path):
     path = tmp_path / "m.npz"
     cache.save_model(model, path, TARGET, learnt=learnt, log=print)
 
-    again = cache.load_cost_model(path, TARGET, seed=1, batch_size=8, log=print)
+    again = cache.start_cost_model(path, TARGET, seed=1, batch_size=8, log=print)[0]
     learnt_again = cache.learnt_programs(again)
     assert learnt_again == [program_id(a)]
     RetrainCostModel(again, learnt_again).on_start(_Session([a, b]))  # resumed: a again, and b
@@ -137,13 +137,13 @@ def test_a_target_without_a_cached_model_starts_from_its_nearest_cached_targets(
 
     assert cache.nearest_cached(dest)[0] == cache.cache_path(haswell)
     logs: list[str] = []
-    warm = cache.load_cost_model(cache.cache_path(dest), dest, seed=5, batch_size=8, log=logs.append)
+    warm = cache.start_cost_model(cache.cache_path(dest), dest, seed=5, batch_size=8, log=logs.append)[0]
     assert warm.num_prior == model.num_samples and warm.trained_on == model.trained_on
     np.testing.assert_array_equal(warm.predict(feats), model.predict(feats))
     assert str(cache.cache_path(haswell)) in logs[0] and "ISA overlap" in logs[0]
     assert cache.incompatibility(warm, dest) is None  # stamped for its own target
 
     # an explicit --cost-model file that does not exist yet, or another kind, starts fresh
-    assert cache.load_cost_model(tmp_path / "new.npz", dest, seed=5, batch_size=8, log=print).num_samples == 0
+    assert cache.start_cost_model(tmp_path / "new.npz", dest, seed=5, batch_size=8, log=print)[0].num_samples == 0
     gpu = {"kind": "cuda", "arch": "sm_80"}
     assert cache.nearest_cached(gpu) is None

@@ -106,21 +106,6 @@ class CostModelStart:
         return {"start": self.source, "file": self.path, "note": self.note}
 
 
-def load_cost_model(
-    path: Path | None,
-    target: dict[str, Any],
-    *,
-    seed: int,
-    batch_size: int,
-    log: Callable[[str], None],
-    pretrained: bool = True,
-    pretrained_file: Path | None = None,
-) -> XGBCostModel:
-    """`start_cost_model`'s model."""
-    return start_cost_model(path, target, seed=seed, batch_size=batch_size, log=log, pretrained=pretrained,
-                            pretrained_file=pretrained_file)[0]  # fmt: skip
-
-
 def start_cost_model(
     path: Path | None,
     target: dict[str, Any],
