@@ -199,39 +199,16 @@ def measured(sessions: Any, job_id: int) -> int:
 
 
 def assert_measured_exactly_once(sessions: Any, job: dict, trials: int | None = None) -> None:
-    """The job succeeded; every batch is done (none given up), every candidate of every
-    search batch has exactly one measurement (and of every confirmation batch, exactly
-    one confirmation: services.db.confirmations), and no candidate was proposed twice;
-    `trials` (default: the job's budget) candidates in all."""
-    from collections import Counter
-
-    from sqlalchemy import func, select
-
-    from services.db.models import Batch, BatchCandidate, Confirmation, Measurement
+    """The job succeeded and its measurements add up (`services.db.measurement_audit`):
+    every batch done, every search candidate measured exactly once, every best confirmed
+    exactly once, no candidate proposed twice; `trials` (default: the job's budget)
+    candidates in all."""
+    from services.db.measurement_audit import measurement_audit
     from services.db.session import transaction
-    from services.db.states import BatchState
 
     trials = job["trial_budget"] if trials is None else trials
     assert job["state"] == "succeeded", job["error"]
     with transaction(sessions) as s:
-        states = Counter(s.scalars(select(Batch.state).where(Batch.job_id == job["id"])))
-        rows = s.execute(
-            select(Batch.job_task_id, BatchCandidate.candidate_key, func.count(Measurement.id))
-            .join(Batch, Batch.id == BatchCandidate.batch_id)
-            .outerjoin(Measurement, Measurement.batch_candidate_id == BatchCandidate.id)
-            .where(Batch.job_id == job["id"], Batch.confirms_measurement_id.is_(None))
-            .group_by(BatchCandidate.id, Batch.job_task_id)
-        ).all()
-        confirmations = s.scalars(
-            select(func.count(Confirmation.id))
-            .select_from(BatchCandidate)
-            .join(Batch, Batch.id == BatchCandidate.batch_id)
-            .outerjoin(Confirmation, Confirmation.batch_candidate_id == BatchCandidate.id)
-            .where(Batch.job_id == job["id"], Batch.confirms_measurement_id.is_not(None))
-            .group_by(BatchCandidate.id)
-        ).all()
-    assert set(states) == {BatchState.DONE}, states
-    assert [n for _, _, n in rows] == [1] * len(rows)
-    assert confirmations and confirmations == [1] * len(confirmations)  # every best was measured again, once
-    assert len({(task, key) for task, key, _ in rows}) == len(rows) == trials
-    assert job["trials_used"] == trials == measured(sessions, job["id"])
+        audit = measurement_audit(s, job["id"])
+    assert audit.problems(trials) == [], audit
+    assert job["trials_used"] == trials

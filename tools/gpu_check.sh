@@ -11,14 +11,19 @@
 # `unpack` with .gpu/a carried, then `run` with .gpu/b carried on the same (warm) machine.
 # Where both fit, `tools/gpu_check.sh unpack && tools/gpu_check.sh run` does it in one go.
 #
-# The checks, each under its own time limit so that one that hangs leaves the others:
+# The checks, each under its own time limit so that one that hangs leaves the others, in
+# the order they matter (a call cut short keeps what finished):
 #   1. the GPU probe and TVM's CUDA runtime;
-#   2. embedded `tunefarm tune` of a small CNN for the GPU's arch (GPU rules, nvcc builds,
-#      measurements on the GPU, the tuned model built with TVM's default GPU schedules for
-#      tasks left untuned, checked against onnxruntime on the CPU), then `tunefarm run`;
-#   3. `tunefarm bench gpu-models` on the same CNN against PyTorch eager (cuDNN) and
+#   2. a farm job on the GPU (tools/gpu_farm_check.py): `farm up` on a PostgreSQL started
+#      here (from the bundle; as `nobody` when run as root) and a Redis of its own, a CUDA
+#      class of this GPU's target, its agent started with --gpu; a small CNN at
+#      $TRIALS_FARM trials; every candidate measured once, the model checked and timed on
+#      the GPU, the artifact run with manifest.json's three lines;
+#   3. `tunefarm bench gpu-models` on the small CNN (embedded tune for the GPU, the tuned
+#      model checked against onnxruntime on the CPU) against PyTorch eager (cuDNN) and
 #      torch.compile max-autotune, alternating rounds, TF32 off;
-#   4. `tunefarm bench ops --target <GPU>` for GEMM 1024 against cuBLAS;
+#   4. `tunefarm bench ops --target <GPU>` for GEMM 1024 against cuBLAS, one run per seed
+#      in $GEMM_SEEDS, and the cuBLAS kernel that PyTorch's float32 matmul launches;
 #   5. with GPU_CHECK_DETECTOR=1, `bench gpu-models` on the detector-sized model.
 # Sizing, from an H100 (16 cores): each task costs at least one search round (about 3-4 s
 # with its nvcc builds), so the small CNN's 9 tasks take about 1.5 min for 18 trials and
@@ -31,9 +36,11 @@ BUNDLE=${TUNEFARM_GPU_BUNDLE:-.gpu}
 PY=${PYTHON:-python3}
 SITE=${TUNEFARM_GPU_SITE:-/tmp/tunefarm-gpu-site}
 OUT=${OUT:-/tmp/tunefarm-gpu-check}
+TRIALS_FARM=${TRIALS_FARM:-18}
 TRIALS_SMALL=${TRIALS_SMALL:-18}
 TRIALS_MODEL=${TRIALS_MODEL:-300}
-TRIALS_GEMM=${TRIALS_GEMM:-48}
+TRIALS_GEMM=${TRIALS_GEMM:-32}
+GEMM_SEEDS=${GEMM_SEEDS:-1 2}
 mkdir -p "$SITE/tvm/lib" "$OUT"
 
 if [ "$stage" = unpack ]; then
@@ -47,9 +54,12 @@ fi
 [ -s "$SITE/tvm/lib/libtvm_compiler.so" ] || { echo "no TVM compiler in $SITE: run '$0 unpack' first"; exit 2; }
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$BUNDLE"/b/*.whl || exit 2
 tar -C "$SITE" -xJf "$BUNDLE"/b/tvm-runtime-part.tar.xz || exit 2
+tar -C "$SITE" -xJf "$BUNDLE"/b/postgres-server.tar.xz || exit 2
+tar -C "$SITE" -xJf "$BUNDLE"/b/redis-server.tar.xz || exit 2
+chmod -R a+rX "$SITE"  # the farm's kernels run as nobody under a root agent, as does PostgreSQL
 cudart=$(find / -name 'libcudart.so.13' -not -path '/proc/*' -print -quit 2>/dev/null)
 export LD_LIBRARY_PATH="$(dirname "${cudart:-/usr/local/cuda/lib64/x}"):${LD_LIBRARY_PATH:-}"
-export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PATH="$PATH:/usr/local/cuda/bin"
+export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PATH="$SITE/redis/bin:$PATH:/usr/local/cuda/bin"
 step() {  # step NAME SECONDS COMMAND...: run it with a limit, log to $OUT/NAME.log
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS
@@ -66,18 +76,35 @@ print('TVM', tvm.__version__, 'CUDA runtime:', tvm.runtime.enabled('cuda'))
 print(c.describe_gpu())"
 arch=$("$PY" -c "import tunefarm.cuda as c; v=c.describe_gpu()['compute_capability'].split('.'); print(f'sm_{v[0]}{v[1]}')")
 target="{\"kind\": \"cuda\", \"arch\": \"$arch\"}"
-work=$(mktemp -d)
+work=$(mktemp -d) && chmod 755 "$work"  # a root agent's kernels run as nobody, under it
 
-step small-cnn 150 bash -c "
-$PY -m tunefarm.models.examples small_cnn --out $work/small_cnn.onnx &&
-$PY -m tunefarm_app.cli tune $work/small_cnn.onnx --target '$target' --trials $TRIALS_SMALL --out $work/tuned --no-progress &&
-$PY -m tunefarm_app.cli run $work/tuned && cp $work/tuned/report.json $OUT/small_cnn-report.json && cat $work/tuned/manifest.json"
+# PostgreSQL for the farm: initdb and the server as an unprivileged user (it refuses root)
+pgbin="$SITE/pgserver/pginstall/bin" pgdata=$(mktemp -d) pgport=${PGPORT_CHECK:-55432}
+as_pg() { if [ "$(id -u)" = 0 ]; then chown -R nobody "$pgdata"; runuser -u nobody -- "$@"; else "$@"; fi; }
+step postgres 60 bash -c "$(declare -f as_pg); pgdata=$pgdata
+  as_pg $pgbin/initdb -D $pgdata/data --auth=trust -U postgres -E utf8 >/dev/null &&
+  as_pg $pgbin/pg_ctl -D $pgdata/data -o '-p $pgport -k $pgdata -c listen_addresses=127.0.0.1' -l $pgdata/log -w start"
+step farm 240 "$PY" tools/gpu_farm_check.py --database-url "postgresql+psycopg2://postgres@127.0.0.1:$pgport/tunefarm_gpu_check" \
+  --state-dir "$work/farm" --trials "$TRIALS_FARM" --timeout 180 --json "$OUT/farm.json"
+as_pg "$pgbin/pg_ctl" -D "$pgdata/data" -m fast stop >/dev/null 2>&1
 
-step gpu-models 150 "$PY" -m tunefarm_app.cli bench gpu-models --models small_cnn --trials "$TRIALS_SMALL" \
-  --compile-timeout 60 --work-dir "$work/bench-small" --json "$OUT/gpu-models-small.json"
+step gpu-models 240 "$PY" -m tunefarm_app.cli bench gpu-models --models small_cnn --trials "$TRIALS_SMALL" \
+  --compile-timeout 120 --work-dir "$work/bench-small" --json "$OUT/gpu-models-small.json"
 
-step gemm 120 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024 --trials "$TRIALS_GEMM" \
-  --no-metaschedule --work-dir "$work/bench-ops" --json "$OUT/gemm.json"
+for seed in $GEMM_SEEDS; do
+  step "gemm-seed$seed" 120 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024 --trials "$TRIALS_GEMM" \
+    --seed "$seed" --no-metaschedule --work-dir "$work/bench-ops-$seed" --json "$OUT/gemm-seed$seed.json"
+done
+step cublas-kernel 60 "$PY" -c "
+import torch
+torch.backends.cuda.matmul.allow_tf32 = False
+a, b = (torch.randn(1024, 1024, device='cuda') for _ in range(2))
+for _ in range(3): a @ b
+torch.cuda.synchronize()
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    a @ b; torch.cuda.synchronize()
+print('torch', torch.__version__, 'cuBLAS', torch.backends.cuda.preferred_blas_library())
+print('fp32 GEMM 1024 (TF32 off) runs:', sorted({e.name for e in prof.events() if e.device_type.name == 'CUDA'}))"
 if [ "${GPU_CHECK_DETECTOR:-0}" = 1 ]; then
   step gpu-detector 900 "$PY" -m tunefarm_app.cli bench gpu-models --models yolov8n_like --trials "$TRIALS_MODEL" \
     --work-dir "$work/bench-detector" --json "$OUT/gpu-models-detector.json"

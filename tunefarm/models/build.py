@@ -73,7 +73,7 @@ def usage_lines(inputs: Sequence[TensorSpec], target: dict[str, Any] | None = No
     A CUDA model's artifact is unpacked first; TVM then compiles the kernels' source
     for the GPU at load time (NVRTC), where tunefarm's own loader uses the fatbin built
     with the model (`tunefarm.cuda.load_kernel`)."""
-    names = [_identifier(t.name, i) for i, t in enumerate(inputs)]
+    names = [input_identifier(t.name, i) for i, t in enumerate(inputs)]
     outs = f'# {", ".join(names)}: numpy arrays; out: a Tensor (.numpy()) or an Array of them'
     if target is not None and is_gpu(target):
         args = ", ".join(f"tvm.runtime.tensor({n}, tvm.cuda())" for n in names)
@@ -367,7 +367,8 @@ def child_error_text(message: str) -> str:
     return message[len(prefix) :] if message.startswith(prefix) else message
 
 
-def _identifier(name: str, index: int) -> str:
+def input_identifier(name: str, index: int) -> str:
+    """The Python name manifest.json's usage lines give an input (its own name where that is an identifier)."""
     text = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
     return text if text and not text[0].isdigit() and text.isidentifier() else f"input_{index}"
 
