@@ -46,7 +46,7 @@ from tunefarm.errors import UsageError, WorkloadError
 from tunefarm.gpu import is_gpu
 from tunefarm.isa import check_runs_on_host
 from tunefarm.measure.builder import LocalBuilder
-from tunefarm.measure.local import LocalMeasurer
+from tunefarm.measure.local import LocalMeasurer, rounds_in_flight
 from tunefarm.measure.runner import LocalRunner
 from tunefarm.models.alternatives import (
     ALGORITHMS,
@@ -168,14 +168,16 @@ def tune_tasks(
     with tempfile.TemporaryDirectory(prefix="tunefarm-") as tmp:
         wd = Path(work_dir) if work_dir is not None else Path(tmp)
         builder = LocalBuilder(wd / "build", n_workers=cores)
-        measurer = LocalMeasurer(builder, LocalRunner(num_threads=cores), wd,
+        in_flight = rounds_in_flight(target, builder.parallelism, config.batch_size)
+        measurer = LocalMeasurer(builder, LocalRunner(num_threads=cores), wd, builds_ahead=in_flight - 1,
                                  reference_timeout=config.reference_timeout, log=log)  # fmt: skip
         try:
             session = build_session(
                 tasks, [s.weights for s in specs], measurer, config, model,
                 records=all_records,  # this run's tasks and the others of the records file
                 callbacks=[StoreRecords(store), timeline, *callbacks],
-                targets=latency_targets, learnt_programs=learnt, groups=[s.group for s in specs], log=log,
+                targets=latency_targets, learnt_programs=learnt, groups=[s.group for s in specs],
+                max_in_flight=in_flight, log=log,
             )  # fmt: skip
             if session.resumed:
                 log(f"resuming: {session.resumed} measurements of these tasks are in {records}")

@@ -1,9 +1,13 @@
 """Embedded mode's measurer: build on this machine, then run on this machine.
 
 `LocalMeasurer` implements `tunefarm.measure.Measurer` over a `Builder` and a `Runner`.
-A background thread takes the submitted batches in order: it builds a batch's programs in
-parallel worker processes, then runs them one at a time (nothing else uses the cores while
-a kernel is timed) and hands each measurement's `MeasureRecord` over as soon as it exists.
+The submitted batches are built in order, each batch's programs in parallel worker
+processes, and run in order, one kernel at a time; each measurement's `MeasureRecord` is
+handed over as soon as it exists. On a CPU a batch is built only once the one before it
+has run: nothing else uses the cores while a kernel is timed there. A GPU times kernels
+on the device, so up to `builds_ahead` later batches are built while one runs
+(`rounds_in_flight`: the session keeps that many rounds out; nvcc's builds, not the GPU,
+are what a GPU round waits for).
 
 `prepare` readies a task for measurement: it writes the workload's IRModule JSON (the
 builder's input, by path) and the task data (inputs, and expected outputs from the
@@ -20,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,7 @@ from tunefarm.measure import MeasureBatch, Measurer, MeasureTask
 from tunefarm.measure.builder import Builder
 from tunefarm.measure.runner import Runner
 from tunefarm.measure.task_data import add_expected_from, write_task_data
-from tunefarm.records import BuildInput, MeasureRecord, MeasureResult, RunInput, TimingConfig
+from tunefarm.records import BuildInput, BuildResult, MeasureRecord, MeasureResult, RunInput, TimingConfig
 from tunefarm.target import host_target_dict
 from tunefarm.workloads import Workload
 
@@ -53,8 +57,11 @@ class LocalMeasurer(Measurer):
         *,
         reference_timeout: float = REFERENCE_TIMEOUT_SECS,
         close_workers: bool = True,
+        builds_ahead: int = 0,
         log: Callable[[str], None] = lambda msg: None,
     ):
+        if builds_ahead < 0:
+            raise ValueError(f"builds_ahead must be at least 0, got {builds_ahead}")
         self.builder = builder
         self.runner = runner
         self.work_dir = Path(work_dir)
@@ -66,8 +73,17 @@ class LocalMeasurer(Measurer):
         self._pending = 0
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._work, name="local-measurer", daemon=True)
-        self._thread.start()
+        # A batch holds a slot from its build until its last run: one slot (builds_ahead 0)
+        # keeps builds and runs apart.
+        self._slots = threading.BoundedSemaphore(1 + builds_ahead)
+        self._build_pool = ThreadPoolExecutor(1 + builds_ahead, thread_name_prefix="batch-build")
+        self._built: queue.SimpleQueue[tuple[MeasureBatch, Future] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._build_batches, name="local-measurer-build", daemon=True),
+            threading.Thread(target=self._run_batches, name="local-measurer-run", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
 
     # -- preparing a task -------------------------------------------------------------------
 
@@ -185,22 +201,46 @@ class LocalMeasurer(Measurer):
         if self.close_workers:
             self.builder.close()  # ends a build or run in progress at once
             self.runner.close()
-        self._thread.join(timeout=30)
+        for t in self._threads:
+            t.join(timeout=30)
+        self._build_pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- the background thread --------------------------------------------------------------
+    # -- the background threads -------------------------------------------------------------
 
-    def _work(self) -> None:
+    def _build_batches(self) -> None:
+        """Start each batch's build once it has a slot; hand it to the run thread in order."""
         while True:
             batch = self._batches.get()
+            while batch is not None and not self._slots.acquire(timeout=0.2):
+                if self._closed.is_set():
+                    batch = None
             if batch is None or self._closed.is_set():
+                self._built.put(None)
                 return
-            self._measure(batch)
+            self._built.put((batch, self._build_pool.submit(self._build, batch)))
 
-    def _measure(self, batch: MeasureBatch) -> None:
+    def _run_batches(self) -> None:
+        while True:
+            item = self._built.get()
+            if item is None or self._closed.is_set():
+                return
+            batch, building = item
+            try:
+                builds = building.result()
+                if self._closed.is_set():
+                    return
+                self._run(batch, builds)
+            finally:
+                self._slots.release()
+
+    def _build(self, batch: MeasureBatch) -> list[BuildResult]:
         task = batch.task
-        builds = self.builder.build(
+        return self.builder.build(
             [BuildInput(m.key, task.workload, m.trace, task.target, batch.build_timeout) for m in batch.inputs]
         )
+
+    def _run(self, batch: MeasureBatch, builds: list[BuildResult]) -> None:
+        task = batch.task
         for m, build in zip(batch.inputs, builds, strict=True):
             if self._closed.is_set():
                 return
@@ -226,6 +266,20 @@ class LocalMeasurer(Measurer):
                     MeasureResult(m, build, run), workload=task.workload_name, target=task.target, timestamp=time.time()
                 )
             )
+
+
+def rounds_in_flight(target: dict[str, Any], build_workers: int, batch_size: int) -> int:
+    """Rounds an embedded session keeps out on `target` (the measurer builds all but one
+    of them ahead): 1 on a CPU; on a GPU enough for the builder's workers to build a
+    batch each (at least 2: one builds while one runs), at most `MAX_ROUNDS_IN_FLIGHT`."""
+    if not is_gpu(target):
+        return 1
+    return max(2, min(MAX_ROUNDS_IN_FLIGHT, -(-build_workers // max(1, batch_size))))
+
+
+MAX_ROUNDS_IN_FLIGHT = 8
+"""A GPU session's rounds out at once, at most: each is proposed before the results of the
+others are in, so more would search with a staler cost model."""
 
 
 def write_text_once(path: Path, text: str) -> None:

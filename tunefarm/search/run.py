@@ -104,13 +104,14 @@ def build_session(
     targets: Mapping[str, float] | None = None,
     learnt_programs: list[str] | None = None,
     groups: Sequence[str] | None = None,
+    max_in_flight: int = 1,
     log: Callable[[str], None],
 ) -> TuningSession:
     """A session over `tasks` (each weighing `weights[i]` per model; `groups[i]`, when
     given, names the alternatives of one computation it belongs to) measured by
     `measurer`, resumed from `records` (this run's earlier measurements; any other task's
     seed the similar ones), its searches also seeded with `seeds` (another class's best
-    programs of these workloads)."""
+    programs of these workloads); `max_in_flight` rounds out at once (`TuningSession`)."""
     measure_tasks = measurer.prepare_all([(t.workload, t.key, t.target) for t in tasks])
     pace = SearchPace()
     similar = SimilarPrograms()  # each task's best, for its similar tasks to start from
@@ -130,6 +131,7 @@ def build_session(
         callbacks=[ShareBestPrograms(similar), *callbacks],
         targets=dict(targets) if targets else None,
         learnt_programs=learnt_programs,
+        max_in_flight=max_in_flight,
         log=log,
     )
     by_task: dict[str, list[MeasureRecord]] = {}
