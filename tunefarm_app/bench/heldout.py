@@ -43,6 +43,7 @@ import numpy as np
 
 from tunefarm.records import MeasureRecord
 from tunefarm.search.cost_model import XGBConfig, XGBCostModel, recall_at_k
+from tunefarm.search.cost_model.distinct_programs import distinct_programs, merged_cost
 from tunefarm.search.cost_model.metrics import (
     NO_PAIRS,
     PairCounts,
@@ -124,26 +125,14 @@ def deduplicate(
     features: Sequence[np.ndarray], costs: Sequence[float], noise: Sequence[float], groups: Sequence[str]
 ) -> Programs:
     """Merge the measurements of one program (same group, identical feature matrix)."""
-    index: dict[tuple[str, tuple[int, ...], bytes], int] = {}
-    members: list[list[int]] = []
-    for i, (f, g) in enumerate(zip(features, groups)):
-        a = np.ascontiguousarray(f)
-        key = (g, a.shape, a.tobytes())
-        if key not in index:
-            index[key] = len(members)
-            members.append([])
-        members[index[key]].append(i)
-    cost = np.asarray(costs, dtype=np.float64)
-    spread = np.asarray(noise, dtype=np.float64)
-    merged_costs, merged_noise = [], []
-    for idx in members:
-        finite = cost[idx][np.isfinite(cost[idx])]
-        merged_costs.append(float(np.median(finite)) if len(finite) else math.inf)
-        between = float(np.std(finite, ddof=1) / np.mean(finite)) if len(finite) > 1 else 0.0
-        merged_noise.append(max(float(spread[idx].max()), between))
+    members = distinct_programs(features, groups)
+    merged = [merged_cost([costs[i] for i in idx], [noise[i] for i in idx]) for idx in members]
     first = [idx[0] for idx in members]
     return Programs(
-        [features[i] for i in first], np.asarray(merged_costs), np.asarray(merged_noise), [groups[i] for i in first]
+        [features[i] for i in first],
+        np.asarray([c for c, _ in merged], dtype=np.float64),
+        np.asarray([n for _, n in merged], dtype=np.float64),
+        [groups[i] for i in first],
     )
 
 

@@ -48,6 +48,7 @@ from tunefarm.search.task import workload_of
 
 from .base_trees import BaseTrees, row_values
 from .descriptor import DESCRIPTOR_VERSION, DESCRIPTOR_WIDTH, device_descriptor, device_family
+from .distinct_programs import distinct_programs, merged_cost
 from .metrics import NO_PAIRS, NOISE_FLOOR, PairCounts, pairwise_beyond_noise, recall_at_k
 from .ranking import pairwise_rank_gradient, pairwise_rank_loss, ranking_pairs
 from .xgb import normalized_throughputs, pack_sum, pack_sum_gradient, weighted_p_rmse
@@ -160,56 +161,37 @@ def training_programs(rows: Iterable[Mapping[str, Any]], *, family: str | None =
     width = feature_width(version)
     descriptors: dict[str, np.ndarray] = {}
     class_targets: dict[str, dict[str, Any]] = {}
-    merged: dict[tuple[str, str], _Measured] = {}
+    features, groups, costs, noise, row_descriptors = [], [], [], [], []
     for row in mine:
-        features = np.asarray(row["features"], dtype=np.float32)
-        if features.ndim != 2 or features.shape[1] != width or not features.shape[0]:
-            raise DatasetError(f"a row of task {row.get('task')!r} has features of shape {features.shape}, "
+        f = np.asarray(row["features"], dtype=np.float32)
+        if f.ndim != 2 or f.shape[1] != width or not f.shape[0]:
+            raise DatasetError(f"a row of task {row.get('task')!r} has features of shape {f.shape}, "
                                f"not (stores, {width}) of version {version}")  # fmt: skip
         target = _row_target(row, targets)
         key = json.dumps(target, sort_keys=True)
         if key not in descriptors:
             descriptors[key] = device_descriptor(target)
         class_targets.setdefault(str(row["device_class"]), target)
-        group = f"{row['device_class']}/{row['task']}"
-        digest = hashlib.sha1(np.ascontiguousarray(features).tobytes()).hexdigest()
-        m = merged.setdefault((group, f"{features.shape}:{digest}"),
-                              _Measured(features, str(row["device_class"]), str(row["workload"]), descriptors[key]))
-        m.costs.append(float(row["cost"]) if row.get("cost") is not None else math.inf)
-        m.noise.append(float(row.get("noise") or 0.0))  # fmt: skip
-    keys = list(merged)
-    programs = [merged[k] for k in keys]
+        features.append(f)
+        groups.append(f"{row['device_class']}/{row['task']}")
+        costs.append(float(row["cost"]) if row.get("cost") is not None else math.inf)
+        noise.append(float(row.get("noise") or 0.0))
+        row_descriptors.append(descriptors[key])
+    members = distinct_programs(features, groups)
+    merged = [merged_cost([costs[i] for i in idx], [noise[i] for i in idx]) for idx in members]
+    first = [idx[0] for idx in members]
     return TrainingPrograms(
-        features=[p.features for p in programs],
-        costs=np.array([p.cost() for p in programs]),
-        noise=np.array([p.spread() for p in programs]),
-        groups=[group for group, _ in keys],
-        classes=[p.device_class for p in programs],
-        workloads=[p.workload for p in programs],
-        descriptors=np.stack([p.descriptor for p in programs]).astype(np.float32),
+        features=[features[i] for i in first],
+        costs=np.array([c for c, _ in merged]),
+        noise=np.array([n for _, n in merged]),
+        groups=[groups[i] for i in first],
+        classes=[str(mine[i]["device_class"]) for i in first],
+        workloads=[str(mine[i]["workload"]) for i in first],
+        descriptors=np.stack([row_descriptors[i] for i in first]).astype(np.float32),
         family=family,
         feature_version=version,
         class_targets=class_targets,
     )
-
-
-@dataclass
-class _Measured:
-    features: np.ndarray
-    device_class: str
-    workload: str
-    descriptor: np.ndarray
-    costs: list[float] = field(default_factory=list)
-    noise: list[float] = field(default_factory=list)
-
-    def cost(self) -> float:
-        finite = [c for c in self.costs if math.isfinite(c) and c > 0]
-        return float(np.median(finite)) if finite else math.inf
-
-    def spread(self) -> float:
-        finite = [c for c in self.costs if math.isfinite(c) and c > 0]
-        between = float(np.std(finite, ddof=1) / np.mean(finite)) if len(finite) > 1 else 0.0
-        return max(max(self.noise, default=0.0), between)
 
 
 def _row_target(row: Mapping[str, Any], cache: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
