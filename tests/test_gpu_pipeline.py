@@ -290,3 +290,54 @@ def test_a_model_built_with_a_pipelined_schedule_has_asynchronous_copies(tmp_pat
     with tarfile.open(built.library) as tar:
         source = tar.extractfile("kernel.cu").read().decode()
     assert ASYNC_COPY.search(source) and "cp.async.wait_group" in source
+
+
+# -- on a machine with a GPU (skipped elsewhere, CI included) ---------------------------------
+
+
+def _local_gpu_target() -> dict | None:
+    try:
+        dev = cuda.cuda_device()
+    except cuda.NoGpuError:
+        return None
+    major, minor = str(dev.compute_version).split(".")[:2]
+    return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
+
+
+LOCAL_GPU = _local_gpu_target()
+
+
+@needs_nvcc
+@pytest.mark.skipif(
+    LOCAL_GPU is None or not GpuLimits.of(LOCAL_GPU).async_copy, reason="needs an sm_80+ GPU (runs on a GPU machine)"
+)
+@pytest.mark.parametrize("case", [GEMM, CONV], ids=["gemm", "conv2d"])
+def test_on_a_gpu_pipelined_programs_match_the_reference(case, tmp_path):
+    """Pipelined programs of every depth, one of them in dynamic shared memory beyond
+    48 KB, built for this GPU and run by the agent's runner: their outputs match the
+    numpy reference."""
+    from tunefarm.measure.runner import LocalRunner
+    from tunefarm.measure.task_data import write_task_data
+    from tunefarm.records import RunInput, TimingConfig
+
+    op, shape, block = case
+    wl = registry.make(op, shape)
+    space = _space(case, LOCAL_GPU)
+    data = tmp_path / "data.npz"
+    write_task_data(data, wl, seed=0, with_expected=True)
+    wl_path = tmp_path / "wl.json"
+    wl_path.write_text(wl.to_json())
+    inputs = []
+    for depth, seed in [(2, 0), (3, 1), (4, 2), (4, 4)]:  # the last in dynamic shared memory (see above)
+        prog = _with_depth(space, block, depth, seed).program
+        artifact = tmp_path / f"{op}-{depth}-{seed}{cuda.CUDA_KERNEL_SUFFIX}"
+        build_module(str(wl_path), trace_json(realize(wl.mod, prog.instructions)), LOCAL_GPU, str(artifact))
+        key = f"d{depth}s{seed}"
+        inputs.append(RunInput(key, str(artifact), str(data), len(wl.inputs), len(wl.outputs), True, TimingConfig(repeat=1)))
+    runner = LocalRunner(1)
+    try:
+        results = runner.run(inputs)
+    finally:
+        runner.close()
+    for res in results:
+        assert not res.error_kind.is_error and res.verified, (res.candidate_key, res.error_msg)
