@@ -66,7 +66,10 @@ def test_descriptors_say_vector_width_isa_cores_and_gpu_limits():
     a100, h100 = d({"kind": "cuda", "arch": "sm_80"}), d({"kind": "cuda", "arch": "sm_90"})
     assert a100["is_gpu"] == 1 and a100["compute_capability"] == pytest.approx(8.0) and h100["compute_capability"] == pytest.approx(9.0)
     assert a100["log_multiprocessors"] == pytest.approx(math.log2(109)) and h100["log_multiprocessors"] == pytest.approx(math.log2(133))
-    assert a100["log_shared_memory_per_block"] == pytest.approx(math.log2(1 + 48 * 1024))
+    # what one block may use: the opt-in limit of dynamic shared memory (163 KB, 227 KB), 48 KB before sm_80
+    assert a100["log_shared_memory_per_block"] == pytest.approx(math.log2(1 + 163 * 1024))
+    assert h100["log_shared_memory_per_block"] == pytest.approx(math.log2(1 + 227 * 1024))
+    assert d({"kind": "cuda", "arch": "sm_75"})["log_shared_memory_per_block"] == pytest.approx(math.log2(1 + 48 * 1024))
     small = d({"kind": "cuda", "arch": "sm_80", "max_shared_memory_per_block": 16384, "max_threads_per_block": 512})
     assert small["log_shared_memory_per_block"] == pytest.approx(math.log2(16385)) and small["log_max_threads_per_block"] == pytest.approx(math.log2(513))
     assert a100["log_vector_bytes"] == 0 and a100["family_x86"] == 0

@@ -3,9 +3,12 @@ GPU's limits: for a few workloads on sm_90 and sm_80, the share of fresh samples
 (`ProgramSpace.sample`) that are invalid (InvalidProgram), the share of mutations of
 valid programs that are rejected (nothing valid came back, repair included), and
 distribution summaries of the valid samples' kernels: threads per block and shared
-memory per block (as shares of the GPU's limits), the share of kernels whose threads
-are whole warps, and for tiled kernels the accumulators' registers (as a share of the
-budget `check_tiled_block` allows with those threads).
+memory per block (as shares of the GPU's limits, whose shared memory is the opt-in
+limit on sm_80+: 163 KB, 227 KB), the share of kernels whose threads are whole warps,
+and for tiled kernels the accumulators' registers (as a share of the budget
+`check_tiled_block` allows with those threads), how often each software-pipeline depth
+was drawn, and the share of tiled kernels whose stages pass the static 48 KB (dynamic
+shared memory).
 
     python tools/gpu_sampling_stats.py [--samples 200] [--mutations 200] [--seed 0]
 """
@@ -13,14 +16,15 @@ budget `check_tiled_block` allows with those threads).
 from __future__ import annotations
 
 import argparse
+import collections
 import random
 
 import numpy as np
 
-from tunefarm.gpu import GpuLimits
+from tunefarm.gpu import STATIC_SHARED_MEMORY_BYTES, GpuLimits
 from tunefarm.search.config import SearchConfig
 from tunefarm.search.space.dag import analyse
-from tunefarm.search.space.loopnest_gpu import ACCUMULATOR_REGISTER_SHARE
+from tunefarm.search.space.loopnest_gpu import ACCUMULATOR_REGISTER_SHARE, PIPELINE_DEPTHS
 from tunefarm.search.space.program_space import ProgramSpace
 from tunefarm.search.space.rule_set import GpuRules
 from tunefarm.workloads import registry
@@ -62,7 +66,8 @@ def measure(op: str, shape: dict, arch: str, n_samples: int, n_mutations: int, s
         if b is not None:
             valid.append(b)
     threads, shared, registers, warp_multiple = [], [], [], 0
-    kernels = 0
+    kernels = dynamic = tiled = 0
+    depths: collections.Counter[int] = collections.Counter()
     for b in valid:
         prog = b.program
         for n in _kernels(prog):
@@ -72,6 +77,9 @@ def measure(op: str, shape: dict, arch: str, n_samples: int, n_mutations: int, s
             shared.append(prog.kernel_bytes(n, "shared") / gpu.max_shared_memory_per_block)
             warp_multiple += t % gpu.warp_size == 0
             if prog.nests[n].tiled:
+                tiled += 1
+                depths[prog.nests[n].pipeline] += 1
+                dynamic += prog.kernel_bytes(n, "shared") > STATIC_SHARED_MEMORY_BYTES
                 budget = min(gpu.max_registers_per_thread, gpu.registers_per_block // max(t, 1))
                 registers.append(prog.kernel_bytes(n, "local") / 4 / (ACCUMULATOR_REGISTER_SHARE * budget))
     weights = rules.mutation_weights(SearchConfig())
@@ -98,6 +106,8 @@ def measure(op: str, shape: dict, arch: str, n_samples: int, n_mutations: int, s
         "shared": _summary(shared),
         "registers": _summary(registers),
         "warp_multiple": warp_multiple / kernels if kernels else float("nan"),
+        "depths": " ".join(f"{d}:{depths[d] / tiled:.0%}" for d in PIPELINE_DEPTHS) if tiled else "-",
+        "dynamic": dynamic / tiled if tiled else float("nan"),
     }
 
 
@@ -114,7 +124,8 @@ def main() -> None:
                 f"{arch} {name:12s} invalid {r['invalid']:.1%}  mutations rejected {r['mut_rejected']:.1%} "
                 f"(of {r['mut_tried']})  kernels {r['kernels']}  whole warps {r['warp_multiple']:.0%}\n"
                 f"    threads/max    {r['threads']}\n    shared/max     {r['shared']}\n"
-                f"    accum/budget   {r['registers']}",
+                f"    accum/budget   {r['registers']}\n"
+                f"    tiled kernels: pipeline depths {r['depths']}  dynamic shared memory {r['dynamic']:.0%}",
                 flush=True,
             )
 

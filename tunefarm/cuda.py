@@ -1,8 +1,9 @@
 """CUDA kernels: built where there is no GPU, run where there is one.
 
 Build (a build worker, no GPU needed): `tvm.compile` for a CUDA target emits the host
-code and the kernels' CUDA C source; `verify` runs TVM's GPU code verifier on the lowered
-kernels against the target's limits; `compile_fatbin` compiles the source with nvcc for
+code and the kernels' CUDA C source (under `lowering(target)`: on sm_80+ the copies of
+software-pipelined shared stages become cp.async); `verify` runs TVM's GPU code verifier on
+the lowered kernels against the target's limits; `compile_fatbin` compiles the source with nvcc for
 the target's compute capability (SASS for it, and its PTX so that newer GPUs can JIT it);
 and `export_kernel` writes one artifact, a tar (`CUDA_KERNEL_SUFFIX`) of:
 
@@ -26,6 +27,7 @@ binaries are kept by source, so export reuses the one the compile made.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +36,7 @@ import tarfile
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,36 @@ def tvm_target(target: dict[str, Any]):
     return tvm.target.Target({k: v for k, v in target.items() if k != "host"}, host=host)
 
 
+def lowering_config(target: dict[str, Any]) -> dict[str, Any]:
+    """TVM's lowering options for a CUDA target's kernels: on sm_80+ the copies into
+    shared memory that a software pipeline marks asynchronous become cp.async
+    (`tirx.use_async_copy`: InjectPTXAsyncCopy); without the option they would stay
+    plain stores. Kernels with no pipeline lower as without it."""
+    return {"tirx.use_async_copy": True} if GpuLimits.of(target).async_copy else {}
+
+
+@contextlib.contextmanager
+def lowering(target: dict[str, Any]) -> Iterator[None]:
+    """TVM's pass context for compiling or lowering `target`'s kernels: the current one
+    with `lowering_config(target)` added."""
+    import tvm
+
+    extra = lowering_config(target)
+    if not extra:
+        yield
+        return
+    current = tvm.transform.PassContext.current()
+    config = {str(k): v for k, v in current.config.items()}
+    with tvm.transform.PassContext(
+        opt_level=current.opt_level,
+        required_pass=list(current.required_pass),
+        disabled_pass=list(current.disabled_pass),
+        instruments=list(current.instruments),
+        config={**config, **extra},
+    ):
+        yield
+
+
 def verify(mod: Any, target: dict[str, Any]) -> list[str]:
     """TVM's GPU code verifier (`tvm.s_tir.analysis.verify_gpu_code`) on every kernel of
     the scheduled module, lowered for `target`: the names of the kernels that exceed the
@@ -71,7 +104,8 @@ def verify(mod: Any, target: dict[str, Any]) -> list[str]:
     limits = GpuLimits.of(target)
     t = tvm_target(target)
     pipeline = tvm.tirx.get_tir_pipeline("default")[0]
-    lowered = pipeline(tvm.tirx.transform.BindTarget(t)(mod))
+    with lowering(target):
+        lowered = pipeline(tvm.tirx.transform.BindTarget(t)(mod))
     constraints = limits.verifier_constraints()
     bad = []
     for gv, func in lowered.functions.items():

@@ -8,6 +8,14 @@ code verifier. Without a GPU nothing can be asked of the driver, so the limits c
 from the compute capability (`GpuLimits.of`), and a target may override any of them
 with TVM's own attribute names (`max_threads_per_block`, `max_shared_memory_per_block`,
 `thread_warp_size`, `registers_per_block`), e.g. the values a GPU agent detected.
+
+From sm_80 (Ampere) on, a block's shared memory is not capped at the 48 KB a kernel may
+declare statically: stages beyond that are allocated dynamically (TVM's "shared.dyn"
+scope, whose size the launch passes, with the per-function opt-in TVM's CUDA runtime
+makes), up to the compute capability's opt-in limit per block (`block_shared_memory`:
+163 KB on sm_80, 227 KB on sm_90); and global-to-shared copies can be asynchronous
+(cp.async), which the software-pipelined shared stages use (`async_copy`). Older
+targets keep the 48 KB static limit and synchronous copies.
 """
 
 from __future__ import annotations
@@ -22,9 +30,14 @@ GPU_KINDS = frozenset({"cuda"})
 """TVM target kinds whose kernels run on an NVIDIA GPU."""
 
 STATIC_SHARED_MEMORY_BYTES = 48 * 1024
-"""Shared memory one block may declare statically (`__shared__` arrays, which is how TVM
-allocates it) on every compute capability; more needs the dynamic opt-in, which TVM's
-generated kernels do not use."""
+"""Shared memory one block may declare statically (`__shared__` arrays, how TVM allocates
+the "shared" scope) on every compute capability; more needs dynamic shared memory and
+the kernel's opt-in (see the module docstring)."""
+
+ASYNC_COPY_CAPABILITY = (8, 0)
+"""The first compute capability with asynchronous global-to-shared copies (cp.async,
+Ampere), and the first whose kernels tunefarm gives dynamic shared memory beyond the
+static 48 KB: older targets keep what they had."""
 
 MAX_VTHREADS = 8
 """Largest virtual-thread extent (Ansor's `max_vthread_extent`)."""
@@ -48,18 +61,19 @@ class MultiprocessorLimits:
     max_blocks: int  # resident blocks per SM
     shared_memory: int  # bytes of shared memory per SM
     registers: int = 65536  # 32-bit registers per SM
+    block_shared_memory: int = STATIC_SHARED_MEMORY_BYTES  # bytes one block may opt in to (dynamic)
 
 
 SM_LIMITS: dict[tuple[int, int], MultiprocessorLimits] = {
-    (7, 0): MultiprocessorLimits(80, 2048, 32, 96 * 1024),
-    (7, 5): MultiprocessorLimits(40, 1024, 16, 64 * 1024),
-    (8, 0): MultiprocessorLimits(108, 2048, 32, 164 * 1024),
-    (8, 6): MultiprocessorLimits(84, 1536, 16, 100 * 1024),
-    (8, 7): MultiprocessorLimits(16, 2048, 16, 164 * 1024),
-    (8, 9): MultiprocessorLimits(142, 1536, 24, 100 * 1024),
-    (9, 0): MultiprocessorLimits(132, 2048, 32, 228 * 1024),
-    (10, 0): MultiprocessorLimits(148, 2048, 32, 228 * 1024),
-    (12, 0): MultiprocessorLimits(170, 1536, 32, 100 * 1024),
+    (7, 0): MultiprocessorLimits(80, 2048, 32, 96 * 1024, block_shared_memory=96 * 1024),
+    (7, 5): MultiprocessorLimits(40, 1024, 16, 64 * 1024, block_shared_memory=64 * 1024),
+    (8, 0): MultiprocessorLimits(108, 2048, 32, 164 * 1024, block_shared_memory=163 * 1024),
+    (8, 6): MultiprocessorLimits(84, 1536, 16, 100 * 1024, block_shared_memory=99 * 1024),
+    (8, 7): MultiprocessorLimits(16, 2048, 16, 164 * 1024, block_shared_memory=163 * 1024),
+    (8, 9): MultiprocessorLimits(142, 1536, 24, 100 * 1024, block_shared_memory=99 * 1024),
+    (9, 0): MultiprocessorLimits(132, 2048, 32, 228 * 1024, block_shared_memory=227 * 1024),
+    (10, 0): MultiprocessorLimits(148, 2048, 32, 228 * 1024, block_shared_memory=227 * 1024),
+    (12, 0): MultiprocessorLimits(170, 1536, 32, 100 * 1024, block_shared_memory=99 * 1024),
 }
 """Per compute capability; an arch not listed takes the closest older one's."""
 
@@ -93,28 +107,48 @@ class GpuLimits:
     arch: str  # "sm_80"
     max_threads_per_block: int = 1024
     warp_size: int = 32
-    max_shared_memory_per_block: int = STATIC_SHARED_MEMORY_BYTES
+    max_shared_memory_per_block: int = STATIC_SHARED_MEMORY_BYTES  # static and dynamic together
     registers_per_block: int = 65536  # 32-bit registers of one block (every CC >= 5.0)
     max_registers_per_thread: int = 255
     max_vthreads: int = MAX_VTHREADS
     max_vector_bytes: int = MAX_VECTOR_BYTES
     sm: MultiprocessorLimits = SM_LIMITS[(8, 0)]  # what one SM holds, and how many SMs
+    capability: tuple[int, int] = (8, 0)
 
     @staticmethod
     def of(target: dict[str, Any]) -> GpuLimits:
         """The limits of a CUDA target: its compute capability's, overridden by the
-        target's own attributes. Raises TargetError for a target without an arch."""
-        major, _ = compute_capability(target)
-        if major < 5:
+        target's own attributes. A block's shared memory: what the target declares, else
+        from sm_80 on the compute capability's opt-in limit (`block_shared_memory`), else
+        the static 48 KB. Raises TargetError for a target without an arch."""
+        capability = compute_capability(target)
+        if capability[0] < 5:
             raise TargetError(f"compute capability {target.get('arch')} is older than Maxwell (sm_50): not supported")
+        sm = sm_limits(capability)
+        shared = STATIC_SHARED_MEMORY_BYTES
+        if capability >= ASYNC_COPY_CAPABILITY:
+            shared = sm.block_shared_memory
         return GpuLimits(
             arch=str(target["arch"]),
             max_threads_per_block=int(target.get("max_threads_per_block", target.get("max_num_threads", 1024))),
             warp_size=int(target.get("thread_warp_size", 32)),
-            max_shared_memory_per_block=int(target.get("max_shared_memory_per_block", STATIC_SHARED_MEMORY_BYTES)),
+            max_shared_memory_per_block=int(target.get("max_shared_memory_per_block", shared)),
             registers_per_block=int(target.get("registers_per_block", 65536)),
-            sm=sm_limits(compute_capability(target)),
+            sm=sm,
+            capability=capability,
         )
+
+    @property
+    def async_copy(self) -> bool:
+        """Shared stages may be software-pipelined with asynchronous copies (cp.async), and
+        a block's shared memory beyond the static 48 KB is allocated dynamically."""
+        return self.capability >= ASYNC_COPY_CAPABILITY
+
+    @property
+    def static_shared_memory_per_block(self) -> int:
+        """Shared memory one block may allocate statically: beyond it a kernel's stages
+        take dynamic shared memory (`async_copy` targets only)."""
+        return min(self.max_shared_memory_per_block, STATIC_SHARED_MEMORY_BYTES)
 
     def verifier_constraints(self) -> dict[str, int]:
         """The constraints of TVM's `verify_gpu_code`, with TVM's names."""

@@ -176,9 +176,11 @@ def build_module(workload: str, trace: TraceJSON | None, target: dict[str, Any],
             )
         tvm_target = _step("making the target", cuda.tvm_target, target)
         cuda.use_nvcc(target)  # the binary tvm.compile embeds where TVM's CUDA runtime is present
+        with cuda.lowering(target):  # cp.async for the pipelined shared stages (sm_80+)
+            ex = _step("compiling", tvm.compile, mod, target=tvm_target)
     else:
         tvm_target = _step("making the target", tvm.target.Target, target)
-    ex = _step("compiling", tvm.compile, mod, target=tvm_target)
+        ex = _step("compiling", tvm.compile, mod, target=tvm_target)
     _step("exporting the library", export_library, ex, out_path, target)
     return time.perf_counter() - t0
 

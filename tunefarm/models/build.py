@@ -30,6 +30,7 @@ changes nothing there; GPU pipelines run DLight, which skips functions marked wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunefarm.cuda import CUDA_KERNEL_SUFFIX
+from tunefarm.cuda import CUDA_KERNEL_SUFFIX, lowering
 from tunefarm.errors import ModelError
 from tunefarm.export import export_library
 from tunefarm.gpu import is_gpu
@@ -270,7 +271,8 @@ def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: st
         mod = _fold_layouts(mod)
     target = _tvm_target(target_dict)
     try:
-        ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+        with _lowering(target_dict):
+            ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
     except Exception as exc:
         raise ModelError(f"compiling failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
     try:
@@ -281,6 +283,12 @@ def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: st
             f"exporting the library failed: {summarize_error(f'{type(exc).__name__}: {exc}')}"
         ) from None
     return {"secs": time.perf_counter() - t0, "scheduled": keys}
+
+
+def _lowering(target: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """The pass context the kernels of `target` lower in (`tunefarm.cuda.lowering` for a
+    CUDA target: cp.async for the tuned kernels' pipelined shared stages)."""
+    return lowering(target) if is_gpu(target) else contextlib.nullcontext()
 
 
 def _tvm_target(target: dict[str, Any]):

@@ -50,9 +50,11 @@ class SearchConfig:
     )
     # The same on a GPU (Ansor GPU: tile 0.90, unroll 0.10; MetaSchedule CUDA: tile 0.9,
     # unroll 0.08, thread binding 0.02): "threads" re-draws an untiled kernel's or a
-    # cross-thread reduction's threads per block.
+    # cross-thread reduction's threads per block; "pipeline" changes a tiled block's
+    # software-pipeline depth (sm_80+ only: weights are relative, so a target without
+    # the slot mutates as before).
     gpu_mutation_weights: dict[str, float] = field(
-        default_factory=lambda: {"tile": 0.90, "unroll": 0.08, "threads": 0.02}
+        default_factory=lambda: {"tile": 0.90, "unroll": 0.08, "threads": 0.02, "pipeline": 0.05}
     )
     # Give up sampling when this many consecutive draws are invalid.
     max_invalid_draws: int = 200

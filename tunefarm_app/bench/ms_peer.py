@@ -99,7 +99,8 @@ def metaschedule_gpu_target(target_dict: dict[str, Any]) -> Any:
         {
             "max_threads_per_block": limits.max_threads_per_block,
             "thread_warp_size": limits.warp_size,
-            "max_shared_memory_per_block": limits.max_shared_memory_per_block,
+            # MetaSchedule's shared stages are static: 48 KB at most, whatever tunefarm's dynamic stages may take
+            "max_shared_memory_per_block": limits.static_shared_memory_per_block,
             "registers_per_block": limits.registers_per_block,
             **target_dict,
         }

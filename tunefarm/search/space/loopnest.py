@@ -119,6 +119,7 @@ def build(
             case _:
                 raise TypeError(step)
     if gpu is not None:
+        loopnest_gpu.finish(prog, gpu)
         loopnest_gpu.check_program(prog, gpu)
     _decompose_reductions(prog)
     return prog

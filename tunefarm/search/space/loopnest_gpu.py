@@ -1,14 +1,18 @@
 """The loop-nest model's GPU steps: shared-memory stages with cooperative fetching,
-thread binding, and the checks that reject a program that cannot launch.
+software pipelining, thread binding, and the checks that reject a program that cannot
+launch.
 
 Map of this module:
   apply(prog, step, decider, gpu)        dispatch one GPU sketch step
-  draw_feasible_tiles                    a tiled block's tile sizes drawn one level at a
-                                         time within the GPU's limits (sampling only)
+  draw_feasible_tiles                    a tiled block's pipeline depth (sm_80+) and tile
+                                         sizes, drawn one level at a time within the
+                                         GPU's limits (sampling only)
   TileLimits / TileLevels                those limits on tile sizes alone, the levels
   _cache_read_shared                     CacheReadStep: the stage, its region, the fetch
   _bind_tiled / _bind_cross_thread /     ThreadBindStep for a tiled block, a cross-thread
   _bind_fallback                         reduction, any other root block
+  finish                                 after the sketch: software pipelines, dynamic
+                                         shared memory
   check_program / check_tiled_block      threads, vthreads, shared memory, registers
 
 The loops a GPU program gets (TVM's, which `realize.py` replays):
@@ -23,6 +27,17 @@ The loops a GPU program gets (TVM's, which `realize.py` replays):
 - a cross-thread reduction: spatial loops fused to blockIdx.x, reduction loops fused and
   split into (rest, threads), the threads bound to threadIdx.x;
 - any other root block: spatial loops fused and split into (blocks, threads).
+
+Software pipelining (sm_80+; MetaSchedule's AddAsyncPipeline, cuBLAS's "stage3" kernels):
+a tiled block with shared stages has a pipeline depth (slot `<block>.pipeline`, one of
+`PIPELINE_DEPTHS`), decided with its tiles so that its stages fit `depth` times in the
+block's shared memory. With a depth d > 1 its outermost reduction tile loops, where the
+stages are computed, are fused into one loop annotated for TVM's InjectSoftwarePipeline:
+the stages in pipeline stage 0, asynchronous (cp.async under `cuda.lowering`), the
+computation in stage d - 1, so each stage gets d copies and the copies of the next d - 1
+reduction tiles are in flight while the threads compute on the current one. A kernel
+whose stages take more than the 48 KB a block may declare statically has them in dynamic
+shared memory ("shared.dyn"), up to the GPU's opt-in limit (`GpuLimits`).
 
 Validity (Ansor: `InitThreadBind` rejects, and TVM's `VerifyGPUCode` postprocessor):
 threads per block within the GPU's limit and at least a warp (unless the whole space is
@@ -63,6 +78,12 @@ THREAD_CHOICES = (32, 64, 128, 256, 512, 1024)
 VECTOR_CHOICES = (1, 2, 4, 8, 16)
 """Vector lengths of a cooperative fetch, before the GPU's widest access (16 bytes) and
 the alignment of the tile rule them out."""
+
+PIPELINE_DEPTHS = (1, 2, 3, 4)
+"""Software-pipeline depths of a tiled block's shared stages (slot `<block>.pipeline`
+indexes them; 0, no pipeline, is what records made before the slot rebuild with): how
+many copies of each stage the outer reduction loop cycles through. MetaSchedule tries 3
+and 4 copies (its "stages" 4 and 5), cuBLAS's SIMT GEMM on sm_80 uses 3."""
 
 ACCUMULATOR_REGISTER_SHARE = 0.75
 """Share of a thread's registers its accumulators may take (the rest holds addresses,
@@ -234,18 +255,29 @@ def draw_feasible_tiles(prog: Program, name: str, structure: str, decider: Decid
     the thread factors (threads per block in [warp, max]; half the draws among whole
     warps), the vthread factors (at most `max_vthreads`), the inner factors (accumulators
     within the registers those threads leave), then each reduction tile (the shared
-    stages within the block's shared memory). The checks are `check_tiled_block`'s, from
-    the tile sizes alone (`TileLimits`). The draw fails only where no tiling at all fits
-    beside the slots already given (mutation, crossover, records), which are kept (a
-    given one outside its domain is refit where the decider refits, else drawn);
-    InvalidProgram then. Nothing is drawn without an rng, so a measured program rebuilds
-    from its decisions as it was. The chosen values become given slots, so `_tile` takes
-    them as it would any."""
+    stages, times the pipeline depth, within the block's shared memory). The checks are
+    `check_tiled_block`'s, from the tile sizes alone (`TileLimits`). The draw fails only
+    where no tiling at all fits beside the slots already given (mutation, crossover,
+    records), which are kept (a given one outside its domain is refit where the decider
+    refits, else drawn); InvalidProgram then. Nothing is drawn without an rng, so a
+    measured program rebuilds from its decisions as it was. The chosen values become
+    given slots, so `_tile` takes them as it would any.
+
+    On sm_80+ a block with shared stages first gets its pipeline depth (`_decide_depth`):
+    a given one is kept, a drawn one is uniform over the depths beside which some tiling
+    fits the given slots (depths tried in random order, the first that fits taken)."""
     spec = prog.nests[name].spec
     rng = decider.rng
     n_s, n_r = structure.count("S"), structure.count("R")
-    if rng is None or n_s < 4:
-        return  # nothing to draw, or not a GPU tiling (check_tiled_block rejects it)
+    if n_s < 4:
+        return  # not a GPU tiling (check_tiled_block rejects it)
+    limits = TileLimits.of(prog, spec, gpu)
+    pipelined = gpu.async_copy and bool(limits.staged) and any(it.kind == "R" for it in spec.iters)
+    draw_depth = pipelined and rng is not None and _depth_slot(name) not in decider.given
+    if pipelined and not draw_depth:
+        limits = replace(limits, depth=_decide_depth(prog, name, decider))
+    if rng is None:
+        return  # nothing to draw
     slots = {it.name: f"{name}.tile.{it.name}" for it in spec.iters}
     domains = {it.name: TileDomain(it.extent, n_s if it.kind == "S" else n_r, MAX_INNERMOST_TILE) for it in spec.iters}
     fixed: dict[str, tuple[int, ...]] = {}
@@ -256,13 +288,38 @@ def draw_feasible_tiles(prog: Program, name: str, structure: str, decider: Decid
             value = domain.nearest(value)
         if value is not None and domain.contains(value):
             fixed[it.name] = value
+    if draw_depth:
+        order = list(range(len(PIPELINE_DEPTHS)))
+        rng.shuffle(order)
+        drawn, index = None, 0
+        for i in order:
+            drawn = _draw_tiling(replace(limits, depth=PIPELINE_DEPTHS[i]), domains, fixed, rng)
+            if drawn is not None:
+                index = i
+                break
+        decider.given = {**decider.given, _depth_slot(name): index}
+        _decide_depth(prog, name, decider)
     if len(fixed) == len(spec.iters):
         return
-    drawn = _draw_tiling(TileLimits.of(prog, spec, gpu), domains, fixed, rng)
+    if not draw_depth:
+        drawn = _draw_tiling(limits, domains, fixed, rng)
     if drawn is None:
         given = ", ".join(f"{slots[k]}={v}" for k, v in fixed.items())
         raise InvalidProgram(f"{name}: no tiling fits the GPU's limits beside {given or 'nothing'}")
     decider.given = {**decider.given, **{slots[k]: v for k, v in drawn.items()}}
+
+
+def _depth_slot(name: str) -> str:
+    return f"{name}.pipeline"
+
+
+def _decide_depth(prog: Program, name: str, decider: Decider) -> int:
+    """The block's pipeline depth (slot `<block>.pipeline`, no pipeline where records
+    made before the slot lack it), kept on its nest for `finish`."""
+    index = decider.decide(_depth_slot(name), ChoiceDomain(len(PIPELINE_DEPTHS)), default=0)
+    depth = PIPELINE_DEPTHS[index]
+    prog.nests[name].pipeline = depth
+    return depth
 
 
 @dataclass(frozen=True)
@@ -292,6 +349,7 @@ class TileLimits:
     min_threads: int  # a warp, unless the whole space is small (Ansor's 2 x warp rule)
     accumulator_bytes: int
     staged: tuple[StagedRead, ...]  # the global buffers the block reads (its shared stages)
+    depth: int = 1  # copies of each stage (the software pipeline's depth)
 
     @staticmethod
     def of(prog: Program, spec: BlockSpec, gpu: GpuLimits) -> TileLimits:
@@ -321,8 +379,9 @@ class TileLimits:
         return int(ACCUMULATOR_REGISTER_SHARE * budget) * 4 // self.accumulator_bytes
 
     def shared_bytes(self, span: dict[str, int]) -> int:
-        """Shared memory of the block's stages, `span`: each iterator's tile extent."""
-        return sum(s.elems(span) * s.elem_bytes for s in self.staged)
+        """Shared memory of the block's stages (`depth` copies of each), `span`: each
+        iterator's tile extent."""
+        return self.depth * sum(s.elems(span) * s.elem_bytes for s in self.staged)
 
     def fits(self, levels: TileLevels) -> bool:
         th, vth, inner = levels.threads, levels.vthreads, levels.inner
@@ -503,6 +562,73 @@ def _bind_tiled(prog: Program, name: str, decider: Decider, gpu: GpuLimits) -> N
     nest.threads = _product([by_key[k] for k in s_levels[2]])
     prog.emit("bind_tile", name, len(s_levels[0]), len(s_levels[1]), len(s_levels[2]))
     _unroll(prog, name, decider)
+
+
+# ------------------------------------------------------------ pipelines, dynamic memory
+
+
+def finish(prog: Program, gpu: GpuLimits) -> None:
+    """Called after the sketch's steps, before the checks: each tiled block's software
+    pipeline (where its depth is > 1), then dynamic shared memory for the stages of each
+    kernel whose stages pass the static limit (sm_80+)."""
+    for name in list(prog.order):
+        nest = prog.nests[name]
+        if nest.attach is None and nest.tiled and nest.pipeline > 1:
+            _software_pipeline(prog, name, nest.pipeline)
+    if not gpu.async_copy:
+        return
+    for name in prog.order:
+        nest = prog.nests[name]
+        if nest.attach is None and nest.tiled and prog.kernel_bytes(name, "shared") > gpu.static_shared_memory_per_block:
+            for stage in _shared_stages(prog, name):
+                prog.emit("dynamic_shared", stage)
+
+
+def _shared_stages(prog: Program, root: str) -> list[str]:
+    return [
+        n for n in prog.order
+        if n != root and prog.root_of(n) == root and prog.dag.buffer(prog.nests[n].spec.write.buffer).scope == "shared"
+    ]  # fmt: skip
+
+
+def _software_pipeline(prog: Program, name: str, depth: int) -> None:
+    """The block's outermost reduction tile loops (its shared stages' attach point) fused
+    into one loop and pipelined: the loop's body is the stages, then the rest of the
+    block's loops; each stage gets `depth` copies."""
+    nest = prog.nests[name]
+    r0 = _tile_levels(prog, name, "R")[0]
+    stages = [n for n in prog.order if prog.nests[n].attach == (name, r0[-1])]
+    if not stages:  # every buffer it reads is staged by another block
+        return
+    pos = next(i for i, lp in enumerate(nest.loops) if lp.key == r0[0])
+    prog.emit("pipeline", name, tvm_position(nest.loops, pos), len(r0), len(stages), depth)
+    fused = _fuse_loops(prog, name, pos, len(r0))
+    nest.tile_groups = [[fused.key] if group == r0 else group for group in nest.tile_groups]
+    for stage in stages:
+        prog.nests[stage].attach = (name, fused.key)
+        prog.nests[stage].footprint *= depth
+
+
+def _fuse_loops(prog: Program, name: str, pos: int, n: int) -> Loop:
+    """Root block `name`'s own loops [pos, pos + n) fused into one (TVM's `fuse`): the
+    blocks of its kernel bound to the fused loop instead. The index of a fused loop is a
+    floordiv/mod of the new one, not affine: the innermost loop of extent > 1 becomes the
+    new loop (exact when it is the only one), the outer ones drop out (inexact)."""
+    nest = prog.nests[name]
+    old = nest.loops[pos : pos + n]
+    fused = prog.new_loop(_product(old), old[0].reduce)
+    wide = [lp for lp in old if lp.extent > 1]
+    env = {lp.key: Affine() for lp in old}
+    for lp in wide:
+        env[lp.key] = Affine.of({}, exact=False)
+    if wide:
+        env[wide[-1].key] = Affine.of({fused.key: 1}, exact=len(wide) == 1)
+    for other in prog.order:
+        if prog.root_of(other) == name:
+            o = prog.nests[other]
+            o.binding = {it: aff.substitute(env) for it, aff in o.binding.items()}
+    nest.loops = [*nest.loops[:pos], fused, *nest.loops[pos + n :]]
+    return fused
 
 
 def check_program(prog: Program, gpu: GpuLimits) -> None:

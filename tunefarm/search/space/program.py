@@ -48,6 +48,9 @@ class Instr:
       compute_at(block, consumer, pos) | split_inner(block, factors) | parallel(block, n)
       vectorize(block) | unroll(block, pos, max_step) | decompose(block, pos)
       move_innermost(block, pos)
+      GPU: cache_read(block, buffer, stage, pos) | coop_fetch(stage, loops, threads, vector)
+      bind_tile / cross_thread / bind_fallback(block, ...)
+      pipeline(block, pos, loops fused, stages, depth) | dynamic_shared(stage)
     """
 
     op: str
@@ -85,6 +88,7 @@ class Nest:
     lowering_shared_bytes: int = 0  # GPU: shared memory TVM's lowering adds (a cross-thread reduction's)
     parallel: int = 0  # number of leading own loops fused into one parallel loop
     unroll: int = 0  # pragma_auto_unroll_max_step on the outermost own loop
+    pipeline: int = 1  # GPU: copies of its shared stages the software pipeline cycles through (1: none)
     init_at: int | None = None  # own-loop index of decompose_reduction
 
 

@@ -42,6 +42,8 @@ def slot_kind(slot: str) -> str:
         return "parallel"
     if tail == "threads":
         return "threads"
+    if tail == "pipeline":
+        return "pipeline"
     return "other"
 
 
@@ -153,11 +155,16 @@ class ProgramSpace:
         is kept and the block's other tile slots are drawn anew around it (a GPU block's
         threads, vthreads and registers depend on all its tile sizes together, so moving
         one factor usually breaks them only with the others as they were; the draw is
-        conditioned on the kept slot). None for a slot of another kind, or when no
-        valid program keeps it."""
-        if slot_kind(kept) != "tile":
+        conditioned on the kept slot). A deeper software pipeline that no longer fits
+        the shared memory: the block's tiles drawn anew around it. None for a slot of
+        another kind, or when no valid program keeps it."""
+        kind = slot_kind(kept)
+        if kind == "tile":
+            block_tiles = kept.rsplit(".", 1)[0] + "."
+        elif kind == "pipeline":
+            block_tiles = kept.rsplit(".", 1)[0] + ".tile."
+        else:
             return None
-        block_tiles = kept.rsplit(".", 1)[0] + "."
         trimmed = {s: v for s, v in decisions.items() if s == kept or not s.startswith(block_tiles)}
         if len(trimmed) == len(decisions):
             return None

@@ -69,6 +69,11 @@ def _apply_to_blocks(sch, ins: Instr, rv, blocks: dict) -> None:
             _cooperative_fetch(sch, rv(b), n_own, threads, vec)
         case "bind_tile":
             _bind_tile(sch, rv(b), ins.args)
+        case "pipeline":
+            pos, n_loops, n_stages, depth = ins.args
+            _software_pipeline(sch, rv(b), pos, n_loops, n_stages, depth)
+        case "dynamic_shared":
+            sch.set_scope(rv(b), 0, "shared.dyn")
         case "cross_thread":
             n_spatial, n_reduce, threads = ins.args
             _bind_cross_thread(sch, rv(b), n_spatial, n_reduce, threads)
@@ -210,6 +215,17 @@ def _cooperative_fetch(sch, block, n_own: int, threads: int, vec: int) -> None:
         sch.vectorize(lane)
     _, thread = sch.split(fused, [None, threads])
     sch.bind(thread, "threadIdx.x")
+
+
+def _software_pipeline(sch, block, pos: int, n_loops: int, n_stages: int, depth: int) -> None:
+    """The block's loops [pos, pos + n_loops) fused and annotated for TVM's
+    InjectSoftwarePipeline: the loop body's first `n_stages` statements (the shared
+    stages) in pipeline stage 0, asynchronous, the last (the computation) in stage
+    `depth - 1`, in their order (MetaSchedule's AddAsyncPipeline)."""
+    loop = _fuse(sch, sch.get_loops(block)[pos : pos + n_loops])
+    sch.annotate(loop, "software_pipeline_stage", [0] * n_stages + [depth - 1])
+    sch.annotate(loop, "software_pipeline_order", list(range(n_stages + 1)))
+    sch.annotate(loop, "software_pipeline_async_stages", [0])
 
 
 def _bind_tile(sch, block, level_sizes) -> None:

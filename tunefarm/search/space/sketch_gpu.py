@@ -33,7 +33,12 @@ Where TIR differs from Ansor's TE:
 
 A tiled block is bound (ThreadBindStep) right after its TileStep, and a finished
 state gets a ThreadBindStep for every other block (the GPU annotation: thread binding,
-cooperative-fetch vectors and unroll, `loopnest_gpu`).
+cooperative-fetch vectors and unroll, `loopnest_gpu`). On sm_80+ a tiled block's shared
+stages are also software-pipelined with asynchronous copies (MetaSchedule's
+AddAsyncPipeline sub-rule of multi-level tiling): not a sketch step but a slot of its
+TileStep (`<block>.pipeline`, decided with the tile sizes, which must fit the stages'
+copies) applied after the sketch's steps (`loopnest_gpu.finish`), so the sketches, and
+the signatures records are matched by, are those of older targets.
 """
 
 from __future__ import annotations
