@@ -109,7 +109,8 @@ def test_only_sm_80_and_newer_targets_get_pipelines_and_dynamic_shared_memory():
         moved = [i.block for i in prog.instructions if i.op == "dynamic_shared"]
         assert moved == (["A_shared", "B_shared"] if shared > STATIC_SHARED_MEMORY_BYTES else [])
         dynamic += bool(moved)
-    assert dynamic >= 20
+    # mostly within the static limit (STATIC_SHARED_PREFERENCE), yet some above it
+    assert 10 <= dynamic <= 100
 
 
 @pytest.mark.parametrize("case", [GEMM, CONV], ids=["gemm", "conv2d"])
@@ -170,7 +171,12 @@ def test_pipelined_programs_replay_match_the_model_and_pass_the_verifier(case, t
     wl = registry.make(case[0], case[1])
     limits = space.rules.gpu.verifier_constraints()
     seen_dynamic = False
-    for depth, seed in [(2, 0), (3, 1), (4, 2), (4, 4)]:  # the last one in dynamic shared memory
+    # the first seed of depth 4 whose stages pass the static 48 KB (most draws stay within it)
+    dynamic_seed = next(
+        s for s in range(200)
+        if _with_depth(space, block, 4, s).program.kernel_bytes(block, "shared") > STATIC_SHARED_MEMORY_BYTES
+    )  # fmt: skip
+    for depth, seed in [(2, 0), (3, 1), (4, 2), (4, dynamic_seed)]:  # the last one in dynamic shared memory
         prog = _with_depth(space, block, depth, seed).program
         sch = realize(wl.mod, prog.instructions)
         assert loop_structure(sch) == expected_tvm_loops(prog)
