@@ -23,7 +23,8 @@
 #      model checked against onnxruntime on the CPU) against PyTorch eager (cuDNN) and
 #      torch.compile max-autotune, alternating rounds, TF32 off;
 #   4. `tunefarm bench ops --target <GPU>` for GEMM 1024 against cuBLAS, one run per seed
-#      in $GEMM_SEEDS, and the cuBLAS kernel that PyTorch's float32 matmul launches;
+#      in $GEMM_SEEDS, the GPU tests (pipelined kernels run and checked; pytest must be
+#      there), and the cuBLAS kernel that PyTorch's float32 matmul launches;
 #   5. with GPU_CHECK_DETECTOR=1, `bench gpu-models` on the detector-sized model.
 # Sizing, from an H100 (16 cores): each task costs at least one search round (about 3-4 s
 # with its nvcc builds), so the small CNN's 9 tasks take about 1.5 min for 18 trials and
@@ -95,6 +96,8 @@ for seed in $GEMM_SEEDS; do
   step "gemm-seed$seed" 120 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024 --trials "$TRIALS_GEMM" \
     --seed "$seed" --no-metaschedule --work-dir "$work/bench-ops-$seed" --json "$OUT/gemm-seed$seed.json"
 done
+# the pipelined (cp.async) and dynamic-shared-memory kernels run and checked against the reference
+step pipeline-tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_pipeline.py tests/test_gpu_codegen.py
 step cublas-kernel 60 "$PY" -c "
 import torch
 torch.backends.cuda.matmul.allow_tf32 = False
