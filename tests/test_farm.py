@@ -725,6 +725,50 @@ def test_a_lease_whose_grant_never_reached_the_agent_is_leased_again_at_once(far
     measurer.close()
 
 
+class SeeLeaseBatch(grpc.UnaryUnaryClientInterceptor):
+    """Says when the agent asks for work (LeaseBatch), and passes the call on."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if details.method.endswith("/LeaseBatch"):
+            self.asked.set()
+        return continuation(details, request)
+
+
+def test_a_stopping_agent_does_not_wait_out_its_long_poll(farm, tmp_path, agent_caps, lease_settings, db_sessions):
+    """Stopped while the server holds its LeaseBatch (a long poll of two minutes here, with
+    nothing to lease), the agent cancels it and goes offline at once: it does not wait
+    for the answer first (`farm down`, a service manager's stop)."""
+    from services.agent.agent import DeviceAgent
+
+    settings = lease_settings.model_copy(update={"lease_bind": f"127.0.0.1:{free_port()}", "lease_wait_secs": 120.0})
+    server = make_server(settings, sessions=db_sessions)
+    server.start()
+    farm.server_address = server.address
+    stop = threading.Event()
+    agent_settings = replace(farm.agent_settings(f"{farm.device_class}-stops", tmp_path / "stops"), lease_wait_secs=150.0)
+    agent = DeviceAgent(agent_settings, capabilities=agent_caps, stop=stop)
+    seen = SeeLeaseBatch()
+    agent.stub = pb_grpc.AgentServiceStub(grpc.intercept_channel(agent.channel, seen))
+    errors: list = []
+    thread = threading.Thread(target=lambda: _run_collecting(agent, errors), daemon=True)
+    thread.start()
+    try:
+        wait_until(seen.asked.is_set, timeout=120, what="the agent's LeaseBatch")
+        stop.set()  # while the call is out: the server answers at the end of its 120 s
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(timeout=180)
+        server.stop(grace=0)
+    assert errors == []
+    with transaction(farm.sessions) as s:
+        assert s.get(Agent, agent.agent_id).state is AgentState.OFFLINE  # GoOffline, not a dead connection
+
+
 def test_a_heartbeat_renews_only_the_leases_the_agent_names(farm):
     wl = gemm(16)
     measurer = farm.measurer()

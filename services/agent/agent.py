@@ -19,7 +19,8 @@ in alternating rounds (`Runner.run_model`) -> send outputs and latencies
 
 Stopped (SIGTERM/SIGINT, `stop`), it finishes what it reports, then says `GoOffline`:
 the leases it still holds are leased again at once, and it is offline, not idle, until
-it registers again.
+it registers again. A LeaseBatch it is waiting on is cancelled: it does not wait out the
+long poll first.
 
 A heartbeat thread keeps alive the leases the agent names (`_Holding`: what it is
 measuring or finishing) and tells it when it lost one (the batch then goes to another
@@ -91,6 +92,9 @@ WITHHELD_LOG_SECS = 600.0
 
 GO_OFFLINE_TIMEOUT_SECS = 5.0
 """How long a stopping agent waits for the server to take its leases back."""
+
+STOP_CHECK_SECS = 0.1
+"""How often a long poll looks whether the agent stops (it is cancelled then)."""
 
 
 class DeviceAgent:
@@ -335,6 +339,22 @@ class DeviceAgent:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
+    def _long_poll(self, method: Any, request: Any, timeout: float) -> Any | None:
+        """`_call` for a call the server may hold until `timeout` (a LeaseBatch waits for
+        work): cancelled once the agent stops, which then goes offline at once instead of
+        after the long poll; None when it was. A grant the server made meanwhile, whose
+        answer never arrives, ends with GoOffline (it ends every lease of the agent)."""
+        call = method.future(request, metadata=self.metadata, timeout=timeout)
+        answered = threading.Event()
+        call.add_done_callback(lambda _call: answered.set())
+        while not answered.wait(STOP_CHECK_SECS):
+            if self.stop.is_set() and call.cancel():
+                return None
+        try:
+            return call.result()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
     # -- one batch ----------------------------------------------------------------------
 
     def _lease(self) -> pb.LeasedBatch | pb.LeasedModelRun | None:
@@ -348,13 +368,15 @@ class DeviceAgent:
         assert self.agent_id is not None
         t0 = time.monotonic()
         leases, runs = self.holding.ids()
-        resp = self._call(
+        resp = self._long_poll(
             self.stub.LeaseBatch,
             pb.LeaseBatchRequest(
                 agent_id=self.agent_id, model_runs=True, held_lease_ids=leases, held_model_run_ids=runs
             ),
             timeout=self.settings.lease_wait_secs,
         )
+        if resp is None:  # stopping
+            return None
         if resp.withheld:
             self._log_withheld(resp.withheld)
             self.stop.wait(self.settings.lease_wait_secs)  # the heartbeats go on meanwhile

@@ -307,9 +307,11 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         try:
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not context.is_active():
+                if left <= 0:
                     return pb.LeaseBatchResponse()
                 time.sleep(min(self.settings.lease_recheck_secs, left))
+                if not context.is_active():  # the agent went away (a stopping one cancels): grant it nothing
+                    return pb.LeaseBatchResponse()
                 leased = self._try_lease(request, agent)
                 if leased is not None:
                     return leased
