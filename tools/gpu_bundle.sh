@@ -8,7 +8,8 @@
 #                                  Python), without the compiler and CUTLASS's headers
 #   .gpu/b/*.whl                   apache-tvm-ffi (built for the GPU machine's Python),
 #                                  xgboost-cpu and onnxslim, and the farm's packages
-#                                  (pyproject's `farm` group with their dependencies)
+#                                  (pyproject's `farm` group with their dependencies),
+#                                  and pytest for the GPU tests
 #   .gpu/b/postgres-server.tar.xz  a PostgreSQL server (initdb, pg_ctl, postgres) from the
 #                                  pgserver wheel, for the farm job of the check
 #   .gpu/b/redis-server.tar.xz     this machine's redis-server with the libraries it links
@@ -45,7 +46,8 @@ PY
   --platform manylinux_2_12_x86_64 --platform manylinux2010_x86_64 --platform any -d .gpu/b $farm \
   "psutil==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('psutil'))")" \
   "cloudpickle==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('cloudpickle'))")" \
-  "rich==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('rich'))")"
+  "rich==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('rich'))")" \
+  "pytest==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('pytest'))")"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 if [ ! -s .gpu/b/postgres-server.tar.xz ]; then

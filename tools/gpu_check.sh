@@ -26,6 +26,8 @@
 #      in $GEMM_SEEDS, the GPU tests (pipelined kernels run and checked; pytest must be
 #      there), and the cuBLAS kernel that PyTorch's float32 matmul launches;
 #   5. with GPU_CHECK_DETECTOR=1, `bench gpu-models` on the detector-sized model.
+# GPU_CHECK_STEPS picks steps by name (default: all of probe farm gpu-models gemm
+# pipeline-tests cublas-kernel); GPU_CHECK_MODELS the models of gpu-models (small_cnn).
 # Sizing, from an H100 (16 cores): each task costs at least one search round (about 3-4 s
 # with its nvcc builds), so the small CNN's 9 tasks take about 1.5 min for 18 trials and
 # the detector's 68 tasks at least 5 min before any trial goes where it gains most: the
@@ -42,6 +44,8 @@ TRIALS_SMALL=${TRIALS_SMALL:-18}
 TRIALS_MODEL=${TRIALS_MODEL:-300}
 TRIALS_GEMM=${TRIALS_GEMM:-32}
 GEMM_SEEDS=${GEMM_SEEDS:-1 2}
+STEPS=" ${GPU_CHECK_STEPS:-probe farm gpu-models gemm pipeline-tests cublas-kernel} "
+MODELS=${GPU_CHECK_MODELS:-small_cnn}  # comma-separated; MODELS_LIMIT seconds (240)
 mkdir -p "$SITE/tvm/lib" "$OUT"
 
 if [ "$stage" = unpack ]; then
@@ -61,8 +65,11 @@ chmod -R a+rX "$SITE"  # the farm's kernels run as nobody under a root agent, as
 cudart=$(find / -name 'libcudart.so.13' -not -path '/proc/*' -print -quit 2>/dev/null)
 export LD_LIBRARY_PATH="$(dirname "${cudart:-/usr/local/cuda/lib64/x}"):${LD_LIBRARY_PATH:-}"
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PATH="$SITE/redis/bin:$PATH:/usr/local/cuda/bin"
+wanted() { [[ "$STEPS" == *" $1 "* ]]; }
 step() {  # step NAME SECONDS COMMAND...: run it with a limit, log to $OUT/NAME.log
   local name=$1 secs=$2; shift 2
+  local key=${name%%-seed*}; [ "$key" = postgres ] && key=farm
+  wanted "$key" || return 0
   local t0=$SECONDS
   echo "== $name (limit ${secs}s)"
   timeout -k 10 "$secs" "$@" > "$OUT/$name.log" 2>&1
@@ -79,6 +86,7 @@ arch=$("$PY" -c "import tunefarm.cuda as c; v=c.describe_gpu()['compute_capabili
 target="{\"kind\": \"cuda\", \"arch\": \"$arch\"}"
 work=$(mktemp -d) && chmod 755 "$work"  # a root agent's kernels run as nobody, under it
 
+if wanted farm; then
 # PostgreSQL for the farm: initdb and the server as an unprivileged user (it refuses root)
 pgbin="$SITE/pgserver/pginstall/bin" pgdata=$(mktemp -d) pgport=${PGPORT_CHECK:-55432}
 as_pg() { if [ "$(id -u)" = 0 ]; then chown -R nobody "$pgdata"; runuser -u nobody -- "$@"; else "$@"; fi; }
@@ -88,9 +96,10 @@ step postgres 60 bash -c "$(declare -f as_pg); pgdata=$pgdata
 step farm 240 "$PY" tools/gpu_farm_check.py --database-url "postgresql+psycopg2://postgres@127.0.0.1:$pgport/tunefarm_gpu_check" \
   --state-dir "$work/farm" --trials "$TRIALS_FARM" --timeout 180 --json "$OUT/farm.json"
 as_pg "$pgbin/pg_ctl" -D "$pgdata/data" -m fast stop >/dev/null 2>&1
+fi
 
-step gpu-models 240 "$PY" -m tunefarm_app.cli bench gpu-models --models small_cnn --trials "$TRIALS_SMALL" \
-  --compile-timeout 120 --work-dir "$work/bench-small" --json "$OUT/gpu-models-small.json"
+step gpu-models "${MODELS_LIMIT:-240}" "$PY" -m tunefarm_app.cli bench gpu-models --models "$MODELS" --trials "$TRIALS_SMALL" \
+  --compile-timeout 120 --work-dir "$work/bench-models" --json "$OUT/gpu-models.json"
 
 for seed in $GEMM_SEEDS; do
   step "gemm-seed$seed" 120 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024 --trials "$TRIALS_GEMM" \
