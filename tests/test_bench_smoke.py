@@ -96,3 +96,16 @@ def test_the_peak_target_is_judged_on_the_weakest_of_gemm_and_the_nhwc_convoluti
     assert target.status == "MISS" and s.min_peak_share_op == "conv1x1_nhwc"
     s, _ = peak_target([row("conv2d", 0.3), row("gemm1024", 0.9)])  # NCHW is not judged
     assert s.min_peak_share_op == "gemm1024"
+
+
+def test_the_gpu_models_table_puts_the_cuda_graph_build_beside_the_plain_one_and_the_peers():
+    """`bench gpu-models`: the CUDA-graph build of the same kernels is a column of its own
+    (its p50 over the plain build's: below 1.0, the graphs are faster), before PyTorch's."""
+    from tunefarm_app.bench.gpu_models import GRAPHS, GpuModelRow, render
+
+    row = GpuModelRow("m", 8, gpu="G", check="ok", tune_secs=10.0, search_share=0.1,
+                      p50={"tunefarm": 2e-4, GRAPHS: 1e-4, "torch_eager": 4e-4})  # fmt: skip
+    head, _, cells = (line.split(" | ") for line in render([row])[:3])
+    assert head.index(f"vs {GRAPHS}") < head.index("vs torch_eager")
+    assert cells[head.index(f"{GRAPHS} p50 ms")] == "0.100" and cells[head.index(f"vs {GRAPHS}")] == "0.50x"
+    assert cells[head.index("vs torch_eager")] == "2.00x" and cells[head.index("vs torch_compile")] == "n/a"

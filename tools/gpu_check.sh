@@ -23,7 +23,7 @@
 #      model checked against onnxruntime on the CPU) against PyTorch eager (cuDNN) and
 #      torch.compile max-autotune, alternating rounds, TF32 off;
 #   4. `tunefarm bench ops --target <GPU>` for GEMM 1024 against cuBLAS, one run per seed
-#      in $GEMM_SEEDS, the GPU tests (pipelined kernels run and checked; pytest must be
+#      in $GEMM_SEEDS, the GPU tests (pipelined kernels and CUDA-graph models run and checked; pytest is
 #      there), and the cuBLAS kernel that PyTorch's float32 matmul launches;
 #   5. with GPU_CHECK_DETECTOR=1, `bench gpu-models` on the detector-sized model.
 # GPU_CHECK_STEPS picks steps by name (default: all of probe farm gpu-models gemm
@@ -106,7 +106,7 @@ for seed in $GEMM_SEEDS; do
     --seed "$seed" --no-metaschedule --work-dir "$work/bench-ops-$seed" --json "$OUT/gemm-seed$seed.json"
 done
 # the pipelined (cp.async) and dynamic-shared-memory kernels run and checked against the reference
-step pipeline-tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_pipeline.py tests/test_gpu_codegen.py
+step pipeline-tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_pipeline.py tests/test_gpu_codegen.py tests/test_cuda_graphs.py
 step cublas-kernel 60 "$PY" -c "
 import torch
 torch.backends.cuda.matmul.allow_tf32 = False

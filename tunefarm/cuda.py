@@ -36,7 +36,7 @@ import tarfile
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,15 @@ def tvm_target(target: dict[str, Any]):
     return tvm.target.Target({k: v for k, v in target.items() if k != "host"}, host=host)
 
 
+CUDA_GRAPH_CONFIG = {"relax.backend.use_cuda_graph": True}
+"""The Relax build option that captures a model's kernels into CUDA graphs: the stretch
+of kernels that work on the model's statically planned buffers (everything between the
+kernels that read the inputs and write the outputs) is captured at the first call and
+replayed as one graph launch after it (`RewriteCUDAGraph`; TVM's runtime
+`vm.builtin.cuda_graph.run_or_capture`), where the launches of many small kernels would
+otherwise dominate."""
+
+
 def lowering_config(target: dict[str, Any]) -> dict[str, Any]:
     """TVM's lowering options for a CUDA target's kernels: on sm_80+ the copies into
     shared memory that a software pipeline marks asynchronous become cp.async
@@ -74,12 +83,13 @@ def lowering_config(target: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def lowering(target: dict[str, Any]) -> Iterator[None]:
+def lowering(target: dict[str, Any], extra_config: Mapping[str, Any] | None = None) -> Iterator[None]:
     """TVM's pass context for compiling or lowering `target`'s kernels: the current one
-    with `lowering_config(target)` added."""
+    with `lowering_config(target)` added, and `extra_config` (a whole model's build
+    options, e.g. `CUDA_GRAPH_CONFIG`)."""
     import tvm
 
-    extra = lowering_config(target)
+    extra = {**lowering_config(target), **(extra_config or {})}
     if not extra:
         yield
         return

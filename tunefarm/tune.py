@@ -249,6 +249,7 @@ class ModelTuneResult:
     models: list[ModelOutcome]
     tune: TuneResult
     report: dict
+    schedules: dict[str, Any]  # schedule key -> the trace the models were built with
 
 
 def tune_models(
@@ -318,7 +319,7 @@ def tune_models(
     report["cost_model"] = result.cost_model.as_report() if result.cost_model else None
     report["algorithms"] = list(algorithms)
     (out / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
-    return ModelTuneResult(out, outcomes, result, report)
+    return ModelTuneResult(out, outcomes, result, report, schedules)
 
 
 def _task_specs(

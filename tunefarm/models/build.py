@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunefarm.cuda import CUDA_KERNEL_SUFFIX, lowering
+from tunefarm.cuda import CUDA_GRAPH_CONFIG, CUDA_KERNEL_SUFFIX, lowering
 from tunefarm.errors import ModelError
 from tunefarm.export import export_library
 from tunefarm.gpu import is_gpu
@@ -167,13 +167,18 @@ def build_model_library(
     name: str = "model",
     timeout: float = BUILD_TIMEOUT,
     worker: IsolatedWorker | None = None,
+    cuda_graph: bool = False,
 ) -> BuiltModel:
     """Apply `schedules` to `fused_mod`, compile it for `target` and write
     `out_dir/model.so` (`model.cuda.tar` for a CUDA target: `library_name`) and
     `out_dir/manifest.json`. Runs in an isolated child process
-    (`worker`, or a fresh one closed afterwards); every failure is a `ModelError`."""
+    (`worker`, or a fresh one closed afterwards); every failure is a `ModelError`.
+    `cuda_graph` (CUDA targets only): the kernels between the model's inputs and outputs
+    run as one CUDA graph (`tunefarm.cuda.CUDA_GRAPH_CONFIG`); the manifest says so."""
     import tvm
 
+    if cuda_graph and not is_gpu(target):
+        raise ModelError(f"CUDA graphs are for CUDA targets, not {target.get('kind')!r}")
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,6 +196,7 @@ def build_model_library(
             json.dumps(schedules),
             json.dumps(target),
             str(out / library_name(target)),
+            cuda_graph,
             timeout=timeout,
         )
     finally:
@@ -199,7 +205,8 @@ def build_model_library(
         raise ModelError(f"building {name} failed ({outcome.status}): {child_error_text(outcome.message)}")
     result = outcome.value
     manifest_path = write_manifest(
-        out, name=name, target=target, inputs=inputs, outputs=outputs, scheduled=result["scheduled"]
+        out, name=name, target=target, inputs=inputs, outputs=outputs, scheduled=result["scheduled"],
+        cuda_graph=cuda_graph,
     )
     return BuiltModel(
         out,
@@ -219,6 +226,7 @@ def write_manifest(
     inputs: Sequence[TensorSpec],
     outputs: Sequence[TensorSpec],
     scheduled: Sequence[str],
+    cuda_graph: bool = False,
 ) -> Path:
     """Write `out/manifest.json` for the library `out/model.so` (`library_name`)."""
     manifest = {
@@ -231,6 +239,8 @@ def write_manifest(
         "scheduled_tasks": list(scheduled),
         "usage": usage_lines(inputs, target),
     }
+    if cuda_graph:
+        manifest["cuda_graph"] = True
     path = Path(out) / MANIFEST_NAME
     path.write_text(json.dumps(manifest, indent=2) + "\n")
     return path
@@ -242,7 +252,9 @@ def build_default_library(fused_mod, out_dir: str | Path, **kwargs: Any) -> Buil
     return build_model_library(fused_mod, out_dir, schedules=None, **kwargs)
 
 
-def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: str) -> dict[str, Any]:
+def build_job(
+    mod_path: str, schedules_json: str, target_json: str, lib_path: str, cuda_graph: bool = False
+) -> dict[str, Any]:
     """Child side of `build_model_library`: plain arguments, plain result."""
     import tvm
 
@@ -271,7 +283,7 @@ def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: st
         mod = _fold_layouts(mod)
     target = _tvm_target(target_dict)
     try:
-        with _lowering(target_dict):
+        with _lowering(target_dict, cuda_graph):
             ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
     except Exception as exc:
         raise ModelError(f"compiling failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
@@ -285,10 +297,13 @@ def build_job(mod_path: str, schedules_json: str, target_json: str, lib_path: st
     return {"secs": time.perf_counter() - t0, "scheduled": keys}
 
 
-def _lowering(target: dict[str, Any]) -> contextlib.AbstractContextManager:
+def _lowering(target: dict[str, Any], cuda_graph: bool = False) -> contextlib.AbstractContextManager:
     """The pass context the kernels of `target` lower in (`tunefarm.cuda.lowering` for a
-    CUDA target: cp.async for the tuned kernels' pipelined shared stages)."""
-    return lowering(target) if is_gpu(target) else contextlib.nullcontext()
+    CUDA target: cp.async for the tuned kernels' pipelined shared stages), with the
+    model's CUDA graphs when asked."""
+    if not is_gpu(target):
+        return contextlib.nullcontext()
+    return lowering(target, CUDA_GRAPH_CONFIG if cuda_graph else None)
 
 
 def _tvm_target(target: dict[str, Any]):

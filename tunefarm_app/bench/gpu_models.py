@@ -10,9 +10,12 @@ exported to ONNX):
   check and tolerance as on a CPU) before it is timed;
 - PyTorch eager and `torch.compile` of the same module, in a child process of their own
   (compiling happens there, before any timing, and may take minutes).
-Then the three are timed on the same input in alternating blocks (`time_interleaved`),
+- tunefarm with CUDA graphs: the same tuned kernels built again with
+  `build_model_library(cuda_graph=True)` and checked the same way: what graph launches
+  save beside the plain build.
+Then all are timed on the same input in alternating blocks (`time_interleaved`),
 each call followed by a device synchronisation, and the table gives p50s and ratios
-(above 1.0: tunefarm is faster). A contender that fails gives "n/a" and a note.
+(above 1.0: tunefarm is faster; for the CUDA-graph build, below 1.0: the graphs are). A contender that fails gives "n/a" and a note.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ benchmarks many kernels)."""
 TORCH_MODES = {"torch_eager": None, "torch_compile": "max-autotune"}
 """The PyTorch contenders: name -> torch.compile mode (None: eager)."""
 
+GRAPHS = "tunefarm_graphs"
+"""The tuned model's kernels run as CUDA graphs: timed beside the plain build, so the
+table says what graph launches save on this GPU (where many small kernels' launches
+dominate a model's time)."""
+
 
 @dataclass
 class GpuModelRow:
@@ -51,6 +59,7 @@ class GpuModelRow:
     tune_secs: float | None = None
     search_share: float | None = None
     check: str = ""  # "ok", or why the tuned model is not timed
+    graphs_check: str = ""  # "ok" when the CUDA-graph build passed the check too
     p50: dict[str, float] = field(default_factory=dict)  # contender -> seconds
     p90: dict[str, float] = field(default_factory=dict)
     p99: dict[str, float] = field(default_factory=dict)
@@ -144,6 +153,12 @@ def bench_gpu_model(
             workers.append(worker)
             lib = str(Path(outcome.directory) / manifest["library"])
             blocks["tunefarm"] = timing_block(worker, "tunefarm", "tunefarm.models.runtime:tvm_block_job", (lib, str(ordered)), 300.0)
+            graphs = _with_cuda_graphs(name, onnx, ours.schedules, work / "ours-graphs" / name, target, row, log)
+            if graphs is not None:
+                worker = model_worker(1)
+                workers.append(worker)
+                blocks[GRAPHS] = timing_block(worker, GRAPHS, "tunefarm.models.runtime:tvm_block_job",
+                                              (str(graphs), str(ordered)), 300.0)  # fmt: skip
         for peer, mode in modes.items():
             worker = IsolatedWorker(name=peer)
             log(f"{peer}: loading{' and compiling (' + mode + ')' if mode else ''}")
@@ -164,10 +179,38 @@ def bench_gpu_model(
     for k, lat in timed.items():
         row.p50[k], row.p90[k], row.p99[k] = lat.median, lat.p90, lat.p99
     if "tunefarm" in timed:
-        for peer in modes:
+        for peer in [*modes, GRAPHS]:
             if peer in timed:
                 row.round_ratios[peer] = round_ratios(timed[peer].as_report(), timed["tunefarm"].as_report())
     return row
+
+
+def _with_cuda_graphs(
+    name: str, onnx: Path, schedules: Mapping[str, Any], directory: Path, target: dict[str, Any], row: GpuModelRow,
+    log: Log,
+) -> Path | None:
+    """The tuned model built again with the same kernels run as CUDA graphs
+    (`build_model_library(cuda_graph=True)`) and checked like it: its library, or None
+    (and a note) where it does not build or fails the check."""
+    from tunefarm.errors import ModelError
+    from tunefarm.models.build import build_model_library, library_name
+    from tunefarm.models.finish import check_built, load_model
+
+    m = load_model(onnx, name=name)
+    log("tunefarm: the same kernels built with CUDA graphs")
+    try:
+        build_model_library(m.tasks.fused_mod, directory, target=target, inputs=m.imported.inputs,
+                            outputs=m.imported.outputs, schedules=schedules, name=f"{name} (CUDA graphs)",
+                            cuda_graph=True)  # fmt: skip
+    except ModelError as exc:
+        row.notes.append(f"{GRAPHS}: {exc}")
+        return None
+    result = check_built(m, directory)
+    if not result.ok:
+        row.notes.append(f"{GRAPHS}: fails the check: {result.problem()}")
+        return None
+    row.graphs_check = "ok"
+    return directory / library_name(target)
 
 
 # -- PyTorch on the GPU, in its own child process --------------------------------------------
@@ -235,7 +278,7 @@ def _torch_call(name: str, inputs_npz: str, mode: str | None):
 
 
 def render(rows: list[GpuModelRow]) -> list[str]:
-    peers = list(TORCH_MODES)
+    peers = [GRAPHS, *TORCH_MODES]
     head = ["model", "trials", "GPU", "check", "tune s", "search %", "tunefarm p50 ms",
             *(f"{p} p50 ms" for p in peers), *(f"vs {p}" for p in peers)]  # fmt: skip
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
