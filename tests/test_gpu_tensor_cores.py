@@ -23,7 +23,7 @@ import tvm_ffi
 from tunefarm import cuda, wmma
 from tunefarm.gpu import STATIC_SHARED_MEMORY_BYTES, GpuLimits
 from tunefarm.measure.builder import build_module
-from tunefarm.search.features import batch_features, feature_width
+from tunefarm.search.features import batch_features, feature_names, feature_width, slog
 from tunefarm.search.space.dag import analyse
 from tunefarm.search.space.loopnest_tensor_core import FRAGMENT_REGISTER_SHARE, FRAGMENT_REGISTERS
 from tunefarm.search.space.program import InvalidProgram
@@ -179,8 +179,29 @@ def test_tensor_core_programs_mutate_rebuild_and_have_features():
     assert tiles_changed > 10
     version = space.rules.feature_version
     feats = batch_features([b.program for b in children], version, space.rules.gpu)
+    col = {n: i for i, n in enumerate(feature_names(version))}
     for b, f in zip(children, feats):
         assert f.shape == (len(b.program.stores()), feature_width(version)) and np.isfinite(f).all()
+        stores = b.program.stores()
+        update = next(i for i, st in enumerate(stores) if st.block == "C" and not st.is_init)
+        assert f[update, col["tensor_core"]] == 1 and f[update, col["fragment_bytes"]] > 0
+        warps = b.program.nests["C"].threads // 32
+        assert f[update, col["warps_len"]] == pytest.approx(slog(warps))
+        assert f[update, col["float_mul"]] == pytest.approx(slog(256**3), rel=1e-6)  # every product, once
+        shared_stage = next(i for i, st in enumerate(stores) if st.block == "A_shared")
+        assert f[shared_stage, col["tensor_core"]] == 0
+
+
+def test_reduced_precision_bench_ops_run_only_when_named():
+    from tunefarm_app.bench.suite import select_ops
+
+    assert not any(op.registry.endswith("_fp16") for op in select_ops(None))
+    (op,) = select_ops("gemm1024_fp16")
+    wl = op.workload()
+    assert [t.dtype for t in wl.inputs] == ["float16", "float16"] and wl.outputs[0].dtype == "float32"
+    rules = GpuRules(GpuLimits.of(SM90))
+    (sketch,) = rules.sketches(analyse(wl.mod["main"], wl.constants))
+    assert isinstance(sketch.steps[0], TensorCoreStep)
 
 
 def test_a_tiling_over_the_limits_is_rejected_and_repaired():
