@@ -192,6 +192,24 @@ def test_tensor_core_programs_mutate_rebuild_and_have_features():
         assert f[shared_stage, col["tensor_core"]] == 0
 
 
+def test_the_tuner_proposes_tensor_core_programs_that_replay():
+    """The evolutionary search (random cost model) over a float16 GEMM on sm_90: every
+    program it proposes is a tensor-core one whose trace replays in a fresh schedule."""
+    from tunefarm.search.config import TuneConfig
+    from tunefarm.search.cost_model.random_model import RandomCostModel
+    from tunefarm.search.task import make_task
+    from tunefarm.search.tuner import TaskTuner
+
+    wl = registry.make("matmul_fp16", {"M": 512, "N": 512, "K": 512})
+    tuner = TaskTuner(make_task(wl, SM90), TuneConfig(trials=8, batch_size=8), RandomCostModel(seed=1))
+    proposal = tuner.propose(8)
+    assert len(proposal.inputs) == 8
+    for inp in proposal.inputs:
+        assert wmma.uses_wmma(inp.trace)
+        sch = tvm.s_tir.Schedule(wl.mod)
+        tvm.s_tir.Trace.apply_json_to_schedule(inp.trace, sch)
+
+
 def test_reduced_precision_bench_ops_run_only_when_named():
     from tunefarm_app.bench.suite import select_ops
 
