@@ -125,7 +125,9 @@ def build(
                 raise TypeError(step)
     if gpu is not None:
         loopnest_gpu.finish(prog, gpu)
+        loopnest_tensor_core.finish(prog)
         loopnest_gpu.check_program(prog, gpu)
+        loopnest_tensor_core.check_program(prog, gpu)
     _decompose_reductions(prog)
     return prog
 

@@ -621,14 +621,10 @@ def finish(prog: Program, gpu: GpuLimits) -> None:
     """Called after the sketch's steps, before the checks: each tiled block's software
     pipeline (where its depth is > 1), then dynamic shared memory for the stages of each
     kernel whose stages pass the static limit (sm_80+)."""
-    from tunefarm.search.space.loopnest_tensor_core import finish_tensor_core_block
-
     for name in list(prog.order):
         nest = prog.nests[name]
         if nest.attach is None and nest.tiled and nest.pipeline > 1:
             _software_pipeline(prog, name, nest.pipeline)
-            if nest.tensor_core is not None:
-                finish_tensor_core_block(prog, name)
     if not gpu.async_copy:
         return
     for name in prog.order:
@@ -688,14 +684,11 @@ def _fuse_loops(prog: Program, name: str, pos: int, n: int) -> Loop:
 
 
 def check_program(prog: Program, gpu: GpuLimits) -> None:
-    """Called when a GPU program is built: every kernel within the GPU's limits."""
-    from tunefarm.search.space.loopnest_tensor_core import check_tensor_core_block
-
+    """Called when a GPU program is built: every kernel within the GPU's limits (a
+    tensor-core block's: `loopnest_tensor_core.check_tensor_core_block`)."""
     for name in prog.order:
         nest = prog.nests[name]
-        if nest.attach is None and nest.tensor_core is not None:
-            check_tensor_core_block(prog, name, gpu)
-        elif nest.attach is None and nest.tiled:
+        if nest.attach is None and nest.tiled and nest.tensor_core is None:
             check_tiled_block(prog, name, gpu)
 
 

@@ -7,7 +7,8 @@ Map of this module:
   draw_tensor_core_tiles              tile sizes (in fragments) and pipeline depth,
                                       drawn within the GPU's limits (sampling only)
   TensorCoreLimits                    those limits from the tile sizes alone
-  check_tensor_core_block             the same limits on a built program
+  finish / check_program              after the sketch: pipelined fragment copies, the
+                                      limits on the built program (`check_tensor_core_block`)
 
 The program TVM gets (`realize.py` replays it), for `C[b, i, j] += A[b, i, k] * B[b, k, j]`:
 - `cache_write(C, "wmma.accumulator")`, then the block is blockized over 16x16x16
@@ -273,8 +274,23 @@ def _draw(limits: TensorCoreLimits, domains: dict[str, TileDomain], fixed: dict,
     return {n: chosen[n] for n in free}
 
 
+def finish(prog: Program) -> None:
+    """Called after `loopnest_gpu.finish` (the software pipelines): each tensor-core block's
+    `finish_tensor_core_block`."""
+    for name in prog.order:
+        if prog.nests[name].tensor_core is not None:
+            finish_tensor_core_block(prog, name)
+
+
+def check_program(prog: Program, gpu: GpuLimits) -> None:
+    """Called when a GPU program is built: every tensor-core kernel within the GPU's limits."""
+    for name in prog.order:
+        if prog.nests[name].tensor_core is not None:
+            check_tensor_core_block(prog, name, gpu)
+
+
 def finish_tensor_core_block(prog: Program, name: str) -> None:
-    """After the software pipeline (`loopnest_gpu.finish`): a pipelined block's operand
+    """After its software pipeline (`loopnest_gpu.finish`): a pipelined block's operand
     fragments in `PIPELINED_FRAGMENT_COPIES` copies (see there)."""
     nest = prog.nests[name]
     r0 = next(g for g, ch in zip(nest.tile_groups, nest.tile_structure) if ch == "R")
