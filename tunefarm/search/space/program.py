@@ -62,6 +62,11 @@ class Instr:
       GPU: cache_read(block, buffer, stage, pos) | coop_fetch(stage, loops, threads, vector)
       bind_tile / cross_thread / bind_fallback(block, ...)
       pipeline(block, pos, loops fused, stages, depth) | dynamic_shared(stage)
+      tensor cores (`loopnest_tensor_core`): tc_blockize(block, loop positions split by 16)
+      | bind_warps(block, block loops, warp loops) | tc_copy(block, intrinsic)
+      | align_rows(stage, factor, offset) | coop_fetch_warps(stage, loops, warps, threads, vector)
+      | tc_fragment(block, shared buffer, stage, pos, scope, intrinsic)
+      | tc_decompose(block, pos, fill intrinsic, mma intrinsic)
     """
 
     op: str
