@@ -190,13 +190,14 @@ def test_cooperative_fetch_vectors_only_where_aligned():
 def test_gpu_feature_rows_are_the_cpu_layout_plus_the_gpu_group():
     """GPU rows: version 1's columns, then blockIdx / vthread / threadIdx lengths and the
     kernel's shared and local memory, then coalescing, bank conflicts, occupancy and
-    waves. CPU rows keep version 1's width."""
+    waves, then the tensor-core group (zero but for the warps' 1 on a SIMT kernel). CPU
+    rows keep version 1's width."""
     _, dag = _dag("matmul_relu")
     (sketch,) = RULES.sketches(dag)
     prog = RULES.build(dag, sketch, Decider(_gemm_decisions()))
     rows = program_features(prog, GPU_FEATURE_VERSION)
     assert rows.shape == (len(prog.stores()), feature_width(GPU_FEATURE_VERSION))
-    assert feature_width(GPU_FEATURE_VERSION) == NUM_FEATURES + 8 + 7
+    assert feature_width(GPU_FEATURE_VERSION) == NUM_FEATURES + 8 + 7 + 3
     col = {n: i for i, n in enumerate(GPU_FEATURE_NAMES)}
     at = next(i for i, st in enumerate(prog.stores()) if st.block == "C" and not st.is_init)
     c = rows[at]
@@ -208,6 +209,7 @@ def test_gpu_feature_rows_are_the_cpu_layout_plus_the_gpu_group():
     assert c[col["local_bytes"]] == pytest.approx(slog(2 * 2 * 4 * 4))  # 16 accumulators
     stage = next(i for i, st in enumerate(prog.stores()) if st.block == "A_shared")
     assert rows[stage][col["writes_shared"]] == 1 and c[col["writes_local"]] == 1
+    assert (c[col["tensor_core"]], c[col["warps_len"]], c[col["fragment_bytes"]]) == (0, pytest.approx(slog(1)), 0)
     cpu_wl = registry.make("matmul", {"M": 64, "N": 64, "K": 64})
     cpu_dag = analyse(cpu_wl.mod["main"])
     cpu = CpuRules(2)

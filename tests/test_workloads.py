@@ -19,6 +19,9 @@ SMALL = [
     ("matmul", {"M": 16, "N": 24, "K": 8}),
     ("matmul_relu", {"M": 16, "N": 8, "K": 12}),
     ("batch_matmul", {"B": 3, "M": 5, "N": 7, "K": 4}),
+    ("matmul_fp16", {"M": 16, "N": 24, "K": 8}),
+    ("dense_fp16", {"M": 5, "N": 7, "K": 12}),
+    ("batch_matmul_fp16", {"B": 2, "M": 5, "N": 7, "K": 4}),
     ("conv1d", {"N": 2, "C": 3, "L": 17, "F": 5, "KW": 3, "stride": 2, "pad": 1, "dilation": 2}),
     (
         "conv2d",

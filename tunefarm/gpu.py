@@ -39,6 +39,11 @@ ASYNC_COPY_CAPABILITY = (8, 0)
 Ampere), and the first whose kernels tunefarm gives dynamic shared memory beyond the
 static 48 KB: older targets keep what they had."""
 
+TENSOR_CORE_CAPABILITY = (7, 0)
+"""The first compute capability with tensor cores (Volta): warp-wide 16x16x16 matrix
+multiply-accumulates of float16 operands into float32 (CUDA's wmma API, which TVM's
+wmma intrinsics emit), the tensor-core rule's (`tunefarm.search.space.tensor_core`)."""
+
 MAX_VTHREADS = 8
 """Largest virtual-thread extent (Ansor's `max_vthread_extent`)."""
 
@@ -143,6 +148,11 @@ class GpuLimits:
         """Shared stages may be software-pipelined with asynchronous copies (cp.async), and
         a block's shared memory beyond the static 48 KB is allocated dynamically."""
         return self.capability >= ASYNC_COPY_CAPABILITY
+
+    @property
+    def tensor_cores(self) -> bool:
+        """The GPU multiplies float16 matrices into float32 on tensor cores (wmma)."""
+        return self.capability >= TENSOR_CORE_CAPABILITY
 
     @property
     def static_shared_memory_per_block(self) -> int:

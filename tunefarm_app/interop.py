@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tunefarm import wmma
 from tunefarm.errors import RecordError
 from tunefarm.store import JsonlRecordStore
 
@@ -39,6 +40,8 @@ def export_metaschedule(records_path: str | Path, out_dir: str | Path) -> tuple[
         args_info = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
         for r in (x for x in records if x.task == task):
             sch = Schedule(mod)
+            if wmma.uses_wmma(r.trace):
+                wmma.register()
             Trace.apply_json_to_schedule(r.trace, sch)
             db.commit_tuning_record(
                 ms.database.TuningRecord(

@@ -211,6 +211,10 @@ def _load_workload(path: str) -> Any:
 def _apply_trace(mod: Any, trace: TraceJSON) -> Any:
     import tvm
 
+    from tunefarm import wmma
+
+    if wmma.uses_wmma(trace):
+        wmma.register()
     sch = tvm.s_tir.Schedule(mod)
     tvm.s_tir.Trace.apply_json_to_schedule(trace, sch)
     return sch.mod

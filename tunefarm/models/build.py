@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunefarm import wmma
 from tunefarm.cuda import CUDA_GRAPH_CONFIG, CUDA_KERNEL_SUFFIX, lowering
 from tunefarm.errors import ModelError
 from tunefarm.export import export_library
@@ -122,6 +123,8 @@ def apply_schedules(fused_mod, schedules: Mapping[str, TraceJSON | None], *, tas
         if workload is None:
             raise ModelError(f"the schedule of task {task.name} is for {key.partition('#')[0]}, which this version does not make")
         trace = schedules[key]
+        if wmma.uses_wmma(trace):
+            wmma.register()
         try:
             sch = Schedule(workload.mod)
             Trace.apply_json_to_schedule(trace, sch)

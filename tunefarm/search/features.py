@@ -12,11 +12,15 @@ and cached feature matrices are keyed by it, and it changes whenever its layout 
 - version 1 (`CPU_FEATURE_VERSION`): the groups below up to "other"; CPU programs.
 - version 2: version 1's columns unchanged, then the GPU group (Ansor's is_gpu,
   blockIdx / vthread / threadIdx lengths, plus the kernel's shared and local memory).
-- version 3 (`GPU_FEATURE_VERSION`): version 2's columns, then what decides a GPU
-  kernel's speed beyond its sizes (`_GPU_MEMORY`): how many memory transactions a warp's
-  global access takes along threadIdx.x (coalescing), shared-memory bank conflicts, and
-  the kernel's occupancy and waves over the GPU's SMs (`tunefarm.gpu.GpuLimits.sm`);
-  GPU programs. CPU rows stay version 1, so the CPU models already trained keep working.
+- version 3: version 2's columns, then what decides a GPU kernel's speed beyond its
+  sizes (`_GPU_MEMORY`): how many memory transactions a warp's global access takes along
+  threadIdx.x (coalescing), shared-memory bank conflicts, and the kernel's occupancy and
+  waves over the GPU's SMs (`tunefarm.gpu.GpuLimits.sm`).
+- version 4 (`GPU_FEATURE_VERSION`): version 3's columns, then the tensor-core group
+  (`_TENSOR_CORE`): whether the store is a warp-wide wmma operation, the warps of its
+  kernel, the fragments a warp holds; a tensor-core kernel's occupancy counts its warps'
+  threads (threadIdx.y x threadIdx.x, 32 lanes for a warp-wide store). GPU programs.
+  CPU rows stay version 1, so the CPU models already trained keep working.
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ import math
 import numpy as np
 
 from tunefarm.gpu import GpuLimits
-from tunefarm.search.space.program import Access, Program, Store
+from tunefarm.search.space.program import TENSORIZED, Access, Program, Store
 
 CPU_FEATURE_VERSION = 1
-GPU_FEATURE_VERSION = 3
+GPU_FEATURE_VERSION = 4
 
 WARP_TRANSACTION_BYTES = 32
 """A global memory transaction (one L2 sector)."""
@@ -139,8 +143,17 @@ _GPU_MEMORY = [
     ("wave_efficiency", "share of the SM slots of all waves that the kernel's blocks fill (1: no partial last wave)"),
 ]
 
-GPU_FEATURE_NAMES: list[str] = FEATURE_NAMES + [n for n, _ in _GPU] + [n for n, _ in _GPU_MEMORY]
-"""Version 3 (GPU rows)."""
+_TENSOR_CORE = [
+    ("tensor_core", "the store is a warp-wide tensor-core operation (a wmma fragment load, fill, multiply-accumulate "
+     "or store: its innermost loops are the fragment's 16 x 16 (x 16) elements)"),
+    ("warps_len", "warps per block around the store (product of its threadIdx.y loops: a tensor-core kernel's)"),
+    ("fragment_bytes", "bytes of wmma fragments (accumulators and operands) one warp of the store's kernel holds"),
+]
+
+GPU_FEATURE_NAMES: list[str] = (
+    FEATURE_NAMES + [n for n, _ in _GPU] + [n for n, _ in _GPU_MEMORY] + [n for n, _ in _TENSOR_CORE]
+)
+"""Version 4 (GPU rows)."""
 
 
 def feature_names(version: int) -> list[str]:
@@ -149,6 +162,8 @@ def feature_names(version: int) -> list[str]:
         return FEATURE_NAMES
     if version == GPU_FEATURE_VERSION:
         return GPU_FEATURE_NAMES
+    if version == GPU_FEATURE_VERSION - 1:  # rows stored before the tensor-core group (read, never made)
+        return GPU_FEATURE_NAMES[: -len(_TENSOR_CORE)]
     raise ValueError(f"unknown feature version {version}")
 
 
@@ -176,16 +191,25 @@ def batch_features(
     width = feature_width(version)
     stores: list[Store] = []
     owner: list[int] = []
+    fragments: list[int] = []  # GPU: wmma fragment bytes per warp of each store's kernel
     for i, prog in enumerate(progs):
+        per_root: dict[str, int] = {}
         for st in prog.stores():
             stores.append(st)
             owner.append(i)
+            if version == GPU_FEATURE_VERSION:
+                root = prog.root_of(st.block)
+                if root not in per_root:
+                    per_root[root] = prog.fragment_bytes(root)
+                fragments.append(per_root[root])
     if not stores:
         return [np.zeros((0, width), dtype=np.float32) for _ in progs]
     rows = _store_rows(stores)
     if version == GPU_FEATURE_VERSION:
         limits = gpu if gpu is not None else GpuLimits(arch="sm_80")
-        rows = np.concatenate([rows, _gpu_rows(stores), _gpu_memory_rows(stores, limits)], axis=1)
+        rows = np.concatenate(
+            [rows, _gpu_rows(stores), _gpu_memory_rows(stores, limits), _tensor_core_rows(stores, fragments)], axis=1
+        )
     counts = np.bincount(np.asarray(owner), minlength=len(progs))
     splits = np.split(rows, np.cumsum(counts)[:-1])
     return [np.ascontiguousarray(m, dtype=np.float32) for m in splits]
@@ -346,6 +370,20 @@ def _gpu_memory_rows(stores: list[Store], gpu: GpuLimits) -> np.ndarray:
     return out
 
 
+def _tensor_core_rows(stores: list[Store], fragment_bytes: list[int]) -> np.ndarray:
+    """The `_TENSOR_CORE` group."""
+    rows = []
+    for st, frags in zip(stores, fragment_bytes):
+        warps = 1.0
+        for lp in st.loops:
+            if lp.kind == "threadIdx.y":
+                warps *= lp.extent
+        rows.append([float(any(lp.kind == TENSORIZED for lp in st.loops)), warps, float(frags)])
+    out = np.array(rows, dtype=np.float64).reshape(len(stores), 3)
+    out[:, 1:] = slog(out[:, 1:])
+    return out
+
+
 def _flat_stride(acc: Access, loop: str) -> int:
     """Elements between the addresses two consecutive iterations of `loop` touch
     (row-major over the buffer's shape)."""
@@ -360,10 +398,12 @@ def _occupancy(st: Store, gpu: GpuLimits) -> tuple[float, float, float, float]:
     """(occupancy, blocks per SM, waves, wave efficiency) of the store's kernel."""
     threads = blocks = 1
     for lp in st.loops:
-        if lp.kind == "threadIdx.x":
+        if lp.kind in ("threadIdx.x", "threadIdx.y"):
             threads *= lp.extent
         elif lp.kind == "blockIdx.x":
             blocks *= lp.extent
+    if any(lp.kind == TENSORIZED for lp in st.loops) and not any(lp.kind == "threadIdx.x" for lp in st.loops):
+        threads *= gpu.warp_size  # a warp-wide operation: its lanes have no loop
     sm = gpu.sm
     warps = -(-threads // gpu.warp_size)
     registers = min(gpu.max_registers_per_thread, BASE_REGISTERS_PER_THREAD + -(-st.local_bytes // 4))

@@ -136,6 +136,48 @@ def _matmul_build(p: Params) -> list:
     return [A, B, C]
 
 
+HALF_INPUTS = "float16"
+"""Input dtype of the reduced-precision GEMMs (`*_fp16`): float16 operands, products and
+sums in float32 (cuBLAS's fp16 GEMM with fp32 accumulation; tensor cores on sm_70+)."""
+
+
+def _half_matmul_build(batched: bool, b_transposed: bool) -> Callable[[Params], list]:
+    """A GEMM of float16 inputs accumulated and stored in float32: C = sum_k f32(A) * f32(B)
+    (B as [.., N, K] when `b_transposed`, a dense layer's weight)."""
+
+    def build(p: Params) -> list:
+        _, te, _ = _te()
+        batch = (p["B"],) if batched else ()
+        b_shape = (p["N"], p["K"]) if b_transposed else (p["K"], p["N"])
+        A = te.placeholder((*batch, p["M"], p["K"]), HALF_INPUTS, name="A")
+        B = te.placeholder((*batch, *b_shape), HALF_INPUTS, name="B")
+        k = te.reduce_axis((0, p["K"]), name="k")
+
+        def body(*idx):
+            *b, i, j = idx
+            rhs = B[(*b, j, k)] if b_transposed else B[(*b, k, j)]
+            return te.sum(A[(*b, i, k)].astype("float32") * rhs.astype("float32"), axis=k)
+
+        C = te.compute((*batch, p["M"], p["N"]), body, name="C")
+        return [A, B, C]
+
+    return build
+
+
+def _half_matmul_reference(b_transposed: bool) -> Callable[[Params], Reference]:
+    """float64 from the float16 inputs (their products are exact in float32: the
+    reference differs from an fp32-accumulating kernel by the accumulation's rounding)."""
+
+    def reference(p: Params) -> Reference:
+        def run(a, b):
+            b64 = b.astype(np.float64)
+            return _f32(np.matmul(a.astype(np.float64), np.swapaxes(b64, -1, -2) if b_transposed else b64))
+
+        return run
+
+    return reference
+
+
 def _matmul_relu_build(p: Params) -> list:
     tvm, te, _ = _te()
     A, B, C = _matmul_build(p)
@@ -193,6 +235,38 @@ BATCH_MATMUL = OpDef(
     flops=lambda p: 2 * _p(p, "BMNK"),
     reference=_matmul_reference(relu=False),
     check=_sizes("batch_matmul"),
+)
+
+
+MATMUL_FP16 = OpDef(
+    name="matmul_fp16",
+    summary="C[i,j] = sum_k A[i,k] * B[k,j], float16 A and B, float32 accumulation and C",
+    params=dict(M=1024, N=1024, K=1024),
+    build=_half_matmul_build(batched=False, b_transposed=False),
+    flops=lambda p: 2 * _p(p, "MNK"),
+    reference=_half_matmul_reference(b_transposed=False),
+    check=_sizes("matmul_fp16"),
+)
+
+DENSE_FP16 = OpDef(
+    name="dense_fp16",
+    summary="C[i,j] = sum_k A[i,k] * W[j,k] (a dense layer), float16 A and W, float32 accumulation and C",
+    params=dict(M=128, N=1024, K=1024),
+    build=_half_matmul_build(batched=False, b_transposed=True),
+    flops=lambda p: 2 * _p(p, "MNK"),
+    reference=_half_matmul_reference(b_transposed=True),
+    check=_sizes("dense_fp16"),
+    constants=("B",),
+)
+
+BATCH_MATMUL_FP16 = OpDef(
+    name="batch_matmul_fp16",
+    summary="C[b,i,j] = sum_k A[b,i,k] * B[b,k,j], float16 A and B, float32 accumulation and C",
+    params=dict(B=12, M=128, N=128, K=64),
+    build=_half_matmul_build(batched=True, b_transposed=False),
+    flops=lambda p: 2 * _p(p, "BMNK"),
+    reference=_half_matmul_reference(b_transposed=False),
+    check=_sizes("batch_matmul_fp16"),
 )
 
 
@@ -641,6 +715,9 @@ OPS: dict[str, OpDef] = {
         MATMUL,
         MATMUL_RELU,
         BATCH_MATMUL,
+        MATMUL_FP16,
+        DENSE_FP16,
+        BATCH_MATMUL_FP16,
         CONV1D,
         CONV2D,
         CONV2D_1X1,

@@ -316,6 +316,7 @@ def _time_python(fn: Callable[[], Any], min_secs: float = 0.1) -> float:
 def _tuned_mod(path: str) -> Any:
     import tvm
 
+    from tunefarm import wmma
     from tunefarm.store import JsonlRecordStore
 
     store = JsonlRecordStore(path)
@@ -327,6 +328,8 @@ def _tuned_mod(path: str) -> Any:
     if stored is None:
         raise SystemExit(f"{path}: workload sidecar missing")
     sch = tvm.s_tir.Schedule(tvm.ir.load_json(stored[1]))
+    if wmma.uses_wmma(best.trace):
+        wmma.register()
     tvm.s_tir.Trace.apply_json_to_schedule(best.trace, sch)
     return sch.mod
 

@@ -291,8 +291,9 @@ def bind_torch(
     registry: str, p: dict[str, int], inputs: Sequence[np.ndarray], threads: int, device: str = "cpu"
 ) -> VendorCall | None:
     """The op in PyTorch (inference mode, `threads` intra-op threads) on `device` ("cpu",
-    or "cuda": cuBLAS and cuDNN in float32, TF32 off, cuDNN's autotuner on), or None when
-    the op has no torch peer. Imports torch: call only in a vendor child process."""
+    or "cuda": cuBLAS and cuDNN in float32, TF32 off, cuDNN's autotuner on; float16 GEMMs
+    accumulate in float32, reduced-precision reductions off), or None when the op has no
+    torch peer. Imports torch: call only in a vendor child process."""
     import torch
 
     torch.set_num_threads(threads)
@@ -307,6 +308,7 @@ def bind_torch(
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 math, as the TVM kernels do
         torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False  # fp32 accumulation
         torch.backends.cudnn.benchmark = True  # cuDNN picks its fastest algorithm for the shape
         sync = torch.cuda.synchronize
 
@@ -315,7 +317,7 @@ def bind_torch(
             return op(*tensors)
 
     def outputs() -> list[np.ndarray]:
-        return [run().cpu().numpy()]
+        return [run().float().cpu().numpy()]
 
     return VendorCall(run, outputs, sync)
 
@@ -347,6 +349,22 @@ def _torch_makers() -> dict[str, Callable[[str, dict[str, int]], Callable | None
             x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), stride=cv.stride, padding=cv.pad, dilation=cv.dilation
         ).permute(0, 2, 3, 1)
 
+    def half_gemm(registry: str, p: dict[str, int]) -> Callable:
+        """float16 operands, a float32 product written as float32 (`out_dtype`, torch's
+        cuBLAS GEMM with fp32 accumulation and output) where torch has it, else float16
+        out of the same fp32-accumulating GEMM."""
+        mm = torch.bmm if registry.startswith("batch") else torch.mm
+        transposed = registry.startswith("dense")
+
+        def run(a, b):
+            b = b.t() if transposed else b
+            try:
+                return mm(a, b, out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):
+                return mm(a, b)
+
+        return run
+
     def softmax(registry: str, p: dict[str, int]) -> Callable:
         return lambda x: torch.softmax(x, dim=-1)
 
@@ -357,6 +375,9 @@ def _torch_makers() -> dict[str, Callable[[str, dict[str, int]], Callable | None
         "matmul": matmul,
         "matmul_relu": matmul_relu,
         "batch_matmul": bmm,
+        "matmul_fp16": half_gemm,
+        "dense_fp16": half_gemm,
+        "batch_matmul_fp16": half_gemm,
         "conv2d": conv,
         "conv2d_1x1": conv,
         "conv2d_nhwc": conv_nhwc,

@@ -152,6 +152,7 @@ class BlockSpec:
     has_branch: bool = False  # if_then_else / select in the value
     has_expensive_op: bool = False  # exp, log, ... : Ansor does not inline these on CPU
     table_iters: tuple[str, ...] = ()  # iterators that pick entries of a constant table (`_ValueWalker`)
+    multiply_accumulate: tuple[str, str] | None = None  # (a, b): `out += cast?(a[...]) * cast?(b[...])` (`_mac_operands`)
 
     @property
     def spatial(self) -> tuple[IterSpec, ...]:
@@ -364,7 +365,33 @@ def _block_spec(loops, realize) -> BlockSpec:
         has_branch=walker.branch,
         has_expensive_op=walker.expensive,
         table_iters=tuple(it.name for it in iters if it.name in walker.table_iters),
+        multiply_accumulate=_mac_operands(store, write) if block.init is not None else None,
     )
+
+
+def _mac_operands(store, write: AccessSpec) -> tuple[str, str] | None:
+    """The two buffers of a multiply-accumulate `out[w] = out[w] + cast?(a[...]) *
+    cast?(b[...])` (a GEMM's or a convolution's body as TE writes it), None for any other
+    value: what a tensor-core rule needs to know it may replace the body by an MMA."""
+    import tvm
+
+    value = store.value
+    if type(value).__name__ != "Add":
+        return None
+
+    def own_load(e) -> bool:
+        return isinstance(e, tvm.ir.TensorLoad) and str(e.source.name) == write.buffer
+
+    def operand(e) -> str | None:
+        if type(e).__name__ == "Cast":
+            e = e.value
+        return str(e.source.name) if isinstance(e, tvm.ir.TensorLoad) and not own_load(e) else None
+
+    product = value.b if own_load(value.a) else value.a if own_load(value.b) else None
+    if product is None or type(product).__name__ != "Mul":
+        return None
+    a, b = operand(product.a), operand(product.b)
+    return (a, b) if a is not None and b is not None and a != b else None
 
 
 class _ValueWalker:
@@ -661,6 +688,7 @@ def _inline_into_consumers(dag: ComputeDag, name: str) -> ComputeDag:
                 b,
                 reads=tuple(reads),
                 ops=ops,
+                multiply_accumulate=None if out_buf in (b.multiply_accumulate or ()) else b.multiply_accumulate,
                 has_branch=b.has_branch or block.has_branch,
                 has_expensive_op=b.has_expensive_op or block.has_expensive_op,
             )

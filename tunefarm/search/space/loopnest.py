@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tunefarm.gpu import GpuLimits
-from tunefarm.search.space import loopnest_gpu
+from tunefarm.search.space import loopnest_gpu, loopnest_tensor_core
 from tunefarm.search.space.annotate import annotate
 from tunefarm.search.space.dag import (
     AccessSpec,
@@ -58,6 +58,7 @@ from tunefarm.search.space.sketch import (
     LayoutRewriteStep,
     RfactorStep,
     Sketch,
+    TensorCoreStep,
     ThreadBindStep,
     TileStep,
     UnrollTableStep,
@@ -112,6 +113,10 @@ def build(
             case AnnotateStep(block=b):
                 if b in prog.nests:  # gone when a location decision inlined it
                     annotate(prog, b, decider, num_cores)
+            case TensorCoreStep():
+                if gpu is None:
+                    raise InvalidProgram(f"{describe_step(step)}: a GPU step, and no GPU to build for")
+                loopnest_tensor_core.apply(prog, step, decider, gpu)
             case CacheReadStep() | CrossThreadReductionStep() | ThreadBindStep():
                 if gpu is None:
                     raise InvalidProgram(f"{describe_step(step)}: a GPU step, and no GPU to build for")
@@ -120,7 +125,9 @@ def build(
                 raise TypeError(step)
     if gpu is not None:
         loopnest_gpu.finish(prog, gpu)
+        loopnest_tensor_core.finish(prog)
         loopnest_gpu.check_program(prog, gpu)
+        loopnest_tensor_core.check_program(prog, gpu)
     _decompose_reductions(prog)
     return prog
 
@@ -132,7 +139,13 @@ def _decompose_reductions(prog: Program) -> None:
         nest = prog.nests[name]
         if nest.spec.has_init and not nest.cross_thread:
             nest.init_at = next((i for i, lp in enumerate(nest.loops) if lp.reduce), None)
-            if nest.init_at is not None:
+            if nest.init_at is None:
+                continue
+            if nest.tensor_core is not None:  # TVM's loop position; the init and update tensorized
+                form = nest.tensor_core
+                pos = tvm_position(nest.loops, nest.init_at)
+                prog.emit("tc_decompose", name, pos, form.fill_intrinsic, form.sync_intrinsic)
+            else:
                 prog.emit("decompose", name, -(len(nest.loops) - nest.init_at))
 
 

@@ -126,15 +126,33 @@ def _product(loops: list[Loop]) -> int:
 
 
 def _cache_read_shared(prog: Program, block: str, buffer: str, decider: Decider, gpu: GpuLimits) -> None:
+    s_levels = _tile_levels(prog, block, "S")
+    name, region = stage_in_shared(prog, block, buffer, frozenset(s_levels[1] + s_levels[2]))
+    nest = prog.nests[block]
+    stage_nest = prog.nests[name]
+    tile_elems = stage_nest.footprint
+    threads = _product([lp for lp in nest.loops if lp.key in s_levels[2]])
+    vectors = vector_lengths(region, prog.dag.buffer(buffer), tile_elems, gpu)
+    vec = vectors[decider.decide(f"{name}.vector", ChoiceDomain(len(vectors)))]
+    _cooperative_fetch(prog, name, threads, vec)
+
+
+def stage_in_shared(
+    prog: Program, block: str, buffer: str, relaxed: frozenset[str]
+) -> tuple[str, list[tuple[Affine, int]]]:
+    """`buffer`, as tiled root block `block` reads it, staged in shared memory at the
+    block's outermost reduction tile (a CacheReadStep's stage, a tensor-core block's
+    operand): the stage block `<buffer>_shared`, computed there over the region the
+    block's loops inside it and the `relaxed` ones (the loops of the threads that share
+    it) touch. Returns the stage's name and that region; its footprint is the region's
+    elements."""
     nest = prog.nests[block]
     if not nest.tiled or nest.attach is not None:
         raise InvalidProgram(f"{block} is not a tiled root block: nothing to stage {buffer} for")
-    s_levels, r_levels = _tile_levels(prog, block, "S"), _tile_levels(prog, block, "R")
+    r_levels = _tile_levels(prog, block, "R")
     attach_key = r_levels[0][-1]
     chain = prog.chain(block)
     pos = next(i for i, lp in enumerate(chain) if lp.key == attach_key)
-    # Shared by the block's threads: the thread and vthread loops are relaxed too.
-    relaxed = frozenset(s_levels[1] + s_levels[2])
     buf = prog.dag.buffer(buffer)
     region = None
     for acc in nest.spec.reads:
@@ -147,26 +165,27 @@ def _cache_read_shared(prog: Program, block: str, buffer: str, decider: Decider,
     iters = tuple(IterSpec(f"v{d}", int(e), "S") for d, e in enumerate(buf.shape))
     index = tuple(Affine.of({it.name: 1}) for it in iters)
     stage = BlockSpec(name=name, iters=iters, reads=(AccessSpec(buffer, index),), write=AccessSpec(name, index), ops=OpCounts())
-    reader = _reading(nest.spec, buffer, name)
+    add_stage_block(prog, block, stage, BufferSpec(name, buf.shape, buf.dtype, "intermediate", "shared"), buffer)
+    prog.emit("cache_read", block, buffer, name, tvm_position(chain, pos))
+    add_root_nest(prog, stage, before=block)
+    attach_region_nest(prog, name, block, attach_key, region)
+    stage_nest = prog.nests[name]
+    stage_nest.footprint = _product(stage_nest.loops)
+    return name, region
+
+
+def add_stage_block(prog: Program, block: str, stage: BlockSpec, buf: BufferSpec, buffer: str) -> None:
+    """The DAG with `stage` (writing `buf`) before `block`, which reads `buffer` from it."""
+    nest = prog.nests[block]
+    reader = _reading(nest.spec, buffer, stage.name)
     blocks: list[BlockSpec] = []
     for b in prog.dag.blocks:
         if b.name == block:
             blocks.extend([stage, reader])
         else:
             blocks.append(b)
-    shared = BufferSpec(name, buf.shape, buf.dtype, "intermediate", "shared")
-    prog.dag = prog.dag.replace_blocks(blocks, (*prog.dag.buffers, shared))
+    prog.dag = prog.dag.replace_blocks(blocks, (*prog.dag.buffers, buf))
     nest.spec = reader
-    prog.emit("cache_read", block, buffer, name, tvm_position(chain, pos))
-    add_root_nest(prog, stage, before=block)
-    attach_region_nest(prog, name, block, attach_key, region)
-    stage_nest = prog.nests[name]
-    tile_elems = _product(stage_nest.loops)
-    stage_nest.footprint = tile_elems
-    threads = _product([lp for lp in nest.loops if lp.key in s_levels[2]])
-    vectors = vector_lengths(region, buf, tile_elems, gpu)
-    vec = vectors[decider.decide(f"{name}.vector", ChoiceDomain(len(vectors)))]
-    _cooperative_fetch(prog, name, threads, vec)
 
 
 def _reading(spec: BlockSpec, buffer: str, stage: str) -> BlockSpec:
@@ -192,21 +211,30 @@ def vector_lengths(region: list[tuple[Affine, int]], buf: BufferSpec, tile_elems
     return out
 
 
-def _cooperative_fetch(prog: Program, name: str, threads: int, vec: int) -> None:
+def _cooperative_fetch(prog: Program, name: str, threads: int, vec: int, warps: int = 0) -> None:
     """The stage's loops fused and split into (rest, threads[, vec]); threads bound to
-    threadIdx.x, the vector vectorized."""
+    threadIdx.x, the vector vectorized. With `warps` (a tensor-core block's threads,
+    `warps` x `threads`): (rest, warps, threads[, vec]), the warps bound to threadIdx.y."""
     nest = prog.nests[name]
     own = nest.loops
     n = _product(own)
     if not own:  # one element per tile: every thread may store it
         return
-    prog.emit("coop_fetch", name, len(own), threads, vec)
-    rest = -(-n // (threads * vec))
+    if warps:
+        prog.emit("coop_fetch_warps", name, len(own), warps, threads, vec)
+    else:
+        prog.emit("coop_fetch", name, len(own), threads, vec)
+    rest = -(-n // (max(warps, 1) * threads * vec))
     outer = prog.new_loop(rest, False)
     thread = prog.new_loop(threads, False)
     thread.kind = "threadIdx.x"
     loops = [outer, thread]
-    inner = {thread.key: vec, outer.key: threads * vec}
+    inner = {thread.key: vec, outer.key: max(warps, 1) * threads * vec}
+    if warps:
+        warp = prog.new_loop(warps, False)
+        warp.kind = "threadIdx.y"
+        loops = [outer, warp, thread]
+        inner[warp.key] = threads * vec
     if vec > 1:
         lane = prog.new_loop(vec, False)
         lane.kind = "vectorized"
@@ -601,6 +629,8 @@ def finish(prog: Program, gpu: GpuLimits) -> None:
         return
     for name in prog.order:
         nest = prog.nests[name]
+        if nest.tensor_core is not None:
+            continue  # its stages were placed with its tiles (`loopnest_tensor_core`)
         if nest.attach is None and nest.tiled and prog.kernel_bytes(name, "shared") > gpu.static_shared_memory_per_block:
             for stage in _shared_stages(prog, name):
                 prog.emit("dynamic_shared", stage)
@@ -654,10 +684,11 @@ def _fuse_loops(prog: Program, name: str, pos: int, n: int) -> Loop:
 
 
 def check_program(prog: Program, gpu: GpuLimits) -> None:
-    """Called when a GPU program is built: every kernel within the GPU's limits."""
+    """Called when a GPU program is built: every kernel within the GPU's limits (a
+    tensor-core block's: `loopnest_tensor_core.check_tensor_core_block`)."""
     for name in prog.order:
         nest = prog.nests[name]
-        if nest.attach is None and nest.tiled:
+        if nest.attach is None and nest.tiled and nest.tensor_core is None:
             check_tiled_block(prog, name, gpu)
 
 

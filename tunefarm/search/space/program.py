@@ -25,9 +25,20 @@ build would cost more than a whole batch of ordinary ones."""
 MAX_INNERMOST_TILE = 64
 
 
-BOUND_KINDS = ("blockIdx.x", "vthread.x", "threadIdx.x")
-"""Loop kinds of GPU loops bound to a thread axis. Consecutive loops bound to the same
-axis are one loop in TVM (they are fused before binding)."""
+BOUND_KINDS = ("blockIdx.x", "vthread.x", "threadIdx.x", "threadIdx.y")
+"""Loop kinds of GPU loops bound to a thread axis (threadIdx.y: the warps of a
+tensor-core block). Consecutive loops bound to the same axis are one loop in TVM (they
+are fused before binding)."""
+
+TENSORIZED = "tensorized"
+"""Kind of the model's loops inside a tensorized block (a wmma fragment's 16 x 16 (x 16)
+elements, one warp-wide instruction): TVM has no loop there."""
+
+
+FRAGMENT_SCOPES = ("wmma.matrix_a", "wmma.matrix_b", "wmma.accumulator")
+"""Memory scopes of wmma fragments: registers, spread over the 32 threads of a warp."""
+
+WARP_SIZE = 32
 
 
 class InvalidProgram(Exception):
@@ -51,6 +62,11 @@ class Instr:
       GPU: cache_read(block, buffer, stage, pos) | coop_fetch(stage, loops, threads, vector)
       bind_tile / cross_thread / bind_fallback(block, ...)
       pipeline(block, pos, loops fused, stages, depth) | dynamic_shared(stage)
+      tensor cores (`loopnest_tensor_core`): tc_blockize(block, loop positions split by 16)
+      | bind_warps(block, block loops, warp loops) | tc_copy(block, intrinsic)
+      | align_rows(stage, factor, offset) | coop_fetch_warps(stage, loops, warps, threads, vector)
+      | tc_fragment(block, shared buffer, stage, pos, scope, intrinsic)
+      | tc_decompose(block, pos, fill intrinsic, mma intrinsic)
     """
 
     op: str
@@ -89,6 +105,7 @@ class Nest:
     parallel: int = 0  # number of leading own loops fused into one parallel loop
     unroll: int = 0  # pragma_auto_unroll_max_step on the outermost own loop
     pipeline: int = 1  # GPU: copies of its shared stages the software pipeline cycles through (1: none)
+    tensor_core: object | None = None  # GPU: its `TensorCoreForm` when computed on tensor cores
     init_at: int | None = None  # own-loop index of decompose_reduction
 
 
@@ -113,7 +130,7 @@ class Store:
     alloc: BufferSpec | None = None  # intermediate buffer this store fills, if any
     alloc_elems: int = 0  # its size after compaction (elements under its attach point)
     shared_bytes: int = 0  # GPU: shared memory of the kernel (thread block) the store is in
-    local_bytes: int = 0  # GPU: registers/local memory of one thread of that kernel
+    local_bytes: int = 0  # GPU: registers/local memory of one thread of that kernel (wmma fragments included)
 
 
 @dataclass
@@ -168,6 +185,11 @@ class Program:
                 total += self.nests[name].lowering_shared_bytes
         return total
 
+    def fragment_bytes(self, root: str) -> int:
+        """Bytes of wmma fragments (accumulators and operands) one warp of root block
+        `root`'s kernel holds."""
+        return sum(self.kernel_bytes(root, scope) for scope in FRAGMENT_SCOPES)
+
     def stores(self) -> list[Store]:
         out = []
         memory: dict[str, tuple[int, int]] = {}
@@ -187,7 +209,8 @@ class Program:
             if self.gpu:
                 root = self.root_of(name)
                 if root not in memory:
-                    memory[root] = (self.kernel_bytes(root, "shared"), self.kernel_bytes(root, "local"))
+                    fragments = self.fragment_bytes(root) // WARP_SIZE
+                    memory[root] = (self.kernel_bytes(root, "shared"), self.kernel_bytes(root, "local") + fragments)
                 shared, local = memory[root]
             out.append(
                 Store(name, tuple(chain), (write, *reads), spec.ops, unroll, False, alloc, alloc_elems, shared, local)
@@ -349,6 +372,9 @@ def expected_tvm_loops(prog: Program) -> dict[str, list[tuple[int, str]]]:
         # Parallel prefixes belong to root blocks; in a chain they are the leading loops.
         while i < len(loops):
             lp = loops[i]
+            if lp.kind == TENSORIZED:
+                i += 1
+                continue
             if lp.kind == "parallel" or lp.kind in BOUND_KINDS:
                 ext = 1
                 while i < len(loops) and loops[i].kind == lp.kind:

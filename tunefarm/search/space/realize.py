@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from tunefarm import wmma
 from tunefarm.layout import PREPROC_ATTR
 from tunefarm.search.space.program import Instr
 
@@ -26,6 +27,8 @@ def realize(mod, instructions: list[Instr]):
     # that only passes unchecked must be rejected here, before it costs a trial.
     sch = Schedule(mod, error_render_level="none")
     blocks: dict[str, object] = {}
+    if any(ins.op in _TENSOR_CORE_OPS for ins in instructions):
+        wmma.register()
 
     def rv(name: str):
         if name not in blocks:
@@ -44,6 +47,9 @@ def realize(mod, instructions: list[Instr]):
 _OWN_LOOP_OPS = frozenset({"split_inner", "parallel", "move_innermost", "vectorize", "unroll", "decompose"})
 """The instructions on the loops of their own block (`_apply_to_own_loops`); the others
 make, place, tile or bind blocks (`_apply_to_blocks`)."""
+
+_TENSOR_CORE_OPS = frozenset({"tc_blockize", "tc_copy", "tc_fragment", "tc_decompose"})
+"""The instructions that tensorize with `tunefarm.wmma`'s intrinsics."""
 
 
 def _apply(sch, ins: Instr, rv, blocks: dict) -> None:
@@ -74,6 +80,32 @@ def _apply_to_blocks(sch, ins: Instr, rv, blocks: dict) -> None:
             _software_pipeline(sch, rv(b), pos, n_loops, n_stages, depth)
         case "dynamic_shared":
             sch.set_scope(rv(b), 0, "shared.dyn")
+        case "tc_blockize":
+            (positions,) = ins.args
+            blocks[b] = _blockize_fragments(sch, rv(b), positions)
+        case "bind_warps":
+            n_blocks, n_warps = ins.args
+            loops = sch.get_loops(rv(b))
+            sch.bind(_fuse(sch, loops[:n_blocks]), "blockIdx.x")
+            sch.bind(_fuse(sch, sch.get_loops(rv(b))[1 : 1 + n_warps]), "threadIdx.y")
+        case "tc_copy":
+            (intrinsic,) = ins.args
+            _tensorize_fragments(sch, rv(b), intrinsic)
+        case "align_rows":
+            factor, offset = ins.args
+            sch.storage_align(rv(b), 0, axis=-2, factor=factor, offset=offset)
+        case "coop_fetch_warps":
+            n_own, warps, threads, vec = ins.args
+            _cooperative_fetch(sch, rv(b), n_own, threads, vec, warps)
+        case "tc_fragment":
+            shared, stage, pos, scope, intrinsic = ins.args
+            frag = sch.cache_read(rv(b), _read_index(sch, rv(b), shared), scope)
+            sch.compute_at(frag, sch.get_loops(rv(b))[pos], preserve_unit_loops=False)
+            blocks[stage] = frag
+            _tensorize_fragments(sch, frag, intrinsic)
+        case "tc_decompose":
+            pos, fill, sync = ins.args
+            _decompose_tensorized(sch, rv(b), pos, fill, sync)
         case "cross_thread":
             n_spatial, n_reduce, threads = ins.args
             _bind_cross_thread(sch, rv(b), n_spatial, n_reduce, threads)
@@ -206,15 +238,56 @@ def _fuse(sch, loops):
     return sch.fuse(*loops) if len(loops) > 1 else loops[0]
 
 
-def _cooperative_fetch(sch, block, n_own: int, threads: int, vec: int) -> None:
+def _cooperative_fetch(sch, block, n_own: int, threads: int, vec: int, warps: int = 0) -> None:
     """A shared stage's own loops fused, split into (rest, threads[, vec]); the threads
-    bound to threadIdx.x (its block's axis), the vector lanes vectorized."""
+    bound to threadIdx.x (its block's axis), the vector lanes vectorized. With `warps`
+    (a tensor-core block's): (rest, warps, threads[, vec]), the warps on threadIdx.y."""
     fused = _fuse(sch, sch.get_loops(block)[-n_own:])
     if vec > 1:
         fused, lane = sch.split(fused, [None, vec])
         sch.vectorize(lane)
-    _, thread = sch.split(fused, [None, threads])
+    rest, thread = sch.split(fused, [None, threads])
     sch.bind(thread, "threadIdx.x")
+    if warps:
+        _, warp = sch.split(rest, [None, warps])
+        sch.bind(warp, "threadIdx.y")
+
+
+def _blockize_fragments(sch, block, positions):
+    """The loops at `positions` (a GEMM's i, j, k) split by the fragment size, the 16s
+    moved innermost (in that order) and blockized: the outer block, whose iterators
+    count fragments."""
+    loops = sch.get_loops(block)
+    outer, inner = [], []
+    for i, lp in enumerate(loops):
+        if i in positions:
+            o, n = sch.split(lp, [None, wmma.FRAGMENT])
+            outer.append(o)
+            inner.append(n)
+        else:
+            outer.append(lp)
+    sch.reorder(*outer, *inner)
+    return sch.blockize(inner[0])
+
+
+def _tensorize_fragments(sch, block, intrinsic: str) -> None:
+    """A fragment copy's two innermost loops split by the fragment size, the 16 x 16
+    innermost, tensorized with `intrinsic`."""
+    *_, rows, cols = sch.get_loops(block)
+    r0, r1 = sch.split(rows, [None, wmma.FRAGMENT])
+    c0, c1 = sch.split(cols, [None, wmma.FRAGMENT])
+    sch.reorder(r0, c0, r1, c1)
+    sch.tensorize(r1, intrinsic)
+
+
+def _decompose_tensorized(sch, block, pos: int, fill: str, sync: str) -> None:
+    """The blockized reduction's init split off at loop `pos`; the init's 16 x 16 loops
+    tensorized with `fill`, the update's 16 x 16 x 16 with `sync`."""
+    init = sch.decompose_reduction(block, sch.get_loops(block)[pos])
+    (init_inner,) = sch.get_child_blocks(init)
+    sch.tensorize(sch.get_loops(init_inner)[-2], fill)
+    (inner,) = sch.get_child_blocks(block)
+    sch.tensorize(sch.get_loops(inner)[-3], sync)
 
 
 def _software_pipeline(sch, block, pos: int, n_loops: int, n_stages: int, depth: int) -> None:

@@ -182,8 +182,23 @@ class ThreadBindStep:
     block: str
 
 
+@dataclass(frozen=True)
+class TensorCoreStep:
+    """GPU (sm_70+): the block computed on tensor cores (`tensor_core.py`): blockized
+    into 16x16x16 wmma fragments, tiled over them (slot `<block>.tile.<iter>`, in
+    fragments; spatial levels 0 and 1 bound to blockIdx.x and to the warps of a block),
+    its accumulators in wmma.accumulator fragments stored per warp, each operand staged
+    in shared memory (fetched by all the block's threads: slot `<buffer>_shared.vector`)
+    then in wmma.matrix_a / matrix_b fragments, the fragment operations tensorized; an
+    auto-unroll pragma (slot `<block>.unroll`) and on sm_80+ a software pipeline of the
+    shared stages (slot `<block>.pipeline`)."""
+
+    block: str
+
+
 Step = (
     InlineStep
+    | TensorCoreStep
     | CacheWriteStep
     | CacheReadStep
     | CrossThreadReductionStep
@@ -223,6 +238,8 @@ def describe_step(step: Step) -> str:
             return f"cross-thread reduction {b}"
         case ThreadBindStep(block=b):
             return f"bind threads {b}"
+        case TensorCoreStep(block=b):
+            return f"tensor-core tile {b} (wmma 16x16x16 float16 -> float32; shared and fragment stages)"
         case RfactorStep(block=b, inner=inner):
             return f"rfactor {b} ({'inner' if inner else 'outer'} part)"
         case TileStep(block=b, structure=s):
@@ -329,6 +346,7 @@ class DerivationState:
     fused: frozenset[str] = frozenset()  # consumers computed inside a producer's tile
     rfactored: frozenset[str] = frozenset()
     cross_thread: frozenset[str] = frozenset()  # GPU: reductions split over a block's threads
+    tensor_cores: frozenset[str] = frozenset()  # GPU: blocks computed on tensor cores
 
     def advance(self, **changes) -> DerivationState:
         return replace(self, pending=self.pending[1:], **changes)

@@ -5,7 +5,11 @@ needs it).
 The enumeration is the CPU one (`sketch.derive`); the rules differ:
 
   1. AlwaysInline              any spatial non-output block with an elementwise write
-                               (GPU: branches and exp are inlined too) -> APPLY_AND_SKIP_REST
+                               (GPU: branches and exp are inlined too), unless a
+                               tensor-core block reads it          -> APPLY_AND_SKIP_REST
+  1b. TensorCore               sm_70+, a float16 x float16 -> float32 multiply-
+                               accumulate in tensor-core form (`tensor_core.py`)
+                                                                   -> APPLY_AND_SKIP_REST
   2. CrossThreadReduction      a reduction with little spatial parallelism: a tiled
                                one with space <= max threads and space < reduce, any
                                other with reduce > warp size       -> APPLY
@@ -30,6 +34,14 @@ Where TIR differs from Ansor's TE:
 - Blocks the rules neither inline, tile nor fuse stay at the root; annotation fuses
   their spatial loops over blocks of threads (Ansor's InitThreadBind for untiled
   stages; MetaSchedule's AutoBind).
+
+TensorCore (MetaSchedule's MultiLevelTilingTensorCore, in one step: `TensorCoreStep`)
+takes the place of rules 2-4 for its block: a tensor-core GEMM's peak is 8-16 times the
+SIMT peak on sm_80+, so the SIMT sketches of that block would only take trials from it.
+Its elementwise consumer is not fused (the accumulators go to global memory by warp-wide
+stores): it stays a kernel of its own. Its producers are not inlined, as the operands it
+stages in shared memory are their float16 outputs. Blocks of any other dtype or arch get
+exactly the sketches they had.
 
 A tiled block is bound (ThreadBindStep) right after its TileStep, and a finished
 state gets a ThreadBindStep for every other block (the GPU annotation: thread binding,
@@ -65,6 +77,7 @@ from tunefarm.search.space.sketch import (
     RuleResult,
     Sketch,
     Step,
+    TensorCoreStep,
     ThreadBindStep,
     TileStep,
     apply_cache_write,
@@ -72,6 +85,7 @@ from tunefarm.search.space.sketch import (
     derive,
     rule_skip,
 )
+from tunefarm.search.space.tensor_core import tensor_core_form
 
 GPU_TILE_STRUCTURE = "SSSRRSRS"
 """Ansor's GPU multi-level tiling: three spatial levels for blockIdx, vthread and
@@ -118,9 +132,18 @@ def needs_cross_thread_reduction(block: BlockSpec, gpu: GpuLimits) -> bool:
 
 
 def _rule_always_inline(st: DerivationState, b: BlockSpec, hw: Hardware):
-    if not is_gpu_inlineable(st.dag, b):
+    if not is_gpu_inlineable(st.dag, b) or any(c.name in st.tensor_cores for c in st.dag.consumers(b.name)):
         return RuleResult.SKIP, []
     new = st.advance(dag=inline_into_consumers(st.dag, b.name), steps=(*st.steps, InlineStep(b.name)))
+    return RuleResult.APPLY_AND_SKIP_REST, [new]
+
+
+def _rule_tensor_core(st: DerivationState, b: BlockSpec, hw: Hardware):
+    if b.name in st.cache_written or not needs_multi_level_tiling(b) or tensor_core_form(st.dag, b, hw.gpu) is None:
+        return RuleResult.SKIP, []
+    new = st.advance(
+        steps=(*st.steps, TensorCoreStep(b.name)), tiled=st.tiled | {b.name}, tensor_cores=st.tensor_cores | {b.name}
+    )
     return RuleResult.APPLY_AND_SKIP_REST, [new]
 
 
@@ -182,6 +205,7 @@ def _cached_reads(st: DerivationState, b: BlockSpec) -> list[str]:
 
 GPU_RULES = (
     _rule_always_inline,
+    _rule_tensor_core,
     _rule_cross_thread_reduction,
     _rule_add_cache_write,
     _rule_tiling_with_fusion,
