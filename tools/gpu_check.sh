@@ -23,11 +23,12 @@
 #      model checked against onnxruntime on the CPU) against PyTorch eager (cuDNN) and
 #      torch.compile max-autotune, alternating rounds, TF32 off;
 #   4. `tunefarm bench ops --target <GPU>` for GEMM 1024 against cuBLAS, one run per seed
-#      in $GEMM_SEEDS, the GPU tests (pipelined kernels and CUDA-graph models run and checked; pytest is
+#      in $GEMM_SEEDS, and on tensor cores (gemm1024_fp16) against cuBLAS's float16 GEMM
+#      with float32 accumulation; the GPU tests (pipelined kernels and CUDA-graph models run and checked; pytest is
 #      there), and the cuBLAS kernel that PyTorch's float32 matmul launches;
 #   5. with GPU_CHECK_DETECTOR=1, `bench gpu-models` on the detector-sized model.
 # GPU_CHECK_STEPS picks steps by name (default: all of probe farm gpu-models gemm
-# pipeline-tests cublas-kernel); GPU_CHECK_MODELS the models of gpu-models (small_cnn).
+# gemm-fp16 pipeline-tests cublas-kernel); GPU_CHECK_MODELS the models of gpu-models (small_cnn).
 # Sizing, from an H100 (16 cores): each task costs at least one search round (about 3-4 s
 # with its nvcc builds), so the small CNN's 9 tasks take about 1.5 min for 18 trials and
 # the detector's 68 tasks at least 5 min before any trial goes where it gains most: the
@@ -44,7 +45,7 @@ TRIALS_SMALL=${TRIALS_SMALL:-18}
 TRIALS_MODEL=${TRIALS_MODEL:-300}
 TRIALS_GEMM=${TRIALS_GEMM:-32}
 GEMM_SEEDS=${GEMM_SEEDS:-1 2}
-STEPS=" ${GPU_CHECK_STEPS:-probe farm gpu-models gemm pipeline-tests cublas-kernel} "
+STEPS=" ${GPU_CHECK_STEPS:-probe farm gpu-models gemm gemm-fp16 pipeline-tests cublas-kernel} "
 MODELS=${GPU_CHECK_MODELS:-small_cnn}  # comma-separated; MODELS_LIMIT seconds (240)
 mkdir -p "$SITE/tvm/lib" "$OUT"
 
@@ -105,8 +106,13 @@ for seed in $GEMM_SEEDS; do
   step "gemm-seed$seed" 120 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024 --trials "$TRIALS_GEMM" \
     --seed "$seed" --no-metaschedule --work-dir "$work/bench-ops-$seed" --json "$OUT/gemm-seed$seed.json"
 done
-# the pipelined (cp.async) and dynamic-shared-memory kernels run and checked against the reference
-step pipeline-tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_pipeline.py tests/test_gpu_codegen.py tests/test_cuda_graphs.py
+# GEMM 1024 on tensor cores (float16 inputs, float32 accumulation) against cuBLAS at that precision
+step gemm-fp16 120 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024_fp16 --trials "$TRIALS_GEMM" \
+  --seed 1 --no-metaschedule --work-dir "$work/bench-ops-fp16" --json "$OUT/gemm-fp16.json"
+# the pipelined (cp.async), dynamic-shared-memory and tensor-core kernels and the CUDA-graph
+# models run and checked against their references
+step pipeline-tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_pipeline.py tests/test_gpu_codegen.py \
+  tests/test_cuda_graphs.py tests/test_gpu_tensor_cores.py
 step cublas-kernel 60 "$PY" -c "
 import torch
 torch.backends.cuda.matmul.allow_tf32 = False
