@@ -101,6 +101,9 @@ fi
 
 step gpu-models "${MODELS_LIMIT:-240}" "$PY" -m tunefarm_app.cli bench gpu-models --models "$MODELS" --trials "$TRIALS_SMALL" \
   --compile-timeout 120 --work-dir "$work/bench-models" --json "$OUT/gpu-models.json"
+for report in "$work"/bench-models/ours/*/report.json; do  # each task's best and trials, for the notes
+  [ -f "$report" ] && cp "$report" "$OUT/report-$(basename "$(dirname "$report")").json"
+done
 
 for seed in $GEMM_SEEDS; do
   step "gemm-seed$seed" 120 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024 --trials "$TRIALS_GEMM" \
