@@ -60,3 +60,30 @@ def gpu_mix_onnx(path: Path) -> Path:
     model.ir_version = 8
     path.write_bytes(model.SerializeToString())
     return path
+
+
+def matmul_mlp_onnx(path: Path) -> Path:
+    """Two dense layers on a 32x64 input whose extents are multiples of 16: a MatMul with
+    bias and relu, then a Gemm with a transposed weight (transB), 64 -> 128 -> 64."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    consts = {
+        "w1": rng.standard_normal((64, 128)).astype(np.float32) / 8,
+        "b1": rng.standard_normal(128).astype(np.float32),
+        "w2": rng.standard_normal((64, 128)).astype(np.float32) / 8,
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="dense1"),
+        helper.make_node("Add", ["h", "b1"], ["hb"], name="bias1"),
+        helper.make_node("Relu", ["hb"], ["r"], name="relu1"),
+        helper.make_node("Gemm", ["r", "w2"], ["y"], transB=1, name="dense2"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    inits = [numpy_helper.from_array(v, k) for k, v in consts.items()]
+    graph = helper.make_graph(nodes, "matmul_mlp", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.write_bytes(model.SerializeToString())
+    return path

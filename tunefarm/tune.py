@@ -66,6 +66,7 @@ from tunefarm.models.finish import (
     model_report,
     plain,
 )
+from tunefarm.models.precision import FP32, check_precision
 from tunefarm.models.tasks import CONV_LAYOUT_CHOICES, merge_tasks
 from tunefarm.search.config import SearchConfig, TuneConfig, batch_size_for
 from tunefarm.search.cost_model import cache as cost_model_cache
@@ -272,6 +273,7 @@ def tune_models(
     conv_layout: str = "nhwc",
     algorithms: Sequence[str] = ALGORITHMS,
     pretrained: bool = True,
+    precision: str = FP32,
     log: Callable[[str], None] = _stderr,
 ) -> ModelTuneResult:
     """Tune one or several models together and write the tuned models to `out`.
@@ -283,12 +285,18 @@ def tune_models(
     alternative beside it (`tunefarm.models.alternatives`; () for none). `pretrained`:
     without a cost model of its own, start from the shipped pretrained one. `peers`: the
     engines each tuned model is timed beside (None: those installed; (): none; its
-    output is checked against its reference either way)."""
+    output is checked against its reference either way). `precision`: "fp32" (the
+    default: the models as imported) or "fp16" (CUDA targets with tensor cores: float16
+    operands with float32 accumulation, `tunefarm.models.precision`; the check's
+    tolerance and the report say so)."""
     _check_tune_arguments(trials, out, conv_layout)
     out = Path(out)
     target = target or host_target_dict()
+    check_precision(precision, target)
     t_start = time.perf_counter()
-    models = _load_models(sources, input_shapes, example_inputs, CONV_LAYOUT_CHOICES[conv_layout], log)
+    models = _load_models(sources, input_shapes, example_inputs, CONV_LAYOUT_CHOICES[conv_layout], log, precision)
+    if precision != FP32:
+        log(f"computing in {precision}: float16 operands, float32 accumulation (tensor cores where shapes allow)")
     latency_targets = _latency_targets_by_model(latency_targets, models)
     shared = merge_tasks([m.tasks for m in models])
     log(
@@ -318,6 +326,7 @@ def tune_models(
     report["conv_layout"] = conv_layout
     report["cost_model"] = result.cost_model.as_report() if result.cost_model else None
     report["algorithms"] = list(algorithms)
+    report["precision"] = precision
     (out / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
     return ModelTuneResult(out, outcomes, result, report, schedules)
 
@@ -381,12 +390,14 @@ def _latency_targets_by_model(
     return targets
 
 
-def _load_models(sources, input_shapes, example_inputs, conv_layouts, log: Callable[[str], None]) -> list:
+def _load_models(sources, input_shapes, example_inputs, conv_layouts, log: Callable[[str], None],
+                 precision: str = FP32) -> list:  # fmt: skip
     taken: set[str] = set()
     models = []
     for src in sources:
         name = model_name(src, taken)
-        models.append(load_model(src, input_shapes, name=name, example_inputs=example_inputs, conv_layouts=conv_layouts))
+        models.append(load_model(src, input_shapes, name=name, example_inputs=example_inputs, conv_layouts=conv_layouts,
+                                 precision=precision))  # fmt: skip
         for w in models[-1].imported.warnings:
             log(f"{name}: {w}")
     return models

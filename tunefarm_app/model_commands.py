@@ -49,6 +49,11 @@ def add_commands(sub) -> None:
         "--no-winograd", action="store_true",
         help="tune 3x3 stride-1 convolutions only as they are, not also by Winograd F(m x m, 3 x 3)",
     )
+    u.add_argument(
+        "--precision", choices=["fp32", "fp16"], default="fp32",
+        help="what the models compute in: fp32 (default, as imported) or fp16 (CUDA targets, sm_70+: float16 "
+        "operands with float32 accumulation, matrix multiplies on tensor cores; checked with a float16 tolerance)",
+    )
     u.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
     u.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live view")
     add_cost_model_args(u)
@@ -231,6 +236,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         pretrained=not args.no_pretrained,
         conv_layout=args.conv_layout,
         algorithms=() if args.no_winograd else ALGORITHMS,
+        precision=args.precision,
     )
     report = result.report
     failed = False

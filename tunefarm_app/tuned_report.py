@@ -211,6 +211,7 @@ def check_lines(check: Mapping[str, Any]) -> list[str]:
     lines = [
         f"check      {verdict} {check.get('reference', 'the reference')} on {len(kinds)} input kinds; "
         f"tolerance |out - ref| <= {tol['atol_of_scale']:g} x max|ref| + {tol['rtol']:g} x |ref| per element"
+        + (f" ({tol['precision']}: float16's rounding)" if tol.get("precision") else "")
     ]
     for r in rows:
         if r.get("problem"):

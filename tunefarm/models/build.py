@@ -47,6 +47,8 @@ from tunefarm.errors import ModelError
 from tunefarm.export import export_library
 from tunefarm.gpu import is_gpu
 from tunefarm.isolation import WITHOUT_TORCH, IsolatedWorker, summarize_error
+from tunefarm.models.check import Tolerance
+from tunefarm.models.precision import FP32, reductions_per_run, tolerance
 from tunefarm.records import TensorSpec, TraceJSON
 
 LIBRARY_NAME = "model.so"
@@ -171,13 +173,16 @@ def build_model_library(
     timeout: float = BUILD_TIMEOUT,
     worker: IsolatedWorker | None = None,
     cuda_graph: bool = False,
+    precision: str = FP32,
 ) -> BuiltModel:
     """Apply `schedules` to `fused_mod`, compile it for `target` and write
     `out_dir/model.so` (`model.cuda.tar` for a CUDA target: `library_name`) and
     `out_dir/manifest.json`. Runs in an isolated child process
     (`worker`, or a fresh one closed afterwards); every failure is a `ModelError`.
     `cuda_graph` (CUDA targets only): the kernels between the model's inputs and outputs
-    run as one CUDA graph (`tunefarm.cuda.CUDA_GRAPH_CONFIG`); the manifest says so."""
+    run as one CUDA graph (`tunefarm.cuda.CUDA_GRAPH_CONFIG`); the manifest says so.
+    `precision`: what `fused_mod` computes in (`tunefarm.models.precision`); the manifest
+    of a reduced-precision model says so (and its check takes that tolerance)."""
     import tvm
 
     if cuda_graph and not is_gpu(target):
@@ -209,7 +214,8 @@ def build_model_library(
     result = outcome.value
     manifest_path = write_manifest(
         out, name=name, target=target, inputs=inputs, outputs=outputs, scheduled=result["scheduled"],
-        cuda_graph=cuda_graph,
+        cuda_graph=cuda_graph, precision=precision,
+        reductions=reductions_per_run(fused_mod) if precision != FP32 else 0,
     )
     return BuiltModel(
         out,
@@ -230,8 +236,11 @@ def write_manifest(
     outputs: Sequence[TensorSpec],
     scheduled: Sequence[str],
     cuda_graph: bool = False,
+    precision: str = FP32,
+    reductions: int = 0,
 ) -> Path:
-    """Write `out/manifest.json` for the library `out/model.so` (`library_name`)."""
+    """Write `out/manifest.json` for the library `out/model.so` (`library_name`); a model
+    in reduced precision has "precision" (a float32 one none: `manifest_precision`)."""
     manifest = {
         "version": MANIFEST_VERSION,
         "name": name,
@@ -244,9 +253,18 @@ def write_manifest(
     }
     if cuda_graph:
         manifest["cuda_graph"] = True
+    if precision != FP32:
+        manifest["precision"] = precision
+        manifest["reductions_per_run"] = reductions
     path = Path(out) / MANIFEST_NAME
     path.write_text(json.dumps(manifest, indent=2) + "\n")
     return path
+
+
+def manifest_tolerance(manifest: Mapping[str, Any]) -> Tolerance:
+    """The check's tolerance of a built model: its precision's (a manifest without one:
+    float32's), `tunefarm.models.precision.tolerance`."""
+    return tolerance(str(manifest.get("precision", FP32)), int(manifest.get("reductions_per_run", 0)))
 
 
 def build_default_library(fused_mod, out_dir: str | Path, **kwargs: Any) -> BuiltModel:

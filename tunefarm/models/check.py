@@ -49,6 +49,12 @@ only while the float32 reference is itself close to the exact one (within
 REFERENCE_AGREEMENT of `scale`); otherwise the tolerance's verdict stands. A wrong kernel
 is orders of magnitude further from the exact result than rounding puts either engine,
 and still fails.
+
+Reduced precision. A model tuned in float16 (`tunefarm.models.precision`) is checked
+against the same float32 reference with the bounds its precision gives (a `Tolerance`
+other than `FLOAT32_TOLERANCE`: float16's rounding through the model's reductions, its
+noise floor float16's epsilon); the report's tolerance names the precision and how the
+bounds were derived.
 """
 
 from __future__ import annotations
@@ -83,6 +89,25 @@ REFERENCE_AGREEMENT = 1e-2
 
 CHECK_SEED = 0
 """Seed of the first input kind's arrays (kind i uses CHECK_SEED + i)."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The bounds of the check (see the module docstring): `rtol` of each element's own
+    value, `atol_of_scale` of its output's largest |reference|, and the noise judgment's
+    floor `noise_floor` (the model's rounding unit, relative to that largest value).
+    `precision` names what the model computes in; `derivation`, for a reduced precision,
+    how the bounds follow from it (for the report)."""
+
+    rtol: float = RTOL
+    atol_of_scale: float = ATOL_OF_SCALE
+    noise_floor: float = FLOAT32_EPS
+    precision: str = "fp32"
+    derivation: dict[str, Any] | None = None
+
+
+FLOAT32_TOLERANCE = Tolerance()
+"""The check of a model computed in float32."""
 
 
 @dataclass(frozen=True)
@@ -182,8 +207,10 @@ class OutputError:
         return text
 
 
-def compare_output(got: np.ndarray, want: np.ndarray, *, input_kind: str, output: str) -> OutputError:
-    """`got` against `want` element by element (see the module docstring)."""
+def compare_output(
+    got: np.ndarray, want: np.ndarray, *, input_kind: str, output: str, tolerance: Tolerance = FLOAT32_TOLERANCE
+) -> OutputError:
+    """`got` against `want` element by element, within `tolerance` (see the module docstring)."""
     got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape:
         return OutputError(input_kind, output, math.inf, math.inf, 0.0, want.size, want.size,
@@ -191,10 +218,10 @@ def compare_output(got: np.ndarray, want: np.ndarray, *, input_kind: str, output
     g, w = got.astype(np.float64), want.astype(np.float64)
     finite = np.isfinite(w)
     scale = float(np.max(np.abs(w), initial=0.0, where=finite))
-    atol = ATOL_OF_SCALE * scale if scale > 0 else ATOL_FLOOR
+    atol = tolerance.atol_of_scale * scale if scale > 0 else ATOL_FLOOR
     with np.errstate(invalid="ignore", over="ignore"):
         err = np.abs(g - w)
-        close = np.where(finite, err <= atol + RTOL * np.abs(w), (g == w) | (np.isnan(g) & np.isnan(w)))
+        close = np.where(finite, err <= atol + tolerance.rtol * np.abs(w), (g == w) | (np.isnan(g) & np.isnan(w)))
     bad = ~close
     err = np.where(finite, np.nan_to_num(err, nan=np.inf), np.where(close, 0.0, np.inf))
     max_abs = float(err.max()) if err.size else 0.0
@@ -208,10 +235,12 @@ def compare_output(got: np.ndarray, want: np.ndarray, *, input_kind: str, output
     return OutputError(input_kind, output, max_abs, max_rel, scale, n_bad, int(w.size), worst)
 
 
-def judge_noise(error: OutputError, got: np.ndarray, want: np.ndarray, exact: np.ndarray) -> OutputError:
+def judge_noise(
+    error: OutputError, got: np.ndarray, want: np.ndarray, exact: np.ndarray, *, noise_floor: float = FLOAT32_EPS
+) -> OutputError:
     """`error` (an output that failed the tolerance) judged against the exact result: within
     noise when `got` is at most NOISE_FACTOR times further from `exact` than the float32
-    reference `want` is (see the module docstring)."""
+    reference `want` is, or than `noise_floor` of the scale (see the module docstring)."""
     if error.problem or np.shape(exact) != np.shape(want):
         return error
     e = np.asarray(exact, dtype=np.float64)
@@ -221,21 +250,28 @@ def judge_noise(error: OutputError, got: np.ndarray, want: np.ndarray, exact: np
     with np.errstate(invalid="ignore", over="ignore"):
         ours = float(np.max(np.abs(np.asarray(got, np.float64) - e), initial=0.0))
         noise = float(np.max(np.abs(np.asarray(want, np.float64) - e), initial=0.0))
-    floor = FLOAT32_EPS * error.scale
+    floor = noise_floor * error.scale
     agree = noise <= REFERENCE_AGREEMENT * error.scale
     within = bool(agree and math.isfinite(ours) and ours <= NOISE_FACTOR * max(noise, floor))
     return replace(error, exact_error=ours, reference_noise=noise, within_noise=within)
 
 
 def compare_outputs(
-    got: Sequence[np.ndarray], want: Sequence[np.ndarray], *, input_kind: str, names: Sequence[str] | None = None
+    got: Sequence[np.ndarray],
+    want: Sequence[np.ndarray],
+    *,
+    input_kind: str,
+    names: Sequence[str] | None = None,
+    tolerance: Tolerance = FLOAT32_TOLERANCE,
 ) -> list[OutputError]:
     """Every output against its reference; a count that differs is one failed entry."""
     if len(got) != len(want):
         return [OutputError(input_kind, "*", math.inf, math.inf, 0.0, 0, 0,
                             problem=f"{len(got)} outputs, the reference has {len(want)}")]
     names = list(names) if names is not None and len(names) == len(want) else [str(i) for i in range(len(want))]
-    return [compare_output(g, w, input_kind=input_kind, output=n) for g, w, n in zip(got, want, names)]
+    return [
+        compare_output(g, w, input_kind=input_kind, output=n, tolerance=tolerance) for g, w, n in zip(got, want, names)
+    ]
 
 
 @dataclass(frozen=True)
@@ -245,6 +281,7 @@ class ModelCheck:
     reference: str  # "onnxruntime" or "torch"
     errors: tuple[OutputError, ...]  # per input kind, per output
     exact_reference: str = ""  # what gave the float64 results of the noise judgment ("" if none ran)
+    tolerance: Tolerance = FLOAT32_TOLERANCE
 
     @property
     def ok(self) -> bool:
@@ -269,7 +306,7 @@ class ModelCheck:
             "reference": self.reference,
             "max_abs_error": self.max_abs_error,
             "max_rel_error": self.max_rel_error,
-            "tolerance": tolerance_report(),
+            "tolerance": tolerance_report(self.tolerance),
             "outputs": [
                 {
                     "input": e.input_kind,
@@ -296,23 +333,30 @@ class ModelCheck:
         }
 
 
-def tolerance_report() -> dict[str, Any]:
+def tolerance_report(tolerance: Tolerance = FLOAT32_TOLERANCE) -> dict[str, Any]:
+    """The tolerance as the report states it; a reduced precision's names the precision
+    and its derivation (a float32 model's report is as it always was)."""
+    reduced = tolerance != FLOAT32_TOLERANCE
+    floor = f"{tolerance.precision} eps ({tolerance.noise_floor:.3g})" if reduced else "float32 eps"
     return {
-        "rtol": RTOL,
-        "atol_of_scale": ATOL_OF_SCALE,
+        **({"precision": tolerance.precision} if reduced else {}),
+        "rtol": tolerance.rtol,
+        "atol_of_scale": tolerance.atol_of_scale,
         "rule": "|out - ref| <= atol_of_scale * max|ref| + rtol * |ref|, every element",
         "noise_factor": NOISE_FACTOR,
         "noise_rule": (
-            "else, per output: max|out - exact| <= noise_factor * max(max|ref - exact|, float32 eps * max|ref|),"
+            f"else, per output: max|out - exact| <= noise_factor * max(max|ref - exact|, {floor} * max|ref|),"
             " exact = the model in float64"
         ),
+        **({"derivation": tolerance.derivation} if reduced and tolerance.derivation else {}),
         "inputs": {k.name: k.description for k in INPUT_KINDS},
     }
 
 
-def tolerance_text() -> str:
+def tolerance_text(tolerance: Tolerance = FLOAT32_TOLERANCE) -> str:
     """The tolerance in one line, for the terminal."""
-    return f"|out - ref| <= {ATOL_OF_SCALE:g} x max|ref| + {RTOL:g} x |ref| per element"
+    text = f"|out - ref| <= {tolerance.atol_of_scale:g} x max|ref| + {tolerance.rtol:g} x |ref| per element"
+    return text if tolerance == FLOAT32_TOLERANCE else f"{text} ({tolerance.precision})"
 
 
 def check_model(
@@ -323,14 +367,15 @@ def check_model(
     reference_name: str,
     output_names: Sequence[str] | None = None,
     exact: ExactReference | None = None,
+    tolerance: Tolerance = FLOAT32_TOLERANCE,
 ) -> ModelCheck:
-    """Run the model and the reference on each kind's inputs (`check_inputs`) and compare;
-    outputs that fail the tolerance are judged against `exact` (float64) when given."""
+    """Run the model and the reference on each kind's inputs (`check_inputs`) and compare
+    within `tolerance`; outputs that fail it are judged against `exact` (float64) when given."""
     errors: list[OutputError] = []
     for kind, feeds in inputs.items():
         errors += check_outputs(list(run(feeds)), list(reference(feeds)), feeds, input_kind=kind,
-                                names=output_names, exact=exact)
-    return ModelCheck(reference_name, tuple(errors), exact_name(errors, exact))
+                                names=output_names, exact=exact, tolerance=tolerance)  # fmt: skip
+    return ModelCheck(reference_name, tuple(errors), exact_name(errors, exact), tolerance)
 
 
 def check_outputs(
@@ -341,11 +386,12 @@ def check_outputs(
     input_kind: str,
     names: Sequence[str] | None = None,
     exact: ExactReference | None = None,
+    tolerance: Tolerance = FLOAT32_TOLERANCE,
 ) -> list[OutputError]:
-    """The outputs of one input kind (`feeds`) against the reference's; those that fail the
-    tolerance are judged against the exact results of `feeds` when `exact` is given (and
-    keep the tolerance's verdict when the exact reference cannot run this model)."""
-    found = compare_outputs(got, want, input_kind=input_kind, names=names)
+    """The outputs of one input kind (`feeds`) against the reference's within `tolerance`;
+    those that fail it are judged against the exact results of `feeds` when `exact` is
+    given (and keep the tolerance's verdict when the exact reference cannot run this model)."""
+    found = compare_outputs(got, want, input_kind=input_kind, names=names, tolerance=tolerance)
     if exact is None or all(e.ok for e in found) or len(found) != len(want):
         return found
     try:
@@ -354,7 +400,8 @@ def check_outputs(
         return found
     if len(exact_out) != len(want):
         return found
-    return [e if e.ok else judge_noise(e, g, w, x) for e, g, w, x in zip(found, got, want, exact_out)]
+    floor = tolerance.noise_floor
+    return [e if e.ok else judge_noise(e, g, w, x, noise_floor=floor) for e, g, w, x in zip(found, got, want, exact_out)]
 
 
 def exact_name(errors: Sequence[OutputError], exact: ExactReference | None) -> str:

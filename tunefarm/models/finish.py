@@ -49,6 +49,7 @@ from tunefarm.models import check
 from tunefarm.models.alternatives import DIRECT, Choice, schedule_key
 from tunefarm.models.build import build_default_library, build_model_library, library_name
 from tunefarm.models.importer import ImportedModel, import_model
+from tunefarm.models.precision import FP32, reductions_per_run, tolerance
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, available_peers
 from tunefarm.models.runtime import model_threads, model_worker, run_model, time_side_by_side
 from tunefarm.models.suspects import Suspects, find_suspects
@@ -117,13 +118,14 @@ def load_model(
     name: str,
     example_inputs: Sequence[Any] | None = None,
     conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS,
+    precision: str = FP32,
 ) -> LoadedModel:
     """Import one model (a path, ONNX bytes, a ModelProto or a torch module) and extract
-    its tasks (`conv_layouts`: `tunefarm.models.tasks.fuse`'s)."""
+    its tasks (`conv_layouts`, `precision`: `tunefarm.models.tasks.fuse`'s)."""
     if isinstance(source, (str, Path)) and not Path(source).is_file():
         raise ModelError(f"no such model file: {source}")
     imported = import_model(source, input_shapes, name=name, example_inputs=example_inputs)
-    tasks = extract_tasks(imported, name=name, conv_layouts=conv_layouts)
+    tasks = extract_tasks(imported, name=name, conv_layouts=conv_layouts, precision=precision)
     if imported.onnx_bytes is not None:
         # The reference is the graph the user has, not the simplified one TVM converted:
         # a simplification that moved the results must not move the reference with them.
@@ -234,6 +236,7 @@ def finish_model(
         outputs=m.imported.outputs,
         schedules=mine,
         name=m.name,
+        precision=m.tasks.precision,
     )
     threads = model_threads(directory)
     on_gpu = is_gpu(target)
@@ -260,7 +263,7 @@ def finish_model(
         default_dir = directory / "untuned"
         build_default_library(
             m.tasks.fused_mod, default_dir, target=target, inputs=m.imported.inputs, outputs=m.imported.outputs,
-            name=f"{m.name} (untuned)",
+            name=f"{m.name} (untuned)", precision=m.tasks.precision,
         )
         d = run_model(default_dir, feeds, repeat=DEFAULT_BUILD_REPEAT, threads=threads)
         default_latency = d.latency.as_report() if d.latency else None
@@ -304,6 +307,7 @@ def _failed_check(
             build_model_library(
                 m.tasks.fused_mod, tmp, target=target, inputs=m.imported.inputs, outputs=m.imported.outputs,
                 schedules=picked, name=f"{m.name} ({len(picked)} tuned tasks)", worker=builder,
+                precision=m.tasks.precision,
             )
             return not check_built(m, Path(tmp), worker=runner).ok
 
@@ -398,7 +402,14 @@ def check_built(m: LoadedModel, directory: Path, *, worker: IsolatedWorker | Non
         reference_name=m.reference_name,
         output_names=[t.name for t in m.imported.outputs],
         exact=m.exact,
+        tolerance=model_tolerance(m),
     )
+
+
+def model_tolerance(m: LoadedModel) -> check.Tolerance:
+    """The check's tolerance of `m`: its precision's (`tunefarm.models.precision.tolerance`)."""
+    precision = m.tasks.precision
+    return tolerance(precision, reductions_per_run(m.tasks.fused_mod) if precision != FP32 else 0)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -454,6 +465,7 @@ def _model_entry(
     at_start = complete[0]["estimated_seconds"][m.name] if complete else None
     return {
         "name": m.name,
+        "precision": m.tasks.precision,
         "directory": str(o.directory) if o.directory else None,
         "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in m.imported.inputs],
         "outputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in m.imported.outputs],

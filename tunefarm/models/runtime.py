@@ -31,7 +31,7 @@ from tunefarm.cuda import CUDA_KERNEL_SUFFIX
 from tunefarm.errors import ModelError, ModelRunError
 from tunefarm.isolation import WITHOUT_TORCH, IsolatedWorker, summarize_error
 from tunefarm.models import check
-from tunefarm.models.build import MANIFEST_NAME, call_isolated, child_error_text
+from tunefarm.models.build import MANIFEST_NAME, call_isolated, child_error_text, manifest_tolerance
 from tunefarm.models.check import ModelCheck
 from tunefarm.models.peers import available_peers, peer_call
 from tunefarm.models.timing import ROUNDS, WARMUP_CALLS, Block, Latency, time_calls, time_interleaved
@@ -198,6 +198,7 @@ def check_library(model_dir: str | Path, onnx_model: Any, *, worker: IsolatedWor
             reference_name="onnxruntime",
             output_names=[s["name"] for s in manifest["outputs"]],
             exact=check.exact_onnx_reference(onnx_model),
+            tolerance=manifest_tolerance(manifest),
         )
     finally:
         if worker is None:

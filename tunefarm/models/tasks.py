@@ -30,6 +30,9 @@ The pipeline (`fusion_passes()`), in order:
   residual add) computes in the reshape's source shape, so that it fuses into the
   MatMul; in BERT-base's layer, 12 tasks -> 11 and no elementwise kernel left after a
   dense layer;
+- conversion_passes (`tunefarm.models.precision`), only when reduced precision is asked
+  for: Relax's ToMixedPrecision (float16 operands, float32 accumulation) and the weights'
+  casts folded; a float32 model goes through none of it;
 - mark_slice_ops (`tunefarm.models.slices`): a concat or split whose slices lie back to
   back in memory becomes a call of its own opaque function, which fusion leaves alone
   and the build replaces by views of one buffer (no copy kernel);
@@ -62,6 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunefarm.errors import ModelError
+from tunefarm.models.precision import FP32, conversion_passes
 from tunefarm.workloads.base import Workload, workload_from_prim_func
 
 CONV_LAYOUTS = {"relax.nn.conv2d": ["NHWC", "OHWI"], "relax.nn.conv2d_transpose": ["NCHW", "IOHW"]}
@@ -75,9 +79,11 @@ CONV_LAYOUT_CHOICES: dict[str, dict[str, list[str]] | None] = {"nhwc": CONV_LAYO
 or "model" (the model's own, e.g. NCHW: channel concats and splits stay views)."""
 
 
-def fusion_passes(conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS) -> list:
+def fusion_passes(conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS, precision: str = FP32) -> list:
     """The passes `fuse` runs, in order (see the module docstring for why each);
-    `conv_layouts=None` keeps the model's own layouts (no ConvertLayout)."""
+    `conv_layouts=None` keeps the model's own layouts (no ConvertLayout); `precision`
+    other than fp32 converts the model after its layouts, before legalization
+    (`tunefarm.models.precision`)."""
     from tvm import relax
 
     from tunefarm.models import slices
@@ -92,6 +98,7 @@ def fusion_passes(conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS) -> l
         t.CanonicalizeBindings(),
         *layout,
         sink_reshapes(),
+        *conversion_passes(precision),
         slices.mark_slice_ops(),
         t.LegalizeOps(),
         t.AnnotateTIROpPattern(),
@@ -143,17 +150,18 @@ def fold_constant_layouts():
     return fold
 
 
-def fuse(mod, conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS):
-    """The fused module: a Relax "main" that calls one PrimFunc per fused subgraph."""
+def fuse(mod, conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS, precision: str = FP32):
+    """The fused module: a Relax "main" that calls one PrimFunc per fused subgraph, in
+    `precision` (`tunefarm.models.precision`)."""
     import tvm
 
     try:
-        fused = tvm.transform.Sequential(fusion_passes(conv_layouts))(mod)
+        fused = tvm.transform.Sequential(fusion_passes(conv_layouts, precision))(mod)
         if conv_layouts and _unlowered_ops(fused):
             # An operator whose lowering does not take the converted layout stays a
             # Relax operator the VM cannot run: the model's own layout, unless that
             # leaves such operators too (then the build names them).
-            own = tvm.transform.Sequential(fusion_passes(None))(mod)
+            own = tvm.transform.Sequential(fusion_passes(None, precision))(mod)
             if len(_unlowered_ops(own)) < len(_unlowered_ops(fused)):
                 return own
         return fused
@@ -227,6 +235,7 @@ class ModelTasks:
     fused_mod: object  # tvm.IRModule: Relax "main" plus the fused PrimFuncs
     tasks: tuple[ModelTask, ...]
     elided: tuple[str, ...] = ()  # PrimFuncs whose calls the build turns into views (reshapes, slices)
+    precision: str = FP32  # what the fused module computes in (`tunefarm.models.precision`)
 
     @property
     def total_flops(self) -> float:
@@ -278,11 +287,12 @@ def extract_tasks(
     name: str | None = None,
     fused: bool = False,
     conv_layouts: dict[str, list[str]] | None = CONV_LAYOUTS,
+    precision: str = FP32,
 ) -> ModelTasks:
     """Fuse `model` (an `ImportedModel` or a Relax IRModule) and list its tasks.
 
-    With `fused=True` the IRModule is taken as already fused (the output of `fuse`);
-    `conv_layouts` is `fuse`'s.
+    With `fused=True` the IRModule is taken as already fused (the output of `fuse`, in
+    `precision`); `conv_layouts` and `precision` are `fuse`'s.
     """
     import tvm
 
@@ -290,8 +300,8 @@ def extract_tasks(
     name = name or getattr(model, "name", None) or "model"
     if not isinstance(mod, tvm.IRModule) or "main" not in [gv.name_hint for gv in mod.get_global_vars()]:
         raise ModelError(f"{name}: expected an IRModule with a Relax main function")
-    fused_mod = mod if fused else fuse(mod, conv_layouts)
-    return ModelTasks(name, fused_mod, *_tasks_of(fused_mod, name))
+    fused_mod = mod if fused else fuse(mod, conv_layouts, precision)
+    return ModelTasks(name, fused_mod, *_tasks_of(fused_mod, name), precision=precision)
 
 
 def merge_tasks(models: Sequence[ModelTasks]) -> tuple[SharedTask, ...]:
