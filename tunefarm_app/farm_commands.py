@@ -4,7 +4,7 @@ command line, where `ps` shows it):
 
   tunefarm submit MODEL.onnx [--input-shape x=1,3,224,224] --device-class C --trials N
                   [--latency-target MS] [--strategy gradient|round-robin] [--seed S] [--no-winograd]
-                  [--follow [--retry-secs S]]
+                  [--precision fp32|fp16] [--follow [--retry-secs S]]
   tunefarm status ID [--follow [--retry-secs S]] [--json]
   tunefarm fetch ID --out DIR [--records]
   tunefarm cancel ID
@@ -43,6 +43,9 @@ def add_commands(sub) -> None:
     s.add_argument("--seed", type=int, default=1, help="seed of the job's search (default 1)")
     s.add_argument("--no-winograd", action="store_true",
                    help="tune 3x3 stride-1 convolutions only as they are, not also by Winograd (as tune takes it)")
+    s.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
+                   help="fp16: float16 operands with float32 accumulation, on a CUDA class with tensor cores "
+                   "(as tune takes it; default fp32)")
     s.add_argument("--name", help="the model's name (default: the file name)")
     s.add_argument("--follow", action="store_true",
                    help="show the live progress table until the job ends (retries a lost connection)")
@@ -144,6 +147,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             strategy=args.strategy,
             seed=args.seed,
             winograd=False if args.no_winograd else None,  # None: the farm's default (on)
+            precision=None if args.precision == "fp32" else args.precision,  # a farm before precision takes fp32
         )
         print(f"job        {job['id']}: {job['state']} on {job['device_class']}, {job['trial_budget']} trials")
         if not args.follow:

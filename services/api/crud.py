@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from services.api.exceptions import Conflict, InvalidRequest, NotFound, QuotaExceeded
+from services.api.intake import ModelVariant
 from services.api.job_tasks import job_task_rows
 from services.api.schemas import (
     ArtifactPublic,
@@ -41,7 +42,9 @@ from services.db.jobs import ACTIVE_JOB_STATES, TaskDetail
 from services.db.models import Agent, DeviceClass, Job, Model
 from services.db.session import Session, SessionFactory, transaction
 from services.db.states import JobState
+from tunefarm.errors import UsageError
 from tunefarm.models.alternatives import ALGORITHMS
+from tunefarm.models.precision import FP32, check_precision
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
 from tunefarm.models.timing import speedup
 from tunefarm.search.config import batch_size_for
@@ -119,20 +122,46 @@ def check_team_quota(session: Session, *, team_id: int, trial_budget: int, quota
         )
 
 
-def create_job(
-    session: Session, *, team_id: int, body: JobCreate, max_trial_budget: int, quota: TeamQuota | None = None
-) -> Job:
-    """A queued job and its tasks (the model's, keyed for the class's target), within the
-    team's quota (the API always gives one; None: an operator's tool, unchecked)."""
+def check_job_request(session: Session, *, team_id: int, body: JobCreate, max_trial_budget: int) -> tuple[Model, DeviceClass]:
+    """The job's model and class, once the request is one the farm can do: a budget within
+    its limit, a model of the team, a known class, a precision the class computes in
+    (`tunefarm.models.precision.check_precision`). Raises `InvalidRequest`, `NotFound`."""
     if body.trial_budget > max_trial_budget:
         raise InvalidRequest(
             f"trial_budget {body.trial_budget} is larger than this farm allows ({max_trial_budget})"
         )
     model = get_model(session, team_id=team_id, model_id=body.model_id)
     device_class = device_class_by_name(session, name=body.device_class)
+    try:
+        check_precision(body.precision, device_class.target, option="precision")
+    except UsageError as exc:
+        raise InvalidRequest(f"{exc} (device class {device_class.name!r})") from None
+    return model, device_class
+
+
+def create_job(
+    session: Session,
+    *,
+    team_id: int,
+    body: JobCreate,
+    max_trial_budget: int,
+    quota: TeamQuota | None = None,
+    variant: ModelVariant | None = None,
+) -> Job:
+    """A queued job and its tasks (the model's, keyed for the class's target), within the
+    team's quota (the API always gives one; None: an operator's tool, unchecked). A job
+    in reduced precision tunes `variant`'s tasks (the model converted, `take_in_variant`),
+    and its config names the precision and the variant's fused module; a float32 job's
+    config is as it always was."""
+    model, device_class = check_job_request(session, team_id=team_id, body=body, max_trial_budget=max_trial_budget)
+    if (variant.precision if variant else FP32) != body.precision:
+        raise ValueError(f"a job in {body.precision} needs the model converted to it")
     if quota is not None:
         check_team_quota(session, team_id=team_id, trial_budget=body.trial_budget, quota=quota)
-    tasks = uploads.model_tasks(session, model_id=model.id)
+    tasks = uploads.model_tasks(session, model_id=model.id) if variant is None else uploads.store_variant_tasks(
+        session, variant.tasks
+    )
+    reduced = {"precision": variant.precision, "fused_path": variant.fused.path} if variant is not None else {}
     return jobs.create_job(
         session,
         team_id=team_id,
@@ -145,6 +174,7 @@ def create_job(
             "seed": body.seed,
             "batch_size": batch_size_for(body.trial_budget, len(tasks)),
             "algorithms": list(ALGORITHMS) if body.winograd else [],
+            **reduced,
         },
         tasks=tasks,
         task_key_suffix=target_key(device_class.target),

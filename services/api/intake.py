@@ -45,14 +45,19 @@ PROBE_TARGET = {"kind": "llvm", "num-cores": 4}
 """The target a task's sketches are derived for when checking that it can be tuned at
 all (whether a program has sketches does not depend on the CPU)."""
 
+REDUCED_PRECISION_PROBE_TARGET = {"kind": "cuda", "arch": "sm_80"}
+"""The target the tasks of a model converted to reduced precision (a job's `precision`,
+CUDA classes with tensor cores only) are checked against."""
+
 _OWN_ERRORS = ("ModelError: ", "UsageError: ", "WorkloadError: ")
 
 
 def intake_job(
     onnx_path: str, shapes_json: str, name: str, staging_dir: str, data_dir: str, max_tensor_elements: int | None,
-    max_model_elements: int | None = None,
+    max_model_elements: int | None = None, precision: str = "fp32",
 ) -> dict[str, Any]:
-    """Child side: plain arguments, plain result; raises `ModelError`/`UsageError`."""
+    """Child side: plain arguments, plain result; raises `ModelError`/`UsageError`.
+    `precision`: what the fused module computes in (`tunefarm.models.precision`)."""
     from tunefarm.models.importer import import_model, read_onnx_file
 
     shapes = json.loads(shapes_json)
@@ -71,12 +76,13 @@ def intake_job(
 
     imported = import_model(model, shapes, name=name, max_tensor_elements=max_tensor_elements,
                             max_model_elements=max_model_elements)  # fmt: skip
-    tasks = extract_tasks(imported, name=name)
+    tasks = extract_tasks(imported, name=name, precision=precision)
     if not tasks.tasks:
         raise ModelError(f"{name}: the model has no kernel to tune (every operator is a reshape)")
+    probe = PROBE_TARGET if precision == "fp32" else REDUCED_PRECISION_PROBE_TARGET
     for t in tasks.tasks:
         try:
-            make_task(t.workload, PROBE_TARGET)
+            make_task(t.workload, probe)
         except WorkloadError as exc:
             raise ModelError(f"task {t.name} cannot be tuned: {exc}") from None
     fused = Path(staging_dir) / FUSED_NAME
@@ -142,6 +148,7 @@ def take_in(
     staging_dir: Path,
     data_dir: Path,
     limits: IntakeLimits,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """Run `intake_job` in one of the pool's importers. Raises `InvalidModel` for a model
     that cannot be taken in (malformed, unsupported operator, a tensor over the cap, the
@@ -158,6 +165,7 @@ def take_in(
                 str(data_dir),
                 limits.max_tensor_elements,
                 limits.max_model_elements,
+                precision,
                 timeout=timeout,
             )
     except WorkerStartError as exc:
@@ -260,6 +268,32 @@ def accept_upload(
         onnx = keep(root, _written(tmp / INLINED_NAME if intake["inlined"] else staged), suffix=".onnx")
         fused = keep(root, _written(tmp / FUSED_NAME), suffix=".fused.json")
     return TakenIn(model_name, shapes, onnx, fused, intake)
+
+
+@dataclass(frozen=True)
+class ModelVariant:
+    """A stored model converted to another precision for a job (`JobCreate.precision`):
+    its fused module, kept like an upload's, and its tasks (`intake_job`'s entries)."""
+
+    precision: str
+    fused: StoredFile
+    tasks: list[dict[str, Any]]
+
+
+def take_in_variant(
+    pool: IntakePool, *, onnx_path: Path, input_shapes: dict[str, list[int]], name: str, root: Path,
+    limits: IntakeLimits, precision: str,
+) -> ModelVariant:
+    """Import a stored model (self-contained: its external data was read in at upload)
+    again in `precision` with one of the pool's importers, and keep its fused module.
+    Raises as `take_in` does, having stored nothing."""
+    with staging(root) as tmp:
+        data_dir = tmp / DATA_DIR
+        data_dir.mkdir()
+        intake = take_in(pool, onnx_path=onnx_path, input_shapes=input_shapes, name=name, staging_dir=tmp,
+                         data_dir=data_dir, limits=limits, precision=precision)  # fmt: skip
+        fused = keep(root, _written(tmp / FUSED_NAME), suffix=".fused.json")
+    return ModelVariant(precision, fused, intake["tasks"])
 
 
 def _written(path: Path) -> Path:

@@ -93,6 +93,12 @@ class JobCreate(BaseModel):
         description="also tune each 3x3 stride-1 convolution by Winograd F(m x m, 3 x 3) and take it where it "
         "measures faster (CPU classes; false: the convolutions as they are)",
     )
+    precision: Literal["fp32", "fp16"] = Field(
+        default="fp32",
+        description="what the model computes in: 'fp32' (as uploaded) or 'fp16' (CUDA classes with tensor cores, "
+        "sm_70+: float16 operands with float32 accumulation, matrix multiplies on tensor cores; the tuned model "
+        "is checked against the float32 reference with a float16 tolerance)",
+    )
 
 
 class JobTaskAlternativePublic(BaseModel):

@@ -70,6 +70,13 @@ def store_model(
     return model
 
 
+def store_variant_tasks(session: Session, tasks: Sequence[dict[str, Any]]) -> list[StoredTask]:
+    """The tasks of a model converted for a job (an intake's task entries: another
+    precision's), their workloads inserted unless stored already, as a job takes them."""
+    ids = _store_workloads(session, tasks)
+    return [StoredTask(ids[t["key"]], t["key"], t["position"], t["weight"]) for t in tasks]
+
+
 def _store_workloads(session: Session, tasks: Sequence[dict[str, Any]]) -> dict[str, int]:
     """The workloads of `tasks`, inserted unless stored already (by key); their ids by key."""
     for t in tasks:

@@ -95,6 +95,7 @@ from tunefarm.models.finish import (
     write_records,
 )
 from tunefarm.models.importer import ImportedModel
+from tunefarm.models.precision import FP32
 from tunefarm.models.tasks import ModelTask, extract_tasks
 from tunefarm.records import MeasureRecord, TensorSpec
 from tunefarm.search.config import TuneConfig
@@ -208,11 +209,11 @@ class FarmJob:
         root = self.ctx.artifact_root
         s = self.setup
         try:
-            fused = tvm.ir.load_json((root / s.fused_path).read_text())
+            fused = tvm.ir.load_json((root / self.fused_path()).read_text())
             onnx_bytes = (root / s.onnx_path).read_bytes()
         except OSError as exc:
             raise JobFailed(f"the model's files are missing from the artifact root ({exc})") from None
-        tasks = extract_tasks(fused, name=s.model_name, fused=True)
+        tasks = extract_tasks(fused, name=s.model_name, fused=True, precision=self.precision())
         imported = ImportedModel(
             s.model_name,
             fused,
@@ -224,6 +225,16 @@ class FarmJob:
         return LoadedModel(
             imported, tasks, onnx_reference(onnx_bytes), "onnxruntime", onnx_bytes, exact_onnx_reference(onnx_bytes)
         )
+
+    def precision(self) -> str:
+        """What the job's model computes in (`JobCreate.precision`; a job made before the
+        choice existed, or a float32 one: fp32)."""
+        return str(self.setup.config.get("precision", FP32))
+
+    def fused_path(self) -> str:
+        """The fused module the job tunes: the model converted to the job's precision when
+        that is not float32 (the API's `take_in_variant`), else the model's own."""
+        return str(self.setup.config.get("fused_path", self.setup.fused_path))
 
     def transferred_programs(self) -> list[MeasureRecord]:
         """When the class's model descends from another class's (`ClassModel.transferred_from`),
@@ -456,13 +467,14 @@ class FarmJob:
                 choices=chosen,
             )  # fmt: skip
             report["algorithms"] = list(self.algorithms())
+            report["precision"] = self.precision()
             report["models"][0]["directory"] = "."
             report["farm"] = {"job": self.job_id, "device_class": s.device_class, "model_id": s.model_id}
             (directory / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
             rel = artifacts.job_archive_path(self.job_id)
             archive = archive_directory(directory, root / rel)
             sha, size = artifacts.file_sha256(archive), archive.stat().st_size
-            result = job_result(self.summary, outcome, report["models"][0]["tasks"], unconfirmed)
+            result = job_result(self.summary, outcome, report["models"][0]["tasks"], unconfirmed, self.precision())
             with transaction(self.ctx.sessions) as db:
                 job_store.finish_job(
                     db, job_id=self.job_id, artifact_path=rel, artifact_sha256=sha, artifact_size=size, result=result
@@ -520,6 +532,7 @@ class FarmJob:
                 outputs=m.imported.outputs,
                 schedules=schedules,  # a task's own key, or its chosen alternative's
                 name=m.name,
+                precision=m.tasks.precision,
             )
             if m.reference_onnx is not None:  # `tunefarm run`'s onnxruntime column, as `tune` writes it
                 (directory / REFERENCE_NAME).write_bytes(m.reference_onnx)
@@ -565,9 +578,12 @@ def unconfirmed_bests(
     return out
 
 
-def job_result(summary: TuningSummary, outcome: ModelOutcome, task_rows: list[dict], unconfirmed: list[str]) -> dict:
+def job_result(
+    summary: TuningSummary, outcome: ModelOutcome, task_rows: list[dict], unconfirmed: list[str], precision: str = FP32
+) -> dict:
     """A finished job's `result` (the API's job, `tunefarm status`): how the search ended,
-    the model measured on an agent of its class beside its peers, and its check."""
+    the model measured on an agent of its class beside its peers, its check, and the
+    precision it computes in."""
     return plain(
         {
             "stop_reason": summary.stop_reason,
@@ -580,6 +596,8 @@ def job_result(summary: TuningSummary, outcome: ModelOutcome, task_rows: list[di
             # peers the agent could not time, and why (a note, not a failure)
             "peer_notes": outcome.peer_notes,
             "tuned_tasks": sum(1 for r in task_rows if r["schedule"] == "tuned"),
+            # what the model computes in (`tunefarm.models.precision`): its check's tolerance is that precision's
+            "precision": precision,
             "tasks": len(task_rows),
             # Tasks (and alternatives) whose fastest measured kernel no second measurement
             # confirmed, where it would have beaten what the model uses: their fastest

@@ -64,7 +64,7 @@ from services.protocol.signing import ArtifactSigner, SignedKind
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.gpu import is_gpu
 from tunefarm.models import check
-from tunefarm.models.finish import LoadedModel, ModelOutcome, check_inputs, failed_library_name
+from tunefarm.models.finish import LoadedModel, ModelOutcome, check_inputs, failed_library_name, model_tolerance
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO
 from tunefarm.models.runtime import RUN_TIMEOUT, load_manifest
 from tunefarm.models.timing import Latency
@@ -137,12 +137,13 @@ def check_on_device(
         library.unlink(missing_ok=True)
         raise JobFailed(f"{m.name}: the tuned model did not run on {_device_text(measured_on, where)}: {failed.error}")
     names = [t.name for t in m.imported.outputs]
+    tolerance = model_tolerance(m)  # float32's, or the model's reduced precision's
     errors = []
     for kind, row in rows.items():
         assert row is not None
         errors += check.check_outputs(_outputs(where.artifact_root, row), m.reference(sets[kind]), sets[kind],
-                                      input_kind=kind, names=names, exact=m.exact)
-    result = check.ModelCheck(m.reference_name, tuple(errors), check.exact_name(errors, m.exact))
+                                      input_kind=kind, names=names, exact=m.exact, tolerance=tolerance)
+    result = check.ModelCheck(m.reference_name, tuple(errors), check.exact_name(errors, m.exact), tolerance)
     if not result.ok:
         library.replace(directory / failed_name)
         raise JobFailed(
