@@ -22,6 +22,8 @@ def add_commands(sub) -> None:
     t.add_argument("models", nargs="+", type=Path, help="ONNX files")
     _input_shape_arg(t)
     _conv_layout_arg(t)
+    t.add_argument("--precision", choices=["fp32", "fp16"], default="fp32",
+                   help="the tasks of the model in this precision (fp16: as tune --precision fp16 tunes it)")
     add_json_flag(t, "the task tables")
 
     u = sub.add_parser("tune", help="tune whole models and write the tuned, compiled models")
@@ -177,7 +179,8 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     listed: list[dict] = []
     for path in args.models:
-        m = load_model(path, shapes, name=model_name(path, taken), conv_layouts=CONV_LAYOUT_CHOICES[args.conv_layout])
+        m = load_model(path, shapes, name=model_name(path, taken), conv_layouts=CONV_LAYOUT_CHOICES[args.conv_layout],
+                       precision=args.precision)
         rows = m.tasks.table()
         listed.append({
             "model": m.name, "gflop_per_run": m.tasks.total_flops / 1e9, "elided": list(m.tasks.elided),

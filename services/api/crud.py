@@ -44,8 +44,8 @@ from services.db.session import Session, SessionFactory, transaction
 from services.db.states import JobState
 from tunefarm.errors import UsageError
 from tunefarm.models.alternatives import ALGORITHMS
-from tunefarm.models.precision import FP32, check_precision
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, latency_key
+from tunefarm.models.precision import FP32, check_precision
 from tunefarm.models.timing import speedup
 from tunefarm.search.config import batch_size_for
 from tunefarm.search.task import target_key

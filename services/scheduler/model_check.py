@@ -64,7 +64,13 @@ from services.protocol.signing import ArtifactSigner, SignedKind
 from services.scheduler.exceptions import FinishInterrupted, JobFailed
 from tunefarm.gpu import is_gpu
 from tunefarm.models import check
-from tunefarm.models.finish import LoadedModel, ModelOutcome, check_inputs, failed_library_name, model_tolerance
+from tunefarm.models.finish import (
+    LoadedModel,
+    ModelOutcome,
+    check_inputs,
+    failed_library_name,
+    model_tolerance,
+)
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO
 from tunefarm.models.runtime import RUN_TIMEOUT, load_manifest
 from tunefarm.models.timing import Latency

@@ -49,8 +49,8 @@ from tunefarm.models import check
 from tunefarm.models.alternatives import DIRECT, Choice, schedule_key
 from tunefarm.models.build import build_default_library, build_model_library, library_name
 from tunefarm.models.importer import ImportedModel, import_model
-from tunefarm.models.precision import FP32, reductions_per_run, tolerance
 from tunefarm.models.peers import ONNXRUNTIME, OPENVINO, available_peers
+from tunefarm.models.precision import FP32, reductions_per_run, tolerance
 from tunefarm.models.runtime import model_threads, model_worker, run_model, time_side_by_side
 from tunefarm.models.suspects import Suspects, find_suspects
 from tunefarm.models.tasks import CONV_LAYOUTS, ModelTasks, extract_tasks

@@ -10,8 +10,8 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from services.api import crud
 from services.api.deps import IntakeDep, PageDep, SessionsDep, SettingsDep, TeamDep
-from services.api.intake import IntakeLimits, ModelVariant, take_in_variant
 from services.api.downloads import artifact_download
+from services.api.intake import IntakeLimits, ModelVariant, take_in_variant
 from services.api.routers.responses import AUTH, errors
 from services.api.schemas import JobCreate, JobPage, JobPublic
 from services.db.session import transaction
