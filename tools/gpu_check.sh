@@ -112,10 +112,10 @@ done
 # GEMM 1024 on tensor cores (float16 inputs, float32 accumulation) against cuBLAS at that precision
 step gemm-fp16 120 "$PY" -m tunefarm_app.cli bench ops --target "$target" --ops gemm1024_fp16 --trials "$TRIALS_GEMM" \
   --seed 1 --no-metaschedule --work-dir "$work/bench-ops-fp16" --json "$OUT/gemm-fp16.json"
-# the pipelined (cp.async), dynamic-shared-memory and tensor-core kernels and the CUDA-graph
-# models run and checked against their references
-step pipeline-tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_pipeline.py tests/test_gpu_codegen.py \
-  tests/test_cuda_graphs.py tests/test_gpu_tensor_cores.py
+# the pipelined (cp.async), dynamic-shared-memory and tensor-core kernels, the CUDA-graph
+# models and a float16 model (--precision fp16) run and checked against their references
+step pipeline-tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_pipeline.py tests/test_gpu_codegen.py \
+  tests/test_cuda_graphs.py tests/test_gpu_tensor_cores.py tests/test_fp16_models.py
 step cublas-kernel 60 "$PY" -c "
 import torch
 torch.backends.cuda.matmul.allow_tf32 = False
