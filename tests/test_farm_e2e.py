@@ -99,6 +99,14 @@ def measured_twice(sessions_url: str, job_id: int) -> list[str]:
     return [k for (_, k), n in counts.items() if n > 1]
 
 
+def child_pids(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def loads_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def agent_timings(database_url: str, job_id: int) -> dict[str, list[float]]:
     """The samples the agent reported for the job's timed model run: the model's and each
     peer's, as stored by the lease service."""
@@ -192,6 +200,10 @@ def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     assert report["models"][0]["onnxruntime_latency"] == ort
     scheduler_log = Path(farm.processes["scheduler"].log).read_text()
     assert f"job {job['id']}: tiny: timed on {agent['name']}: p50" in scheduler_log
+    # the API's model importer runs TVM's code only: it did not load torch (tvm_ffi imports
+    # it whenever it is installed; `WITHOUT_TORCH`)
+    importers = child_pids(farm.processes["api"].pid)
+    assert importers and not any(loads_torch(pid) for pid in importers)
     assert f"job {job['id']}: tiny: building the tuned model" not in scheduler_log  # finish_model: the scheduler timing it
 
     # the same through the command line
