@@ -82,6 +82,18 @@ def test_farm_down_without_a_farm(tmp_path, capsys, monkeypatch):
     one_line_error(capsys, "no farm", str(tmp_path))
 
 
+def test_farm_down_stops_the_agents_first_and_the_farms_redis_last():
+    """The agents go offline while the lease service answers; the build workers shut
+    down warm while their Redis is there (stopped together, a worker blocked on Redis
+    lost it first and retried it until it was killed after the grace period)."""
+    from tunefarm_app.farm_local import stopping_order
+
+    names = ["redis", "api", "lease-service", "scheduler", "worker-1", "worker-2", "agent", "agent-haswell"]
+    assert stopping_order(names) == [
+        ["agent", "agent-haswell"], ["api", "lease-service", "scheduler", "worker-1", "worker-2"], ["redis"]]
+    assert stopping_order(["api", "worker-1", "agent"]) == [["agent"], ["api", "worker-1"]]  # a Redis not the farm's
+
+
 def test_process_commands_take_their_own_flags(capsys):
     with pytest.raises(SystemExit) as done:
         main(["worker", "--help"])

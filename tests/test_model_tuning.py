@@ -55,7 +55,9 @@ def test_tune_a_tiny_model_interrupt_resume_and_match_onnxruntime(tiny, tmp_path
     first = JsonlRecordStore(out / "records.jsonl").load()
     assert 5 <= len(first) < 16  # what was measured before the interruption is kept
 
-    result = tune_models([tiny], trials=16, out=out, target=TARGET, algorithms=(), log=lambda m: None)
+    # timed beside onnxruntime only: OpenVINO's timing is test_model_check's
+    result = tune_models([tiny], trials=16, out=out, target=TARGET, algorithms=(), peers=("onnxruntime",),
+                         log=lambda m: None)  # fmt: skip
     records = JsonlRecordStore(out / "records.jsonl").load()
     assert len(records) == 16 and result.tune.resumed == len(first)
     assert result.report["conv_layout"] == "nhwc"

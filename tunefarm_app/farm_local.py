@@ -42,7 +42,8 @@ on a command line (`ps` shows those to every user). What the farm writes under `
 077, and a new `D` and its logs/ and artifacts/ are 0700. `down` stops the farm's
 supervisor if it has one (below), then the processes (SIGTERM to each group, SIGKILL
 after a grace period; the agents first, so that they go offline while the lease service
-answers), and marks them stopped in farm.json.
+answers, and the farm's own Redis last, so that the build workers shut down warm), and
+marks them stopped in farm.json.
 
 `tunefarm farm up` runs `up` in a detached supervisor that starts again the processes
 that die (`tunefarm_app.farm_supervisor`; farm.json's `supervisor`); `up` itself, as
@@ -383,8 +384,8 @@ class LocalFarm:
             proc.wait()
 
     def stop_all(self, *, grace: float = STOP_GRACE_SECS) -> None:
-        """The agents first (`stopping_order`), then the rest; each group's SIGTERMs at
-        once, so that its processes stop in parallel."""
+        """The agents first (`stopping_order`), then the rest, Redis last; each group's
+        SIGTERMs at once, so that its processes stop in parallel."""
         for group in stopping_order(list(self.processes)):
             for name in group:
                 local_processes.signal_group(self.processes[name].pid, signal.SIGTERM)
@@ -525,9 +526,13 @@ def stopping_order(names: list[str]) -> list[list[str]]:
     """The farm's processes in the order they are stopped: its agents first, while the
     lease service still answers their GoOffline (they give back their leases and are
     offline at once; stopped together with it, each stayed idle in its row for the
-    freshness window), then the others."""
+    freshness window), then the others, then the farm's own Redis (stopped together
+    with it, a build worker blocked on it lost it before it saw its SIGTERM, and retried
+    it until it was killed after the grace period)."""
     agents = [n for n in names if n == "agent" or n.startswith("agent-")]
-    return [group for group in (agents, [n for n in names if n not in agents]) if group]
+    redis = [n for n in names if n == REDIS_PROCESS]
+    others = [n for n in names if n not in agents and n not in redis]
+    return [group for group in (agents, others, redis) if group]
 
 
 def read_state(state_dir: Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from services.api.exceptions import ServiceUnavailable, TooManyRequests
-from tunefarm.isolation import IsolatedWorker
+from tunefarm.isolation import WITHOUT_TORCH, IsolatedWorker
 
 RETRY_AFTER_SECS = 5
 """What a team over its limit is told to wait before trying again."""
@@ -48,9 +48,10 @@ class IntakePool:
         self.per_team = per_team
         self.wait_secs = wait_secs
         self._workers = [
-            # an upload is untrusted input to the importer: it runs without the API's secrets
+            # an upload is untrusted input to the importer: it runs without the API's secrets;
+            # it imports ONNX graphs with TVM only (no torch: `WITHOUT_TORCH`)
             IsolatedWorker(preload=preload, name=f"model-intake-{i}", memory_limit_bytes=memory_limit_bytes,
-                           env=IMPORTER_ENV, scrub_secrets=True)
+                           env=IMPORTER_ENV, scrub_secrets=True, blocked_imports=WITHOUT_TORCH)
             for i in range(size)
         ]
         self._idle = list(self._workers)

@@ -6,8 +6,8 @@ stdout and stderr the bench sends to a log file; MetaSchedule's own logs go to
 
 1. `import tvm.s_tir.tensor_intrin` (MetaSchedule's schedule rules need it). On this
    machine that import alone takes 20-40 s (TVMScript's parser calls `inspect.stack()` for
-   each of ~500 intrinsics); it is a one-off start-up cost, timed as `setup_secs` and
-   left out of the tuning wall time.
+   each of ~500 intrinsics; `import_tensor_intrinsics` brings it down to about 6 s); it is
+   a one-off start-up cost, timed as `setup_secs` and left out of the tuning wall time.
 2. `ms.tune_tir(mod, target, work_dir, max_trials_global=N, num_trials_per_iter=64)` with
    the workload's constant inputs marked `layout_free_buffers` (MetaSchedule's RewriteLayout
    then stores them in the layout its loops read, as tunefarm may), and
@@ -68,6 +68,26 @@ class MetaScheduleOutcome:
         return asdict(self)
 
 
+def import_tensor_intrinsics() -> None:
+    """`import tvm.s_tir.tensor_intrin`, with the import machinery's own frames known to
+    `inspect`. TVMScript's parser calls `inspect.stack()` for each intrinsic it parses
+    (~500), which looks up the module of every frame on the stack; a frame whose file
+    `inspect.getmodule` has not mapped costs a scan of all of `sys.modules` (~2000
+    modules after `import tvm`). The import's own frames ("<frozen importlib._bootstrap>",
+    a dozen per nested import) were never mapped, so each was such a scan: mapped to
+    their modules here, the import takes a fifth of the time. What `inspect` reports of
+    those frames is unchanged (a frozen module's source is not read either way)."""
+    import importlib._bootstrap
+    import importlib._bootstrap_external
+    import inspect
+
+    known = getattr(inspect, "modulesbyfile", None)  # getmodule's cache: file name -> module name
+    if isinstance(known, dict):
+        for module in (importlib._bootstrap, importlib._bootstrap_external):
+            known.setdefault(f"<frozen {module.__name__}>", module.__name__)
+    import tvm.s_tir.tensor_intrin  # noqa: F401
+
+
 def build_without_intrin(mod: Any, target: Any, _params: Any) -> Any:
     """MetaSchedule's `default_build` without its `import tvm.s_tir.tensor_intrin`
     (see the module docstring); the compilation itself is the same, with tunefarm's
@@ -120,8 +140,9 @@ def tune_metaschedule(
     """Steps 1-4 of the module docstring."""
     t0 = time.perf_counter()
     import tvm
-    import tvm.s_tir.tensor_intrin  # noqa: F401  (registers the intrinsics the rules look up)
     from tvm.s_tir import meta_schedule as ms
+
+    import_tensor_intrinsics()  # registers the intrinsics the rules look up
 
     from tunefarm.gpu import is_gpu
     from tunefarm.target import physical_cores
@@ -238,9 +259,10 @@ def tune_metaschedule_model(
     same fused module, the weight layout transforms folded, `tvm.compile`, export."""
     t0 = time.perf_counter()
     import tvm
-    import tvm.s_tir.tensor_intrin  # noqa: F401
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
+
+    import_tensor_intrinsics()
 
     from tunefarm.models.importer import import_model
     from tunefarm.models.tasks import fuse
