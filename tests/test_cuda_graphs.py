@@ -7,22 +7,17 @@ graph replays the captured launches: a kernel that read a stale input would show
 from __future__ import annotations
 
 import json
-import os
 import tarfile
 
 import numpy as np
 import pytest
+from gpu_machine import LOCAL_GPU, needs_nvcc
 from onnx_models import gpu_mix_onnx
 
-from tunefarm import cuda
 from tunefarm.errors import ModelError
 
 SM90 = {"kind": "cuda", "arch": "sm_90"}
 CAPTURE = b"vm.builtin.cuda_graph.run_or_capture"
-
-needs_nvcc = pytest.mark.skipif(
-    cuda.nvcc_path() is None and not os.environ.get("CI"), reason="nvcc (the CUDA toolkit) is not installed"
-)
 
 
 @pytest.fixture(scope="module")
@@ -61,17 +56,6 @@ def test_cuda_graphs_on_a_cpu_target_are_refused(mix, tmp_path):
         _build(mix, tmp_path / "cpu", host_target_dict(), cuda_graph=True)
     assert not (tmp_path / "cpu").exists()
 
-
-def _local_gpu_target() -> dict | None:
-    try:
-        dev = cuda.cuda_device()
-    except cuda.NoGpuError:
-        return None
-    major, minor = str(dev.compute_version).split(".")[:2]
-    return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
-
-
-LOCAL_GPU = _local_gpu_target()
 
 
 @needs_nvcc

@@ -10,14 +10,13 @@ built, checked and run.
 from __future__ import annotations
 
 import json
-import os
 import random
 import tarfile
 
 import numpy as np
 import pytest
+from gpu_machine import LOCAL_GPU, needs_nvcc
 
-from tunefarm import cuda
 from tunefarm.errors import UsageError
 from tunefarm.gpu import GpuLimits
 from tunefarm.models import check
@@ -29,10 +28,6 @@ from tunefarm.search.space.tensor_core import tensor_core_form
 SM80 = {"kind": "cuda", "arch": "sm_80"}
 SM90 = {"kind": "cuda", "arch": "sm_90"}
 CPU = {"kind": "llvm", "num-cores": 2}
-
-needs_nvcc = pytest.mark.skipif(
-    cuda.nvcc_path() is None and not os.environ.get("CI"), reason="nvcc (the CUDA toolkit) is not installed"
-)
 
 
 @pytest.fixture(scope="module")
@@ -223,17 +218,6 @@ def test_a_float16_model_builds_with_tensor_core_kernels(mlp16, target, tmp_path
 
 # -- on a machine with a GPU (skipped elsewhere, CI included) ---------------------------------
 
-
-def _local_gpu_target() -> dict | None:
-    try:
-        dev = cuda.cuda_device()
-    except cuda.NoGpuError:
-        return None
-    major, minor = str(dev.compute_version).split(".")[:2]
-    return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
-
-
-LOCAL_GPU = _local_gpu_target()
 
 
 @needs_nvcc

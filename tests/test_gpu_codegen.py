@@ -15,6 +15,7 @@ import tarfile
 import pytest
 import tvm
 import tvm_ffi
+from gpu_machine import LOCAL_GPU, needs_nvcc
 
 from tunefarm import cuda
 from tunefarm.gpu import GpuLimits, gpu_compatible
@@ -33,22 +34,6 @@ SM80 = {"kind": "cuda", "arch": "sm_80"}
 RULES = GpuRules(GpuLimits.of(SM80))
 FATBIN_MAGIC = bytes.fromhex("50ed55ba")  # 0xBA55ED50, little-endian
 
-needs_nvcc = pytest.mark.skipif(
-    cuda.nvcc_path() is None and not os.environ.get("CI"), reason="nvcc (the CUDA toolkit) is not installed"
-)
-
-
-def _local_gpu_target() -> dict | None:
-    """The CUDA target of this machine's GPU, None without one."""
-    try:
-        dev = cuda.cuda_device()
-    except cuda.NoGpuError:
-        return None
-    major, minor = str(dev.compute_version).split(".")[:2]
-    return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
-
-
-LOCAL_GPU = _local_gpu_target()
 needs_gpu = pytest.mark.skipif(LOCAL_GPU is None, reason="no CUDA GPU on this machine (these run on a GPU machine)")
 
 

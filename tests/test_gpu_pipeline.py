@@ -9,7 +9,6 @@ a pipelined kernel is correct and fast is for a GPU machine to say.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import tvm
 import tvm_ffi
+from gpu_machine import LOCAL_GPU, needs_nvcc
 
 from tunefarm import cuda
 from tunefarm.gpu import STATIC_SHARED_MEMORY_BYTES, GpuLimits
@@ -39,10 +39,6 @@ SM90 = {"kind": "cuda", "arch": "sm_90"}
 GEMM = ("matmul", {"M": 256, "N": 256, "K": 256}, "C")
 CONV = ("conv2d", {"N": 1, "C": 32, "H": 14, "W": 14, "F": 32}, "conv2d")  # padding inlined into its stage
 """A GEMM, and a convolution whose three reduction tiles are fused into the pipelined loop."""
-
-needs_nvcc = pytest.mark.skipif(
-    cuda.nvcc_path() is None and not os.environ.get("CI"), reason="nvcc (the CUDA toolkit) is not installed"
-)
 
 
 def _space(case, target) -> ProgramSpace:
@@ -300,17 +296,6 @@ def test_a_model_built_with_a_pipelined_schedule_has_asynchronous_copies(tmp_pat
 
 # -- on a machine with a GPU (skipped elsewhere, CI included) ---------------------------------
 
-
-def _local_gpu_target() -> dict | None:
-    try:
-        dev = cuda.cuda_device()
-    except cuda.NoGpuError:
-        return None
-    major, minor = str(dev.compute_version).split(".")[:2]
-    return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
-
-
-LOCAL_GPU = _local_gpu_target()
 
 
 @needs_nvcc

@@ -8,7 +8,6 @@ installed). On a GPU machine, random tensor-core programs run and match the refe
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
+from gpu_machine import LOCAL_GPU, needs_nvcc
 
 from tunefarm import cuda, wmma
 from tunefarm.gpu import STATIC_SHARED_MEMORY_BYTES, GpuLimits
@@ -43,10 +43,6 @@ GEMM = ("matmul_fp16", {"M": 256, "N": 256, "K": 256})
 DENSE = ("dense_fp16", {"M": 64, "N": 128, "K": 256})  # the right operand transposed
 BATCH = ("batch_matmul_fp16", {"B": 4, "M": 64, "N": 64, "K": 64})
 CASES = [GEMM, DENSE, BATCH]
-
-needs_nvcc = pytest.mark.skipif(
-    cuda.nvcc_path() is None and not os.environ.get("CI"), reason="nvcc (the CUDA toolkit) is not installed"
-)
 
 
 def _space(case, target) -> ProgramSpace:
@@ -288,17 +284,6 @@ def test_tensor_core_programs_build_into_wmma_kernels(arch, tmp_path):
 
 # -- on a machine with a GPU (skipped elsewhere, CI included) ---------------------------------
 
-
-def _local_gpu_target() -> dict | None:
-    try:
-        dev = cuda.cuda_device()
-    except cuda.NoGpuError:
-        return None
-    major, minor = str(dev.compute_version).split(".")[:2]
-    return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
-
-
-LOCAL_GPU = _local_gpu_target()
 
 
 @needs_nvcc
