@@ -204,6 +204,8 @@ def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     # it whenever it is installed; `WITHOUT_TORCH`)
     importers = child_pids(farm.processes["api"].pid)
     assert importers and not any(loads_torch(pid) for pid in importers)
+    # nor did the scheduler, which ran the job's search with TVM (`block_imports`)
+    assert not loads_torch(farm.processes["scheduler"].pid)
     assert f"job {job['id']}: tiny: building the tuned model" not in scheduler_log  # finish_model: the scheduler timing it
 
     # the same through the command line

@@ -390,6 +390,27 @@ def test_a_worker_without_torch_runs_tvm_and_cannot_import_torch():
         assert out.status is CallStatus.RAISED and out.message.startswith("ModuleNotFoundError"), out.message
 
 
+def test_a_process_that_blocks_torch_runs_tvm_and_scipy_without_it():
+    """`block_imports(WITHOUT_TORCH)` (the scheduler service): `import tvm` does not pull
+    in torch, an import of it fails as if it were not installed, and scipy, which asks
+    whether torch was imported, works on."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from tunefarm.isolation import WITHOUT_TORCH, block_imports; block_imports(WITHOUT_TORCH)\n"
+        "import tvm, scipy.stats\n"
+        "from tunefarm.target import host_target_dict; host_target_dict()\n"
+        "assert scipy.stats.spearmanr([1, 2, 3], [3, 2, 1]).statistic == -1\n"
+        "assert 'torch' not in sys.modules\n"
+        "try:\n    import torch.nn\nexcept ModuleNotFoundError as e:\n    print('blocked', e.name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "blocked torch", done.stdout  # torch.nn: its package first
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

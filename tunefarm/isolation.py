@@ -82,6 +82,28 @@ tvm_ffi imports torch at `import tvm` when it is installed, which no such child 
 LOG_ROTATE_BYTES = 1 << 20
 """The child's log file is emptied before a call once it is larger than this."""
 
+
+class _BlockedImports:
+    """A `sys.meta_path` finder for which `names` (and their submodules) are not installed:
+    their import raises ModuleNotFoundError. Nothing is put in `sys.modules`, so a library
+    that asks whether one was imported ("torch" in sys.modules: scipy's array helpers)
+    is told it was not."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = frozenset(names)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname.partition(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {fullname!r} (not imported by this process)", name=fullname)
+        return None
+
+
+def block_imports(names: tuple[str, ...]) -> None:
+    """From now on this process imports none of `names` (one imported already stays):
+    `WITHOUT_TORCH` for a service that runs TVM's code but never torch's (the scheduler),
+    as `blocked_imports` does for a child."""
+    sys.meta_path.insert(0, _BlockedImports(tuple(names)))
+
 _CHILD_BOOTSTRAP = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
     "from tunefarm.isolation import _child_main; "

@@ -56,6 +56,7 @@ from services.scheduler.exceptions import FinishInterrupted, JobFailed, JobVanis
 from services.scheduler.farm_job import FarmJob, MeasurerFactory, RunnerContext
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.shared_model import ClassModels
+from tunefarm.isolation import WITHOUT_TORCH, block_imports
 
 log = logging.getLogger("tunefarm.scheduler")
 
@@ -414,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     """`tunefarm scheduler`: run the scheduler service until SIGTERM or SIGINT."""
     parser = argparse.ArgumentParser(prog="tunefarm scheduler", description="the farm's scheduler service")
     parser.parse_args(argv)
+    # The jobs' searches import TVM, whose FFI imports torch whenever it is installed
+    # (seconds of the first job's start, hundreds of MB); nothing the scheduler runs uses
+    # torch (the farm's models are ONNX graphs; the model builds run in children that
+    # block it too).
+    block_imports(WITHOUT_TORCH)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = SchedulerSettings()
     from services.db.migrate import check_schema
