@@ -315,6 +315,9 @@ def test_a_worker_killed_under_farm_up_comes_back_and_the_job_finishes(
     assert "worker-1 was killed by SIGKILL" in farm_log(supervised) and "worker-1 started again" in farm_log(supervised)
     line = next(ln for ln in farm_status(capsys, supervised).splitlines() if "worker-1:" in ln)
     assert "running" in line and "started again 1 time (last: was killed by SIGKILL)" in line, line
+    # the supervisor asked TVM for the host's target without loading torch (`block_imports`)
+    supervisor = read_state(supervised)["supervisor"]["pid"]
+    assert "libtorch" not in Path(f"/proc/{supervisor}/maps").read_text()
 
 
 def test_the_agent_killed_under_farm_up_comes_back_and_the_job_finishes(

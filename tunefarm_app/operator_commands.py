@@ -268,8 +268,13 @@ def _up(config, log):
     """`farm_local.up` (in farm up's supervisor), a database that fails it as a `UsageError`."""
     from services.db.exceptions import DatabaseError
     from services.db.session import SQLAlchemyError
+    from tunefarm.isolation import WITHOUT_TORCH, block_imports
     from tunefarm_app.farm_local import up
 
+    # The host's target asks TVM, whose FFI imports torch whenever it is installed: a
+    # second or more of every `farm up`, and memory the supervisor would keep, for
+    # nothing it uses (this runs in the supervisor, a child of the command).
+    block_imports(WITHOUT_TORCH)
     try:
         return up(config, log=log)
     except (DatabaseError, SQLAlchemyError) as exc:
