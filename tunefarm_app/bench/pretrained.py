@@ -2,7 +2,8 @@
 
   tunefarm bench pretrained (--model FILE.npz | --datasets A.parquet [B.parquet ...])
       --workload OP:SHAPE [--workload ...] [--model-tasks MODEL.onnx] [--target T ...]
-      [--trials 128] [--batch-size 16] [--seeds 1,2] [--tolerance 0.02] [--json [FILE]]
+      [--trials 128] [--batch-size 16] [--repeat 5] [--min-repeat-ms 40] [--seeds 1,2]
+      [--tolerance 0.02] [--json [FILE]]
 
 Per target, seed and held-out workload, two embedded tuning sessions with the same seed,
 budget and batch size, one after the other (each times its kernels with the machine to
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tunefarm.errors import TunefarmError, UsageError
+from tunefarm.records import TimingConfig
 from tunefarm_app.bench.cold_warm import geomean, measured_costs, ms, parse_seeds, reach
 from tunefarm_app.json_output import add_json_flag, emit_json, only_json
 
@@ -87,6 +89,10 @@ def add_command(bsub) -> None:
                    "x86-64-v2)")  # fmt: skip
     p.add_argument("--trials", type=int, default=128, help="trials per workload in each run (default 128)")
     p.add_argument("--batch-size", type=int, default=16, help="candidates measured per round (default 16)")
+    p.add_argument("--repeat", type=int, default=TimingConfig.repeat,
+                   help=f"timed repeats per kernel (default {TimingConfig.repeat}, as tuning)")
+    p.add_argument("--min-repeat-ms", type=float, default=TimingConfig.min_repeat_ms,
+                   help=f"minimum length of a repeat (default {TimingConfig.min_repeat_ms:g}, as tuning)")
     p.add_argument("--seeds", default="1", help="comma-separated seeds; each runs both (default 1)")
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="a run reaches the cold run's final best when within this fraction of it (default 0.02)")  # fmt: skip
@@ -99,6 +105,9 @@ def add_command(bsub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.trials < 2 or args.batch_size < 1:
         raise UsageError("--trials must be at least 2 and --batch-size at least 1")
+    if args.repeat < 1 or args.min_repeat_ms < 0:
+        raise UsageError("--repeat must be at least 1 and --min-repeat-ms at least 0")
+    timing = TimingConfig(repeat=args.repeat, min_repeat_ms=args.min_repeat_ms)
     if not 0 <= args.tolerance < 1:
         raise UsageError("--tolerance must be at least 0 and below 1")
     targets = [host_runnable_target(t) for t in (args.target or DEFAULT_TARGETS)]
@@ -114,14 +123,16 @@ def run(args: argparse.Namespace) -> int:
             trained = trained_class(info, target)
             for seed in seeds:
                 for row in run_seed(workloads, target, trained, path, trials=args.trials, batch_size=args.batch_size,
-                                    seed=seed, tolerance=args.tolerance, root=root / _target_dir(target) / f"seed{seed}"):  # fmt: skip
+                                    seed=seed, tolerance=args.tolerance, root=root / _target_dir(target) / f"seed{seed}",
+                                    timing=timing):  # fmt: skip
                     rows.append(row)
                     say(_line(row))
     means = target_means(rows)
     if not only_json(args):
         print(render(rows, means, path, args))
     emit_json(args, {"model": str(path), "tolerance": args.tolerance, "trials": args.trials,
-                     "batch_size": args.batch_size, "rows": [r.as_dict() for r in rows], "geomeans": means})  # fmt: skip
+                     "batch_size": args.batch_size, "timing": asdict(timing), "rows": [r.as_dict() for r in rows],
+                     "geomeans": means})  # fmt: skip
     return 0
 
 
@@ -249,11 +260,11 @@ def trained_class(info: dict[str, Any], target: dict[str, Any]) -> str | None:
 
 def run_seed(
     workloads: list[BenchWorkload], target: dict[str, Any], trained: str | None, model: Path, *, trials: int,
-    batch_size: int, seed: int, tolerance: float, root: Path,
+    batch_size: int, seed: int, tolerance: float, root: Path, timing: TimingConfig = TimingConfig(),
 ) -> list[PretrainedRow]:  # fmt: skip
     """The cold and the pretrained run of every workload for one target and seed."""
     root.mkdir(parents=True, exist_ok=True)
-    run = dict(workloads=workloads, target=target, trials=trials, batch_size=batch_size, seed=seed)
+    run = dict(workloads=workloads, target=target, trials=trials, batch_size=batch_size, seed=seed, timing=timing)
     cold = tune_run(records=root / "cold.jsonl", pretrained_file=None, **run)
     warm = tune_run(records=root / "pretrained.jsonl", pretrained_file=model, **run)
     rows = []
@@ -266,7 +277,7 @@ def run_seed(
 
 def tune_run(
     *, workloads: list[BenchWorkload], target: dict[str, Any], trials: int, batch_size: int, seed: int, records: Path,
-    pretrained_file: Path | None,
+    pretrained_file: Path | None, timing: TimingConfig = TimingConfig(),
 ) -> list[list[float]]:  # fmt: skip
     """One embedded session over the workloads (`trials` each, round-robin), with a fresh
     model (no `pretrained_file`) or starting from `pretrained_file`; no cost model file or
@@ -275,7 +286,8 @@ def tune_run(
     from tunefarm.tune import TaskSpec, tune_tasks
 
     specs = [TaskSpec(w.workload, {"bench": 1}) for w in workloads]
-    config = TuneConfig(trials=trials * len(specs), batch_size=batch_size, seed=seed, strategy="round-robin")
+    config = TuneConfig(trials=trials * len(specs), batch_size=batch_size, seed=seed, strategy="round-robin",
+                        timing=timing)
     result = tune_tasks(specs, target, config, records=records, cost_model_path=None,
                         pretrained=pretrained_file is not None, pretrained_file=pretrained_file, log=_quiet)  # fmt: skip
     wanted = "pretrained" if pretrained_file is not None else "fresh"
