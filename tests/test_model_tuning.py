@@ -21,6 +21,7 @@ pytest.importorskip("torch")
 from onnx import TensorProto, helper  # noqa: E402
 
 from tunefarm.models import examples  # noqa: E402
+from tunefarm.records import TimingConfig  # noqa: E402
 from tunefarm.search.config import batch_size_for  # noqa: E402
 from tunefarm.search.session import SessionCallback  # noqa: E402
 from tunefarm.store import JsonlRecordStore  # noqa: E402
@@ -28,6 +29,8 @@ from tunefarm.tune import tune_models  # noqa: E402
 from tunefarm_app.cli import main  # noqa: E402
 
 TARGET = {"kind": "llvm", "num-cores": 2}
+# Two short repeats per kernel: what these tests check is the machinery, not which kernel is fastest.
+SHORT_TIMING = TimingConfig(repeat=2, min_repeat_ms=5.0)
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +54,13 @@ def test_tune_a_tiny_model_interrupt_resume_and_match_onnxruntime(tiny, tmp_path
     out = tmp_path / "tuned"
     with pytest.raises(KeyboardInterrupt):
         tune_models([tiny], trials=16, out=out, target=TARGET, callbacks=[StopAfter(5)], algorithms=(),
-                    log=lambda m: None)  # fmt: skip
+                    timing=SHORT_TIMING, log=lambda m: None)  # fmt: skip
     first = JsonlRecordStore(out / "records.jsonl").load()
     assert 5 <= len(first) < 16  # what was measured before the interruption is kept
 
     # timed beside onnxruntime only: OpenVINO's timing is test_model_check's
     result = tune_models([tiny], trials=16, out=out, target=TARGET, algorithms=(), peers=("onnxruntime",),
-                         log=lambda m: None)  # fmt: skip
+                         timing=SHORT_TIMING, log=lambda m: None)  # fmt: skip
     records = JsonlRecordStore(out / "records.jsonl").load()
     assert len(records) == 16 and result.tune.resumed == len(first)
     assert result.report["conv_layout"] == "nhwc"
@@ -99,7 +102,7 @@ def test_two_models_share_identical_tasks_and_records_export_to_relax(tiny, tmp_
     twin.write_bytes(tiny.read_bytes())
     out = tmp_path / "both"
     result = tune_models([tiny, twin], trials=8, out=out, target=TARGET, algorithms=(), peers=(),
-                         log=lambda m: None)  # fmt: skip
+                         timing=SHORT_TIMING, log=lambda m: None)  # fmt: skip
     report = result.report
     assert [m["name"] for m in report["models"]] == ["tiny", "twin"]
     assert len(result.tune.tasks) == len(report["models"][0]["tasks"])  # shared, not doubled
@@ -137,7 +140,7 @@ def test_torch_module_through_the_python_api(tmp_path):
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
     x = torch.randn(2, 16)
     result = tunefarm.tune_model(net, example_inputs=(x,), trials=6, out=tmp_path / "t", target=TARGET, peers=(),
-                                 log=lambda m: None)  # fmt: skip
+                                 timing=SHORT_TIMING, log=lambda m: None)  # fmt: skip
     (model,) = result.report["models"]
     assert model["check"]["ok"] and model["check"]["reference"] == "torch"
 

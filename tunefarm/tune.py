@@ -68,6 +68,7 @@ from tunefarm.models.finish import (
 )
 from tunefarm.models.precision import FP32, check_precision
 from tunefarm.models.tasks import CONV_LAYOUT_CHOICES, merge_tasks
+from tunefarm.records import TimingConfig
 from tunefarm.search.config import SearchConfig, TuneConfig, batch_size_for
 from tunefarm.search.cost_model import cache as cost_model_cache
 from tunefarm.search.cost_model.cache import CostModelStart
@@ -274,6 +275,7 @@ def tune_models(
     algorithms: Sequence[str] = ALGORITHMS,
     pretrained: bool = True,
     precision: str = FP32,
+    timing: TimingConfig | None = None,
     log: Callable[[str], None] = _stderr,
 ) -> ModelTuneResult:
     """Tune one or several models together and write the tuned models to `out`.
@@ -288,7 +290,8 @@ def tune_models(
     output is checked against its reference either way). `precision`: "fp32" (the
     default: the models as imported) or "fp16" (CUDA targets with tensor cores: float16
     operands with float32 accumulation, `tunefarm.models.precision`; the check's
-    tolerance and the report say so)."""
+    tolerance and the report say so). `timing`: how each kernel is timed (default
+    `TimingConfig()`)."""
     _check_tune_arguments(trials, out, conv_layout)
     out = Path(out)
     target = target or host_target_dict()
@@ -306,7 +309,7 @@ def tune_models(
     specs, groups = _task_specs(shared, () if is_gpu(target) else algorithms, trials, log)
     out.mkdir(parents=True, exist_ok=True)
     config = TuneConfig(trials=trials, batch_size=batch_size_for(trials, len(specs)), seed=seed,
-                        strategy=strategy, search=search or SearchConfig())  # fmt: skip
+                        strategy=strategy, search=search or SearchConfig(), timing=timing or TimingConfig())  # fmt: skip
     result = tune_tasks(
         specs, target, config, records=out / RECORDS_NAME,
         work_dir=work_dir, cost_model_path=cost_model, callbacks=callbacks,
