@@ -14,7 +14,7 @@ import pytest
 
 from tunefarm.models import check
 from tunefarm.models.check import ModelCheck, check_inputs, compare_output
-from tunefarm.models.timing import Latency, round_ratios, time_calls, time_interleaved
+from tunefarm.models.timing import Latency, round_ratios, speedup, time_calls, time_interleaved
 
 TARGET = {"kind": "llvm", "num-cores": 2}
 
@@ -184,6 +184,22 @@ def test_interleaved_timing_alternates_blocks_and_splits_the_runs():
     time_interleaved({"a": contender("a", 1.0)}, runs=2, rounds=5, settle_secs=0)
     assert [c[1] for c in calls] == [1, 1]  # never more blocks than runs
 
+
+def test_the_speedup_of_engines_timed_in_rounds_is_the_median_of_their_round_ratios():
+    """A machine whose speed comes in phases: each round both engines run fast (0.6 ms)
+    or slow (1.1 ms), and the tuned model is 5% faster in every round. Pooled, the
+    model's samples fall more in slow rounds and the peer's more in fast ones, so p50 over
+    p50 says under 0.6x; the rounds, paired, say 1.05x."""
+    phases = [0.6e-3, 1.1e-3, 1.1e-3, 0.6e-3, 1.1e-3]
+    model_counts, peer_counts = [5, 15, 15, 5, 15], [15, 5, 5, 15, 5]
+    model = Latency.of([p / 1.05 for p, n in zip(phases, model_counts) for _ in range(n)], 2,
+                       [p / 1.05 for p in phases]).as_report()  # fmt: skip
+    peer = Latency.of([p for p, n in zip(phases, peer_counts) for _ in range(n)], 2, phases).as_report()
+    assert peer["median"] / model["median"] < 0.6  # what pooling would have said
+    assert speedup(peer, model) == pytest.approx(1.05)
+    # without rounds (a single block each): p50 over p50
+    assert speedup(Latency.of([2.0], 2).as_report(), Latency.of([1.0], 2).as_report()) == 2.0
+    assert speedup(None, model) is None
 
 # -- end to end ---------------------------------------------------------------------------------
 

@@ -382,7 +382,8 @@ def _print_job(job: dict) -> None:
             print(line)
         for key, short, peer in (("speedup_vs_onnxruntime", "ORT", "onnxruntime"), ("speedup_vs_openvino", "OpenVINO", "OpenVINO")):
             if job.get(key):
-                print(f"{'vs ' + short:<10} {job[key]:.2f}x the speed of {peer} (p50, measured, same input and threads)")
+                basis = "rounds' p50s" if (job["result"].get("latency") or {}).get("round_medians") else "p50"
+                print(f"{'vs ' + short:<10} {job[key]:.2f}x the speed of {peer} ({basis}, measured, same input and threads)")
         check = job["result"].get("check") or {}
         if check.get("ok"):
             print(f"check      matches {check['reference']}{where} (max abs error {check['max_abs_error']:.2g})")

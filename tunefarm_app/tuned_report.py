@@ -184,10 +184,12 @@ def latency_lines(model: Mapping[str, Any]) -> list[str]:
         lines.append(f"{short:<10} {latency_text(theirs)}")
         x = speedup(theirs, lat)
         if x is not None:
-            text = f"{'vs ' + short:<10} {x:.2f}x the speed of {peer} (p50, same input and threads"
             per_round = round_ratios(theirs, lat)
             if per_round:
-                text += f"; {min(per_round):.2f}-{max(per_round):.2f}x over {len(per_round)} alternating rounds"
+                text = (f"{'vs ' + short:<10} {x:.2f}x the speed of {peer} (median over {len(per_round)} alternating"
+                        f" rounds of their p50s, {min(per_round):.2f}-{max(per_round):.2f}x; same input and threads")
+            else:
+                text = f"{'vs ' + short:<10} {x:.2f}x the speed of {peer} (p50, same input and threads"
             lines.append(text + ")")
     x = speedup(model.get("untuned_latency"), lat)
     if x is not None:

@@ -233,7 +233,7 @@ def job_public(
 
 def measured_speedup(result: dict[str, Any] | None, peer: str) -> float | None:
     """A finished job's tuned model measured against a peer (`ONNXRUNTIME`, `OPENVINO`;
-    `timing.speedup`: p50 over p50, as `tunefarm report` states it); None until both
+    `timing.speedup`: the median of the rounds' p50 ratios, as `tunefarm report` states it); None until both
     were measured."""
     if not result:
         return None

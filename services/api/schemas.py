@@ -199,15 +199,16 @@ class ArtifactPublic(BaseModel):
 
 
 SPEEDUP_DESCRIPTION = (
-    "the finished job's tuned model measured against onnxruntime on the same input and threads: onnxruntime's "
-    "p50 over the tuned model's (result.onnxruntime_latency.median / result.latency.median); null until both "
-    "were measured. Not est_latency_start_secs / est_latency_secs: that ratio is the search's progress on its "
+    "the finished job's tuned model measured against onnxruntime on the same input and threads, in alternating "
+    "rounds: the median over the rounds of onnxruntime's p50 over the tuned model's (result.onnxruntime_latency."
+    "round_medians / result.latency.round_medians; without rounds, result.onnxruntime_latency.median / "
+    "result.latency.median); null until both were measured. Not est_latency_start_secs / est_latency_secs: that ratio is the search's progress on its "
     "own estimate"
 )
 
 OPENVINO_SPEEDUP_DESCRIPTION = (
     "the same against OpenVINO, timed on the same agent in alternating rounds with the tuned model and "
-    "onnxruntime (result.openvino_latency.median / result.latency.median); null where OpenVINO was not timed "
+    "onnxruntime (per round as above, with result.openvino_latency); null where OpenVINO was not timed "
     "(result.peer_notes says why: e.g. not installed on the agent)"
 )
 
