@@ -100,8 +100,8 @@ class _BlockedImports:
 
 def block_imports(names: tuple[str, ...]) -> None:
     """From now on this process imports none of `names` (one imported already stays):
-    `WITHOUT_TORCH` for a service that runs TVM's code but never torch's (the scheduler),
-    as `blocked_imports` does for a child."""
+    `WITHOUT_TORCH` for a process that runs TVM's code but never torch's (the scheduler,
+    and every child given `blocked_imports`)."""
     sys.meta_path.insert(0, _BlockedImports(tuple(names)))
 
 _CHILD_BOOTSTRAP = (
@@ -500,8 +500,8 @@ def _child_main(
     fd: int, lifeline: int, preload: list[str], sandbox: dict[str, Any] | None = None, blocked: list[str] = ()
 ) -> None:
     """Entry point of the child process (see the module docstring for the protocol)."""
-    for module in blocked:
-        sys.modules[module] = None  # `import module` raises ImportError, as if it were not installed
+    if blocked:
+        block_imports(tuple(blocked))
     spec = Sandbox(**sandbox) if sandbox is not None else None
     # User and mount namespaces need a process with one thread: before the lifeline thread.
     entered = enter_unprivileged(spec) if spec is not None and os.geteuid() != 0 else None
