@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tunefarm.models.slices import rewrite_relax_functions, with_builder
+from tunefarm.models.slices import rewrite_relax_functions, static_shape, with_builder
 
 ELEMENTWISE_PATTERNS = (0, 1)
 """TVM's TIR op patterns of position-wise operators: kElemWise, kBroadcast."""
@@ -49,14 +49,14 @@ def sink_reshapes():
             call = super().visit_call_(call)
             if not isinstance(call.op, tvm.ir.Op):
                 return call
-            out = _static_shape(call.ty)
+            out = static_shape(call.ty)
             if out is None:
                 return call
             if call.op.name == "relax.reshape":  # of a reshape: one reshape (none if back to the shape)
                 source = self._view_of(call.args[0])
                 if source is None:
                     return call
-                return source if _static_shape(source.ty) == out else relax.op.reshape(source, out)
+                return source if static_shape(source.ty) == out else relax.op.reshape(source, out)
             views = [self._view_of(a) for a in call.args]
             bases = {tuple(b.ty.shape.values) for b in views if b is not None}
             if len(bases) != 1:
@@ -68,10 +68,10 @@ def sink_reshapes():
                 if moved is None:
                     return call
                 args.append(moved)
-            if not _position_wise(call):
+            if not position_wise(call):
                 return call
             inner = self.builder_.normalize(relax.Call(call.op, args, call.attrs, call.ty_args))
-            if _static_shape(inner.ty) != tuple(base):
+            if static_shape(inner.ty) != tuple(base):
                 return call
             return relax.op.reshape(self.builder_.emit(inner), out)
 
@@ -83,7 +83,7 @@ def sink_reshapes():
             if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name == "relax.reshape"):
                 return None
             source = bound.args[0]
-            return source if _static_shape(source.ty) is not None else None
+            return source if static_shape(source.ty) is not None else None
 
     def _moved_operand(arg, out: tuple[int, ...], base: list[int]):
         """`arg` as read at `base`'s positions instead of `out`'s, or None if it cannot be."""
@@ -92,7 +92,7 @@ def sink_reshapes():
             return None  # tensors in a tuple: left alone
         if not isinstance(ty, relax.TensorType):
             return arg  # a shape or a value argument: unchanged
-        shape = _static_shape(arg.ty)
+        shape = static_shape(arg.ty)
         if shape is None:
             return None
         if shape == out:
@@ -121,18 +121,7 @@ def _regrouped_in_front(shape: Sequence[int], out: Sequence[int], base: Sequence
     return tuple(out[-k:]) == tuple(base[-k:]) and math.prod(out[:-k]) == math.prod(base[:-k])
 
 
-def _static_shape(ty) -> tuple[int, ...] | None:
-    from tvm import relax
-
-    if not isinstance(ty, relax.TensorType) or ty.shape is None or not isinstance(ty.shape, relax.ShapeExpr):
-        return None
-    try:
-        return tuple(int(d) for d in ty.shape.values)
-    except TypeError:  # a symbolic dimension
-        return None
-
-
-def _position_wise(call) -> bool:
+def position_wise(call) -> bool:
     """Whether the operator call computes each output position from the same positions of
     its inputs (TVM legalizes it to a PrimFunc whose TIR pattern is elementwise or broadcast)."""
     import tvm
@@ -141,7 +130,7 @@ def _position_wise(call) -> bool:
     params = []
     for arg in call.args:
         if isinstance(getattr(arg, "ty", None), relax.TensorType) and not isinstance(arg, tvm.ir.GenericConst):
-            params.append((_static_shape(arg.ty), str(arg.ty.dtype)))
+            params.append((static_shape(arg.ty), str(arg.ty.dtype)))
         else:
             params.append(None)
     return _pattern_of(call.op.name, str(call.attrs) if call.attrs is not None else "", tuple(params), call) in ELEMENTWISE_PATTERNS

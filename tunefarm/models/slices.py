@@ -102,8 +102,8 @@ def mark_slice_ops():
             parts = call.args[0]
             if not isinstance(parts, relax.Tuple):
                 return None
-            shapes = [_static_shape(p.ty) for p in parts.fields]
-            out = _static_shape(call.ty)
+            shapes = [static_shape(p.ty) for p in parts.fields]
+            out = static_shape(call.ty)
             if out is None or any(s is None for s in shapes):
                 return None
             dtype = str(call.ty.dtype)
@@ -117,8 +117,8 @@ def mark_slice_ops():
 
         def _split(self, call):
             data = call.args[0]
-            shape = _static_shape(data.ty)
-            outs = [_static_shape(t) for t in call.ty.fields]
+            shape = static_shape(data.ty)
+            outs = [static_shape(t) for t in call.ty.fields]
             if shape is None or any(s is None for s in outs):
                 return None
             dtype = str(data.ty.dtype)
@@ -317,7 +317,7 @@ def _scan(func, mod) -> _Lowered:
             if fields is not None and fields[value.index] is not None:
                 alias[name] = fields[value.index]
         elif isinstance(value, relax.Call) and value.op.same_as(alloc_op):
-            shape = _static_shape(b.var.ty)
+            shape = static_shape(b.var.ty)
             if shape is not None:
                 n = _itemsize(str(b.var.ty.dtype))
                 for d in shape:
@@ -427,7 +427,8 @@ def removed_copy_calls(fused_mod) -> Counter:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _static_shape(ty) -> tuple[int, ...] | None:
+def static_shape(ty) -> tuple[int, ...] | None:
+    """A tensor type's shape as integers; None when it has none or a symbolic dimension."""
     import tvm
 
     shape = getattr(ty, "shape", None)
