@@ -3,6 +3,8 @@ report's time series (synthetic time series, nothing tuned)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tunefarm_app.bench.models import ModelRow, final_estimate, reach_figures, render, trials_to_reach
 
 
@@ -34,3 +36,17 @@ def test_reach_figures_against_round_robin_metaschedule_and_the_ablation():
     assert row.reach == {"ours->RR": 32, "RR->ours": None, "ours->MS": 32, "on->off": 64, "off->on": None}
     text = "\n".join(render([row], {}))
     assert "ours to RR final" in text and "32 (50%)" in text and "off to on final" in text
+
+
+def test_a_model_row_ratio_is_the_median_of_the_rounds_not_pooled_p50s():
+    # a phased machine: pooled p50s 1.0 ms (ours) and 0.6 ms (OpenVINO) would say 0.6x,
+    # while every round had both engines within 5% of each other
+    row = ModelRow("m", 64, ours=1.0e-3, openvino=0.6e-3, onnxruntime=2.0e-3)
+    row.latencies = {
+        "ours": {"median": 1.0e-3, "round_medians": [1.0e-3, 0.6e-3, 1.1e-3, 0.62e-3, 1.0e-3]},
+        "openvino": {"median": 0.6e-3, "round_medians": [1.05e-3, 0.6e-3, 1.1e-3, 0.6e-3, 0.98e-3]},
+    }
+    assert row.ratio("openvino") == pytest.approx(1.0)
+    assert row.ratio("onnxruntime") == pytest.approx(2.0)  # not timed in rounds here: p50 over p50
+    assert row.ratio("metaschedule") is None
+    assert "1.00x" in "\n".join(render([row], {}))

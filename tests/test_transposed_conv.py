@@ -137,3 +137,60 @@ def test_a_transpose_moving_only_unit_dimensions_is_a_reshape(shape, axes, is_re
     assert moves_only_unit_dims(shape, axes) is is_reshape
     same_order = np.array_equal(x.transpose(axes).ravel(), x.ravel())
     assert same_order is is_reshape
+
+
+def _one_channel_head_workload():
+    """The sub-pixel 2x2/2 transposed convolution to one channel with a sigmoid: a
+    segmentation head's last layer, (1, 16, 16, 8) -> (1, 32, 32, 1)."""
+    from tvm import te, topi
+
+    from tunefarm.workloads.base import workload_from_prim_func
+
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((8, 1, 2, 2)).astype(np.float32)
+    v = subpixel_weights(weight, (2, 2))
+    data, packed = te.placeholder((1, 16, 16, 8), name="x"), te.placeholder(v.shape, name="v")
+    out = topi.sigmoid(subpixel_compute(data, packed, (32, 32), (0, 0)))
+
+    def reference(x, vv):
+        ref = _reference(x.transpose(0, 3, 1, 2), weight, (2, 2), (0, 0, 0, 0), (0, 0))
+        return [(1 / (1 + np.exp(-ref))).transpose(0, 2, 3, 1).astype(np.float32)]
+
+    wl = workload_from_prim_func("subpixel_sigmoid", te.create_prim_func([data, packed, out]), reference=reference)
+    return wl, v
+
+
+def test_a_one_channel_subpixel_head_is_tiled_and_its_sampled_programs_compute_it(host_target):
+    """Its accesses read y through y // 2 and y % 2: reuse although they use every spatial
+    iterator, so the search tiles it (it got no tiled sketch, and its best program ran the
+    sigmoid scalar and serial); a root epilogue over (1, 32, 32, 1) fuses the trailing unit
+    loop and vectorizes the loop before it."""
+    import random
+
+    import tvm
+
+    from tunefarm.search.space.dag import needs_multi_level_tiling
+    from tunefarm.search.space.realize import realize
+    from tunefarm.search.task import make_task
+
+    wl, v = _one_channel_head_workload()
+    task = make_task(wl, host_target)
+    conv = next(b for b in task.dag.blocks if b.is_reduction)
+    assert needs_multi_level_tiling(conv)
+    assert all(any(d.startswith("tile ") for d in sk.describe()) for sk in task.sketches)
+    rng = np.random.default_rng(4)
+    x = rng.uniform(-1, 1, size=(1, 16, 16, 8)).astype(np.float32)
+    want = wl.reference(x, v)[0]
+    at_root = 0
+    for built in task.space.sample_many(8, random.Random(5)):
+        ins = built.program.instructions
+        epilogue = [i for i in ins if i.block == "compute"]
+        if not any(i.op == "reverse_compute_at" for i in epilogue):  # left at the root
+            at_root += 1
+            ops = [i.op for i in epilogue]
+            assert "fuse_last" in ops and "vectorize" in ops, [i.describe() for i in epilogue]
+        ex = tvm.compile(realize(wl.mod, ins).mod, target=tvm.target.Target(host_target))
+        got = tvm.runtime.empty((1, 32, 32, 1), "float32", tvm.cpu())
+        ex["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(v), got)
+        np.testing.assert_allclose(got.numpy(), want, rtol=2e-4, atol=2e-5)
+    assert at_root, "no sampled program left the epilogue at the root"

@@ -49,8 +49,9 @@ from tunefarm.search.config import SearchConfig
 
 Log = Callable[[str], None]
 
-BENCH_MODELS = ("resnet18", "mobilenet_v2", "bert_layer")
-"""The default model set, in table order."""
+BENCH_MODELS = ("yolov8n_like", "mobilenet_v3", "dbnet", "bert_layer", "resnet50", "small_cnn")
+"""The default model set, in table order: a YOLOv8n-style and a DBNet-style detector,
+MobileNetV3-Small, a BERT-base layer, ResNet-50 and the demo's CNN."""
 
 TIMING_SECS = 2.0
 """Seconds of timed inferences per build (and onnxruntime), in alternating blocks."""
@@ -85,15 +86,24 @@ class ModelRow:
     final_estimates: dict[str, float | None] = field(default_factory=dict)  # per run: seconds
     tasks: list[dict] = field(default_factory=list)  # where our latency goes
     notes: list[str] = field(default_factory=list)
+    latencies: dict[str, dict] = field(default_factory=dict)  # per timed key: `Latency.as_report`
 
-    def ratio(self, peer: float | None) -> float | None:
+    def ratio(self, key: str) -> float | None:
+        """How many times faster ours runs than the build or peer `key` ("openvino",
+        "metaschedule", ...): the median of the rounds' p50 ratios when both were timed in
+        the same rounds (`timing.speedup`), else p50 over p50."""
+        from tunefarm.models.timing import speedup
+
+        if key in self.latencies and "ours" in self.latencies:
+            return speedup(self.latencies[key], self.latencies["ours"])
+        peer = getattr(self, key)
         return peer / self.ours if peer and self.ours else None
 
 
 def add_command(bsub) -> None:
     bm = bsub.add_parser("models", help="tune whole models; compare with OpenVINO, onnxruntime and MetaSchedule")
     bm.add_argument("--trials", type=int, default=2000, help="trial budget per model (default 2000)")
-    bm.add_argument("--models", help=f"comma-separated subset of {','.join(BENCH_MODELS)} (and small_cnn)")
+    bm.add_argument("--models", help=f"comma-separated example models (default {','.join(BENCH_MODELS)})")
     bm.add_argument("--no-metaschedule", action="store_true", help="do not tune with TVM MetaSchedule as a peer")
     bm.add_argument("--no-round-robin", action="store_true", help="skip the round-robin task scheduler run")
     bm.add_argument("--json", type=Path, help="write the results as JSON here")
@@ -192,8 +202,9 @@ def bench_model(
     builds["default"] = default.directory
     log("timing every build, onnxruntime and OpenVINO in alternating blocks")
     threads = int(target.get("num-cores") or 2)
-    for key, secs in time_builds(builds, onnx, feeds, loaded, threads, log).items():
-        setattr(row, key, secs)
+    for key, latency in time_builds(builds, onnx, feeds, loaded, threads, log).items():
+        setattr(row, key, latency.median)
+        row.latencies[key] = latency.as_report()
     timelines = {"ours": ours.tune.summary.timeline, "round_robin": rr.tune.summary.timeline if rr else None,
                  "ablation_off": off.tune.summary.timeline if off else None}  # fmt: skip
     row.final_estimates = {k: final_estimate(t, name) for k, t in timelines.items() if t is not None}
@@ -218,8 +229,8 @@ def _note_held_out(row: ModelRow, records: Path, seed: int) -> None:
         row.notes.append(f"held-out accuracy: {type(exc).__name__}: {exc}")
 
 
-def time_builds(builds: dict[str, Path], onnx: Path, feeds, loaded, threads: int, log: Log) -> dict[str, float]:
-    """The p50 of every build and of the peers ("onnxruntime", "openvino" when installed),
+def time_builds(builds: dict[str, Path], onnx: Path, feeds, loaded, threads: int, log: Log) -> dict:
+    """The latency (`timing.Latency`) of every build and of the peers ("onnxruntime", "openvino" when installed),
     timed in alternating blocks (`time_side_by_side`); a build whose output is wrong is
     dropped."""
     from tunefarm.models.check import compare_outputs
@@ -234,7 +245,7 @@ def time_builds(builds: dict[str, Path], onnx: Path, feeds, loaded, threads: int
         else:
             log(f"{key}: output differs from the reference; not timed")
     timed = time_side_by_side(right, feeds, threads=threads, onnx_model=onnx, budget_secs=TIMING_SECS)
-    return {key: latency.median for key, latency in timed.items()}
+    return dict(timed)
 
 
 def final_estimate(timeline: list[dict], model: str) -> float | None:
@@ -330,16 +341,17 @@ def render(rows: list[ModelRow], target: dict[str, Any]) -> list[str]:
     for r in rows:
         cells.append(
             [r.model, str(r.trials), _ms(r.onnxruntime), _ms(r.openvino), _ms(r.default), _ms(r.ours),
-             _ms(r.round_robin), _ms(r.metaschedule), _x(r.ratio(r.onnxruntime)), _x(r.ratio(r.openvino)),
-             _x(r.ratio(r.metaschedule)), _x(r.ratio(r.round_robin)),
+             _ms(r.round_robin), _ms(r.metaschedule), _x(r.ratio("onnxruntime")), _x(r.ratio("openvino")),
+             _x(r.ratio("metaschedule")), _x(r.ratio("round_robin")),
              f"{r.ours_tune_secs:.0f}" if r.ours_tune_secs else "n/a",
              f"{r.search_share:.0%}" if r.search_share is not None else "n/a",
              f"{r.ms_tune_secs:.0f}" if r.ms_tune_secs else "n/a"]
         )
     lines = _columns(cells)
-    lines.append("ours/X > 1: tunefarm is faster; search: the search's own share of our tuning time")
+    lines.append("ours/X > 1: tunefarm is faster (median over the alternating rounds of the p50 ratios); "
+                 "search: the search's own share of our tuning time")
     for peer in ("openvino", "onnxruntime"):
-        ratios = [r.ratio(getattr(r, peer)) for r in rows]
+        ratios = [r.ratio(peer) for r in rows]
         ratios = [x for x in ratios if x]
         if len(ratios) > 1:
             lines.append(f"geomean ours/{peer}: {math.exp(sum(math.log(x) for x in ratios) / len(ratios)):.2f}x "

@@ -38,6 +38,8 @@ def annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None
     # -- vectorize
     if nest.rf_inner and not at_root:
         _rf_axis_innermost(prog, name)
+    if at_root and not nest.tiled and not nest.rf_inner:
+        _fuse_trailing_unit_loops(prog, name, attached)
     if nest.loops:
         last = nest.loops[-1]
         if at_root and not nest.tiled and not nest.rf_inner and not last.reduce and last.extent > 1 and last.key not in attached:
@@ -78,6 +80,23 @@ def annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None
             lanes = unrolled_lanes(nest.loops, nest.unroll)
             if lanes > MAX_UNROLLED_LANES:
                 raise InvalidProgram(f"{name}: auto-unroll {nest.unroll} gives {lanes} lanes of straight-line code")
+
+
+def _fuse_trailing_unit_loops(prog: Program, name: str, attached: set[str]) -> None:
+    """Fuse a trailing spatial loop of extent 1 into the loop before it, so that the loop
+    to vectorize is that one: an NHWC tensor with one channel (a segmentation or heat map,
+    (1, 256, 256, 1)) would otherwise keep a vector length of 1, and its elementwise
+    epilogue (a sigmoid) ran scalar."""
+    nest = prog.nests[name]
+    while len(nest.loops) >= 2:
+        last, before = nest.loops[-1], nest.loops[-2]
+        if last.extent != 1 or last.reduce or before.reduce or last.key in attached or before.key in attached:
+            return
+        nest.loops.pop()
+        for it, aff in list(nest.binding.items()):
+            if aff.coeff(last.key):  # the loop variable is always 0
+                nest.binding[it] = Affine.of({v: c for v, c in aff.terms if v != last.key}, aff.const, aff.exact)
+        prog.emit("fuse_last", name)
 
 
 def _rf_axis_innermost(prog: Program, name: str) -> None:

@@ -119,6 +119,7 @@ class IterSpec:
 class AccessSpec:
     buffer: str
     indices: tuple[Affine, ...]
+    coarse: frozenset[str] = frozenset()  # iterators read only through a floordiv/floormod that merges values
 
 
 @dataclass(frozen=True)
@@ -434,7 +435,8 @@ class _ValueWalker:
         is_float = "float" in _dtype(e)
         prefix = "float" if is_float else "int"
         if isinstance(e, tvm.ir.TensorLoad):
-            acc = AccessSpec(str(e.source.name), tuple(_affine(i, self.iter_names) for i in e.indices))
+            acc = AccessSpec(str(e.source.name), tuple(_affine(i, self.iter_names) for i in e.indices),
+                             _coarse_iters(e.indices, self.iter_names))  # fmt: skip
             if acc not in self.loads:
                 self.loads.append(acc)
             return
@@ -530,6 +532,33 @@ def _linear(e) -> tuple[dict[str, int] | None, int]:
     return None, 0
 
 
+def _coarse_iters(indices, iter_names: set[str]) -> frozenset[str]:
+    """The iterators an access reads only through `floordiv(a*v + ..., c)` or
+    `floormod(a*v + ..., c)` with |a| < c: consecutive values of such an iterator read the
+    same element (`y // 2`), or its values repeat (`y % 2`), so the access has reuse along
+    it although it uses it (a sub-pixel convolution's input and weights)."""
+    fine: set[str] = set()
+    coarse: set[str] = set()
+
+    def walk(e) -> None:
+        name = type(e).__name__
+        if name == "Var":
+            fine.add(str(e.name))
+            return
+        if name in ("FloorDiv", "FloorMod") and type(e.b).__name__ == "IntImm" and int(e.b.value) > 1:
+            terms, _ = _linear(e.a)
+            if terms is not None:
+                for v, c in terms.items():
+                    (coarse if abs(c) < int(e.b.value) else fine).add(v)
+                return
+        for c in _children(e):
+            walk(c)
+
+    for i in indices:
+        walk(i)
+    return frozenset((coarse - fine) & iter_names)
+
+
 def _collect_vars(e, out: dict[str, int]) -> None:
     if type(e).__name__ == "Var":
         out[str(e.name)] = 1
@@ -545,8 +574,9 @@ def _collect_vars(e, out: dict[str, int]) -> None:
 
 
 def access_misses_spatial(block: BlockSpec, access: AccessSpec) -> bool:
-    """Some spatial iterator (extent > 1) does not appear in the access: data reuse."""
-    used = set().union(*(ix.vars for ix in access.indices)) if access.indices else set()
+    """Some spatial iterator (extent > 1) does not appear in the access, or only through a
+    division that merges its values (`AccessSpec.coarse`): data reuse."""
+    used = set().union(*(ix.vars for ix in access.indices)) - access.coarse if access.indices else set()
     return any(it.extent > 1 and it.name not in used for it in block.spatial)
 
 

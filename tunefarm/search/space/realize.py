@@ -44,7 +44,7 @@ def realize(mod, instructions: list[Instr]):
     return sch
 
 
-_OWN_LOOP_OPS = frozenset({"split_inner", "parallel", "move_innermost", "vectorize", "unroll", "decompose"})
+_OWN_LOOP_OPS = frozenset({"split_inner", "fuse_last", "parallel", "move_innermost", "vectorize", "unroll", "decompose"})
 """The instructions on the loops of their own block (`_apply_to_own_loops`); the others
 make, place, tile or bind blocks (`_apply_to_blocks`)."""
 
@@ -147,6 +147,8 @@ def _apply_to_own_loops(sch, ins: Instr, rv) -> None:
             (n,) = ins.args
             loops = sch.get_loops(rv(b))[:n]
             sch.parallel(sch.fuse(*loops) if n > 1 else loops[0])
+        case "fuse_last":
+            sch.fuse(*sch.get_loops(rv(b))[-2:])
         case "move_innermost":
             (pos,) = ins.args
             own = sch.get_loops(rv(b))[pos:]
