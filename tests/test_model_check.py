@@ -269,7 +269,7 @@ def test_a_wrong_kernel_fails_the_check_its_library_is_kept_aside_and_its_task_n
             schedules[r.task.rsplit("@", 1)[0]] = r.trace  # the fastest last
     head = next(t for t in loaded.tasks.tasks if "sigmoid" in t.name)
     sch = Schedule(head.workload.mod)
-    sch.unsafe_set_dtype(sch.get_sblock("compute"), 0, "int32")
+    sch.unsafe_set_dtype(sch.get_sblock("conv2d_transpose_nhwc"), 0, "int32")
     schedules[head.key] = trace_json(sch)
 
     outcome = finish_model(loaded, tmp_path / "wrong", TARGET, schedules)
