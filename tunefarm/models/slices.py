@@ -427,6 +427,17 @@ def removed_copy_calls(fused_mod) -> Counter:
 # -- helpers ----------------------------------------------------------------------------------
 
 
+def bound_constant(mutator_, expr):
+    """The value (numpy) of `expr` when it is a constant or a variable a `PyExprMutator`
+    saw bound to one; None otherwise."""
+    import tvm
+    from tvm import relax
+
+    if isinstance(expr, relax.Var):
+        expr = mutator_.lookup_binding(expr)
+    return expr.value.numpy() if isinstance(expr, tvm.ir.GenericConst) else None
+
+
 def static_shape(ty) -> tuple[int, ...] | None:
     """A tensor type's shape as integers; None when it has none or a symbolic dimension."""
     import tvm

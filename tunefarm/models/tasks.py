@@ -133,10 +133,7 @@ def fold_constant_layouts():
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
-    def constant_of(mutator_, expr):
-        if isinstance(expr, relax.Var):
-            expr = mutator_.lookup_binding(expr)
-        return expr.value.numpy() if isinstance(expr, tvm.ir.GenericConst) else None
+    from tunefarm.models.slices import bound_constant
 
     @mutator
     class _Fold(PyExprMutator):
@@ -145,7 +142,7 @@ def fold_constant_layouts():
             op, args = call.op, call.args
             if not isinstance(op, tvm.ir.Op) or op.name not in ("relax.reshape", "relax.permute_dims"):
                 return call
-            data = constant_of(self, args[0])
+            data = bound_constant(self, args[0])
             if data is None:
                 return call
             if op.name == "relax.reshape":

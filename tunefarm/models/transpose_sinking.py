@@ -48,7 +48,7 @@ def sink_transposes():
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
     from tunefarm.models.reshape_sinking import position_wise
-    from tunefarm.models.slices import rewrite_relax_functions, static_shape, with_builder
+    from tunefarm.models.slices import bound_constant, rewrite_relax_functions, static_shape, with_builder
 
     def axes_of(call) -> tuple[int, ...] | None:
         shape = static_shape(call.args[0].ty)
@@ -130,10 +130,10 @@ def sink_transposes():
             return None
         if int(np.prod(shape)) == 1:
             return arg
-        bound = mutator_.lookup_binding(arg) if isinstance(arg, relax.Var) else arg
-        if not isinstance(bound, tvm.ir.GenericConst):
+        value = bound_constant(mutator_, arg)
+        if value is None:
             return None
-        value = bound.value.numpy().reshape((1,) * (rank - len(shape)) + tuple(shape))
+        value = value.reshape((1,) * (rank - len(shape)) + tuple(shape))
         return relax.const(np.ascontiguousarray(value.transpose(inverse)), str(value.dtype))
 
     @mutator

@@ -79,6 +79,8 @@ def subpixel_compute(data, v, out_hw: tuple[int, int], pad_front: tuple[int, int
 def rewritable(call, weight: np.ndarray | None) -> bool:
     """Whether a `relax.nn.conv2d_transpose` call has the sub-pixel form: constant
     weights, one group, no dilation, NCHW/IOHW layouts, static float shapes."""
+    from tunefarm.models.slices import static_shape
+
     a = call.attrs
     if weight is None or weight.ndim != 4 or int(a.groups) != 1:
         return False
@@ -88,11 +90,8 @@ def rewritable(call, weight: np.ndarray | None) -> bool:
         return False
     if not str(weight.dtype).startswith("float"):
         return False
-    shapes = [getattr(e.ty, "shape", None) for e in (call.args[0], call)]
-    try:
-        return all(s is not None and len([int(d) for d in s.values]) == 4 for s in shapes)
-    except (TypeError, AttributeError):  # a symbolic dimension or no shape
-        return False
+    shapes = [static_shape(e.ty) for e in (call.args[0], call)]
+    return all(s is not None and len(s) == 4 for s in shapes)
 
 
 def subpixel_transposed_convs():
@@ -101,7 +100,7 @@ def subpixel_transposed_convs():
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
-    from tunefarm.models.slices import rewrite_relax_functions, with_builder
+    from tunefarm.models.slices import bound_constant, rewrite_relax_functions, with_builder
 
     @mutator
     class _Rewrite(PyExprMutator):
@@ -109,7 +108,7 @@ def subpixel_transposed_convs():
             call = super().visit_call_(call)
             if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.nn.conv2d_transpose"):
                 return call
-            weight = self._constant(call.args[1])
+            weight = bound_constant(self, call.args[1])
             if not rewritable(call, weight):
                 return call
             a = call.attrs
@@ -126,11 +125,6 @@ def subpixel_transposed_convs():
                 primfunc_name_hint="conv2d_transpose",
             )
             return relax.op.permute_dims(out, list(NHWC_TO_NCHW))
-
-        def _constant(self, expr):
-            if isinstance(expr, relax.Var):
-                expr = self.lookup_binding(expr)
-            return expr.value.numpy() if isinstance(expr, tvm.ir.GenericConst) else None
 
     @tvm.transform.module_pass(opt_level=0, name="SubpixelTransposedConvs")
     def rewrite(mod, _ctx):
