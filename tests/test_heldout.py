@@ -143,3 +143,22 @@ def test_rolling_rounds_train_on_what_was_measured_before():
         (list(range(9)), list(range(9, 14))),
         (list(range(14)), list(range(14, 21))),
     ]
+
+
+def test_a_stored_task_with_a_weight_transform_is_rebuilt_with_its_constants():
+    """A model run's records name each task by its key (`...+const1@<target>`); the
+    held-out figures rebuild the task from the records' sidecar, constants included,
+    or a task whose weight is transformed outside the kernel (Winograd) cannot be
+    rebuilt at all."""
+    pytest.importorskip("tvm")
+    from tunefarm.search.task import make_task
+    from tunefarm.workloads import registry
+    from tunefarm.workloads.base import workload_from_stored
+
+    workload = registry.make("conv2d_winograd", {"N": 1, "C": 8, "H": 14, "W": 14, "F": 16, "m": 2})
+    assert workload.constants
+    task = make_task(workload, {"kind": "llvm", "num-cores": 2})
+    again = workload_from_stored(key=task.key, name=workload.name, module_json=workload.to_json())
+    assert again.constants == workload.constants
+    assert len(again.outputs) == len(workload.outputs)
+    assert make_task(again, task.target).key == task.key

@@ -144,14 +144,15 @@ def workload_from_prim_func(
     return Workload(name, mod, inputs, outputs, float(flops), reference, bool(memory_bound))
 
 
-def workload_from_stored(*, key: str, name: str, module_json: str, n_outputs: int = 1) -> Workload:
+def workload_from_stored(*, key: str, name: str, module_json: str, n_outputs: int | None = None) -> Workload:
     """The `Workload` a stored workload stands for (a records file's sidecar line, a farm
     workload row): its IRModule (`tvm.ir.save_json`), and the constant inputs its key
-    names (`...#<hash>+const1,2`)."""
+    names (`...#<hash>+const1,2`; a record's task key, `...@<target>`, also does).
+    `n_outputs` as in `workload_from_prim_func` (None: the trailing parameters written)."""
     import tvm
 
     workload = workload_from_prim_func(name, tvm.ir.load_json(module_json)["main"], n_outputs=n_outputs)
-    _, sep, consts = key.rpartition("+const")
+    _, sep, consts = key.split("@", 1)[0].rpartition("+const")
     if sep and consts:
         workload = workload.with_constants([int(c) for c in consts.split(",")])
     return workload

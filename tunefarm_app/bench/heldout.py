@@ -222,9 +222,7 @@ def held_out_across_tasks(
 
 
 def _tasks_and_records(records_path: Path) -> tuple[dict[str, SearchTask], list[MeasureRecord]]:
-    import tvm
-
-    from tunefarm.workloads import workload_from_prim_func
+    from tunefarm.workloads.base import workload_from_stored
 
     store = JsonlRecordStore(records_path)
     records = store.load()
@@ -234,8 +232,7 @@ def _tasks_and_records(records_path: Path) -> tuple[dict[str, SearchTask], list[
         if stored is None:
             continue
         name, mod_json = stored
-        wl = workload_from_prim_func(name, tvm.ir.load_json(mod_json)["main"])
-        tasks[key] = make_task(wl, records[0].target)
+        tasks[key] = make_task(workload_from_stored(key=key, name=name, module_json=mod_json), records[0].target)
     return tasks, records
 
 
