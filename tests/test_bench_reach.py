@@ -49,4 +49,6 @@ def test_a_model_row_ratio_is_the_median_of_the_rounds_not_pooled_p50s():
     assert row.ratio("openvino") == pytest.approx(1.0)
     assert row.ratio("onnxruntime") == pytest.approx(2.0)  # not timed in rounds here: p50 over p50
     assert row.ratio("metaschedule") is None
-    assert "1.00x" in "\n".join(render([row], {}))
+    text = "\n".join(render([row], {}))
+    assert "1.00x" in text and "0.97-1.05" in text  # the rounds' range beside the median
+    assert row.ratio_range("onnxruntime") is None

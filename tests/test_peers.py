@@ -42,6 +42,22 @@ def test_tasks_are_paired_with_openvino_layers_by_shape_whatever_the_layout():
     assert task_signature((1, 32, 32, 16), [(1, 1, 1, 16), (16, 3, 3, 3)]) == ((1, 16, 32, 32), (3, 3, 3, 16))
 
 
+def test_layers_of_different_kinds_with_one_signature_pair_with_no_task():
+    """A head-split copy and the attention matmul both write 1x12x128x64 without weights:
+    shapes alone cannot say which OpenVINO node a task stands for, so neither is paired
+    (a copy kernel once got a 325 us matmul as its peer: "OpenVINO 75x slower")."""
+    copy = _task("copy", [(128, 768)], (1, 12, 128, 64), ())
+    pv = _task("pv", [(1, 12, 128, 128), (1, 12, 128, 64)], (1, 12, 128, 64), ())
+    layers = [
+        PeerLayer("t", "Transpose", 6e-6, (1, 12, 128, 64), (), "node_Transpose_1"),
+        PeerLayer("mm", "MatMul", 325e-6, (1, 12, 128, 64), (), "node_MatMul_4"),
+        PeerLayer("t2", "Transpose", 7e-6, (1, 12, 64, 128), (), "node_Transpose_2"),
+    ]
+    assert match_tasks([copy, pv], layers) == {}
+    alone = match_tasks([copy], layers[:1])
+    assert alone["copy"]["openvino_seconds_per_call"] == pytest.approx(6e-6)
+
+
 def test_openvino_is_a_peer_in_float32_with_the_model_threads():
     config = openvino_config(2, profile=True)
     assert config["INFERENCE_PRECISION_HINT"] == "f32" and config["INFERENCE_NUM_THREADS"] == 2

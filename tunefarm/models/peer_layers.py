@@ -13,8 +13,11 @@ by shape: a task's signature is the multiset of its first output's dimensions an
 largest constant input's (a convolution's or a matmul's weights, in any layout), and a
 node's the same from its output and its largest constant input. Tasks and nodes with the
 same signature are matched; where several nodes share one (the same layer repeated), a
-task gets their mean time per call. A task no node matches (OpenVINO fused it into a
-neighbour, or laid it out another way) has no peer time.
+task gets their mean time per call. Nodes of different kinds that share a signature
+(a transpose and a matmul both writing 1x12x128x64, neither with weights) make it
+ambiguous: the shapes cannot say which of them is the task's layer, so it gets none. A
+task no node matches (OpenVINO fused it into a neighbour, or laid it out another way)
+has no peer time.
 """
 
 from __future__ import annotations
@@ -143,7 +146,7 @@ def match_tasks(tasks: Sequence[Any], layers: Sequence[PeerLayer]) -> dict[str, 
         wl = t.workload
         consts = [wl.inputs[i].shape for i in t.const_inputs if i < len(wl.inputs)]
         found = by_signature.get(task_signature(wl.outputs[0].shape, consts))
-        if not found:
+        if not found or len({layer.kind for layer in found}) > 1:
             continue
         out[t.key] = {
             "openvino_seconds_per_call": sum(layer.seconds for layer in found) / len(found),

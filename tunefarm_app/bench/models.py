@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -87,6 +88,16 @@ class ModelRow:
     tasks: list[dict] = field(default_factory=list)  # where our latency goes
     notes: list[str] = field(default_factory=list)
     latencies: dict[str, dict] = field(default_factory=dict)  # per timed key: `Latency.as_report`
+
+    def ratio_range(self, key: str) -> tuple[float, float] | None:
+        """The lowest and highest of the rounds' p50 ratios of the build or peer `key` to
+        ours (None without rounds)."""
+        from tunefarm.models.timing import round_ratios
+
+        if key not in self.latencies or "ours" not in self.latencies:
+            return None
+        per_round = round_ratios(self.latencies[key], self.latencies["ours"])
+        return (min(per_round), max(per_round)) if per_round else None
 
     def ratio(self, key: str) -> float | None:
         """How many times faster ours runs than the build or peer `key` ("openvino",
@@ -203,7 +214,9 @@ def bench_model(
     log("timing every build, onnxruntime and OpenVINO in alternating blocks")
     threads = int(target.get("num-cores") or 2)
     for key, latency in time_builds(builds, onnx, feeds, loaded, threads, log).items():
-        setattr(row, key, latency.median)
+        # the rounds' p50s' median, as the ratios are: a phase of the machine that slows every engine
+        # for three of five rounds would otherwise print a pooled p50 from another phase than the ratio's
+        setattr(row, key, statistics.median(latency.round_medians) if latency.round_medians else latency.median)
         row.latencies[key] = latency.as_report()
     timelines = {"ours": ours.tune.summary.timeline, "round_robin": rr.tune.summary.timeline if rr else None,
                  "ablation_off": off.tune.summary.timeline if off else None}  # fmt: skip
@@ -330,26 +343,31 @@ def _ms(secs: float | None, digits: int = 2) -> str:
     return f"{secs * 1e3:.{digits}f}" if secs is not None and math.isfinite(secs) else "n/a"
 
 
+def _range(r: tuple[float, float] | None) -> str:
+    return f"{r[0]:.2f}-{r[1]:.2f}" if r is not None else "n/a"
+
+
 def _x(r: float | None) -> str:
     return f"{r:.2f}x" if r is not None and math.isfinite(r) else "n/a"
 
 
 def render(rows: list[ModelRow], target: dict[str, Any]) -> list[str]:
     header = ["model", "trials", "ORT ms", "OV ms", "default ms", "ours ms", "RR ms", "MS ms", "ours/ORT", "ours/OV",
-              "ours/MS", "ours/RR", "tune s", "search", "MS tune s"]
+              "OV rounds", "ours/MS", "ours/RR", "tune s", "search", "MS tune s"]
     cells = [header]
     for r in rows:
         cells.append(
             [r.model, str(r.trials), _ms(r.onnxruntime), _ms(r.openvino), _ms(r.default), _ms(r.ours),
              _ms(r.round_robin), _ms(r.metaschedule), _x(r.ratio("onnxruntime")), _x(r.ratio("openvino")),
-             _x(r.ratio("metaschedule")), _x(r.ratio("round_robin")),
+             _range(r.ratio_range("openvino")), _x(r.ratio("metaschedule")), _x(r.ratio("round_robin")),
              f"{r.ours_tune_secs:.0f}" if r.ours_tune_secs else "n/a",
              f"{r.search_share:.0%}" if r.search_share is not None else "n/a",
              f"{r.ms_tune_secs:.0f}" if r.ms_tune_secs else "n/a"]
         )
     lines = _columns(cells)
-    lines.append("ours/X > 1: tunefarm is faster (median over the alternating rounds of the p50 ratios); "
-                 "search: the search's own share of our tuning time")
+    lines.append("ms: median of the alternating rounds' p50s; ours/X > 1: tunefarm is faster (median over the rounds "
+                 "of the p50 ratios; OV rounds: their lowest and highest); search: the search's own share of our "
+                 "tuning time")
     for peer in ("openvino", "onnxruntime"):
         ratios = [r.ratio(peer) for r in rows]
         ratios = [x for x in ratios if x]
