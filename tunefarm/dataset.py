@@ -144,7 +144,7 @@ def _task_rows(
 
     name, module_json = stored
     try:
-        task = make_task(workload_from_stored(key=key.rpartition("@")[0], name=name, module_json=module_json),
+        task = make_task(workload_from_stored(key=key, name=name, module_json=module_json),
                          records[0].target)  # fmt: skip
     except Exception:  # a workload this version cannot analyse: no features for its records
         counts.skipped_no_features += len(records)
