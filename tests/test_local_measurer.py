@@ -25,22 +25,32 @@ class Events:
         self.lock = threading.Lock()
         self.log: list[tuple[str, str]] = []  # (event, batch id)
         self.batch_of = {m.key: b.id for b in batches for m in b.inputs}  # candidate key -> batch id
+        self.first_batch = batches[0].id
+        self.a_run_started = threading.Event()
 
     def add(self, event: str, batch: str) -> None:
         with self.lock:
             self.log.append((event, batch))
+        if event == "run-start":
+            self.a_run_started.set()
 
 
 class RecordingBuilder(Builder):
     parallelism = 4
 
-    def __init__(self, events: Events):
+    def __init__(self, events: Events, hold_later_builds: bool = False):
         self.events = events
+        # Later batches' builds end only once a kernel has started running (or after a
+        # generous wait), so whether builds overlap runs depends on the measurer, not on
+        # how the threads happen to be scheduled.
+        self.hold_later_builds = hold_later_builds
 
     def build(self, inputs: Sequence[BuildInput]) -> list[BuildResult]:
         batch = self.events.batch_of[inputs[0].candidate_key]
         self.events.add("build-start", batch)
         time.sleep(STEP_SECS)
+        if self.hold_later_builds and batch != self.events.first_batch:
+            self.events.a_run_started.wait(timeout=10)
         self.events.add("build-end", batch)
         return [BuildResult(i.candidate_key, f"/nonexistent/{i.candidate_key}", STEP_SECS) for i in inputs]
 
@@ -72,9 +82,12 @@ def batch(name: str, n: int = 2) -> MeasureBatch:
     return MeasureBatch(id=name, task=task, inputs=inputs)
 
 
-def measure(batches: list[MeasureBatch], builds_ahead: int, tmp_path) -> tuple[list[tuple[str, str]], list]:
+def measure(
+    batches: list[MeasureBatch], builds_ahead: int, tmp_path, hold_later_builds: bool = False
+) -> tuple[list[tuple[str, str]], list]:
     events = Events(batches)
-    measurer = LocalMeasurer(RecordingBuilder(events), RecordingRunner(events), tmp_path, builds_ahead=builds_ahead)
+    builder = RecordingBuilder(events, hold_later_builds)
+    measurer = LocalMeasurer(builder, RecordingRunner(events), tmp_path, builds_ahead=builds_ahead)
     records = []
     try:
         for b in batches:
@@ -113,7 +126,8 @@ def test_on_a_cpu_a_batch_is_built_only_after_the_one_before_it_has_run(tmp_path
 
 
 def test_on_a_gpu_later_batches_are_built_while_one_runs_and_results_keep_their_order(tmp_path):
-    log, records = measure([batch("a"), batch("b"), batch("c")], builds_ahead=2, tmp_path=tmp_path)
+    batches = [batch("a"), batch("b"), batch("c")]
+    log, records = measure(batches, builds_ahead=2, tmp_path=tmp_path, hold_later_builds=True)
     assert len(records) == 6 and all(r.is_valid for r in records)
     assert overlapped(log)
     # runs stay one kernel at a time and in submission order
