@@ -367,7 +367,8 @@ def test_similar_fast_task_pulls_a_slow_one():
     # expected to reach half of task 1's speed, so it keeps getting rounds; without, it does not.
     def counts(tag: str) -> tuple[Counter, GradientScheduler]:
         tasks = [TaskInfo(f"t{i}", 1e9, {"net": 1}, tag) for i in range(2)]
-        sched = GradientScheduler(tasks, config=TaskSchedulerConfig(eps_greedy=0))
+        # (dissimilar_after off: here the pull itself is under test)
+        sched = GradientScheduler(tasks, config=TaskSchedulerConfig(eps_greedy=0, dissimilar_after=100))
         for _ in range(8):
             task = sched.next_task()
             sched.on_round_done(task, best_latency=(4 * MS, 1 * MS)[task], trials=TRIALS, new_candidates=True)
@@ -522,3 +523,51 @@ def test_never_nan_never_a_dead_task(tasks, events, strategy, eps, invalid_round
             sched.mark_dead(pick % len(tasks), "test")
         est = sched.estimate()
         assert not math.isnan(est.total) and not math.isnan(est.objective)
+
+
+def test_a_task_that_never_runs_like_its_similar_tasks_leaves_their_group():
+    """A one-channel head tagged like a fast convolution: the tag promises it half the
+    convolution's speed, a gain per round that never shrinks. Once it has had more than
+    `dissimilar_after` rounds beyond the convolution's and still runs below 1/beta of its
+    speed, the promise is dropped, and the rounds go to the heavy task that still improves
+    (the head took 237 of 1000 trials of a detector before)."""
+    tag = similarity_tag("SSSSRRR", 2e6)
+    tasks = [
+        TaskInfo("head", 2e6, {"net": 1}, tag),
+        TaskInfo("conv", 2e6, {"net": 1}, tag),
+        TaskInfo("heavy", 1e9, {"net": 1}),
+    ]
+
+    def run_with(dissimilar_after: int) -> GradientScheduler:
+        config = TaskSchedulerConfig(eps_greedy=0, dissimilar_after=dissimilar_after)
+        sched = GradientScheduler(tasks, config=config)
+        for _ in range(60):
+            task = sched.next_task()
+            rounds = sched.states[task].rounds + 1
+            # the head is stuck at 1 ms (2 GFLOPS), the convolution at 50 us (40 GFLOPS); the
+            # heavy task improves slowly from 10 ms
+            best = (1 * MS, 0.05 * MS, 10 * MS * (1 - 0.005 * rounds))[task]
+            sched.on_round_done(task, best_latency=best, trials=TRIALS, new_candidates=True)
+        return sched
+
+    sched = run_with(5)
+    assert sched.dissimilar == {0}
+    head, conv, heavy = (s.rounds for s in sched.states)
+    assert head <= conv + 5 + 1  # the rule's margin and the round that tripped it
+    assert heavy > 3 * head
+    never = run_with(10**6)  # the rule off: the promise holds for the whole run
+    assert never.dissimilar == set() and never.states[0].rounds > 2 * head
+    # the evicted head's forward term is −g/t alone: no similar speed (backward 0: it is stuck)
+    book = sched.states[0]
+    assert sched.gradients([0])[0] == pytest.approx(0.8 * (-book.best / book.rounds))
+
+
+def test_is_dissimilar_by_hand():
+    from tunefarm.search.task_scheduler.gradient import is_dissimilar
+
+    members = {0: (10.0, 12), 1: (100.0, 6)}
+    assert is_dissimilar(0, members, beta=2.0, extra_rounds=5)  # 12 > 5 + 6, 10 < 100 / 2
+    assert not is_dissimilar(0, {0: (10.0, 11), 1: (100.0, 6)}, beta=2.0, extra_rounds=5)  # not enough rounds yet
+    assert not is_dissimilar(0, {0: (60.0, 12), 1: (100.0, 6)}, beta=2.0, extra_rounds=5)  # at 60%: similar enough
+    assert not is_dissimilar(1, members, beta=2.0, extra_rounds=5)  # the fast one never leaves
+    assert not is_dissimilar(0, {0: (10.0, 12)}, beta=2.0, extra_rounds=5)  # alone: nothing to compare

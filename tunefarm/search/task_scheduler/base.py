@@ -74,6 +74,12 @@ class TaskSchedulerConfig:
     # A task is assumed able to reach 1/beta of the best speed (FLOP/s) of its similar tasks
     # (Ansor: 2).
     beta: float = 2.0
+    # Rounds a task may be given beyond every similar task's while it stays below 1/beta of
+    # their best speed; past that it no longer counts as similar to them, for the rest of the
+    # run (Ansor's code: 5). Without it, a task that cannot run like its similar tasks (a
+    # memory-bound head tagged with compute-bound convolutions) is promised their speed
+    # forever and takes round after round.
+    dissimilar_after: int = 5
     # Rounds the backward slope looks back over (Ansor: 3); 0 while the history is shorter.
     backward_window: int = 3
     # Chance that a round goes to a random task instead of the gradient's pick. Ansor's paper
@@ -95,6 +101,8 @@ class TaskSchedulerConfig:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if not self.beta > 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
+        if self.dissimilar_after < 0:
+            raise ValueError(f"dissimilar_after must be >= 0, got {self.dissimilar_after}")
         if self.backward_window < 1:
             raise ValueError(f"backward_window must be >= 1, got {self.backward_window}")
         if not 0 <= self.eps_greedy <= 1:

@@ -9,7 +9,10 @@ the time (rounds) spent on task i. The paper approximates it as
 
 with g_i the task's best latency, C_i its FLOPs, N(i) its similar tasks and V_k = C_k/g_k their
 achieved speed. Around it, as in the paper: a round-robin warm-up so every task has a latency,
-and epsilon-greedy picks of a random task (which TVM's code never had).
+and epsilon-greedy picks of a random task (which TVM's code never had). As in TVM's code, a
+task leaves its similarity group once it has had `TaskSchedulerConfig.dissimilar_after` rounds
+more than every other member and still runs below 1/β of the group's best speed: the tag
+(structure and FLOP count) said it was similar, its measurements say it is not.
 
 Differences from TVM's implementation, on purpose:
 - the objective's chain term comes from `Objective.chain_gradient` (exact for a weighted sum),
@@ -23,7 +26,8 @@ Differences from TVM's implementation, on purpose:
   counts only once its predicted latency could beat the best of its alternatives.
 
 Map: `backward_slope` and `forward_gain` are the two halves of the bracket, `task_gradient`
-puts the formula together, `GradientScheduler._choose` applies warm-up, epsilon and argmax.
+puts the formula together, `is_dissimilar` is the eviction rule, `GradientScheduler._choose`
+applies warm-up, epsilon and argmax.
 """
 
 from __future__ import annotations
@@ -70,6 +74,21 @@ def forward_gain(
     return gain
 
 
+def is_dissimilar(
+    task: int, members: Mapping[int, tuple[float, int]], *, beta: float, extra_rounds: int
+) -> bool:
+    """Whether ``task`` has shown it is not like the rest of its similarity group: ``members``
+    maps each member with a valid latency (``task`` included) to (speed in FLOP/s, rounds
+    spent). True when the task runs below 1/β of the group's best speed although it has had
+    more than ``extra_rounds`` rounds beyond every other member (Ansor's code: 5)."""
+    others = [rounds for k, (_, rounds) in members.items() if k != task]
+    if task not in members or not others:
+        return False
+    speed, rounds = members[task]
+    best = max(s for s, _ in members.values())
+    return speed < best / beta and rounds > extra_rounds + max(others)
+
+
 def task_gradient(
     *,
     chain: float,
@@ -112,6 +131,8 @@ class GradientScheduler(TaskScheduler):
     ) -> None:
         super().__init__(tasks, config=config, targets=targets)
         self._rng = random.Random(self.config.seed)
+        # Tasks that left their similarity group (`is_dissimilar`); for the rest of the run.
+        self.dissimilar: set[int] = set()
 
     def _choose(self, candidates: list[int], round_index: int) -> Decision:
         books = self._books
@@ -158,14 +179,11 @@ class GradientScheduler(TaskScheduler):
         books, infos = self._books, self.tasks
         best = self._best()
         chain = self.objective.chain_gradient(best)
-        # V_k = C_k / g_k per similarity tag, over the tasks with a valid latency (dead or not)
-        speeds: dict[str, list[tuple[int, float]]] = {}
-        for k, (info, book) in enumerate(zip(infos, books)):
-            if info.similarity_tag and info.flops > 0 and math.isfinite(book.best):
-                speeds.setdefault(info.similarity_tag, []).append((k, info.flops / book.best))
+        speeds = self._similar_speeds()
         result = {}
         for i in tasks:
-            group = speeds.get(infos[i].similarity_tag, []) if infos[i].similarity_tag else []
+            similar = infos[i].similarity_tag and i not in self.dissimilar
+            group = speeds.get(infos[i].similarity_tag, []) if similar else []
             has_other = any(k != i for k, _ in group)
             result[i] = task_gradient(
                 chain=chain[i],
@@ -177,3 +195,19 @@ class GradientScheduler(TaskScheduler):
                 best_of_alternatives=min((best[k] for k in self.objective.groups[i] if k != i), default=math.inf),
             )
         return result
+
+    def _similar_speeds(self) -> dict[str, list[tuple[int, float]]]:
+        """V_k = C_k / g_k per similarity tag, over the tasks with a valid latency (dead or
+        not), once the tasks that proved dissimilar have left their groups."""
+        groups: dict[str, dict[int, tuple[float, int]]] = {}
+        for k, (info, book) in enumerate(zip(self.tasks, self._books)):
+            if info.similarity_tag and info.flops > 0 and math.isfinite(book.best) and k not in self.dissimilar:
+                groups.setdefault(info.similarity_tag, {})[k] = (info.flops / book.best, book.issued)
+        for members in groups.values():
+            for k in sorted(members):
+                if is_dissimilar(k, members, beta=self.config.beta, extra_rounds=self.config.dissimilar_after):
+                    self.dissimilar.add(k)
+        return {
+            tag: [(k, speed) for k, (speed, _) in members.items() if k not in self.dissimilar]
+            for tag, members in groups.items()
+        }
