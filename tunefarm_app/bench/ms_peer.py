@@ -4,9 +4,10 @@ Runs inside a child process (`python -m tunefarm_app.bench.peers metaschedule ..
 stdout and stderr the bench sends to a log file; MetaSchedule's own logs go to
 `<work_dir>/logs`. What it does, with MetaSchedule's defaults unless said otherwise:
 
-1. `import tvm.s_tir.tensor_intrin` (MetaSchedule's schedule rules need it). On this
-   machine that import alone takes 20-40 s (TVMScript's parser calls `inspect.stack()` for
-   each of ~500 intrinsics; `import_tensor_intrinsics` brings it down to about 6 s); it is
+1. `import tvm.s_tir.tensor_intrin` (MetaSchedule's schedule rules need it), or for a CPU
+   target only its CPU modules. On this machine the whole import takes 20-40 s
+   (TVMScript's parser calls `inspect.stack()` for each of ~500 intrinsics;
+   `import_tensor_intrinsics` brings it down to about 6 s, and under 1 s for a CPU); it is
    a one-off start-up cost, timed as `setup_secs` and left out of the tuning wall time.
 2. `ms.tune_tir(mod, target, work_dir, max_trials_global=N, num_trials_per_iter=64)` with
    the workload's constant inputs marked `layout_free_buffers` (MetaSchedule's RewriteLayout
@@ -68,8 +69,17 @@ class MetaScheduleOutcome:
         return asdict(self)
 
 
-def import_tensor_intrinsics() -> None:
-    """`import tvm.s_tir.tensor_intrin`, with the import machinery's own frames known to
+CPU_INTRINSIC_MODULES = ("x86", "arm_cpu", "riscv_cpu", "hexagon")
+"""The modules of `tvm.s_tir.tensor_intrin` that register CPU intrinsics (the package also
+registers CUDA's and ROCm's: most of its ~500, and most of its import time)."""
+
+
+def import_tensor_intrinsics(gpu: bool) -> None:
+    """Register the tensor intrinsics MetaSchedule's rules look up: for a GPU target
+    `import tvm.s_tir.tensor_intrin`; for a CPU target only its CPU modules
+    (`CPU_INTRINSIC_MODULES`), imported under the package without running the package's
+    `__init__`, which would parse the CUDA intrinsics too (8 s of the import here; the CPU
+    modules take under 1 s). Either way with the import machinery's own frames known to
     `inspect`. TVMScript's parser calls `inspect.stack()` for each intrinsic it parses
     (~500), which looks up the module of every frame on the stack; a frame whose file
     `inspect.getmodule` has not mapped costs a scan of all of `sys.modules` (~2000
@@ -85,7 +95,26 @@ def import_tensor_intrinsics() -> None:
     if isinstance(known, dict):
         for module in (importlib._bootstrap, importlib._bootstrap_external):
             known.setdefault(f"<frozen {module.__name__}>", module.__name__)
-    import tvm.s_tir.tensor_intrin  # noqa: F401
+    if gpu:
+        import tvm.s_tir.tensor_intrin  # noqa: F401
+
+        return
+    import importlib
+    import importlib.util
+    import sys
+
+    import tvm.s_tir
+
+    name = "tvm.s_tir.tensor_intrin"
+    if name not in sys.modules:
+        found = importlib.util.find_spec(name)
+        if found is None or found.origin is None:
+            raise ImportError(f"{name} is not installed")
+        package = importlib.util.module_from_spec(found)  # the package, its __init__ not run
+        sys.modules[name] = package
+        tvm.s_tir.tensor_intrin = package
+    for module in CPU_INTRINSIC_MODULES:
+        importlib.import_module(f"{name}.{module}")
 
 
 def build_without_intrin(mod: Any, target: Any, _params: Any) -> Any:
@@ -142,13 +171,12 @@ def tune_metaschedule(
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
-    import_tensor_intrinsics()  # registers the intrinsics the rules look up
-
     from tunefarm.gpu import is_gpu
     from tunefarm.target import physical_cores
 
-    setup_secs = time.perf_counter() - t0
     gpu = is_gpu(target_dict)
+    import_tensor_intrinsics(gpu)  # registers the intrinsics the rules look up
+    setup_secs = time.perf_counter() - t0
     target = metaschedule_gpu_target(target_dict) if gpu else tvm.target.Target(target_dict)
     if constants and not gpu:  # MetaSchedule's RewriteLayout postproc rewrites the inputs marked so
         workload_mod = tvm.IRModule({"main": workload_mod["main"].with_attr("layout_free_buffers", list(constants))})
@@ -262,7 +290,9 @@ def tune_metaschedule_model(
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
 
-    import_tensor_intrinsics()
+    from tunefarm.gpu import is_gpu
+
+    import_tensor_intrinsics(is_gpu(target_dict))
 
     from tunefarm.models.importer import import_model
     from tunefarm.models.tasks import fuse
