@@ -99,7 +99,6 @@ def import_tensor_intrinsics(gpu: bool) -> None:
         import tvm.s_tir.tensor_intrin  # noqa: F401
 
         return
-    import importlib
     import importlib.util
     import sys
 
