@@ -40,7 +40,10 @@ def annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None
         _rf_axis_innermost(prog, name)
     if at_root and not nest.tiled and not nest.rf_inner:
         _fuse_trailing_unit_loops(prog, name, attached)
-    if nest.loops:
+    inward = _inward_vector_loop(prog, name, attached)
+    if inward is not None and decider.decide(f"{name}.inward_vector", ChoiceDomain(2), default=0):
+        _vectorize_inward(prog, name, inward, decider)
+    elif nest.loops:
         last = nest.loops[-1]
         if at_root and not nest.tiled and not nest.rf_inner and not last.reduce and last.extent > 1 and last.key not in attached:
             outer_ext, vec = decider.decide(f"{name}.vector", TileDomain(last.extent, 2, MAX_VECTOR, min_innermost=2))
@@ -80,6 +83,62 @@ def annotate(prog: Program, name: str, decider: Decider, num_cores: int) -> None
             lanes = unrolled_lanes(nest.loops, nest.unroll)
             if lanes > MAX_UNROLLED_LANES:
                 raise InvalidProgram(f"{name}: auto-unroll {nest.unroll} gives {lanes} lanes of straight-line code")
+
+
+def _inward_vector_loop(prog: Program, name: str, attached: set[str]) -> int | None:
+    """The loop a reduction over a non-contiguous axis may vectorize inside its reduction
+    loops, or None: its last spatial loop, when the innermost loop is a reduction, that
+    spatial loop runs along the last dimension, with unit stride, of the output and of
+    every input the reduction loops walk, and nothing is computed at it or inside it.
+
+    Such a block (a max pool or a global average in NHWC, a softmax over the channels of
+    an NCHW tensor) otherwise gets no vector loop: its innermost loop reduces over a
+    strided axis, so the whole kernel ran scalar (yolo's DFL softmax over 16 bins of
+    1x16x4x2100: 165 us, against OpenVINO's 22 us)."""
+    nest = prog.nests[name]
+    if nest.tiled or nest.rf_inner or not nest.spec.is_reduction or not nest.loops or not nest.loops[-1].reduce:
+        return None
+    idx = next((i for i in range(len(nest.loops) - 1, -1, -1) if not nest.loops[i].reduce and nest.loops[i].extent > 1), None)
+    if idx is None or any(lp.key in attached for lp in nest.loops[idx:]):
+        return None
+    reduce_keys = {lp.key for lp in nest.loops[idx:] if lp.reduce and lp.extent > 1}
+    if not reduce_keys:
+        return None
+    key = nest.loops[idx].key
+
+    def unit_stride(indices) -> bool:
+        return bool(indices) and indices[-1].substitute(nest.binding).coeff(key) == 1
+
+    def reduced(indices) -> bool:
+        return any(reduce_keys & ix.substitute(nest.binding).vars for ix in indices)
+
+    streamed = [a.indices for a in nest.spec.reads if reduced(a.indices)]
+    if not streamed or not unit_stride(nest.spec.write.indices) or not all(unit_stride(ix) for ix in streamed):
+        return None
+    return idx
+
+
+def _vectorize_inward(prog: Program, name: str, idx: int, decider: Decider) -> None:
+    """Split loop `idx` in two (slot `<block>.vector`) and move the inner part innermost,
+    inside the reduction loops, vectorized: each step of the reductions then updates a
+    vector of outputs, which stays in registers across them."""
+    nest = prog.nests[name]
+    lp = nest.loops[idx]
+    outer_ext, vec = decider.decide(f"{name}.vector", TileDomain(lp.extent, 2, MAX_VECTOR, min_innermost=2))
+    prog.emit("split_inward", name, idx - len(nest.loops), (outer_ext, vec))
+    outer, inner = prog.new_loop(outer_ext, False), prog.new_loop(vec, False)
+    nest.loops[idx : idx + 1] = [outer]
+    nest.loops.append(inner)
+    for it, aff in list(nest.binding.items()):
+        c = aff.coeff(lp.key)
+        if c:
+            terms = {v: x for v, x in aff.terms if v != lp.key}
+            terms[outer.key] = c * vec
+            terms[inner.key] = c
+            nest.binding[it] = Affine.of(terms, aff.const, aff.exact)
+    if vec > 1:
+        inner.kind = "vectorized"
+        prog.emit("vectorize", name)
 
 
 def _fuse_trailing_unit_loops(prog: Program, name: str, attached: set[str]) -> None:

@@ -59,6 +59,7 @@ class Instr:
       compute_at(block, consumer, pos) | split_inner(block, factors) | parallel(block, n)
       vectorize(block) | unroll(block, pos, max_step) | decompose(block, pos)
       move_innermost(block, pos) | fuse_last(block): its two innermost loops fused
+      | split_inward(block, pos, factors): loop pos split, its inner part moved innermost
       GPU: cache_read(block, buffer, stage, pos) | coop_fetch(stage, loops, threads, vector)
       bind_tile / cross_thread / bind_fallback(block, ...)
       pipeline(block, pos, loops fused, stages, depth) | dynamic_shared(stage)

@@ -44,7 +44,7 @@ def realize(mod, instructions: list[Instr]):
     return sch
 
 
-_OWN_LOOP_OPS = frozenset({"split_inner", "fuse_last", "parallel", "move_innermost", "vectorize", "unroll", "decompose"})
+_OWN_LOOP_OPS = frozenset({"split_inner", "split_inward", "fuse_last", "parallel", "move_innermost", "vectorize", "unroll", "decompose"})
 """The instructions on the loops of their own block (`_apply_to_own_loops`); the others
 make, place, tile or bind blocks (`_apply_to_blocks`)."""
 
@@ -143,6 +143,13 @@ def _apply_to_own_loops(sch, ins: Instr, rv) -> None:
         case "split_inner":
             (outer, inner) = ins.args[0]
             sch.split(sch.get_loops(rv(b))[-1], [outer, inner])
+        case "split_inward":
+            pos, (outer, inner) = ins.args
+            loops = sch.get_loops(rv(b))
+            after = loops[pos:][1:]
+            _, inner_loop = sch.split(loops[pos], [outer, inner])
+            if after:
+                sch.reorder(*after, inner_loop)
         case "parallel":
             (n,) = ins.args
             loops = sch.get_loops(rv(b))[:n]
