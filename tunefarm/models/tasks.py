@@ -32,7 +32,9 @@ The pipeline (`fusion_passes()`), in order:
   elementwise operators that read it, so that they fuse into its producer, and two
   transposes that meet compose (none when they cancel); in MobileNetV3-Small the
   hard-swish after each convolution fused into it (68 tasks -> 51), in DBNet-style heads
-  no transpose is left around the transposed convolutions;
+  no transpose is left around the transposed convolutions; it also moves below
+  reshapes, concats, splits, softmax and reductions, so a YOLO-style head's transposing
+  copy per level and its softmax over a strided axis become one transpose at the output;
 - sink_reshapes (`tunefarm.models.reshape_sinking`): an elementwise chain after a
   reshape (an exporter's flattened MatMul reshaped back: a transformer's GELU, its
   residual add) computes in the reshape's source shape, so that it fuses into the

@@ -14,6 +14,19 @@ part of the copy rather than of the convolution.
   constant (transposed once, at build time);
 - `permute_dims(permute_dims(t, P), Q)` -> one transpose of the composed axes, none when
   they compose to the identity;
+- `reshape(permute_dims(t, P), S)` -> `permute_dims(reshape(t, S'), Q)` when every run of
+  dimensions the reshape merges or splits is a run of `t`'s, in order
+  (`reshape_of_transposed`): a model that flattens an NCHW tensor, `(1, C, H, W) ->
+  (1, C, H*W)`, flattens the NHWC one instead;
+- `concat` of tensors transposed alike -> the transpose of their concat along the
+  matching axis; `split` of a transpose -> transposes of the split's parts;
+- `softmax` / `log_softmax` along an axis, and `sum`, `mean`, `max`, `min`, `prod` over
+  axes, of a transpose -> the transpose of the same operator along the matching axes
+  (`reduced_axes_order` when the reduced dimensions are dropped);
+so that the transposes ConvertLayout puts after the convolutions of a detection head
+(each level concatenated, flattened, concatenated with the others, split into boxes and
+classes, a softmax over the boxes' bins) travel down to the model's output as one, where
+they were a transposing copy per level and a softmax over a strided axis;
 and then a transpose that keeps every dimension longer than one in its order (e.g.
 (1, 256, 256, 1) -> (1, 1, 256, 256)) becomes the reshape it is, which the build makes a
 view instead of a copy kernel.
@@ -21,6 +34,7 @@ view instead of a copy kernel.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -38,6 +52,63 @@ def moves_only_unit_dims(shape: Sequence[int], axes: Sequence[int]) -> bool:
     one in their order (then it is a reshape: the same elements in the same order)."""
     moved = [a for a in axes if shape[a] != 1]
     return moved == sorted(moved)
+
+
+def reshape_of_transposed(shape: Sequence[int], axes: Sequence[int], out: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(s, q) such that `reshape(permute_dims(t, axes), out)` equals
+    `permute_dims(reshape(t, s), q)` for a tensor `t` of `shape`, or None when there are
+    none: every run of the transposed tensor's dimensions that the reshape merges or
+    splits must be a run of `t`'s dimensions in the same order (dimensions of length one
+    aside, which go anywhere: `s` puts the output's ones first)."""
+    if math.prod(shape) != math.prod(out):
+        return None
+    rank = {a: r for r, a in enumerate(a for a in range(len(shape)) if shape[a] != 1)}
+    moved = [rank[a] for a in axes if shape[a] != 1]  # squeezed transposed dim -> squeezed t dim
+    sizes = [shape[a] for a in axes if shape[a] != 1]
+    wanted = [j for j in range(len(out)) if out[j] != 1]
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(sizes):
+        ins, outs, p_in, p_out = [i], [j], sizes[i], out[wanted[j]]
+        i, j = i + 1, j + 1
+        while p_in != p_out:
+            if p_in < p_out:
+                p_in *= sizes[i]
+                ins.append(i)
+                i += 1
+            else:
+                p_out *= out[wanted[j]]
+                outs.append(j)
+                j += 1
+        groups.append((ins, outs))
+    group_of: dict[int, int] = {}
+    for g, (ins, _) in enumerate(groups):
+        ranks = [moved[i] for i in ins]
+        if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+            return None
+        group_of.update((r, g) for r in ranks)
+    units = [j for j in range(len(out)) if out[j] == 1]
+    position = {j: k for k, j in enumerate(units)}
+    s = [1] * len(units)
+    done: set[int] = set()
+    for r in range(len(moved)):
+        g = group_of[r]
+        if g in done:
+            continue
+        done.add(g)
+        for k in groups[g][1]:
+            position[wanted[k]] = len(s)
+            s.append(out[wanted[k]])
+    return tuple(s), tuple(position[j] for j in range(len(out)))
+
+
+def reduced_axes_order(axes: Sequence[int], reduced: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """For a reduction without kept dimensions over dimensions `reduced` of
+    `permute_dims(t, axes)`: the dimensions of `t` to reduce instead, and the transpose
+    that puts the result in the original result's order."""
+    t_reduced = tuple(sorted(int(axes[a]) for a in reduced))
+    kept = [a for a in range(len(axes)) if a not in t_reduced]
+    return t_reduced, tuple(kept.index(int(axes[i])) for i in range(len(axes)) if i not in set(reduced))
 
 
 def sink_transposes():
@@ -60,25 +131,120 @@ def sink_transposes():
     def is_transpose(expr) -> bool:
         return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == "relax.permute_dims"
 
+    REDUCTIONS = {
+        "relax.sum": lambda: relax.op.sum,
+        "relax.mean": lambda: relax.op.mean,
+        "relax.max": lambda: relax.op.max,
+        "relax.min": lambda: relax.op.min,
+        "relax.prod": lambda: relax.op.prod,
+    }
+
     @mutator
     class _Sink(PyExprMutator):
         def visit_call_(self, call):
             call = super().visit_call_(call)
             if not isinstance(call.op, tvm.ir.Op):
                 return call
-            if call.op.name == "relax.permute_dims":
+            name = call.op.name
+            if name == "relax.permute_dims":
                 return self._composed(call)
+            if name == "relax.reshape":
+                return self._reshaped(call)
+            if name == "relax.concat":
+                return self._concatenated(call)
+            if name == "relax.split":
+                return self._split(call)
+            if name in ("relax.nn.softmax", "relax.nn.log_softmax"):
+                return self._along_axis(call)
+            if name in REDUCTIONS:
+                return self._reduced(call)
             return self._sunk(call)
+
+        def _bound(self, expr):
+            """What `expr` stands for: a variable's bound value, through tuple items of
+            bound tuples (a split's outputs)."""
+            if isinstance(expr, relax.Var):
+                bound = self.lookup_binding(expr)
+                expr = expr if bound is None else bound
+            if isinstance(expr, relax.TupleGetItem):
+                tup = self._bound(expr.tuple_value)
+                if isinstance(tup, relax.Tuple):
+                    return self._bound(tup.fields[int(expr.index)])
+            return expr
 
         def _transpose_of(self, arg):
             """(t, axes) when `arg` is bound to `permute_dims(t, axes)`."""
-            if not isinstance(arg, relax.Var):
+            if not isinstance(arg, relax.Var | relax.TupleGetItem):
                 return None
-            bound = self.lookup_binding(arg)
+            bound = self._bound(arg)
             if not is_transpose(bound):
                 return None
             axes = axes_of(bound)
             return None if axes is None else (bound.args[0], axes)
+
+        def _transposed(self, inner, axes):
+            inner = self.builder_.emit(inner)
+            return inner if is_identity(axes) else relax.op.permute_dims(inner, list(axes))
+
+        def _reshaped(self, call):
+            found = self._transpose_of(call.args[0])
+            out = static_shape(call.ty)
+            shape = None if found is None else static_shape(found[0].ty)
+            if found is None or out is None or shape is None:
+                return call
+            moved = reshape_of_transposed(shape, found[1], out)
+            if moved is None:
+                return call
+            s, q = moved
+            return self._transposed(relax.op.reshape(found[0], list(s)), q)
+
+        def _concatenated(self, call):
+            fields = self._bound(call.args[0])
+            if not isinstance(fields, relax.Tuple):
+                return call
+            found = [self._transpose_of(f) for f in fields.fields]
+            if any(f is None for f in found) or len({f[1] for f in found}) != 1:
+                return call
+            axes = found[0][1]
+            axis = int(call.attrs.axis) % len(axes)
+            return self._transposed(relax.op.concat([f[0] for f in found], axis=axes[axis]), axes)
+
+        def _split(self, call):
+            found = self._transpose_of(call.args[0])
+            if found is None:
+                return call
+            source, axes = found
+            axis = int(call.attrs.axis) % len(axes)
+            sections = call.attrs.indices_or_sections
+            sections = int(sections) if isinstance(sections, tvm.tirx.IntImm | int) else [int(v) for v in sections]
+            parts = self.builder_.emit(relax.op.split(source, sections, axis=axes[axis]))
+            count = len(call.ty.fields)
+            return relax.Tuple(
+                [self.builder_.emit(relax.op.permute_dims(relax.TupleGetItem(parts, i), list(axes))) for i in range(count)]
+            )
+
+        def _along_axis(self, call):
+            """softmax(permute_dims(t, P), axis=a) -> permute_dims(softmax(t, axis=P[a]), P)."""
+            found = self._transpose_of(call.args[0])
+            if found is None:
+                return call
+            source, axes = found
+            axis = int(call.attrs.axis) % len(axes)
+            op = relax.op.nn.softmax if call.op.name == "relax.nn.softmax" else relax.op.nn.log_softmax
+            return self._transposed(op(source, axis=axes[axis]), axes)
+
+        def _reduced(self, call):
+            found = self._transpose_of(call.args[0])
+            if found is None or call.attrs.axis is None:
+                return call
+            source, axes = found
+            reduced = sorted({int(a) % len(axes) for a in call.attrs.axis})
+            op = REDUCTIONS[call.op.name]()
+            if bool(call.attrs.keepdims):
+                t_axes = sorted(int(axes[a]) for a in reduced)
+                return self._transposed(op(source, axis=t_axes, keepdims=True), axes)
+            t_axes, order = reduced_axes_order(axes, reduced)
+            return self._transposed(op(source, axis=list(t_axes), keepdims=False), order)
 
         def _composed(self, call):
             inner = self._transpose_of(call.args[0])
