@@ -169,6 +169,7 @@ def test_concats_and_splits_become_views_and_the_model_still_matches_onnxruntime
     feeds = model_inputs(m)
     prof = profile_model(tmp_path / "views", [feeds["x"]], kernel_symbols(m.tasks), threads=2)
     assert len(prof.calls) == sum(t.weight for t in m.tasks.tasks)
+    assert all(c.seconds > 0 and c.warm_seconds > 0 for c in prof.calls)  # in the model's sequence, and warm
     assert prof.latency > 0 and prof.copy_bandwidth > 0 and prof.cached_copy_bandwidth > 0
     rows = in_model_breakdown(m.tasks, prof)
     assert set(rows) == {t.key for t in m.tasks.tasks}
@@ -190,6 +191,11 @@ def test_what_holds_a_task_back_follows_its_measurements():
     assert streaming[0].startswith("memory-bound (40.0 GB/s vs 50.0 GB/s") and "from memory" in streaming[0]
     assert streaming[1] == "elementwise, unfused: 1 separate kernel of 0.25 FLOP/byte"
     assert holds_back(row(300e-6, 0.02, 3.0, 60.0, 40.0), 5e-6, 50e9) == ["compute (60.0 GFLOPS, 40 FLOP/byte)"]
+    # 300 us in the model's sequence against 200 us with its data in cache: cold data, after what else holds it back
+    cold = holds_back({**row(300e-6, 0.02, 3.0, 60.0, 40.0), "warm_seconds_per_call": 200e-6}, 5e-6, 50e9)
+    assert cold == ["compute (60.0 GFLOPS, 40 FLOP/byte)",
+                    "cold data (300.0 us per call in the model's sequence, 200.0 us with its data in cache)"]
+    assert len(holds_back({**row(300e-6, 0.02, 3.0, 60.0, 40.0), "warm_seconds_per_call": 250e-6}, 5e-6, 50e9)) == 1
 
 
 def test_a_concat_of_the_graph_input_keeps_its_copy_and_matches_onnxruntime(tmp_path):

@@ -113,7 +113,7 @@ def breakdown_lines(model: Mapping[str, Any], top: int = 12) -> list[str]:
     outside = max(0.0, b["latency"] - b["kernel_seconds"])
     lines = [
         f"in the model ({b['threads']} threads): {format_cost(b['latency'])} = {format_cost(b['kernel_seconds'])} in "
-        f"{b['kernel_calls']} kernel calls + {format_cost(outside)} outside them "
+        f"{b['kernel_calls']} kernel calls{_warm_note(b)} + {format_cost(outside)} outside them "
         f"({format_cost(b['overhead_per_call'])} per call; {b['builtin_calls']} VM builtin calls); "
         f"copy bandwidth {b['copy_bandwidth'] / 1e9:.1f} GB/s from memory, "
         f"{b.get('cached_copy_bandwidth', 0.0) / 1e9:.1f} GB/s from cache"
@@ -126,6 +126,13 @@ def breakdown_lines(model: Mapping[str, Any], top: int = 12) -> list[str]:
     if len(rows) > top:
         lines.append(f"  ({len(rows) - top} more tasks)")
     return lines
+
+
+def _warm_note(breakdown: Mapping[str, Any]) -> str:
+    """The kernels' time with each one's data in cache, for the breakdown's first line
+    (empty for a report made before it was measured)."""
+    warm = breakdown.get("warm_kernel_seconds")
+    return f" ({format_cost(warm)} with each kernel's data in cache)" if warm else ""
 
 
 def curve_points(report: Mapping[str, Any], model_name: str) -> list[tuple[float, float]]:

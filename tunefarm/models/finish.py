@@ -353,6 +353,7 @@ def profile_breakdown(
         "threads": prof.threads,
         "kernel_calls": len(prof.calls),
         "kernel_seconds": prof.kernel_seconds,
+        "warm_kernel_seconds": prof.warm_kernel_seconds,
         "builtin_calls": prof.builtin_calls,
         "overhead_per_call": prof.overhead_per_call,
         "copy_bandwidth": prof.copy_bandwidth,
