@@ -42,6 +42,9 @@ from tunefarm.records import TimingConfig
 from tunefarm_app.bench.cold_warm import geomean, measured_costs, ms, parse_seeds, reach
 from tunefarm_app.json_output import add_json_flag, emit_json, only_json
 
+DEFAULT_TIMING = TimingConfig()
+"""The measurer's timing when a caller gives none."""
+
 DEFAULT_TARGETS = ("host", '{"kind": "llvm", "mcpu": "x86-64-v2"}')
 """This machine's class (the one a dataset measured here trained on) and SSE4.2 without AVX."""
 
@@ -260,7 +263,7 @@ def trained_class(info: dict[str, Any], target: dict[str, Any]) -> str | None:
 
 def run_seed(
     workloads: list[BenchWorkload], target: dict[str, Any], trained: str | None, model: Path, *, trials: int,
-    batch_size: int, seed: int, tolerance: float, root: Path, timing: TimingConfig = TimingConfig(),
+    batch_size: int, seed: int, tolerance: float, root: Path, timing: TimingConfig = DEFAULT_TIMING,
 ) -> list[PretrainedRow]:  # fmt: skip
     """The cold and the pretrained run of every workload for one target and seed."""
     root.mkdir(parents=True, exist_ok=True)
@@ -277,7 +280,7 @@ def run_seed(
 
 def tune_run(
     *, workloads: list[BenchWorkload], target: dict[str, Any], trials: int, batch_size: int, seed: int, records: Path,
-    pretrained_file: Path | None, timing: TimingConfig = TimingConfig(),
+    pretrained_file: Path | None, timing: TimingConfig = DEFAULT_TIMING,
 ) -> list[list[float]]:  # fmt: skip
     """One embedded session over the workloads (`trials` each, round-robin), with a fresh
     model (no `pretrained_file`) or starting from `pretrained_file`; no cost model file or
