@@ -14,6 +14,7 @@ from tunefarm.search.space.dag import (
 from tunefarm.search.space.program import (
     MAX_UNROLLED_LANES,
     InvalidProgram,
+    Loop,
     Nest,
     Program,
     unrolled_lanes,
@@ -126,16 +127,9 @@ def _vectorize_inward(prog: Program, name: str, idx: int, decider: Decider) -> N
     lp = nest.loops[idx]
     outer_ext, vec = decider.decide(f"{name}.vector", TileDomain(lp.extent, 2, MAX_VECTOR, min_innermost=2))
     prog.emit("split_inward", name, idx - len(nest.loops), (outer_ext, vec))
-    outer, inner = prog.new_loop(outer_ext, False), prog.new_loop(vec, False)
+    outer, inner = _split_loop(prog, nest, idx, outer_ext, vec)
     nest.loops[idx : idx + 1] = [outer]
     nest.loops.append(inner)
-    for it, aff in list(nest.binding.items()):
-        c = aff.coeff(lp.key)
-        if c:
-            terms = {v: x for v, x in aff.terms if v != lp.key}
-            terms[outer.key] = c * vec
-            terms[inner.key] = c
-            nest.binding[it] = Affine.of(terms, aff.const, aff.exact)
     if vec > 1:
         inner.kind = "vectorized"
         prog.emit("vectorize", name)
@@ -211,14 +205,20 @@ def parallel_range(extents: list[int], num_cores: int) -> tuple[int, int]:
 
 
 def _split_last(prog: Program, nest: Nest, outer_ext: int, inner_ext: int) -> None:
-    last = nest.loops[-1]
-    outer = prog.new_loop(outer_ext, last.reduce)
-    inner = prog.new_loop(inner_ext, last.reduce)
-    nest.loops[-1:] = [outer, inner]
+    nest.loops[-1:] = _split_loop(prog, nest, len(nest.loops) - 1, outer_ext, inner_ext)
+
+
+def _split_loop(prog: Program, nest: Nest, idx: int, outer_ext: int, inner_ext: int) -> tuple[Loop, Loop]:
+    """Two new loops for `nest.loops[idx]` split (outer, inner), with the iterator bindings
+    rewritten to them; the caller places them in `nest.loops`."""
+    old = nest.loops[idx]
+    outer = prog.new_loop(outer_ext, old.reduce)
+    inner = prog.new_loop(inner_ext, old.reduce)
     for it, aff in list(nest.binding.items()):
-        c = aff.coeff(last.key)
+        c = aff.coeff(old.key)
         if c:
-            terms = {v: x for v, x in aff.terms if v != last.key}
+            terms = {v: x for v, x in aff.terms if v != old.key}
             terms[outer.key] = c * inner_ext
             terms[inner.key] = c
             nest.binding[it] = Affine.of(terms, aff.const, aff.exact)
+    return outer, inner
