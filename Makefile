@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TUNEFARM_AARCH64_ROOT ?= /var/cache/tunefarm/aarch64-root
 export TUNEFARM_AARCH64_ROOT
 
-.PHONY: setup browser demo test test-fast test-aarch64 aarch64-root bench lint proto clean gpu-bundle gpu-check
+.PHONY: setup browser demo test test-fast test-aarch64 aarch64-root bench lint proto clean gpu-bundle gpu-check pretrained pretraining-data
 
 setup: $(STAMP)
 
@@ -54,6 +54,22 @@ test-aarch64: setup aarch64-root
 
 bench: setup
 	$(BIN)/tunefarm bench ops --trials 256
+
+# The pretrained cost model shipped for x86 (tunefarm/search/cost_model/pretrained/x86.npz),
+# rebuilt from the measurements kept in pretraining/x86/ (records, gzipped): their features
+# are computed again by this version, so a new feature version needs no new measurement.
+PRETRAIN_WORK ?= build/pretrain
+pretrained: setup
+	rm -rf $(PRETRAIN_WORK) && mkdir -p $(PRETRAIN_WORK)
+	for f in pretraining/x86/*.gz; do gunzip -c $$f > $(PRETRAIN_WORK)/$$(basename $$f .gz); done
+	$(BIN)/tunefarm dataset $(PRETRAIN_WORK)/*.jsonl --out $(PRETRAIN_WORK)/x86.parquet
+	$(BIN)/tunefarm pretrain $(PRETRAIN_WORK)/x86.parquet --out tunefarm/search/cost_model/pretrained/x86.npz
+
+# New measurements for it, on this machine's CPU (about 25 minutes on a quiet 2-core
+# machine); gzip them into pretraining/x86/ and run `make pretrained`.
+pretraining-data: setup
+	$(BIN)/tunefarm build-dataset --out $(PRETRAIN_WORK)/measured --classes host --trials 48 --model-trials 10 \
+		--models small_cnn,bert_layer,mobilenet_v3,dbnet
 
 lint: setup
 	$(BIN)/ruff check tunefarm services tests

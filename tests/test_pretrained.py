@@ -115,7 +115,7 @@ def split():
 
 @pytest.fixture(scope="module")
 def squared_base(split):
-    return pretrain(split[0], PretrainConfig(num_boost_round=60, max_depth=6)).base
+    return pretrain(split[0], PretrainConfig(objective="squared", num_boost_round=60, max_depth=6)).base
 
 
 def _own_batch(cls: str, workload: int, n: int, seed: int) -> tuple[list[np.ndarray], list[float], list[str]]:
@@ -258,6 +258,31 @@ def test_own_trees_learn_the_residual_where_the_device_disagrees_with_the_base(s
     assert not np.allclose(np.bincount(row_program, weights=own), model.predict(feats))
 
 
+def test_the_base_fades_as_each_task_gets_programs_of_its_own_and_not_with_the_number_of_tasks(tmp_path, squared_base):
+    """One task with 96 programs: the base counts 16 / (16 + 96) in training and scoring;
+    twelve tasks with 8 each (96 programs too): 16 / (16 + 8). A saved model keeps it."""
+    base = squared_base.with_descriptor(device_descriptor(SSE))
+    config = XGBConfig(seed=1, num_warmup_samples=96, num_boost_round=20, prior_strength=16.0)
+    one_task = XGBCostModel(config, base=base)
+    feats, costs, groups = _own_batch("sse", 1, 96, seed=3)
+    assert one_task.base_weight == 1.0  # before its own trees: the base alone
+    one_task.update(feats, costs, groups)
+    assert one_task.base_weight == pytest.approx(16 / 112)
+    own = one_task._booster.inplace_predict(np.concatenate(feats))
+    row_program = np.repeat(np.arange(len(feats)), [f.shape[0] for f in feats])
+    base_values = base.row_values(np.concatenate(feats), row_program, np.array([f.shape[0] for f in feats]))
+    expected = np.bincount(row_program, weights=own + 16 / 112 * base_values)
+    np.testing.assert_allclose(one_task.predict(feats), expected, rtol=1e-5, atol=1e-6)
+
+    many_tasks = XGBCostModel(config, base=base)
+    batches = [_own_batch("sse", w, 8, seed=w) for w in range(12)]
+    many_tasks.update(*(sum((list(b[i]) for b in batches), []) for i in range(3)))
+    assert many_tasks.base_weight == pytest.approx(16 / 24)
+
+    one_task.save(tmp_path / "m.npz")
+    assert XGBCostModel.load(tmp_path / "m.npz").base_weight == pytest.approx(16 / 112)
+
+
 def test_a_model_with_a_base_saves_loads_and_transfers(tmp_path, squared_base):
     base = squared_base.with_descriptor(device_descriptor(SSE))
     model = XGBCostModel(XGBConfig(seed=1, num_warmup_samples=16, num_boost_round=10), base=base)
@@ -373,7 +398,7 @@ def test_pretrain_command_compares_objectives_on_held_out_workloads_and_writes_a
     model, note = pretrained.load_pretrained(HASWELL, directory=out.parent)
     assert model is not None, note
     info = model.base.info
-    assert info["objective"] == "squared" and info["classes"] == {"avx512": 96, "sse": 96} and info["tasks"] == 4
+    assert info["objective"] == "rank" and info["classes"] == {"avx512": 96, "sse": 96} and info["tasks"] == 4
     assert info["provenance"]["held_out_workloads"] == ["wl4", "wl5"]
     assert info["provenance"]["datasets"][0]["manifest"]["command"] == "synthetic"
 

@@ -10,8 +10,11 @@ and tunefarm versions, CPU model, cores, host). Emulated timings (an agent under
 qemu-user) are never rows: they are an emulator's, not a device's. Failed measurements
 are left out unless asked for (their time is none).
 
-`export_records` reads records files (`tunefarm tune`'s and `tune-op`'s JSON lines with
-their `.workloads` sidecar) and `write_dataset` writes Parquet (pyarrow) plus a
+`export_measured` makes the rows of measured tasks from any source (`MeasuredTask`: a
+task's records, its stored workload, and where they were measured); `export_records`
+reads records files (`tunefarm tune`'s and `tune-op`'s JSON lines with their `.workloads`
+sidecar) through it, and the farm's Postgres store gives its vouched-for measurements the
+same way (`services.db.datasets`). `write_dataset` writes Parquet (pyarrow) plus a
 `<file>.json` beside it saying how it was made: the sources, the command, the versions
 and the row counts, so that it can be rebuilt.
 """
@@ -100,6 +103,21 @@ class ExportCounts:
         return {**{k: v for k, v in asdict(self).items() if k != "tasks"}, "tasks": len(self.tasks)}
 
 
+@dataclass(frozen=True)
+class MeasuredTask:
+    """One task's measurements from one source, with the workload they are rebuilt from."""
+
+    key: str  # the records' task key
+    workload_key: str  # the stored workload's key (a task key does too: it names the constants)
+    name: str
+    module_json: str  # tvm.ir.save_json of the workload's IRModule
+    records: Sequence[MeasureRecord]
+    environment: Environment
+    source: str
+    device_class: str | None = None  # None: a name made from each record's target
+    n_outputs: int | None = None
+
+
 def export_records(
     paths: Sequence[str | os.PathLike[str]],
     *,
@@ -111,41 +129,55 @@ def export_records(
     `device_class` names the class the records were measured on (default: a name made from
     each record's target). Raises RecordError for a file that is not a records file."""
     env = environment or Environment.here()
-    rows: list[DatasetRow] = []
+    tasks: list[MeasuredTask] = []
     counts = ExportCounts()
     for path in paths:
         store = JsonlRecordStore(path)
         if not Path(path).is_file():
             raise RecordError(f"{path}: no such records file")
-        records = store.load()
         by_task: dict[str, list[MeasureRecord]] = {}
-        for r in records:
-            if r.emulated:
-                counts.skipped_emulated += 1
-            elif r.error_kind.is_error and not include_errors:
-                counts.skipped_errors += 1
-            else:
-                by_task.setdefault(r.task, []).append(r)
+        for r in store.load():
+            by_task.setdefault(r.task, []).append(r)
         for key, task_records in by_task.items():
             stored = store.get_workload(key)
             if stored is None:
                 counts.skipped_no_workload += len(task_records)
                 continue
-            rows += _task_rows(key, stored, task_records, device_class, env, str(path), counts)
+            tasks.append(MeasuredTask(key, key, stored[0], stored[1], task_records, env, str(path), device_class))
+    return export_measured(tasks, include_errors=include_errors, counts=counts)
+
+
+def export_measured(
+    tasks: Iterable[MeasuredTask], *, include_errors: bool = False, counts: ExportCounts | None = None
+) -> tuple[list[DatasetRow], ExportCounts]:
+    """The rows of the measured tasks' records (see the module docstring), counted into
+    `counts` (a new one by default): never emulated timings, failed ones only with
+    `include_errors`."""
+    counts = counts if counts is not None else ExportCounts()
+    rows: list[DatasetRow] = []
+    for task in tasks:
+        kept = []
+        for r in task.records:
+            if r.emulated:
+                counts.skipped_emulated += 1
+            elif r.error_kind.is_error and not include_errors:
+                counts.skipped_errors += 1
+            else:
+                kept.append(r)
+        if kept:
+            rows += _task_rows(task, kept, counts)
     return rows, counts
 
 
-def _task_rows(
-    key: str, stored: tuple[str, str], records: list[MeasureRecord], device_class: str | None, env: Environment,
-    source: str, counts: ExportCounts,
-) -> list[DatasetRow]:
+def _task_rows(measured: MeasuredTask, records: list[MeasureRecord], counts: ExportCounts) -> list[DatasetRow]:
     from tunefarm.search.task import make_task
     from tunefarm.workloads.base import workload_from_stored
 
-    name, module_json = stored
+    key, device_class, env, source = measured.key, measured.device_class, measured.environment, measured.source
     try:
-        task = make_task(workload_from_stored(key=key, name=name, module_json=module_json),
-                         records[0].target)  # fmt: skip
+        workload = workload_from_stored(key=measured.workload_key, name=measured.name,
+                                        module_json=measured.module_json, n_outputs=measured.n_outputs)  # fmt: skip
+        task = make_task(workload, records[0].target)
     except Exception:  # a workload this version cannot analyse: no features for its records
         counts.skipped_no_features += len(records)
         return []

@@ -7,7 +7,7 @@
   tunefarm apply-best RECORDS --out LIB [--workload NAME]
   tunefarm sketches WORKLOAD [--shape ...]
   tunefarm export-ms RECORDS --out DIR
-  tunefarm dataset RECORDS... --out FILE.parquet [--device-class NAME] [--include-errors]
+  tunefarm dataset [RECORDS...] [--database-url URL] --out FILE.parquet [--device-class NAME] [--include-errors]
   tunefarm build-dataset --out DIR [--classes host,haswell] [--trials N] [--models small_cnn]
   tunefarm pretrain DATASET.parquet... --out FILE.npz [--objective squared|rank] [--hold-out-fraction F] [--compare]
   tunefarm report DIR [--html [--out FILE]]
@@ -107,9 +107,12 @@ def _add_kernel_commands(sub) -> None:
 def _add_records_commands(sub) -> None:
     """What was tuned, in other forms: `dataset`, `export-ms`, `report`."""
     d = sub.add_parser("dataset", help="write records as a columnar dataset (Parquet) for training cost models")
-    d.add_argument("records", type=Path, nargs="+", help="records files (JSON lines, with their .workloads sidecar)")
+    d.add_argument("records", type=Path, nargs="*", help="records files (JSON lines, with their .workloads sidecar)")
+    d.add_argument("--database-url", metavar="URL",
+                   help="the farm's PostgreSQL (as TUNEFARM_DATABASE_URL): its vouched-for measurements too")  # fmt: skip
     d.add_argument("--out", type=Path, required=True, help="the Parquet file to write (and FILE.json: how it was made)")
-    d.add_argument("--device-class", help="the device class the records were measured on (default: from each target)")
+    d.add_argument("--device-class", help="the device class the records were measured on (default: from each target); "
+                   "with --database-url, only that farm class's measurements")  # fmt: skip
     d.add_argument("--include-errors", action="store_true", help="also failed measurements (cost inf)")
     dataset_build.add_command(sub)
     pretrain_command.add_command(sub)
@@ -322,12 +325,24 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _dataset(args: argparse.Namespace) -> int:
-    from tunefarm.dataset import command_line, export_records, write_dataset
+    from tunefarm.dataset import command_line, export_measured, export_records, write_dataset
 
-    rows, counts = export_records(args.records, device_class=args.device_class, include_errors=args.include_errors)
+    if not args.records and not args.database_url:
+        raise UsageError("dataset: give records files, --database-url, or both")
+    rows, counts = ([], None)
+    if args.records:
+        rows, counts = export_records(args.records, device_class=args.device_class, include_errors=args.include_errors)
+    sources = [str(p.resolve()) for p in args.records]
+    if args.database_url:
+        farm_rows, counts = export_measured(_farm_measurements(args.database_url, args.device_class),
+                                            include_errors=args.include_errors, counts=counts)  # fmt: skip
+        rows += farm_rows
+        from services.db.datasets import redacted
+
+        sources.append(f"farm database {redacted(args.database_url)}")
     if not rows:
         raise UsageError(f"no measurement to write ({json.dumps(counts.as_report())})")
-    provenance = {"command": command_line(), "sources": [str(p.resolve()) for p in args.records], **counts.as_report()}
+    provenance = {"command": command_line(), "sources": sources, **counts.as_report()}
     out = write_dataset(rows, args.out, provenance=provenance)
     print(f"dataset    {out}: {counts.rows} measurements of {len(counts.tasks)} tasks")
     skipped = {k: v for k, v in counts.as_report().items() if k.startswith("skipped") and v}
@@ -335,6 +350,17 @@ def _dataset(args: argparse.Namespace) -> int:
         print("skipped    " + ", ".join(f"{v} {k.removeprefix('skipped_').replace('_', ' ')}" for k, v in skipped.items()))
     print(f"how made   {out}.json")
     return 0
+
+
+def _farm_measurements(url: str, device_class: str | None) -> list:
+    """The farm's vouched-for measurements (`services.db.datasets`); UsageError when the
+    database cannot be read."""
+    from services.db.datasets import FarmUnreadable, read_measured_tasks
+
+    try:
+        return read_measured_tasks(url, device_class=device_class)
+    except FarmUnreadable as exc:
+        raise UsageError(f"--database-url: cannot read the farm's measurements ({exc})") from None
 
 
 def _export_ms(args: argparse.Namespace) -> int:

@@ -119,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
                 records = args.out / "records" / f"{name}-{kind}.jsonl"
                 _measure(name, target, workloads, trials, records, args)
                 sources.append(records)
-        rows, counts = export_records(sources, device_class=name)
+        # "host" is this machine: its rows take their class from the target (its CPU), so
+        # that datasets measured on different hosts stay different classes.
+        rows, counts = export_records(sources, device_class=None if name == "host" else name)
         provenance = {
             "command": command_line(),
             "sources": [str(r.resolve()) for r in sources],

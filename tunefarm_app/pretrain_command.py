@@ -34,9 +34,9 @@ def add_command(sub) -> None:
     p = sub.add_parser("pretrain", help="train a pretrained cost model across tasks and device classes from datasets")
     p.add_argument("datasets", type=Path, nargs="+", help="Parquet files written by `tunefarm dataset`")
     p.add_argument("--out", type=Path, required=True, help="the model file to write (e.g. x86.npz)")
-    p.add_argument("--objective", choices=["squared", "rank"], default="squared",
+    p.add_argument("--objective", choices=["squared", "rank"], default="rank",  # PretrainConfig's (xgboost is imported only to run)
                    help="squared: weighted squared error on normalised throughput (as tuning trains); "
-                   "rank: pairwise ranking within each task (default squared)")  # fmt: skip
+                   "rank: pairwise ranking within each task (default rank)")  # fmt: skip
     p.add_argument("--family", help="the device family to train (x86, arm, cuda); default: the datasets' only one")
     p.add_argument("--hold-out-workloads", action="append", default=[], metavar="NAME[,NAME]",
                    help="workloads (or task keys) left out of training and scored")  # fmt: skip
@@ -44,7 +44,7 @@ def add_command(sub) -> None:
                    help="hold out about this fraction of the workloads, chosen by a hash of their names")  # fmt: skip
     p.add_argument("--compare", action="store_true", help="train and score both objectives on the held-out workloads")
     p.add_argument("--rounds", type=int, default=200, help="most trees (default 200)")
-    p.add_argument("--max-depth", type=int, default=10, help="deepest tree (default 10)")
+    p.add_argument("--max-depth", type=int, default=8, help="deepest tree (default 8)")
     p.add_argument("--threads", type=int, default=1, help="XGBoost threads (default 1)")
     p.add_argument("--seed", type=int, default=43, help="seed (default 43)")
     add_json_flag(p, "the training and held-out figures")

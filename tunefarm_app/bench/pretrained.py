@@ -99,7 +99,7 @@ def add_command(bsub) -> None:
     p.add_argument("--seeds", default="1", help="comma-separated seeds; each runs both (default 1)")
     p.add_argument("--tolerance", type=float, default=0.02,
                    help="a run reaches the cold run's final best when within this fraction of it (default 0.02)")  # fmt: skip
-    p.add_argument("--objective", choices=["squared", "rank"], default="squared", help="with --datasets (default squared)")
+    p.add_argument("--objective", choices=["squared", "rank"], default="rank", help="with --datasets (default rank)")
     p.add_argument("--rounds", type=int, default=200, help="with --datasets: most trees (default 200)")
     p.add_argument("--work-dir", type=Path, help="keep the records (and a trained model) here (default: a temporary dir)")
     add_json_flag(p, "the rows and geometric means")

@@ -51,7 +51,12 @@ Base (a pretrained model under the device's own trees)
     scores with the base from the start (no random warm-up), and its own trees are
     trained on the residual: each row's base value is its XGBoost ``base_margin``, so the
     pack-sum objective above sees base + own and the own trees correct the base where the
-    device's measurements disagree. The base values of a program's rows are computed once,
+    device's measurements disagree. The device's own data takes over as it arrives: the
+    base counts ``s / (s + m)`` (`base_weight`) in training and scoring, m the own programs
+    per task measured so far and s ``XGBConfig.prior_strength`` (in full before the first
+    training; half after s programs of each task). Per task, not per model, so that a model
+    tuned over a hundred tasks keeps its prior while each task has few programs. The base
+    values of a program's rows are computed once,
     when it enters the history, with the descriptor of the device it was measured on (a
     transferred model's prior programs keep theirs). Without a base nothing of this applies:
     own trees on plain rows, random scores during warm-up, as before.
@@ -204,6 +209,12 @@ def prior_weight(own_programs: int, strength: float) -> float:
     return strength / (strength + own_programs) if strength > 0 else 0.0
 
 
+def base_weight(own_per_task: float, strength: float) -> float:
+    """How much a pretrained base counts once there are `own_per_task` own programs per
+    task (module doc, "Base"): strength / (strength + own_per_task)."""
+    return strength / (strength + own_per_task) if strength > 0 else 0.0
+
+
 def weighted_p_rmse(row_preds: np.ndarray, row_program: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
     """sqrt(sum_P w_P (score(P) - y_P)^2 / sum_P w_P): the early-stopping metric ("p-rmse")."""
     return float(np.sqrt(pack_sum_loss(row_preds, row_program, y, w) / np.sum(w)))
@@ -268,6 +279,12 @@ class _History:
     @property
     def num_rows(self) -> int:
         return len(self._row_program.view())
+
+    def own_programs_per_task(self) -> float:
+        """Own (not prior) programs over the tasks (groups) they belong to; 0 with none."""
+        own = ~self._prior.view()
+        tasks = len(np.unique(self._group_ids.view()[own]))
+        return int(np.count_nonzero(own)) / tasks if tasks else 0.0
 
     def append(
         self,
@@ -410,6 +427,7 @@ class XGBCostModel(CostModel):
         self._history = _History()
         self._random = RandomCostModel(self._config.seed)  # answers during warm-up
         self._base = base
+        self._base_weight = 1.0  # how much the base counts (module doc, "Base"), set at training
         self._booster: xgb.Booster | None = None
         self._trained_on = 0
         self._last_training: TrainingStats | None = None
@@ -440,6 +458,12 @@ class XGBCostModel(CostModel):
     def ranks(self) -> bool:
         """Own trees trained, or a base to score with from the start."""
         return self._trained_on > 0 or self._base is not None
+
+    @property
+    def base_weight(self) -> float:
+        """How much its base counts in its scores (module doc, "Base"): 1 until its own
+        trees are first trained, then s / (s + own programs per task) of that training."""
+        return self._base_weight
 
     @property
     def base(self) -> BaseTrees | None:
@@ -504,7 +528,7 @@ class XGBCostModel(CostModel):
             program = np.repeat(np.arange(len(counts)), counts)
             row_preds = np.zeros(rows.shape[0], np.float64)
             if self._base is not None:
-                row_preds += self._base.row_values(rows, program, counts)
+                row_preds += self._base_weight * self._base.row_values(rows, program, counts)
             if self._booster is not None:
                 row_preds += self._booster.inplace_predict(rows)
             valid = counts > 0
@@ -522,6 +546,7 @@ class XGBCostModel(CostModel):
             "config": dataclasses.asdict(self._config),
             "num_features": self._history.num_features,
             "trained_on": self._trained_on,
+            "base_weight": self._base_weight,
             "rng_state": self._random.rng_state(),
             "metadata": self.metadata,
         }
@@ -566,6 +591,7 @@ class XGBCostModel(CostModel):
         model._history = _History.from_arrays(arrays, state["num_features"])
         model._random.set_rng_state(state["rng_state"])
         model._trained_on = int(state["trained_on"])
+        model._base_weight = float(state.get("base_weight", 1.0))
         model.metadata = dict(state.get("metadata") or {})
         booster_bytes = arrays["booster"]
         if booster_bytes.size:
@@ -595,7 +621,11 @@ class XGBCostModel(CostModel):
         def metric(row_preds: np.ndarray, _: xgb.DMatrix) -> tuple[str, float]:
             return "p-rmse", weighted_p_rmse(row_preds, data.row_program, data.y, data.w)
 
-        dtrain = xgb.DMatrix(data.rows, base_margin=data.margins, nthread=self._config.nthread)
+        margins = data.margins
+        if margins is not None:
+            weight = base_weight(self._history.own_programs_per_task(), self._config.prior_strength)
+            margins = margins * np.float32(weight)
+        dtrain = xgb.DMatrix(data.rows, base_margin=margins, nthread=self._config.nthread)
         booster = xgb.train(
             self._config.xgb_params(),
             dtrain,
@@ -610,6 +640,8 @@ class XGBCostModel(CostModel):
         best = booster.best_iteration
         self._booster = booster[: best + 1]
         self._booster.set_param({"nthread": self._config.nthread})
+        if margins is not None:
+            self._base_weight = weight
         self._trained_on = self._history.num_programs
         self._last_training = TrainingStats(
             num_programs=self._trained_on,

@@ -77,6 +77,7 @@ def save_pretrained(base: BaseTrees, path: str | os.PathLike[str], *, provenance
             f.close()
             os.unlink(f.name)
             raise
+    os.chmod(f.name, 0o644)  # a file to ship and share, not the temporary file's 0600
     os.replace(f.name, path)
     return path
 
