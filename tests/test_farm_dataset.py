@@ -15,7 +15,16 @@ from farm_fixtures import placeholder_model
 
 from services.db import codec
 from services.db.datasets import measured_tasks
-from services.db.models import Batch, BatchCandidate, DeviceClass, Job, JobTask, Measurement, Team, WorkloadRow
+from services.db.models import (
+    Batch,
+    BatchCandidate,
+    DeviceClass,
+    Job,
+    JobTask,
+    Measurement,
+    Team,
+    WorkloadRow,
+)
 from services.db.session import transaction
 from tunefarm.dataset import export_measured, read_dataset
 from tunefarm.records import TimingConfig
