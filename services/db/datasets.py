@@ -9,7 +9,8 @@ cores, host), and named by their device class. Emulated timings are left out by
 `export_measured`, which sees the records' own flag; a fingerprint that says so marks
 its records too.
 
-Works inside the caller's transaction and commits nothing itself.
+`measured_tasks` works inside the caller's transaction and commits nothing;
+`read_measured_tasks` opens its own read-only session on a URL (the CLI's).
 """
 
 from __future__ import annotations
