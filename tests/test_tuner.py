@@ -367,3 +367,58 @@ def test_the_population_leaves_room_for_realizing_and_retraining_in_the_search_s
     assert population_for(cfg, pace, 32) == int((0.15 / 0.85 * 32 - 4.5) / (0.001 * 5)) == 229
     pace.note_training(20.0)  # retraining alone beyond the share: the smallest population
     assert population_for(cfg, pace, 32) == 48
+
+
+def test_retraining_is_due_once_the_untrained_programs_took_long_enough_to_measure():
+    from tunefarm.search.session import retrain_due
+
+    assert retrain_due(4, None, None, 0.04)  # nothing known yet: retrain
+    assert retrain_due(4, 1.0, None, 0.04) and retrain_due(4, None, 2.0, 0.04)
+    assert not retrain_due(0, 1.0, 0.0, 0.04)  # nothing new to learn
+    # 4 programs of 1 s each: 0.16 s of retraining allowed at a 4% share
+    assert retrain_due(4, 1.0, 0.15, 0.04) and not retrain_due(4, 1.0, 0.2, 0.04)
+    assert retrain_due(5, 1.0, 0.2, 0.04)  # one more program measured: due
+
+
+class _CountingModel(XGBCostModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls: list[bool] = []
+
+    def update(self, features, costs, groups, *, train=True):
+        self.calls.append(train)
+        super().update(features, costs, groups, train=train)
+
+
+def _paced_session(host_target, share: float):
+    from tunefarm.measure import MeasureTask
+
+    task = make_task(gemm(), host_target)
+    model = _CountingModel(XGBConfig(num_warmup_samples=4, seed=1, adaptive_training=False))
+    cfg = replace(FAST, trials=24, batch_size=4)
+    cfg = replace(cfg, search=replace(cfg.search, retrain_share=share))
+    info = TaskInfo(key=task.key, flops=task.workload.flops, weights={"m": 1})
+    mtask = MeasureTask(task.key, "w.json", task.workload.name, host_target, "d.npz", 2, 1, True)
+    tuner = TaskTuner(task, cfg, model)
+    session = TuningSession([tuner], [info], [mtask], ShufflingMeasurer(), cfg, model=model)
+    session.start()
+    while session.step(wait=0):
+        pass
+    session.close()
+    return session, model, tuner
+
+
+def test_the_session_retrains_the_model_only_as_often_as_the_measuring_time_allows(host_target):
+    """A stand-in measurer takes no time, so retraining costs more than measuring: after its
+    first retraining the model gets the batches without retraining (all in its history),
+    unless the share allows any retraining time."""
+    session, model, tuner = _paced_session(host_target, share=0.04)
+    assert session.trials == 24 and model.num_samples == 24
+    assert len(model.calls) == len(session.stats.rounds) == 6
+    assert model.calls[0] and not any(model.calls[1:])
+    assert model.trained_on == 4
+    model.update([], [], [], train=True)  # what was held back is learnt on the next training
+    assert model.trained_on == 24
+
+    session, model, tuner = _paced_session(host_target, share=1e9)
+    assert all(model.calls) and model.trained_on == 24

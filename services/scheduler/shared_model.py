@@ -166,7 +166,9 @@ class SharedModelView(CostModel):
     def __init__(self, shared: ClassModel):
         self.shared = shared
 
-    def update(self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str]) -> None:
+    def update(
+        self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str], *, train: bool = True
+    ) -> None:
         """A no-op: the class's model learns every measurement from Postgres instead."""
 
     def predict(self, features: Sequence[np.ndarray]) -> np.ndarray:

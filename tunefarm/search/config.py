@@ -24,6 +24,13 @@ class SearchConfig:
     min_population: int = 48
     # Share of tuning wall time the search may take.
     target_search_share: float = 0.15
+    # Share of the measuring time that retraining the cost model may take. Ansor retrains
+    # after every round of 64; a model's rounds hold 4-16 programs, and retraining from
+    # scratch after each of them grows with the history: a 105-task detector at 1500
+    # trials spent 263 s of 1959 s in it. The model retrains after a round once the
+    # programs measured since its last training took its last training time / this share
+    # to measure (every round while retraining is that cheap; `session.retrain_due`).
+    retrain_share: float = 0.04
     # Generations of mutation/crossover after the initial population (Ansor: 4).
     generations: int = 4
     # Chance that an offspring is a mutation of its parent (Ansor: 0.85).

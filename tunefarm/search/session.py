@@ -15,8 +15,9 @@ Several rounds may be in flight (`max_in_flight`; the farm measures on many agen
 results are matched to their round by task and candidate, in whatever order they come.
 
 The side effects after a measurement are small named callbacks (`SessionCallback`):
-`StoreRecords` appends them to the record store at once, `RetrainCostModel` retrains the
-one cost model every task shares after each batch, and the progress views of the app
+`StoreRecords` appends them to the record store at once, `RetrainCostModel` gives each
+batch to the one cost model every task shares (retraining it as often as its time allows,
+`retrain_due`), and the progress views of the app
 layer draw what happened. A single-operator run is a session with one task.
 """
 
@@ -99,17 +100,35 @@ def program_id(record: MeasureRecord) -> str:
     return hashlib.sha1(f"{record.task}|{record.candidate.key}".encode()).hexdigest()[:16]
 
 
+def retrain_due(untrained: int, measure_secs_per_trial: float | None, last_training_secs: float | None,
+                share: float) -> bool:
+    """Whether the cost model retrains after a round: once the `untrained` programs measured
+    since its last training took at least `last_training_secs / share` to measure, so that
+    retraining, which grows with the history, takes about `share` of the measuring time
+    (`SearchConfig.retrain_share`). Always while either time is unknown, and while
+    retraining costs less than that share of measuring one round."""
+    if untrained <= 0:
+        return False
+    if last_training_secs is None or measure_secs_per_trial is None:
+        return True
+    return untrained * measure_secs_per_trial * share >= last_training_secs  # fmt: skip
+
+
 class RetrainCostModel(SessionCallback):
-    """Give the shared cost model each finished round's measurements (it retrains on them);
-    labels are normalised per task inside the model.
+    """Give the shared cost model each finished round's measurements, and have it retrain
+    on its history when `retrain_due` says so; labels are normalised per task inside the
+    model.
 
     `learnt`: the `program_id` of every program the model has learnt, in the order it
     learnt them (a model kept from earlier runs comes with its list), extended here as
     it learns; resumed records already in it are not learnt twice. None: not tracked."""
 
-    def __init__(self, model: CostModel, learnt: list[str] | None = None):
+    def __init__(self, model: CostModel, learnt: list[str] | None = None, *, share: float = 1.0):
         self.model = model
         self.learnt = learnt
+        self.share = share
+        self.untrained = 0  # programs added since the model last retrained
+        self.last_training_secs: float | None = None
 
     def on_start(self, session: TuningSession) -> None:
         if not self.model.learns_from_updates:
@@ -128,7 +147,14 @@ class RetrainCostModel(SessionCallback):
     def on_round(self, session: TuningSession, tuner: TaskTuner, summary: RoundSummary) -> None:
         records = list(summary.records)
         if records and self.model.learns_from_updates:  # (no features for a model that learns elsewhere)
-            self.model.update(tuner.features(records), [r.cost for r in records], [tuner.key] * len(records))
+            self.untrained += len(records)
+            train = retrain_due(self.untrained, tuner.pace.measure_secs_per_trial, self.last_training_secs, self.share)
+            t0 = time.perf_counter()
+            self.model.update(tuner.features(records), [r.cost for r in records], [tuner.key] * len(records),
+                              train=train)  # fmt: skip
+            if train:
+                self.last_training_secs = time.perf_counter() - t0
+                self.untrained = 0
             self._note(records)
         tuner.trim_caches()
 
@@ -180,7 +206,7 @@ class TuningSession:
         self.resumed_usable: list[list[MeasureRecord]] = [[] for _ in self.tuners]
         # Retraining is the first callback: it is part of the search's time, and the
         # progress views after it see the retrained model.
-        self._retrain = RetrainCostModel(model, learnt_programs)
+        self._retrain = RetrainCostModel(model, learnt_programs, share=config.search.retrain_share)
         # Rounds measured at the same time: 1 in embedded mode (a kernel is timed alone on
         # this machine's cores); a farm keeps one per free agent.
         self.max_in_flight = max_in_flight

@@ -29,12 +29,16 @@ class CostModel(ABC):
     Postgres): `update` then does nothing, and no features are computed to call it."""
 
     @abstractmethod
-    def update(self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str]) -> None:
+    def update(
+        self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str], *, train: bool = True
+    ) -> None:
         """Add the programs of one measured batch; called after every measured batch.
 
         Pass only the new measurements: the model keeps its own history of everything it has
         seen. ``costs`` are in seconds, ``math.inf`` for a failed measurement; ``groups`` name
         the tuning task of each program. The three sequences have one entry per program.
+        ``train`` False only adds them to the history: a later update with ``train`` True
+        learns them too (the caller paces retraining).
         """
 
     @abstractmethod

@@ -85,8 +85,9 @@ def model_path(explicit: Path | None, target: dict[str, Any], *, use_cache: bool
 
 
 def fresh_model(seed: int, batch_size: int) -> XGBCostModel:
-    # Retrain after every measured batch, not only when the data grew by 20% as
-    # MetaSchedule's adaptive training does; start learning after the first batch.
+    # Retrain whenever the session asks (`session.retrain_due` paces it by time), not only
+    # when the data grew by 20% as MetaSchedule's adaptive training does; start learning
+    # after the first batch.
     return XGBCostModel(
         XGBConfig(seed=seed, adaptive_training=False, num_warmup_samples=min(WARMUP_SAMPLES, batch_size))
     )

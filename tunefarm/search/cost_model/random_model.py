@@ -36,7 +36,9 @@ class RandomCostModel(CostModel):
     def num_samples(self) -> int:
         return self._num_samples
 
-    def update(self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str]) -> None:
+    def update(
+        self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str], *, train: bool = True
+    ) -> None:
         check_update_args(features, costs, groups)
         self._num_samples += len(features)
 

@@ -113,7 +113,11 @@ class XGBConfig:
     # fast; most features are log-scaled counts with few distinct values.
     max_bin: int = 64
     num_boost_round: int = 300  # cap on the number of trees (Ansor: 10000; early stopping ends far sooner)
-    early_stopping_rounds: int = 50  # stop when the training p-rmse has not improved for this many
+    # Stop when the training p-rmse has not improved for this many trees (the trees after
+    # the best are dropped). 10 rather than Ansor's 50: on a detector's 1500 programs (105
+    # tasks) the 5-fold held-out pairwise accuracy was 0.8509 with either, and retraining
+    # took half the time (the 50 extra trees were most of it).
+    early_stopping_rounds: int = 10
     num_warmup_samples: int = 64  # below this many programs, predict gives random scores
     adaptive_training: bool = True  # retrain only when the new data is >= 20% of the last training
     min_weight: float = 0.05  # floor of the loss weight w = max(y, min_weight); see module doc
@@ -507,13 +511,14 @@ class XGBCostModel(CostModel):
         self._history = self._history.keep_last(max_programs)
         self._trained_on = min(self._trained_on, self._history.num_programs)
 
-    def update(self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str]) -> None:
-        """Record the batch, then retrain from scratch on the whole history if due."""
+    def update(
+        self, features: Sequence[np.ndarray], costs: Sequence[float], groups: Sequence[str], *, train: bool = True
+    ) -> None:
+        """Record the batch, then (with `train`) retrain from scratch on the whole history if due."""
         cost_array = check_update_args(features, costs, groups)
-        if not len(features):
-            return
-        self._history.append(features, cost_array, groups, self._base)
-        if self._should_train():
+        if len(features):
+            self._history.append(features, cost_array, groups, self._base)
+        if train and self._trained_on < self._history.num_programs and self._should_train():
             self._train()
 
     def predict(self, features: Sequence[np.ndarray]) -> np.ndarray:
