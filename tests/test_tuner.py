@@ -354,19 +354,38 @@ def test_a_model_that_learns_elsewhere_costs_no_features(host_target, monkeypatc
 def test_the_population_leaves_room_for_realizing_and_retraining_in_the_search_share():
     """The search's share of a round covers realizing the picks and retraining the cost
     model too: their time per round comes off the evolution's allowance."""
-    from tunefarm.search.tuner import SearchPace, population_for
+    from tunefarm.search.tuner import EvolutionSize, SearchPace, evolution_size
 
     cfg = SearchConfig(population=512, min_population=48, generations=4, target_search_share=0.15)
-    assert population_for(cfg, SearchPace(), 32) == 512  # no pace yet: as configured
+    assert evolution_size(cfg, SearchPace(), 32) == EvolutionSize(512, 4)  # no pace yet: as configured
     pace = SearchPace(measure_secs_per_trial=1.0, secs_per_scored=0.001)
     # 32 trials of 1 s: 0.15/0.85 * 32 = 5.6 s for the search, 5 ms per program over 5 generations
-    assert population_for(cfg, pace, 32) == 512
+    assert evolution_size(cfg, pace, 32) == EvolutionSize(512, 4)
     pace.note_search(scored=1000, secs=1.0, fixed_secs=2.0)  # realizing the picks: 2 s a round
     pace.note_training(2.5)  # and a retraining of 2.5 s
     assert pace.fixed_secs_per_round == pytest.approx(4.5)
-    assert population_for(cfg, pace, 32) == int((0.15 / 0.85 * 32 - 4.5) / (0.001 * 5)) == 229
-    pace.note_training(20.0)  # retraining alone beyond the share: the smallest population
-    assert population_for(cfg, pace, 32) == 48
+    assert evolution_size(cfg, pace, 32).population == int((0.15 / 0.85 * 32 - 4.5) / (0.001 * 5)) == 229
+    pace.note_training(20.0)  # retraining alone beyond the share: the smallest population, one generation
+    assert evolution_size(cfg, pace, 32) == EvolutionSize(48, 1)
+
+
+def test_below_the_smallest_population_the_evolution_runs_fewer_generations():
+    """A round of 4 small kernels: the smallest population over every generation would
+    exceed the share, so the generations shrink to what the allowance pays for."""
+    from tunefarm.search.tuner import EvolutionSize, SearchPace, evolution_size
+
+    cfg = SearchConfig(population=512, min_population=48, generations=4, target_search_share=0.15)
+    pace = SearchPace(measure_secs_per_trial=0.5, secs_per_scored=0.001)
+    allowed = 0.15 / 0.85 * 0.5 * 4  # 0.353 s: 7 scorings of 48 programs
+    assert int(allowed / (0.001 * 48)) == 7
+    assert evolution_size(cfg, pace, 4) == EvolutionSize(70, 4)  # 0.353 s / 5 ms: still above the floor
+    pace.note_search(scored=48, secs=0.048, fixed_secs=0.2)
+    size = evolution_size(cfg, pace, 4)  # 0.153 s left: 3 scorings of 48 programs
+    assert size == EvolutionSize(48, 2)
+    slow = SearchPace(measure_secs_per_trial=0.5, secs_per_scored=0.004)
+    assert evolution_size(cfg, slow, 4) == EvolutionSize(48, 1)  # never fewer than one generation
+    fast = SearchPace(measure_secs_per_trial=0.5, secs_per_scored=0.0001)
+    assert evolution_size(cfg, fast, 4).generations == 4
 
 
 def test_retraining_is_due_once_the_untrained_programs_took_long_enough_to_measure():

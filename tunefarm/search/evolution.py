@@ -83,14 +83,15 @@ class EvolutionarySearch:
         model_ready: bool,
         population: int | None = None,
         transferred: Sequence[Built] = (),
+        generations: int | None = None,
     ) -> tuple[list[Built], RoundStats]:
         """Up to `2 n` unmeasured programs, the ones to measure first at the front; the
-        caller takes them in order and skips any TVM rejects. `population` overrides
-        the configured population size for this round; `transferred` are programs made
+        caller takes them in order and skips any TVM rejects. `population` and
+        `generations` override the configured ones for this round; `transferred` are programs made
         from similar tasks' best, added to the initial population. The garbage collector
         is paused meanwhile (`collector.py`)."""
         with collector_paused():
-            return self._next_batch(model, n, measured, best_measured, model_ready, population, transferred)
+            return self._next_batch(model, n, measured, best_measured, model_ready, population, transferred, generations)
 
     def _next_batch(
         self,
@@ -101,12 +102,15 @@ class EvolutionarySearch:
         model_ready: bool,
         population: int | None,
         transferred: Sequence[Built],
+        generations: int | None,
     ) -> tuple[list[Built], RoundStats]:
         t0 = time.perf_counter()
         stats = RoundStats()
         cfg = self.config
         if population is not None:
             cfg = replace(cfg, population=population)
+        if generations is not None:
+            cfg = replace(cfg, generations=generations)
         invalid_before = self.space.invalid_draws
         n_seed = min(len(best_measured), int(cfg.use_measured_ratio * cfg.population)) if model_ready else 0
         transferred = [b for b in transferred if b.candidate.key not in measured]

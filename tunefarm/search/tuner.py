@@ -84,19 +84,34 @@ def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
-def population_for(cfg: SearchConfig, pace: SearchPace, n: int) -> int:
-    """The evolution's population for a round of `n` programs: as large as configured,
-    unless that would make the search exceed its target share of the round's time
-    (judged by the measuring pace per trial and the scoring pace, both shared). The share
-    covers the whole search of a round: what realizing the picks and retraining the cost
-    model take per round (`SearchPace.fixed_secs_per_round`) comes off the evolution's
-    allowance, down to the smallest population."""
+@dataclass(frozen=True)
+class EvolutionSize:
+    """How large a round's evolution is: programs per generation, and generations after
+    the initial population."""
+
+    population: int
+    generations: int
+
+
+def evolution_size(cfg: SearchConfig, pace: SearchPace, n: int) -> EvolutionSize:
+    """The evolution's size for a round of `n` programs: as configured, unless that would
+    make the search exceed its target share of the round's time (judged by the measuring
+    pace per trial and the scoring pace, both shared). The share covers the whole search
+    of a round: what realizing the picks and retraining the cost model take per round
+    (`SearchPace.fixed_secs_per_round`) comes off the evolution's allowance. The
+    population shrinks first, down to the smallest one; then the generations, down to
+    one (rounds of a few programs of small kernels: a smallest population over every
+    generation would take a fifth of the tuning time)."""
+    full = EvolutionSize(cfg.population, cfg.generations)
     if pace.secs_per_scored is None or pace.measure_secs_per_trial is None:
-        return cfg.population
+        return full
     share = cfg.target_search_share
     allowed = share / (1.0 - share) * pace.measure_secs_per_trial * n - pace.fixed_secs_per_round
-    per_program = pace.secs_per_scored * (cfg.generations + 1)
-    return int(max(cfg.min_population, min(cfg.population, allowed / per_program)))
+    population = int(min(cfg.population, allowed / (pace.secs_per_scored * (cfg.generations + 1))))
+    if population >= cfg.min_population:
+        return EvolutionSize(population, cfg.generations)
+    scored_rounds = int(allowed / (pace.secs_per_scored * cfg.min_population))  # initial population + generations
+    return EvolutionSize(cfg.min_population, max(1, min(cfg.generations, scored_rounds - 1)))
 
 
 @dataclass(frozen=True)
@@ -213,9 +228,9 @@ class TaskTuner:
 
     # -- propose ----------------------------------------------------------------------------
 
-    def population(self, n: int) -> int:
-        """The evolution's population for a round of `n` programs (`population_for`)."""
-        return population_for(self.config.search, self.pace, n)
+    def evolution_size(self, n: int) -> EvolutionSize:
+        """The evolution's size for a round of `n` programs (`evolution_size`)."""
+        return evolution_size(self.config.search, self.pace, n)
 
     def model_ready(self) -> bool:
         """Whether the cost model's scores rank programs (`CostModel.ranks`): trained on
@@ -225,7 +240,8 @@ class TaskTuner:
     def propose(self, n: int) -> Proposal:
         """Up to `n` new programs to measure, realized in TVM, best first."""
         t0 = time.perf_counter()
-        population = self.population(n)
+        size = self.evolution_size(n)
+        population = size.population
         taken = self.measured | self.in_flight
         picks, stats = self.search.next_batch(
             self.model,
@@ -234,6 +250,7 @@ class TaskTuner:
             [r.candidate for r in self.best_measured],
             self.model_ready(),
             population=population,
+            generations=size.generations,
             transferred=self.transferred(population),
         )
         inputs: list[MeasureInput] = []
@@ -263,6 +280,7 @@ class TaskTuner:
             {
                 "proposed": len(inputs),
                 "population": population,
+                "generations": stats.generations,
                 "sampled": stats.sampled,
                 "scored": stats.scored,
                 "invalid": stats.invalid + refused,
