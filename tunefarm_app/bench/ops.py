@@ -151,17 +151,14 @@ def fresh_work_dir(root: Path = DEFAULT_WORK_ROOT) -> Path:
 
 
 def run_bench(plan: BenchPlan, log: Log = _stderr) -> list[OpRow]:
-    """One row per op of the plan, in order, each with the FMA peak measured in this run
-    (before and after the ops; the higher counts, since noise only slows a loop down)."""
+    """One row per op of the plan, in order, each with the FMA peak measured beside its
+    final timing (`bench_op`)."""
     rows = []
-    peaks = [_fma_peak(plan, log)]
     with KernelTimer(plan.cores) as timer:
         for i, op in enumerate(plan.ops, 1):
             prefix = f"[{i}/{len(plan.ops)} {op.id}]"
             rows.append(bench_op(op, plan, timer, lambda msg, p=prefix: log(f"{p} {msg}")))
-    peaks.append(_fma_peak(plan, log))
-    peak = max((p for p in peaks if p), default=None)
-    return [replace(r, peak_gflops=peak) for r in rows]
+    return rows
 
 
 def _fma_peak(plan: BenchPlan, log: Log) -> float | None:
@@ -208,7 +205,13 @@ def bench_op(op: BenchOp, plan: BenchPlan, timer: KernelTimer, log: Log) -> OpRo
     ms = _guard("MetaSchedule", lambda: tune_metaschedule(op, plan, log), log) if plan.metaschedule else None
     numpy_secs, numpy_note = (None, "") if plan.on_gpu else vendor_secs("numpy", op, task_data, plan, log)
     torch_secs, torch_note = vendor_secs("torch", op, task_data, plan, log)
+    # The peak is measured right before and right after the final timing, the higher
+    # counting (noise only slows a loop down): a shared host's speed drifts over minutes
+    # (one run read 216 GFLOPS before tuning and 112 after), so a peak read minutes away
+    # from the kernel's timing says little about the kernel's share of it.
+    peaks = [_fma_peak(plan, log)]
     ours, ms = time_best_kernels(ours, ms, workload, task_data, timer, log)
+    peaks.append(_fma_peak(plan, log))
     held, heldout_notes = _guard_value("held-out accuracy", lambda: _held_out(op, workload, plan, log), log)
     heldout, rolling = held if held is not None else (None, None)
     notes = [*ours.notes, *(ms.notes if ms else ()), numpy_note, torch_note, *heldout_notes]
@@ -224,6 +227,7 @@ def bench_op(op: BenchOp, plan: BenchPlan, timer: KernelTimer, log: Log) -> OpRo
         heldout=heldout,
         heldout_rolling=rolling,
         notes=tuple(n for n in notes if n),
+        peak_gflops=max((p for p in peaks if p), default=None),
     )
 
 
