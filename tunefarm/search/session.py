@@ -111,7 +111,7 @@ def retrain_due(untrained: int, measure_secs_per_trial: float | None, last_train
         return False
     if last_training_secs is None or measure_secs_per_trial is None:
         return True
-    return untrained * measure_secs_per_trial * share >= last_training_secs  # fmt: skip
+    return untrained * measure_secs_per_trial * share >= last_training_secs
 
 
 class RetrainCostModel(SessionCallback):
