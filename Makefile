@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TUNEFARM_AARCH64_ROOT ?= /var/cache/tunefarm/aarch64-root
 export TUNEFARM_AARCH64_ROOT
 
-.PHONY: setup browser demo test test-fast test-aarch64 aarch64-root bench lint proto clean gpu-bundle gpu-check pretrained pretraining-data
+.PHONY: setup bytecode browser demo test test-fast test-aarch64 aarch64-root bench lint proto clean gpu-bundle gpu-check pretrained pretraining-data
 
 setup: $(STAMP)
 
@@ -18,6 +18,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/python -m tunefarm.selfcheck
 	touch $(STAMP)
+
+# The project's own modules compiled to bytecode once (about a second). Where
+# PYTHONDONTWRITEBYTECODE is set, as on the CI machines, Python never writes these files,
+# so without this step every process compiles each tunefarm, services and test module it
+# imports from source again: the suite and a tuning run start hundreds of processes
+# (builders, runners, farm services), about 0.3 s of compiling each.
+bytecode: setup
+	$(BIN)/python -m compileall -q tunefarm services tunefarm_app tests > /dev/null
 
 # Headless Chromium and its driver for the dashboard's browser tests (Debian's packages;
 # does nothing when both are there). CI runs it before `make test`.
@@ -29,16 +37,16 @@ browser:
 # The main job on the embedded default: generate a small example CNN (ONNX), tune it end to
 # end on this CPU (about five minutes), then run the tuned model. `tune` prints its speed-up
 # over TVM's untuned build and over onnxruntime; rerunning resumes from the records.
-demo: setup
+demo: bytecode
 	mkdir -p demo-out
 	$(BIN)/python -m tunefarm.models.examples small_cnn --out demo-out/small_cnn.onnx
 	$(BIN)/tunefarm tune demo-out/small_cnn.onnx --trials 300 --out demo-out/tuned --compare-default
 	$(BIN)/tunefarm run demo-out/tuned
 
-test: setup
+test: bytecode
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
-test-fast: setup
+test-fast: bytecode
 	$(BIN)/pytest -q -n 2 --dist loadfile -m "not slow"
 
 # An aarch64 Debian root with the agent's packages, run under qemu-user through binfmt_misc:
@@ -52,7 +60,7 @@ aarch64-root: setup
 test-aarch64: setup aarch64-root
 	$(BIN)/pytest -q tests/test_aarch64.py tests/test_farm_aarch64.py
 
-bench: setup
+bench: bytecode
 	$(BIN)/tunefarm bench ops --trials 256
 
 # The pretrained cost model shipped for x86 (tunefarm/search/cost_model/pretrained/x86.npz),

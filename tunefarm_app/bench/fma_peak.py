@@ -131,5 +131,8 @@ def _time_library(library: str, cores: int, shape: LoopShape, repeat: int) -> fl
 
 
 if __name__ == "__main__":
+    from tunefarm.isolation import WITHOUT_TORCH, block_imports
+
+    block_imports(WITHOUT_TORCH)  # TVM's FFI would import torch (seconds) for a loop that never uses it
     library_arg, cores_arg, accumulators_arg, lanes_arg, repeat_arg = sys.argv[1:6]
     print(_time_library(library_arg, int(cores_arg), LoopShape(int(accumulators_arg), int(lanes_arg)), int(repeat_arg)))
