@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The project's own modules compiled to bytecode once (about a second). Where
-# PYTHONDONTWRITEBYTECODE is set, as on the CI machines, Python never writes these files,
+# PYTHONDONTWRITEBYTECODE is set (it is on this project's 2-core machines), Python never writes them,
 # so without this step every process compiles each tunefarm, services and test module it
 # imports from source again: the suite and a tuning run start hundreds of processes
 # (builders, runners, farm services), about 0.3 s of compiling each.
