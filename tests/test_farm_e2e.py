@@ -99,6 +99,19 @@ def measured_twice(sessions_url: str, job_id: int) -> list[str]:
     return [k for (_, k), n in counts.items() if n > 1]
 
 
+def batch_timings(database_url: str, job_id: int) -> list[dict]:
+    """How the job's batches asked agents to time their kernels (`TimingConfig` as stored)."""
+    from services.db.models import Batch
+    from services.db.session import make_session_factory
+
+    sessions = make_session_factory(database_url)
+    try:
+        with transaction(sessions) as s:
+            return list(s.scalars(select(Batch.timing).where(Batch.job_id == job_id)))
+    finally:
+        sessions.kw["bind"].dispose()
+
+
 def child_pids(pid: int) -> list[int]:
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 
@@ -182,6 +195,10 @@ def test_the_whole_path(farm, client, tiny, tmp_path, capsys):
     records = [MeasureRecord.from_json(line) for line in lines]
     assert len({(r.task, r.candidate.key) for r in records}) == 8
     assert measured_twice(farm.config.database_url, job["id"]) == []
+    # timed as the scheduler's settings say (TEST_FARM_ENV: two repeats of at least 5 ms)
+    timings = batch_timings(farm.config.database_url, job["id"])
+    assert timings and {(t["repeat"], t["min_repeat_ms"]) for t in timings} == {(2, 5.0)}
+    assert all(len(r.costs) <= 2 for r in records) and any(len(r.costs) == 2 for r in records)
 
     devices = client.devices()
     agent = next(d for d in devices if d["device_class"] == info["device_class"])

@@ -8,9 +8,8 @@ used (issue 26).
 - an agent that exits during `farm up` fails it with the agent's one-line reason;
 - an agent stopped with SIGTERM says so, goes offline at once and exits 0;
 - an agent naming a device class that does not exist stops, naming those that do;
-- under `tunefarm farm up` (the command: its supervisor), a build worker and, separately,
-  the agent killed with SIGKILL come back by themselves and the job finishes; an
-  operator's bad day (Redis, the worker, the agent and the scheduler killed in one job)
+- under `tunefarm farm up` (the command: its supervisor), an operator's bad day (Redis,
+  the only build worker, the scheduler and the only agent killed with SIGKILL in one job)
   ends with the job finished, each candidate measured once, and all back; a process
   that keeps dying is given up (farm.log and `farm status` say so), and `farm down`
   stops the supervisor and the rest.
@@ -34,7 +33,13 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("grpc")
 
-from farm_fixtures import assert_measured_exactly_once, service_unavailable, team_client, wait_for_job  # noqa: E402
+from farm_fixtures import (  # noqa: E402
+    TEST_FARM_ENV,
+    assert_measured_exactly_once,
+    service_unavailable,
+    team_client,
+    wait_for_job,
+)
 from onnx_models import tiny_onnx  # noqa: E402
 from sqlalchemy import select  # noqa: E402
 
@@ -59,7 +64,7 @@ def _redis_server():
 
 def config(state_dir, database_url, **kw) -> FarmConfig:
     return FarmConfig(state_dir=state_dir, database_url=database_url, workers=1,
-                      queue_prefix=f"tfops{uuid.uuid4().hex[:8]}", **kw)  # fmt: skip
+                      queue_prefix=f"tfops{uuid.uuid4().hex[:8]}", extra_env=TEST_FARM_ENV, **kw)  # fmt: skip
 
 
 def assert_serving(farm: LocalFarm, timeout: float = 90.0) -> None:
@@ -178,6 +183,7 @@ def test_an_agent_naming_a_class_that_does_not_exist_stops_and_says_which_exist(
 HANG_GUARD = 300.0  # generous: an idle machine takes a small part of it
 
 QUICK_FARM = {  # the farm's processes read these from the environment farm up passes on
+    **TEST_FARM_ENV,
     "TUNEFARM_POLL_INTERVAL_SECS": "0.1",
     "TUNEFARM_BUILD_CHECK_SECS": "1",  # a build nobody is doing is noticed within a second
     "TUNEFARM_BATCHES_PER_AGENT": "1",  # later batches come after the first results: kills hit mid-job
@@ -295,62 +301,15 @@ def _cwd(pid: str) -> Path | None:
         return None
 
 
-def test_a_worker_killed_under_farm_up_comes_back_and_the_job_finishes(
-    supervised, supervised_client, tiny_model, supervised_sessions, capsys
-):
-    """The only build worker killed mid-build: the supervisor starts it again, and the
-    job (which needs a worker for its later batches) finishes."""
-    job_id = start_job(supervised, supervised_client, tiny_model, seed=1)
-
-    def building() -> bool:
-        with transaction(supervised_sessions) as s:
-            return s.scalar(select(Batch.id).where(Batch.job_id == job_id, Batch.state == BatchState.BUILDING)) is not None
-
-    until("a batch being built", building)
-    dead = process_entry(supervised, "worker-1")["pid"]
-    os.killpg(dead, signal.SIGKILL)  # the worker and its build processes
-    until("worker-1 to be started again", lambda: started_again(supervised, "worker-1", dead))
-    job = wait_for_job(supervised_client, job_id, timeout=HANG_GUARD)
-    assert_measured_exactly_once(supervised_sessions, job)
-    assert "worker-1 was killed by SIGKILL" in farm_log(supervised) and "worker-1 started again" in farm_log(supervised)
-    line = next(ln for ln in farm_status(capsys, supervised).splitlines() if "worker-1:" in ln)
-    assert "running" in line and "started again 1 time (last: was killed by SIGKILL)" in line, line
-    # the supervisor asked TVM for the host's target without loading torch (`block_imports`)
-    supervisor = read_state(supervised)["supervisor"]["pid"]
-    assert "libtorch" not in Path(f"/proc/{supervisor}/maps").read_text()
-
-
-def test_the_agent_killed_under_farm_up_comes_back_and_the_job_finishes(
-    supervised, supervised_client, tiny_model, supervised_sessions
-):
-    """The only agent killed while it measures: the supervisor starts it again, it
-    registers under its name again (its leases end at once) and the job finishes."""
-    job_id = start_job(supervised, supervised_client, tiny_model, seed=2)
-
-    def measuring() -> bool:
-        with transaction(supervised_sessions) as s:
-            return s.scalar(
-                select(Lease.id).join(Batch, Batch.id == Lease.batch_id)
-                .where(Batch.job_id == job_id, Lease.state == LeaseState.ACTIVE).limit(1)
-            ) is not None  # fmt: skip
-
-    until("a batch being measured", measuring)
-    dead = process_entry(supervised, "agent")["pid"]
-    os.killpg(dead, signal.SIGKILL)  # the agent and its measuring processes
-    until("the agent to be started again", lambda: started_again(supervised, "agent", dead))
-    job = wait_for_job(supervised_client, job_id, timeout=HANG_GUARD)
-    assert_measured_exactly_once(supervised_sessions, job)
-    assert "agent was killed by SIGKILL" in farm_log(supervised) and "agent started again" in farm_log(supervised)
-
-
 def test_an_operators_bad_day_redis_a_worker_the_agent_and_the_scheduler_killed_in_one_job(
     supervised, supervised_client, tiny_model, supervised_sessions, capsys
 ):
     """One job through all of it: the farm's Redis killed while a batch builds, then the
-    build worker, then, while a batch is measured, the scheduler that runs the job and the
-    agent, each with SIGKILL and nobody's hand after. The job finishes, every candidate
-    measured exactly once, and every process is back (farm status says each was started
-    again)."""
+    only build worker (mid-build: the job needs a worker for its later batches), then,
+    while a batch is measured, the scheduler that runs the job and the only agent (it
+    registers under its name again and its leases end at once), each with SIGKILL and
+    nobody's hand after. The job finishes, every candidate measured exactly once, and
+    every process is back (farm status says each was started again)."""
     job_id = start_job(supervised, supervised_client, tiny_model, seed=4)  # four batches; the kills come mid-job
 
     def batch_in(state) -> bool:
@@ -381,8 +340,15 @@ def test_an_operators_bad_day_redis_a_worker_the_agent_and_the_scheduler_killed_
     status = farm_status(capsys, supervised)
     for name in ("redis", "worker-1", "agent", "scheduler"):
         assert f"{name} was killed by SIGKILL" in farm_log(supervised), name
+        assert f"{name} started again" in farm_log(supervised), name
         line = next(ln for ln in status.splitlines() if f"{name}:" in ln)
         assert "running" in line and "started again" in line, line
+    # the agent needs neither Redis nor the scheduler: it died once, by the kill
+    line = next(ln for ln in status.splitlines() if "agent:" in ln)
+    assert "started again 1 time (last: was killed by SIGKILL)" in line, line
+    # the supervisor asked TVM for the host's target without loading torch (`block_imports`)
+    supervisor = read_state(supervised)["supervisor"]["pid"]
+    assert "libtorch" not in Path(f"/proc/{supervisor}/maps").read_text()
 
 
 def test_a_process_that_keeps_dying_is_given_up_and_farm_down_stops_the_rest(supervised, capsys):

@@ -19,6 +19,21 @@ def test_a_class_shares_its_agents_between_its_jobs(agents, jobs, share):
     assert fair_share(2, agents, jobs) * jobs >= min(2 * agents, jobs)  # every agent has work when there is any
 
 
+def test_the_operator_sets_how_agents_time_kernels_and_a_bad_value_is_refused(monkeypatch):
+    from pydantic import ValidationError
+
+    from services.scheduler.settings import SchedulerSettings
+    from tunefarm.records import TimingConfig
+
+    assert SchedulerSettings().timing() == TimingConfig()  # the farm times as `tunefarm tune` does
+    monkeypatch.setenv("TUNEFARM_TIMING_REPEAT", "9")
+    monkeypatch.setenv("TUNEFARM_TIMING_MIN_REPEAT_MS", "100")
+    assert SchedulerSettings().timing() == TimingConfig(repeat=9, min_repeat_ms=100.0)
+    monkeypatch.setenv("TUNEFARM_TIMING_REPEAT", "0")
+    with pytest.raises(ValidationError, match="timing_repeat"):
+        SchedulerSettings()
+
+
 def test_the_shared_models_view_predicts_but_never_learns():
     from services.scheduler.shared_model import ClassModel, SharedModelView
     from tunefarm.search.cost_model import XGBConfig, XGBCostModel

@@ -251,6 +251,7 @@ class IsolatedWorker:
             json.dumps(self.preload),
             json.dumps(asdict(self.sandbox) if self.sandbox is not None else None),
             json.dumps(self.blocked_imports),
+            f"tunefarm-{self.name}",  # not read by the child: names it in ps and top
         ]
         with open(self.log_path, "ab") as log:
             try:

@@ -97,7 +97,7 @@ from tunefarm.models.finish import (
 from tunefarm.models.importer import ImportedModel
 from tunefarm.models.precision import FP32
 from tunefarm.models.tasks import ModelTask, extract_tasks
-from tunefarm.records import MeasureRecord, TensorSpec
+from tunefarm.records import MeasureRecord, TensorSpec, TimingConfig
 from tunefarm.search.config import TuneConfig
 from tunefarm.search.run import TaskOutcome, Timeline, TuningSummary, build_session, summarize
 from tunefarm.search.session import SessionCallback, TuningSession
@@ -139,6 +139,8 @@ class RunnerContext:
     stop: threading.Event = field(default_factory=threading.Event)
     # Signs the tuned models handed to agents (None: unsigned; agents with a key refuse them).
     signer: ArtifactSigner | None = None
+    # How agents time each kernel (SchedulerSettings.timing).
+    timing: TimingConfig = field(default_factory=TimingConfig)
 
 
 class JobProgressRows(SessionCallback):
@@ -262,6 +264,7 @@ class FarmJob:
             batch_size=self.batch_size,
             seed=int(c.get("seed", 1)),
             strategy=str(c.get("strategy", "gradient")),
+            timing=self.ctx.timing,
         )
 
     def algorithms(self) -> tuple[str, ...]:

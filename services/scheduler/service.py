@@ -141,6 +141,7 @@ class SchedulerService:
             model_run_wait_secs=settings.model_run_wait_secs,
             agent_fresh_secs=settings.agent_fresh_secs,
             confirm_wait_secs=settings.confirm_wait_secs,
+            timing=settings.timing(),
             signer=ArtifactSigner.from_file(settings.signing_key_file) if settings.signing_key_file else None,
         )
         self.models = ClassModels(

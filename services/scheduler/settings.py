@@ -20,6 +20,8 @@ live agent):
 | TUNEFARM_PRETRAINED_DIR | unset | the directory of the pretrained models (`<family>.npz`) instead of the package's |
 | TUNEFARM_CHECK_TUNED_MODEL | true | have an agent of the class run and time the tuned model (beside onnxruntime and OpenVINO) and check it against onnxruntime before keeping it |
 | TUNEFARM_MODEL_RUN_WAIT_SECS | 1800 | how long an agent of the class may take to run and time a tuned model |
+| TUNEFARM_TIMING_REPEAT | 5 | timed repeats of each kernel an agent measures (their median is its time) |
+| TUNEFARM_TIMING_MIN_REPEAT_MS | 40 | the least length of one repeat: a fast kernel is called until it is reached |
 | TUNEFARM_BUILD_CHECK_SECS | 5 | how often batches in flight are checked for builds nobody is doing (a killed worker, Redis's data lost) |
 | TUNEFARM_SCHEDULER_HEARTBEAT_FILE | unset | touched after every pass (a container's health check reads its age) |
 | TUNEFARM_SIGNING_KEY_FILE | unset | the farm's Ed25519 private key (PEM): tuned models run by agents (and the ONNX graphs their peers are timed on) are signed with it |
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
+from tunefarm.records import TimingConfig
 
 
 class SchedulerSettings(ServiceSettings):
@@ -73,6 +77,11 @@ class SchedulerSettings(ServiceSettings):
     # of each best kernel, services.db.confirmations) before it builds the tuned model
     # with the confirmed ones it has.
     confirm_wait_secs: float = 600.0
+    # How an agent times each kernel of the farm's jobs (`TimingConfig`): `timing_repeat`
+    # repeats, each at least `timing_min_repeat_ms` long, the CPU caches flushed before
+    # each; the median repeat is the kernel's time. More repeats for a noisy board.
+    timing_repeat: int = Field(default=TimingConfig.repeat, ge=1, le=100)
+    timing_min_repeat_ms: float = Field(default=TimingConfig.min_repeat_ms, ge=0.0, le=10_000.0)
     # How often each job's batches in flight are checked: a batch no worker is building
     # and whose build job is not waiting in Redis (its worker was killed, Redis lost its
     # data) is enqueued again.
@@ -83,3 +92,7 @@ class SchedulerSettings(ServiceSettings):
     # The farm's signing key (services/protocol/signing.py): a tuned model handed to an
     # agent is signed with it; agents load nothing unsigned (None: unsigned).
     signing_key_file: Path | None = None
+
+    def timing(self) -> TimingConfig:
+        """How agents time the kernels of this scheduler's jobs."""
+        return TimingConfig(repeat=self.timing_repeat, min_repeat_ms=self.timing_min_repeat_ms)
