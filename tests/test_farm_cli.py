@@ -101,6 +101,22 @@ def test_process_commands_take_their_own_flags(capsys):
     assert "--device-class" in capsys.readouterr().out
 
 
+def test_a_service_refuses_a_bad_setting_in_one_line_naming_it():
+    """A scheduler started with a bad TUNEFARM_ value stops at once (exit 2), naming the
+    variable, its value and what is wrong (a process of its own: the scheduler blocks
+    imports of torch in the process it runs in)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TUNEFARM_TIMING_REPEAT": "0"}
+    done = subprocess.run([sys.executable, "-m", "tunefarm_app.cli", "scheduler"], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == ("tunefarm: error: scheduler: TUNEFARM_TIMING_REPEAT='0': "
+                           "Input should be greater than or equal to 1\n")  # fmt: skip
+
+
 def test_the_client_reports_the_apis_error_message():
     def answer(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/jobs/7":

@@ -176,6 +176,9 @@ class _PassThrough(argparse.ArgumentParser):
 def cmd_service(args: argparse.Namespace) -> int:
     import importlib
 
+    from pydantic import ValidationError
+
+    from services.common.settings import settings_problem
     from services.db.exceptions import DatabaseError
 
     module = importlib.import_module(SERVICE_COMMANDS[args.command][0])
@@ -184,6 +187,8 @@ def cmd_service(args: argparse.Namespace) -> int:
         return int(module.main(list(args.args)) or 0)
     except DatabaseError as exc:  # e.g. the schema is not migrated: one line, not a traceback
         raise UsageError(f"{args.command}: {exc}") from None
+    except ValidationError as exc:  # a bad TUNEFARM_ setting: the variable and what is wrong
+        raise UsageError(f"{args.command}: {settings_problem(exc)}") from None
 
 
 def cmd_db(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import ValidationError
 from pydantic_settings import SettingsConfigDict
 
 from services.db.settings import DatabaseSettings
@@ -47,3 +48,14 @@ class ServiceSettings(DatabaseSettings):
     # class running?) or, built, for an agent to take it, is named in the job's `waiting`
     # (status, --follow, the dashboard) and counted in /metrics.
     batch_stall_secs: float = 600.0
+
+
+def settings_problem(exc: ValidationError, env_prefix: str = "TUNEFARM_") -> str:
+    """One line for settings a process refused at start: the first bad value's
+    environment variable (`env_prefix` + its field's name) and what is wrong with it."""
+    first = exc.errors()[0]
+    field = ".".join(str(x) for x in first.get("loc", ()))
+    message = str(first.get("msg", exc)).removeprefix("Value error, ")
+    if not field:
+        return message
+    return f"{env_prefix}{field.upper()}={first.get('input')!r}: {message}"
