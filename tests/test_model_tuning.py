@@ -76,6 +76,12 @@ def test_tune_a_tiny_model_interrupt_resume_and_match_onnxruntime(tiny, tmp_path
     assert rounds and {r["reason"] for r in rounds} <= {"warm-up", "gradient", "epsilon", "round-robin"}
     assert all(r["task_name"] for r in rounds)
     assert report["timeline"] and report["timeline"][-1]["trials"] == 16
+    # the final rounds: a task whose fastest kernels were measured again takes their pick
+    final = report["final_rounds"]
+    rows = {t["name"]: t for t in model["tasks"]}
+    assert final["rounds"] == 3 and set(final["tasks"]) <= set(rows)
+    for name, picked in final["tasks"].items():
+        assert picked["finalists"] >= 2 and rows[name]["best_seconds"] == picked["final_seconds"] > 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert [i["name"] for i in manifest["inputs"]] == [i["name"] for i in model["inputs"]]
 

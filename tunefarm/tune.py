@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from tunefarm.errors import UsageError, WorkloadError
 from tunefarm.gpu import is_gpu
 from tunefarm.isa import check_runs_on_host
 from tunefarm.measure.builder import LocalBuilder
+from tunefarm.measure.finalists import Finalist, remeasure
 from tunefarm.measure.local import LocalMeasurer, rounds_in_flight
 from tunefarm.measure.runner import LocalRunner
 from tunefarm.models.alternatives import (
@@ -69,11 +70,12 @@ from tunefarm.models.finish import (
 from tunefarm.models.precision import FP32, check_precision
 from tunefarm.models.tasks import CONV_LAYOUT_CHOICES, merge_tasks
 from tunefarm.records import TimingConfig
-from tunefarm.search.config import SearchConfig, TuneConfig, batch_size_for
+from tunefarm.search.config import FinalConfig, SearchConfig, TuneConfig, batch_size_for
 from tunefarm.search.cost_model import cache as cost_model_cache
 from tunefarm.search.cost_model.cache import CostModelStart
+from tunefarm.search.finalists import FinalPick, finalists_of, pick
 from tunefarm.search.run import TaskOutcome, Timeline, TuningSummary, build_session, summarize
-from tunefarm.search.session import SessionCallback, SessionStats, StoreRecords
+from tunefarm.search.session import SessionCallback, SessionStats, StoreRecords, TuningSession
 from tunefarm.search.task import SearchTask, make_task
 from tunefarm.search.task_scheduler import TaskInfo
 from tunefarm.search.tuner import TaskState
@@ -113,6 +115,8 @@ class TuneResult:
     summary: TuningSummary
     stats: SessionStats
     cost_model: CostModelStart | None = None  # which model the run started from
+    final: dict[str, FinalPick] = field(default_factory=dict)  # task key -> its final rounds' pick
+    final_secs: float = 0.0  # the final rounds' wall time
 
     @property
     def trials(self) -> int:
@@ -184,12 +188,53 @@ def tune_tasks(
             if session.resumed:
                 log(f"resuming: {session.resumed} measurements of these tasks are in {records}")
             stats = session.run()
+            final, final_secs = _final_rounds(session, measurer, config, [s.group for s in specs], log)
         finally:
             measurer.close()
             if cost_model_path is not None:  # what was learnt is kept, interrupted or not
                 cost_model_cache.save_model(model, cost_model_path, target, learnt=learnt, log=log)
     outcomes, summary = summarize(session, timeline)
-    return TuneResult(tasks, [t.state for t in session.tuners], outcomes, session.infos, summary, stats, start)
+    outcomes = [replace(o, best=final[t.key].chosen) if t.key in final else o for t, o in zip(tasks, outcomes)]
+    return TuneResult(tasks, [t.state for t in session.tuners], outcomes, session.infos, summary, stats, start,
+                      final, final_secs)  # fmt: skip
+
+
+def _final_rounds(
+    session: TuningSession, measurer: LocalMeasurer, config: TuneConfig, groups: Sequence[str],
+    log: Callable[[str], None],
+) -> tuple[dict[str, FinalPick], float]:
+    """Each task's fastest few checked kernels measured again together
+    (`tunefarm.measure.finalists`), and each task's pick by the medians of those rounds
+    (task key -> pick); the rounds' wall time. A task with a single finalist takes part
+    only when it has alternatives (`groups`, as `build_session` takes them): its time is
+    then compared with theirs, all taken in the same rounds."""
+    chosen = {}
+    for tuner, mt, group in zip(session.tuners, session.measure_tasks, groups, strict=True):
+        recs = finalists_of(tuner.state.records, config.final)
+        if len(recs) > 1 or (recs and group):
+            chosen[mt.key] = (mt, recs)
+    if not chosen:
+        return {}, 0.0
+    n = sum(len(recs) for _, recs in chosen.values())
+    log(f"final rounds: the {n} fastest kernels of {len(chosen)} tasks measured again together "
+        f"({config.final.rounds} alternating rounds)")  # fmt: skip
+    got = remeasure(
+        [Finalist(mt, r) for mt, recs in chosen.values() for r in recs], measurer.builder, measurer.runner,
+        rounds=config.final.rounds, timing=config.final.timing(config.timing), build_timeout=config.build_timeout,
+        run_timeout=config.run_timeout, log=log,
+    )  # fmt: skip
+    picks = {}
+    for key, (_, recs) in chosen.items():
+        found = pick(key, recs, {r.key: got.rounds.get((key, r.key), ()) for r in recs})
+        if found is not None:
+            picks[key] = found
+    changed = sum(p.changed for p in picks.values())
+    by_record = sum(p.medians.get(p.by_record.key, p.chosen.cost) for p in picks.values())
+    final = sum(p.chosen.cost for p in picks.values())
+    log(f"final rounds ({got.secs:.1f} s): {changed} of {len(picks)} tasks take another kernel than their best "
+        f"record; their records sum to {sum(p.by_record.cost for p in picks.values()) * 1e3:.3f} ms, measured "
+        f"again {by_record * 1e3:.3f} ms, chosen {final * 1e3:.3f} ms")  # fmt: skip
+    return picks, got.secs
 
 
 def _search_tasks(
@@ -276,6 +321,7 @@ def tune_models(
     pretrained: bool = True,
     precision: str = FP32,
     timing: TimingConfig | None = None,
+    final_rounds: int = FinalConfig.rounds,
     log: Callable[[str], None] = _stderr,
 ) -> ModelTuneResult:
     """Tune one or several models together and write the tuned models to `out`.
@@ -291,7 +337,10 @@ def tune_models(
     default: the models as imported) or "fp16" (CUDA targets with tensor cores: float16
     operands with float32 accumulation, `tunefarm.models.precision`; the check's
     tolerance and the report say so). `timing`: how each kernel is timed (default
-    `TimingConfig()`)."""
+    `TimingConfig()`). `final_rounds`: once the budget is spent, each task's fastest
+    kernels are measured again together in this many alternating rounds and the models
+    take the one with the lowest median (`tunefarm.search.finalists`; 0: none, each
+    task's best record)."""
     _check_tune_arguments(trials, out, conv_layout)
     out = Path(out)
     target = target or host_target_dict()
@@ -309,7 +358,8 @@ def tune_models(
     specs, groups = _task_specs(shared, () if is_gpu(target) else algorithms, trials, log)
     out.mkdir(parents=True, exist_ok=True)
     config = TuneConfig(trials=trials, batch_size=batch_size_for(trials, len(specs)), seed=seed,
-                        strategy=strategy, search=search or SearchConfig(), timing=timing or TimingConfig())  # fmt: skip
+                        strategy=strategy, search=search or SearchConfig(), timing=timing or TimingConfig(),
+                        final=FinalConfig(rounds=final_rounds))  # fmt: skip
     result = tune_tasks(
         specs, target, config, records=out / RECORDS_NAME,
         work_dir=work_dir, cost_model_path=cost_model, callbacks=callbacks,
@@ -330,6 +380,11 @@ def tune_models(
     report["cost_model"] = result.cost_model.as_report() if result.cost_model else None
     report["algorithms"] = list(algorithms)
     report["precision"] = precision
+    names = {t.key: t.workload.name for t in result.tasks}
+    report["final_rounds"] = {
+        "rounds": final_rounds, "seconds": result.final_secs,
+        "tasks": {names[key]: p.as_report() for key, p in result.final.items()},
+    }  # fmt: skip
     (out / REPORT_NAME).write_text(json.dumps(plain(report), indent=1) + "\n")
     return ModelTuneResult(out, outcomes, result, report, schedules)
 

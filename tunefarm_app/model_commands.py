@@ -56,6 +56,11 @@ def add_commands(sub) -> None:
         help="what the models compute in: fp32 (default, as imported) or fp16 (CUDA targets, sm_70+: float16 "
         "operands with float32 accumulation, matrix multiplies on tensor cores; checked with a float16 tolerance)",
     )
+    u.add_argument(
+        "--final-rounds", type=int, default=3, metavar="N",
+        help="once the trials are spent, time each task's fastest kernels (up to 3, within 1.25x of its best) again "
+        "together in N alternating rounds and build with the lowest median (default 3; 0: each task's best record)",
+    )
     u.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
     u.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live view")
     add_cost_model_args(u)
@@ -215,6 +220,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
+    if args.final_rounds < 0:
+        raise UsageError("--final-rounds must be at least 0")
     _check_files(args.models)
     shapes = parse_input_shapes(args.input_shape)
     taken: set[str] = set()
@@ -240,6 +247,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         conv_layout=args.conv_layout,
         algorithms=() if args.no_winograd else ALGORITHMS,
         precision=args.precision,
+        final_rounds=args.final_rounds,
     )
     report = result.report
     failed = False

@@ -70,6 +70,25 @@ class SearchConfig:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class FinalConfig:
+    """The final rounds of a run (`tunefarm.search.finalists`): each task's fastest
+    checked kernels, at most `kernels` of them and each within `within` x its best
+    record's time, measured again together in `rounds` alternating rounds, each time
+    `repeat` repeats of at least `min_repeat_ms` (at most the run's own); the models take
+    the one with the lowest median. `rounds=0`: none (each task's best record wins)."""
+
+    rounds: int = 3
+    kernels: int = 3
+    within: float = 1.25
+    repeat: int = 3
+    min_repeat_ms: float = 20.0
+
+    def timing(self, base: TimingConfig) -> TimingConfig:
+        """How each finalist is timed in a round: `base` (the run's timing), shorter."""
+        return replace(base, repeat=min(base.repeat, self.repeat), min_repeat_ms=min(base.min_repeat_ms, self.min_repeat_ms))
+
+
 @dataclass(frozen=True, kw_only=True)
 class TuneConfig:
     # Measurements in total over all tasks of the run (records resumed from the file count).
@@ -97,6 +116,9 @@ class TuneConfig:
     # The task scheduler's parameters (alpha, beta, window, epsilon); its seed is `seed`.
     scheduler: TaskSchedulerConfig | None = None
     search: SearchConfig = field(default_factory=SearchConfig)
+    # The final rounds, once the budget is spent: none by default (each task's best
+    # record wins); `tunefarm tune` has them (`tune_models(final_rounds=...)`).
+    final: FinalConfig = field(default_factory=lambda: FinalConfig(rounds=0))
 
     def scheduler_config(self) -> TaskSchedulerConfig:
         base = self.scheduler or TaskSchedulerConfig()
