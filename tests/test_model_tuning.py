@@ -60,7 +60,7 @@ def test_tune_a_tiny_model_interrupt_resume_and_match_onnxruntime(tiny, tmp_path
 
     # timed beside onnxruntime only: OpenVINO's timing is test_model_check's
     result = tune_models([tiny], trials=16, out=out, target=TARGET, algorithms=(), peers=("onnxruntime",),
-                         timing=SHORT_TIMING, log=lambda m: None)  # fmt: skip
+                         timing=SHORT_TIMING, final_rounds=3, log=lambda m: None)  # fmt: skip
     records = JsonlRecordStore(out / "records.jsonl").load()
     assert len(records) == 16 and result.tune.resumed == len(first)
     assert result.report["conv_layout"] == "nhwc"
@@ -199,6 +199,13 @@ def test_model_errors_are_one_line_and_exit_2(make, extra, words, command, tmp_p
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_negative_final_rounds_are_one_line_and_nothing_is_written(tiny, tmp_path, capsys):
+    assert main(["tune", str(tiny), "--out", str(tmp_path / "o"), "--trials", "4", "--final-rounds", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "tunefarm: error: --final-rounds must be at least 0"
+    assert not (tmp_path / "o").exists()
 
 
 def test_tasks_command_prints_the_table(tiny, capsys):

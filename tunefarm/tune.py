@@ -321,7 +321,7 @@ def tune_models(
     pretrained: bool = True,
     precision: str = FP32,
     timing: TimingConfig | None = None,
-    final_rounds: int = FinalConfig.rounds,
+    final_rounds: int = 0,
     log: Callable[[str], None] = _stderr,
 ) -> ModelTuneResult:
     """Tune one or several models together and write the tuned models to `out`.
@@ -339,8 +339,8 @@ def tune_models(
     tolerance and the report say so). `timing`: how each kernel is timed (default
     `TimingConfig()`). `final_rounds`: once the budget is spent, each task's fastest
     kernels are measured again together in this many alternating rounds and the models
-    take the one with the lowest median (`tunefarm.search.finalists`; 0: none, each
-    task's best record)."""
+    take the one with the lowest median (`tunefarm.search.finalists`; 0, the default:
+    none, each task's best record)."""
     _check_tune_arguments(trials, out, conv_layout)
     out = Path(out)
     target = target or host_target_dict()

@@ -57,9 +57,10 @@ def add_commands(sub) -> None:
         "operands with float32 accumulation, matrix multiplies on tensor cores; checked with a float16 tolerance)",
     )
     u.add_argument(
-        "--final-rounds", type=int, default=3, metavar="N",
+        "--final-rounds", type=int, default=0, metavar="N",
         help="once the trials are spent, time each task's fastest kernels (up to 3, within 1.25x of its best) again "
-        "together in N alternating rounds and build with the lowest median (default 3; 0: each task's best record)",
+        "together in N alternating rounds (3 is a good start) and build with the lowest median (default 0: each task's best "
+        "record)",
     )
     u.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
     u.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live view")

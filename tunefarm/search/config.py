@@ -117,7 +117,7 @@ class TuneConfig:
     scheduler: TaskSchedulerConfig | None = None
     search: SearchConfig = field(default_factory=SearchConfig)
     # The final rounds, once the budget is spent: none by default (each task's best
-    # record wins); `tunefarm tune` has them (`tune_models(final_rounds=...)`).
+    # record wins); `tunefarm tune --final-rounds N` asks for them.
     final: FinalConfig = field(default_factory=lambda: FinalConfig(rounds=0))
 
     def scheduler_config(self) -> TaskSchedulerConfig:
