@@ -630,6 +630,14 @@ def test_a_killed_agents_batch_is_leased_again_and_measured_exactly_once(farm, t
 
 
 @pytest.mark.slow
+def test_a_second_lease_service_on_a_taken_port_is_refused(lease_settings, db_sessions, lease_server):
+    """gRPC binds with SO_REUSEPORT unless told not to: a second lease service (or another
+    process of the farm's user) on the port would have taken a share of the agents'
+    connections without a word."""
+    with pytest.raises(OSError, match=f"^cannot listen on {lease_settings.lease_bind}: "):
+        make_server(lease_settings, sessions=db_sessions)
+
+
 def test_the_agent_survives_a_lease_service_restart(farm, tmp_path, agent_caps, lease_settings, db_sessions):
     # Its own lease service on its own port, stopped and started again mid-batch.
     settings = lease_settings.model_copy(update={"lease_bind": f"127.0.0.1:{free_port()}", "lease_secs": 30.0})

@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tunefarm lease-service: error: {_settings_problem(exc)}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(settings)
+    try:
+        serve(settings)
+    except OSError as exc:  # its port is taken: one line, not a traceback
+        print(f"tunefarm lease-service: error: {_settings_problem(exc)}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
@@ -52,6 +56,6 @@ def _settings_problem(exc: Exception) -> str:
         where = ".".join(str(x) for x in first.get("loc", ()))
         message = str(first.get("msg", exc)).removeprefix("Value error, ")
         return f"{where}: {message}" if where else message
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) and exc.filename:
         return f"cannot read {exc.filename}: {exc.strerror}"
     return str(exc)

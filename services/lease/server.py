@@ -31,6 +31,10 @@ SERVER_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # gRPC binds with SO_REUSEPORT by default: a second lease service (or any process of
+    # the same user) on the port would silently take a share of the agents' connections.
+    # The port is this service's alone; one already taken fails the start.
+    ("grpc.so_reuseport", 0),
 )
 
 
@@ -73,10 +77,13 @@ def make_server(
         options=(*SERVER_OPTIONS, ("grpc.max_receive_message_length", settings.max_message_bytes)),
     )
     pb_grpc.add_AgentServiceServicer_to_server(servicer, server)
-    if settings.tls:
-        port = server.add_secure_port(settings.lease_bind, server_credentials(settings))
-    else:
-        port = server.add_insecure_port(settings.lease_bind)
+    try:
+        if settings.tls:
+            port = server.add_secure_port(settings.lease_bind, server_credentials(settings))
+        else:
+            port = server.add_insecure_port(settings.lease_bind)
+    except RuntimeError as exc:  # grpcio: "Failed to bind to address ..."
+        raise OSError(f"cannot listen on {settings.lease_bind}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot listen on {settings.lease_bind}")
     host = settings.lease_bind.rsplit(":", 1)[0].strip("[]")
