@@ -1087,6 +1087,31 @@ def test_late_and_fabricated_results_are_refused_and_nothing_is_stored(farm):
     measurer.close()
 
 
+def test_a_token_the_database_says_is_revoked_is_refused_before_its_notification_arrives(
+    farm, lease_server, monkeypatch
+):
+    """The revocation's notification may come late (a loaded machine): the lease service's
+    own database checks (leasing, heartbeats) refuse the token meanwhile, and the first
+    refusal drops it from the token cache, so no later call with it is answered either."""
+    assert lease_server.revocations.wait_connected(10)
+    monkeypatch.setattr(lease_server.revocations, "_revoked", [])  # the notification reaches nobody
+    code = grpc.StatusCode
+    with grpc.insecure_channel(farm.server_address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        agents = Registrar(stub, farm)
+        a = agents.register("late", farm.token)
+        meta = agents.meta(farm.token, a)
+        stub.Heartbeat(pb.HeartbeatRequest(agent_id=a), metadata=meta, timeout=10)  # the token is cached now
+        with transaction(farm.sessions) as s:
+            tokens.revoke_token_by_ref(s, ref=farm.token)
+        with pytest.raises(grpc.RpcError) as err:  # the lease's own check: refused, not "withheld"
+            stub.LeaseBatch(pb.LeaseBatchRequest(agent_id=a), metadata=meta, timeout=10)
+        assert err.value.code() is code.UNAUTHENTICATED and "revoked" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # and from now on at the token itself
+            _report(stub, meta, a, 1, [], finish=True)
+        assert err.value.code() is code.UNAUTHENTICATED and "unknown or revoked token" in err.value.details()
+
+
 def test_a_revoked_agent_token_is_refused_at_once_and_its_agents_get_no_more_work(farm, lease_server):
     """The lease service trusts a verified token for 30 s (its cache); revoking it
     reaches the service at once (a PostgreSQL notification): the agent's next call is

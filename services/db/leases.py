@@ -181,10 +181,13 @@ def _confirmations_for(session: Session, agent: Agent) -> ColumnElement[bool]:
 
 def lease_withheld(session: Session, *, agent_id: int) -> str | None:
     """Why the agent is leased nothing now, batches or model runs (None: it may be), in
-    words the agent logs. Raises `RowNotFound` for an unknown agent."""
+    words the agent logs. Raises `RowNotFound` for an unknown agent, `TokenRevoked` when
+    its token was revoked (as `heartbeat`: its calls are refused, not answered)."""
     agent = session.get(Agent, agent_id)
     if agent is None:
         raise RowNotFound(f"agent {agent_id}")
+    if agent.token_id is not None and token_revoked(session, agent.token_id):
+        raise TokenRevoked(f"agent {agent_id}: its token was revoked")
     return _withheld(session, agent)
 
 

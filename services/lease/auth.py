@@ -96,6 +96,14 @@ class Auth:
         self._tokens.put(key, token_id)
         return token_id
 
+    def token_revoked(self, context: grpc.ServicerContext) -> None:
+        """The database refused the call's token as revoked (`TokenRevoked`): drop it from
+        the cache now, whether or not the revocation's notification has arrived yet, so
+        that every later call with it is refused too."""
+        plain = wire.bearer_token(context.invocation_metadata() or ())
+        if plain is not None:
+            self._tokens.revoke(tokens.hash_token(plain))
+
     def agent(self, agent_id: int, token_id: int, context: grpc.ServicerContext) -> AgentInfo:
         """The agent a call names, if the call is that agent's: its token, and the
         secret of its latest registration. Raises `UnknownAgent`, or `PermissionDenied`

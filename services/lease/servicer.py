@@ -164,6 +164,8 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     # -- plumbing -------------------------------------------------------------------------
 
     def _abort(self, context: grpc.ServicerContext, exc: Exception, rpc: str) -> None:
+        if isinstance(exc, db_exc.TokenRevoked):  # before its notification, maybe: no later call passes
+            self.auth.token_revoked(context)
         code = _status(exc)
         if code is grpc.StatusCode.INTERNAL:
             # Its text may hold anything (stored keys, paths, SQL): logged here, not sent.
