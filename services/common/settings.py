@@ -50,12 +50,18 @@ class ServiceSettings(DatabaseSettings):
     batch_stall_secs: float = 600.0
 
 
-def settings_problem(exc: ValidationError, env_prefix: str = "TUNEFARM_") -> str:
-    """One line for settings a process refused at start: the first bad value's
-    environment variable (`env_prefix` + its field's name) and what is wrong with it."""
+def first_problem(exc: ValidationError) -> tuple[str, str]:
+    """The first bad value of refused settings: its field ("" for the whole model) and
+    what is wrong with it."""
     first = exc.errors()[0]
     field = ".".join(str(x) for x in first.get("loc", ()))
-    message = str(first.get("msg", exc)).removeprefix("Value error, ")
+    return field, str(first.get("msg", exc)).removeprefix("Value error, ")
+
+
+def settings_problem(exc: ValidationError, env_prefix: str = "TUNEFARM_") -> str:
+    """One line for settings a process refused at start: the first bad value's
+    environment variable (`env_prefix` + its field's name), its value and what is wrong."""
+    field, message = first_problem(exc)
     if not field:
         return message
-    return f"{env_prefix}{field.upper()}={first.get('input')!r}: {message}"
+    return f"{env_prefix}{field.upper()}={exc.errors()[0].get('input')!r}: {message}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from services.common.settings import first_problem
 from services.lease.server import serve, server_credentials
 from services.lease.settings import LeaseServiceSettings
 
@@ -52,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _settings_problem(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        message = str(first.get("msg", exc)).removeprefix("Value error, ")
+        where, message = first_problem(exc)
         return f"{where}: {message}" if where else message
     if isinstance(exc, OSError) and exc.filename:
         return f"cannot read {exc.filename}: {exc.strerror}"
