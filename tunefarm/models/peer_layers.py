@@ -11,12 +11,18 @@ same thing on both sides (TVM's fused functions do not keep ONNX node names, and
 tasks compute convolutions in NHWC where OpenVINO's shapes are NCHW), so they are paired
 by shape: a task's signature is the multiset of its first output's dimensions and of its
 largest constant input's (a convolution's or a matmul's weights, in any layout), and a
-node's the same from its output and its largest constant input. Tasks and nodes with the
-same signature are matched; where several nodes share one (the same layer repeated), a
-task gets their mean time per call. Nodes of different kinds that share a signature
-(a transpose and a matmul both writing 1x12x128x64, neither with weights) make it
-ambiguous: the shapes cannot say which of them is the task's layer, so it gets none. A
-task no node matches (OpenVINO fused it into a neighbour, or laid it out another way)
+node's the same from its output and its largest constant input. A node's constant inputs
+are those computed from constants alone (OpenVINO feeds a dense layer's weights through
+a Transpose of a Const, folded when it compiles). Where there are weights, dimensions of
+1 are left out of the output's part (OpenVINO writes a dense layer's 128x768 as
+1x128x768; the weights' shape says which layer it is). Tasks and nodes with the same
+signature are matched; where several nodes share one (the same layer repeated), a task
+gets their mean time per call. A task that only moves data (no FLOPs: a transpose, a
+copy) pairs only with a node that only moves data (`DATA_MOVEMENT_KINDS`), and a task
+that computes only with one that does not. Nodes of different kinds that share a
+signature (a Transpose and a MatMul both writing 1x12x128x64, neither with weights) make
+it ambiguous: the shapes cannot say which of them is the task's layer, so it gets none.
+A task no node matches (OpenVINO fused it into a neighbour, or laid it out another way)
 has no peer time.
 """
 
@@ -41,6 +47,12 @@ _JOBS = "tunefarm.models.peer_layers"
 
 Signature = tuple[tuple[int, ...], tuple[int, ...]]
 
+DATA_MOVEMENT_KINDS = frozenset({
+    "Transpose", "Reorder", "Reshape", "Concatenation", "Split", "StridedSlice", "Gather", "Broadcast",
+    "Tile", "Pad", "DepthToSpace", "SpaceToDepth", "ShuffleChannels",
+})  # fmt: skip
+"""OpenVINO node kinds (`layerType`) that only move data: the peers of tasks without FLOPs."""
+
 
 @dataclass(frozen=True)
 class PeerLayer:
@@ -55,13 +67,15 @@ class PeerLayer:
 
     @property
     def signature(self) -> Signature:
-        return tuple(sorted(self.out_shape)), tuple(sorted(self.const_shape))
+        return task_signature(self.out_shape, [self.const_shape] if self.const_shape else [])
 
 
 def task_signature(out_shape: Sequence[int], const_shapes: Sequence[Sequence[int]]) -> Signature:
-    """A task's signature: its first output's dimensions and its largest constant's, sorted."""
-    largest = max(const_shapes, key=lambda s: math.prod(s), default=())
-    return tuple(sorted(int(d) for d in out_shape)), tuple(sorted(int(d) for d in largest))
+    """A task's signature: its first output's dimensions and its largest constant's, each
+    sorted; with a constant, the output's dimensions of 1 left out (see the module doc)."""
+    largest = tuple(int(d) for d in max(const_shapes, key=lambda s: math.prod(s), default=()))
+    out = [int(d) for d in out_shape if not (largest and int(d) == 1)]
+    return tuple(sorted(out)), tuple(sorted(largest))
 
 
 def openvino_layers(model_path: str | Path, feeds: Mapping[str, np.ndarray], threads: int, *, runs: int = 20) -> list[PeerLayer]:
@@ -102,13 +116,14 @@ def layers_job(model_path: str, inputs_npz: str, threads: int, runs: int) -> lis
             if value.isdigit():
                 times.setdefault(op.get_friendly_name(), []).append(int(value) * 1e-6)
     rows = []
+    constant: dict[str, bool] = {}
     for op in compiled.get_runtime_model().get_ordered_ops():
         name = op.get_friendly_name()
         if name not in times:
             continue
         info = op.get_rt_info()
         consts = [_dims(inp.get_source_output().get_partial_shape()) for inp in op.inputs()
-                  if _text(inp.get_source_output().get_node().get_rt_info()["layerType"]) == "Const"]  # fmt: skip
+                  if _constant(inp.get_source_output().get_node(), constant)]  # fmt: skip
         rows.append(
             asdict(
                 PeerLayer(
@@ -124,6 +139,33 @@ def layers_job(model_path: str, inputs_npz: str, threads: int, runs: int) -> lis
     return rows
 
 
+def _constant(node: Any, known: dict[str, bool]) -> bool:
+    """Whether a runtime-model node computes from constants alone: a Const, or a node
+    whose inputs all are (a matmul's weights reach OpenVINO's FullyConnected through a
+    Transpose of a Const, folded at compile time). `known` memoizes by node name; the walk
+    is iterative (a graph can be deeper than Python's recursion)."""
+    stack = [node]
+    while stack:
+        top = stack[-1]
+        name = top.get_friendly_name()
+        if name in known:
+            stack.pop()
+            continue
+        kind = _text(top.get_rt_info()["layerType"])
+        inputs = [inp.get_source_output().get_node() for inp in top.inputs()]
+        if kind == "Const" or kind in ("Input", "Parameter") or not inputs:
+            known[name] = kind == "Const"
+            stack.pop()
+            continue
+        pending = [n for n in inputs if n.get_friendly_name() not in known]
+        if pending:
+            stack.extend(pending)
+            continue
+        known[name] = all(known[n.get_friendly_name()] for n in inputs)
+        stack.pop()
+    return known[node.get_friendly_name()]
+
+
 def _text(value: Any) -> str:
     """An rt_info value (OpenVINO's `OVAny`) as text."""
     return str(value.astype(str)) if hasattr(value, "astype") else str(value)
@@ -137,15 +179,15 @@ def match_tasks(tasks: Sequence[Any], layers: Sequence[PeerLayer]) -> dict[str, 
     """Per task key (of `tasks`, `tunefarm.models.tasks.ModelTask`s): OpenVINO's seconds per
     call for the layers with the same signature, and which they are (see the module doc).
     Tasks without a matching layer are left out."""
-    by_signature: dict[Signature, list[PeerLayer]] = {}
+    by_signature: dict[tuple[bool, Signature], list[PeerLayer]] = {}
     for layer in layers:
         if layer.kind not in ("Input", "Output", "Const"):
-            by_signature.setdefault(layer.signature, []).append(layer)
+            by_signature.setdefault((layer.kind in DATA_MOVEMENT_KINDS, layer.signature), []).append(layer)
     out = {}
     for t in tasks:
         wl = t.workload
         consts = [wl.inputs[i].shape for i in t.const_inputs if i < len(wl.inputs)]
-        found = by_signature.get(task_signature(wl.outputs[0].shape, consts))
+        found = by_signature.get((t.flops == 0, task_signature(wl.outputs[0].shape, consts)))
         if not found or len({layer.kind for layer in found}) > 1:
             continue
         out[t.key] = {
