@@ -177,6 +177,17 @@ def peer_lines(result: Mapping[str, Any], where: str = "") -> list[str]:
     return lines
 
 
+ROUNDS_DISAGREE = 1.25
+"""The spread of the rounds' ratios (the highest over the lowest) from which a comparison
+with a peer is called noisy: the same builds read 0.68x and 1.19x OpenVINO in two rounds
+of one run on a busy machine, and 1.06-1.11x on a quiet one."""
+
+
+def rounds_disagree(per_round: list[float]) -> bool:
+    """Whether the alternating rounds' ratios spread by `ROUNDS_DISAGREE` or more."""
+    return len(per_round) > 1 and min(per_round) > 0 and max(per_round) / min(per_round) >= ROUNDS_DISAGREE
+
+
 def latency_lines(model: Mapping[str, Any]) -> list[str]:
     """The tuned model's latency, the peers' (onnxruntime, OpenVINO) and TVM's untuned
     build's, and the ratios."""
@@ -198,6 +209,9 @@ def latency_lines(model: Mapping[str, Any]) -> list[str]:
             else:
                 text = f"{'vs ' + short:<10} {x:.2f}x the speed of {peer} (p50, same input and threads"
             lines.append(text + ")")
+            if rounds_disagree(per_round):
+                lines.append(f"{'':<10} the rounds disagree ({min(per_round):.2f}-{max(per_round):.2f}x): the machine's"
+                             f" speed changed while timing; time it again on a quiet machine (`tunefarm run`)")  # fmt: skip
     x = speedup(model.get("untuned_latency"), lat)
     if x is not None:
         lines.append(f"vs untuned {x:.2f}x the speed of TVM's untuned build ({format_cost(model['untuned_latency']['median'])} p50)")
