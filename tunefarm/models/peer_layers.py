@@ -116,14 +116,15 @@ def layers_job(model_path: str, inputs_npz: str, threads: int, runs: int) -> lis
             if value.isdigit():
                 times.setdefault(op.get_friendly_name(), []).append(int(value) * 1e-6)
     rows = []
-    constant: dict[str, bool] = {}
-    for op in compiled.get_runtime_model().get_ordered_ops():
+    ops = compiled.get_runtime_model().get_ordered_ops()
+    constant = _constant_nodes(ops)
+    for op in ops:
         name = op.get_friendly_name()
         if name not in times:
             continue
         info = op.get_rt_info()
         consts = [_dims(inp.get_source_output().get_partial_shape()) for inp in op.inputs()
-                  if _constant(inp.get_source_output().get_node(), constant)]  # fmt: skip
+                  if inp.get_source_output().get_node().get_friendly_name() in constant]  # fmt: skip
         rows.append(
             asdict(
                 PeerLayer(
@@ -139,31 +140,17 @@ def layers_job(model_path: str, inputs_npz: str, threads: int, runs: int) -> lis
     return rows
 
 
-def _constant(node: Any, known: dict[str, bool]) -> bool:
-    """Whether a runtime-model node computes from constants alone: a Const, or a node
-    whose inputs all are (a matmul's weights reach OpenVINO's FullyConnected through a
-    Transpose of a Const, folded at compile time). `known` memoizes by node name; the walk
-    is iterative (a graph can be deeper than Python's recursion)."""
-    stack = [node]
-    while stack:
-        top = stack[-1]
-        name = top.get_friendly_name()
-        if name in known:
-            stack.pop()
-            continue
-        kind = _text(top.get_rt_info()["layerType"])
-        inputs = [inp.get_source_output().get_node() for inp in top.inputs()]
-        if kind == "Const" or kind in ("Input", "Parameter") or not inputs:
-            known[name] = kind == "Const"
-            stack.pop()
-            continue
-        pending = [n for n in inputs if n.get_friendly_name() not in known]
-        if pending:
-            stack.extend(pending)
-            continue
-        known[name] = all(known[n.get_friendly_name()] for n in inputs)
-        stack.pop()
-    return known[node.get_friendly_name()]
+def _constant_nodes(ops: Sequence[Any]) -> set[str]:
+    """The names of the runtime-model nodes (`ops`, in topological order) that compute
+    from constants alone: a Const, or a node whose inputs all are (a matmul's weights reach
+    OpenVINO's FullyConnected through a Transpose of a Const, folded at compile time)."""
+    constant: set[str] = set()
+    for op in ops:
+        kind = _text(op.get_rt_info()["layerType"])
+        inputs = [inp.get_source_output().get_node().get_friendly_name() for inp in op.inputs()]
+        if kind == "Const" or (kind not in ("Input", "Parameter") and inputs and all(n in constant for n in inputs)):
+            constant.add(op.get_friendly_name())
+    return constant
 
 
 def _text(value: Any) -> str:
