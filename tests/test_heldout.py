@@ -145,6 +145,20 @@ def test_rolling_rounds_train_on_what_was_measured_before():
     ]
 
 
+def test_one_task_tuned_alone_is_ranked_batch_by_batch():
+    """One task's records are one run; each of the tuning's batches was chosen by the model
+    of the batches before it, so each is a round (a single-op bench had no round at all)."""
+    from tunefarm_app.bench.heldout import rolling_splits
+
+    assert rolling_splits(["a"] * 20, min_round=5) == []
+    splits = rolling_splits(["a"] * 20 + ["b"] * 6, batch=8, min_round=4)
+    assert [(len(train), test.tolist()) for train, test in splits] == [
+        (8, list(range(8, 16))),
+        (16, list(range(16, 20))),
+        (20, list(range(20, 26))),
+    ]
+
+
 def test_a_stored_task_with_a_weight_transform_is_rebuilt_with_its_constants():
     """A model run's records name each task by its key (`...+const1@<target>`); the
     held-out figures rebuild the task from the records' sidecar, constants included,

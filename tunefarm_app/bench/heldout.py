@@ -10,8 +10,10 @@ Two splits:
   tuning's shared model is. Random folds over an evolutionary trajectory still put a
   program's parent (a near twin) in training: an optimistic number.
 - rolling (`rolling_splits`): what the search does. The records in measurement order
-  fall into rounds (a run of one task's records, as the task scheduler measures them);
-  each round is ranked by a model trained on every record measured before it.
+  fall into rounds (a run of one task's records, as the task scheduler measures them,
+  cut into the tuning's batches: one task tuned alone is one long run, whose batches
+  were each chosen by the model of the batches before it); each round is ranked by a
+  model trained on every record measured before it.
 A split that trains on the first 80% and scores the last 20% would score the search's
 winners only: the last measurements are the programs the search converged on, nearly
 equally fast, whose order is mostly noise (winner's curse); `time_ordered_split` is kept
@@ -96,14 +98,14 @@ def time_ordered_split(n: int, train_fraction: float = 0.8) -> list[Split]:
     return [(np.arange(cut), np.arange(cut, n))]
 
 
-def rolling_splits(groups: Sequence[str], *, min_round: int = MIN_HELD_OUT) -> list[Split]:
+def rolling_splits(groups: Sequence[str], *, batch: int | None = None, min_round: int = MIN_HELD_OUT) -> list[Split]:
     """Rounds of the records in measurement order (a run of consecutive records of one
-    group), each with at least `min_round` records and something measured before it:
-    trained on every earlier record, the round held out."""
+    group, cut every `batch` records), each with at least `min_round` records and
+    something measured before it: trained on every earlier record, the round held out."""
     splits: list[Split] = []
     start = 0
     for end in range(1, len(groups) + 1):
-        if end < len(groups) and groups[end] == groups[start]:
+        if end < len(groups) and groups[end] == groups[start] and (batch is None or end - start < batch):
             continue
         if start > 0 and end - start >= min_round:
             splits.append((np.arange(start), np.arange(start, end)))
@@ -196,14 +198,14 @@ def cross_validate(
 
 
 def held_out_accuracy(
-    records_path: Path, workload: Workload, target: dict[str, Any], *, seed: int, rolling: bool = False
+    records_path: Path, workload: Workload, target: dict[str, Any], *, seed: int, rolling_batch: int | None = None
 ) -> HeldOutAccuracy:
-    """K-fold (or, with `rolling`, round by round) held-out accuracy of one workload's
-    records (`tunefarm bench ops`)."""
+    """K-fold (or, given `rolling_batch`, the tuning's measurements per round: round by
+    round) held-out accuracy of one workload's records (`tunefarm bench ops`)."""
     task = make_task(workload, target)
     records = [r for r in JsonlRecordStore(records_path).load() if r.task == task.key]
-    scheme = "rolling" if rolling else "kfold"
-    return _evaluate({task.key: task}, records, seed, scheme=scheme).get(task.key, _EMPTY)
+    scheme = "kfold" if rolling_batch is None else "rolling"
+    return _evaluate({task.key: task}, records, seed, scheme=scheme, batch=rolling_batch).get(task.key, _EMPTY)
 
 
 def held_out_by_task(records_path: Path, *, seed: int) -> dict[str, HeldOutAccuracy]:
@@ -246,9 +248,10 @@ def _evaluate(
     *,
     scheme: str = "kfold",
     labels_per_group: bool = True,
+    batch: int | None = None,
 ) -> dict[str, HeldOutAccuracy]:
-    """`scheme`: "kfold", "rolling" or "task" (`task_splits`), over the distinct programs
-    in measurement order."""
+    """`scheme`: "kfold", "rolling" (rounds of at most `batch`) or "task" (`task_splits`),
+    over the distinct programs in measurement order."""
     usable = [r for r in records if r.task in tasks]
     if not usable:
         return {}
@@ -259,7 +262,7 @@ def _evaluate(
                            [r.task for r in usable])  # fmt: skip
     splits = {
         "kfold": lambda: kfold_splits(len(programs.groups), FOLDS, seed),
-        "rolling": lambda: rolling_splits(programs.groups),
+        "rolling": lambda: rolling_splits(programs.groups, batch=batch),
         "task": lambda: task_splits(programs.groups),
     }[scheme]()
     return cross_validate(

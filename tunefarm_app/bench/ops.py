@@ -335,10 +335,14 @@ def time_best_kernels(
 def _held_out(
     op: BenchOp, workload: Workload, plan: BenchPlan, log: Log
 ) -> tuple[tuple[HeldOutAccuracy, HeldOutAccuracy], tuple[str, ...]]:
-    """The model's k-fold and rolling (round by round) held-out accuracy on this op's records."""
+    """The model's k-fold and rolling (round by round, in the tuning's batches: `tune_ours`
+    tunes with `TuneConfig`'s batch size) held-out accuracy on this op's records."""
+    from tunefarm.search.config import TuneConfig
+
     records = plan.work_dir / "ours" / f"{op.id}.jsonl"
     acc = held_out_accuracy(records, workload, plan.target, seed=plan.seed)
-    rolling = held_out_accuracy(records, workload, plan.target, seed=plan.seed, rolling=True)
+    rolling = held_out_accuracy(records, workload, plan.target, seed=plan.seed,
+                                rolling_batch=TuneConfig(trials=plan.trials).batch_size)  # fmt: skip
     log(
         f"held-out cost model ({FOLDS}-fold over distinct programs): pairwise {acc.pairwise:.3f} over {acc.pairs} "
         f"pairs ({acc.dropped} within the noise dropped), Spearman {acc.spearman:.3f}, on {acc.n_test} "
