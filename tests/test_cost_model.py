@@ -89,7 +89,13 @@ def xgb_trained() -> CostModel:
     return model
 
 
-MODEL_FACTORIES = [random_model, xgb_in_warmup, xgb_trained]
+def xgb_pack_sum_trained() -> CostModel:
+    model = XGBCostModel(XGBConfig(num_warmup_samples=40, objective="pack_sum"))
+    model.update(*make_programs(60, seed=1))
+    return model
+
+
+MODEL_FACTORIES = [random_model, xgb_in_warmup, xgb_trained, xgb_pack_sum_trained]
 
 
 @pytest.fixture(params=MODEL_FACTORIES, ids=lambda f: f.__name__)
@@ -175,6 +181,36 @@ def test_xgb_learns_to_rank_held_out_programs() -> None:
     assert recall_at_k(scores[conv], np.array(test_costs)[conv], k=10) >= 0.5
 
 
+def test_the_rank_objective_learns_the_order_and_scores_on_the_throughput_scale() -> None:
+    """Trained for each task's order (`ranking.py`), its scores are mapped back onto the
+    normalised throughputs: evolution picks parents in proportion to them."""
+    features, costs, groups = make_programs(600, seed=10)
+    test_features, test_costs, test_groups = make_programs(200, seed=11)
+    model = XGBCostModel(XGBConfig(num_warmup_samples=64, objective="rank"))
+    model.update(features, costs, groups)
+    assert model.last_training is not None
+    learned = per_group_accuracy(model.predict(test_features), test_costs, test_groups)
+    assert learned > 0.75
+    y = normalized_throughputs(np.array(costs), np.array([list(GROUP_SCALES).index(g) for g in groups]), 3)
+    w = np.maximum(y, XGBConfig().min_weight)  # the fit's weights
+    scores = model.predict(features)
+    for group in GROUP_SCALES:  # scores rank within a task (pairs never cross tasks)
+        mine = np.array(groups) == group
+        assert float(np.corrcoef(scores[mine], y[mine])[0, 1]) > 0.8, group
+    assert np.average(scores, weights=w) == pytest.approx(np.average(y, weights=w), abs=1e-3)
+    a, b = model._calibration
+    raw = (scores - b) / a  # what the trees alone say: logits of pairwise odds, far wider
+    assert np.std(raw) > 5 * np.std(y) and np.std(scores) < 2 * np.std(y)
+
+
+def test_the_rank_objective_without_a_pair_beyond_the_noise_trains_on_pack_sum() -> None:
+    features, _, groups = make_programs(80, seed=3)
+    model = XGBCostModel(XGBConfig(num_warmup_samples=40, objective="rank"))
+    model.update(features, [1e-3] * len(features), groups)  # every program equally fast
+    assert model.last_training is not None
+    assert np.all(np.isfinite(model.predict(features)))
+
+
 def test_xgb_learns_that_failed_programs_are_bad() -> None:
     features, costs, groups = make_programs(400, seed=12)
     fails = [bool(f[:, 5].max() > 0.8) for f in features]  # a feature that predicts failure
@@ -187,8 +223,9 @@ def test_xgb_learns_that_failed_programs_are_bad() -> None:
     scores = model.predict(test_features)
     assert scores[test_fails].mean() < 0.5 * scores[~test_fails].mean()
 
-    # Why the weight floor exists: with the paper's w = y alone, failures weigh nothing.
-    unfloored = XGBCostModel(XGBConfig(num_warmup_samples=64, min_weight=0.0))
+    # Why the weight floor exists: with the paper's w = y alone, failures weigh nothing
+    # in pack-sum's squared error (a ranking pair with a failure weighs its partner's y).
+    unfloored = XGBCostModel(XGBConfig(num_warmup_samples=64, min_weight=0.0, objective="pack_sum"))
     unfloored.update(features, costs, groups)
     scores = unfloored.predict(test_features)
     assert scores[test_fails].mean() > scores[~test_fails].mean()

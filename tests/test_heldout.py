@@ -104,8 +104,9 @@ def test_per_task_labels_carry_to_a_task_the_model_has_no_label_of():
         groups += [task] * 60
     noise = np.zeros(len(costs))
     held_out = [split for split in task_splits(groups) if groups[split[1][0]] == "held"]
-    per_task = cross_validate(features, costs, noise, groups, held_out, seed=1)["held"]
-    global_ = cross_validate(features, costs, noise, groups, held_out, seed=1, labels_per_group=False)["held"]
+    per_task = cross_validate(features, costs, noise, groups, held_out, seed=1, objective="pack_sum")["held"]
+    global_ = cross_validate(features, costs, noise, groups, held_out, seed=1, labels_per_group=False,
+                             objective="pack_sum")["held"]  # fmt: skip
     assert per_task.n_train == 0 and per_task.n_test == 60
     assert per_task.pairwise > 0.9
     assert global_.pairwise < 0.7

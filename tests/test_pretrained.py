@@ -22,14 +22,18 @@ from tunefarm.search.cost_model.descriptor import (
 )
 from tunefarm.search.cost_model.pretrain import (
     PretrainConfig,
-    affine_fit,
     base_scores,
     pretrain,
     ranking_report,
     split_by_workload,
     training_programs,
 )
-from tunefarm.search.cost_model.ranking import pairwise_rank_gradient, pairwise_rank_loss, ranking_pairs
+from tunefarm.search.cost_model.ranking import (
+    affine_fit,
+    pairwise_rank_gradient,
+    pairwise_rank_loss,
+    ranking_pairs,
+)
 from tunefarm.search.cost_model.xgb import normalized_throughputs, pack_sum_loss
 from tunefarm.search.features import feature_width
 from tunefarm_app.cli import main
@@ -239,7 +243,7 @@ def test_own_trees_learn_the_residual_where_the_device_disagrees_with_the_base(s
     finally:
         del FAST["odd"]
     base = squared_base.with_descriptor(device_descriptor(HASWELL))
-    model = XGBCostModel(XGBConfig(seed=1, num_warmup_samples=96, num_boost_round=40), base=base)
+    model = XGBCostModel(XGBConfig(seed=1, num_warmup_samples=96, num_boost_round=40, objective="pack_sum"), base=base)
     y = normalized_throughputs(np.asarray(costs), np.zeros(len(costs), np.int64), 1)
     w = np.maximum(y, 0.05)
     counts = np.array([f.shape[0] for f in feats])
@@ -262,7 +266,7 @@ def test_the_base_fades_as_each_task_gets_programs_of_its_own_and_not_with_the_n
     """One task with 96 programs: the base counts 16 / (16 + 96) in training and scoring;
     twelve tasks with 8 each (96 programs too): 16 / (16 + 8). A saved model keeps it."""
     base = squared_base.with_descriptor(device_descriptor(SSE))
-    config = XGBConfig(seed=1, num_warmup_samples=96, num_boost_round=20, prior_strength=16.0)
+    config = XGBConfig(seed=1, num_warmup_samples=96, num_boost_round=20, prior_strength=16.0, objective="pack_sum")
     one_task = XGBCostModel(config, base=base)
     feats, costs, groups = _own_batch("sse", 1, 96, seed=3)
     assert one_task.base_weight == 1.0  # before its own trees: the base alone

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,10 +154,11 @@ def cross_validate(
     *,
     seed: int,
     labels_per_group: bool = True,
+    objective: str | None = None,
 ) -> dict[str, HeldOutAccuracy]:
     """Per group: train a fresh model on each split's training records, score its held-out
-    ones, and pool the metrics over the splits. `labels_per_group`: the model's labels
-    (`XGBConfig.labels_per_group`)."""
+    ones, and pool the metrics over the splits. `labels_per_group`, `objective`: the
+    model's (`XGBConfig`; None: its default objective)."""
     cost = np.asarray(costs, dtype=np.float64)
     spread = np.asarray(noise, dtype=np.float64)
     group = np.asarray(groups, dtype=object)
@@ -169,7 +170,8 @@ def cross_validate(
     for train, test in splits:
         if not len(train) or not len(test):
             continue
-        model = XGBCostModel(XGBConfig(seed=seed, num_warmup_samples=1, labels_per_group=labels_per_group))
+        config = XGBConfig(seed=seed, num_warmup_samples=1, labels_per_group=labels_per_group)
+        model = XGBCostModel(replace(config, objective=objective) if objective else config)
         model.update([features[i] for i in train], cost[train], list(group[train]))
         scores = model.predict([features[i] for i in test])
         for g in dict.fromkeys(group[test]):

@@ -50,7 +50,7 @@ from .base_trees import BaseTrees, row_values
 from .descriptor import DESCRIPTOR_VERSION, DESCRIPTOR_WIDTH, device_descriptor, device_family
 from .distinct_programs import distinct_programs, merged_cost
 from .metrics import NO_PAIRS, NOISE_FLOOR, PairCounts, pairwise_beyond_noise, recall_at_k
-from .ranking import pairwise_rank_gradient, pairwise_rank_loss, ranking_pairs
+from .ranking import affine_fit, pairwise_rank_gradient, pairwise_rank_loss, ranking_pairs
 from .xgb import normalized_throughputs, pack_sum, pack_sum_gradient, weighted_p_rmse
 
 OBJECTIVES = ("squared", "rank")
@@ -343,19 +343,6 @@ def pretrain(programs: TrainingPrograms, config: PretrainConfig = PretrainConfig
         },
     )  # fmt: skip
     return PretrainResult(base, best + 1, float(booster.best_score), time.perf_counter() - start)
-
-
-def affine_fit(scores: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
-    """(a, b) minimising sum w (a * score + b - y)^2, with a > 0 (a map that keeps the
-    order); (1, 0) when the scores are all equal."""
-    sw = float(np.sum(w))
-    mean_s, mean_y = float(np.sum(w * scores)) / sw, float(np.sum(w * y)) / sw
-    var = float(np.sum(w * (scores - mean_s) ** 2))
-    if var <= 0:
-        return 1.0, mean_y - mean_s
-    a = float(np.sum(w * (scores - mean_s) * (y - mean_y))) / var
-    a = max(a, 1e-6)
-    return a, mean_y - a * mean_s
 
 
 # --- evaluation ------------------------------------------------------------------------------

@@ -106,3 +106,16 @@ def pairwise_rank_gradient(
         pairs.worse, weights=curvature, minlength=num_programs
     )
     return grad[row_program], np.maximum(hess, HESSIAN_FLOOR)[row_program]
+
+
+def affine_fit(scores: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """(a, b) minimising sum w (a * score + b - y)^2, with a > 0 (a map that keeps the
+    order); (1, 0) when the scores are all equal."""
+    sw = float(np.sum(w))
+    mean_s, mean_y = float(np.sum(w * scores)) / sw, float(np.sum(w * y)) / sw
+    var = float(np.sum(w * (scores - mean_s) ** 2))
+    if var <= 0:
+        return 1.0, mean_y - mean_s
+    a = float(np.sum(w * (scores - mean_s) * (y - mean_y))) / var
+    a = max(a, 1e-6)
+    return a, mean_y - a * mean_s
