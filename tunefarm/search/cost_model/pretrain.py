@@ -50,7 +50,7 @@ from .base_trees import BaseTrees, row_values
 from .descriptor import DESCRIPTOR_VERSION, DESCRIPTOR_WIDTH, device_descriptor, device_family
 from .distinct_programs import distinct_programs, merged_cost
 from .metrics import NO_PAIRS, NOISE_FLOOR, PairCounts, pairwise_beyond_noise, recall_at_k
-from .ranking import affine_fit, pairwise_rank_gradient, pairwise_rank_loss, ranking_pairs
+from .ranking import affine_fit, rank_objective, ranking_pairs
 from .xgb import normalized_throughputs, pack_sum, pack_sum_gradient, weighted_p_rmse
 
 OBJECTIVES = ("squared", "rank")
@@ -305,13 +305,7 @@ def pretrain(programs: TrainingPrograms, config: PretrainConfig = PretrainConfig
                               seed=config.seed)  # fmt: skip
         if not len(pairs.weight):
             raise DatasetError("no two programs of one task differ beyond the noise: nothing to rank")
-        total = float(pairs.weight.sum())
-
-        def objective(preds: np.ndarray, _: xgb.DMatrix) -> tuple[np.ndarray, np.ndarray]:
-            return pairwise_rank_gradient(preds, data.row_program, n, pairs)
-
-        def metric(preds: np.ndarray, _: xgb.DMatrix) -> tuple[str, float]:
-            return "rank-loss", pairwise_rank_loss(preds, data.row_program, n, pairs) / total
+        objective, metric = rank_objective(data.row_program, n, pairs)
     else:
 
         def objective(preds: np.ndarray, _: xgb.DMatrix) -> tuple[np.ndarray, np.ndarray]:

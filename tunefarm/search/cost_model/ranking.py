@@ -108,6 +108,19 @@ def pairwise_rank_gradient(
     return grad[row_program], np.maximum(hess, HESSIAN_FLOOR)[row_program]
 
 
+def rank_objective(row_program: np.ndarray, num_programs: int, pairs: Pairs):
+    """XGBoost's custom objective and metric (the loss per unit of pair weight) for `pairs`."""
+    total = float(pairs.weight.sum())
+
+    def objective(row_preds: np.ndarray, _) -> tuple[np.ndarray, np.ndarray]:
+        return pairwise_rank_gradient(row_preds, row_program, num_programs, pairs)
+
+    def metric(row_preds: np.ndarray, _) -> tuple[str, float]:
+        return "rank-loss", pairwise_rank_loss(row_preds, row_program, num_programs, pairs) / total
+
+    return objective, metric
+
+
 def affine_fit(scores: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
     """(a, b) minimising sum w (a * score + b - y)^2, with a > 0 (a map that keeps the
     order); (1, 0) when the scores are all equal."""

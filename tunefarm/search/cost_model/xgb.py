@@ -90,6 +90,9 @@ least this fraction of the programs that training used (MetaSchedule's rule)."""
 HESSIAN_FLOOR = 1e-6
 """Smallest per-row hessian handed to XGBoost, which divides by hessian sums."""
 
+OBJECTIVES = ("rank", "pack_sum")
+"""What `XGBConfig.objective` may say."""
+
 RANK_MAX_PAIRS = 4096
 """Pairs per task the "rank" objective draws at most (`ranking.ranking_pairs`)."""
 
@@ -145,6 +148,10 @@ class XGBConfig:
     # tasks), and 5-fold 0.821 against 0.807; cold 128-trial tunings of a GEMM 1024, a 3x3
     # convolution and a 128x768x768 matmul, 2 seeds each, ended 1.015x faster (geomean).
     objective: str = "rank"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
 
     def xgb_params(self) -> dict[str, Any]:
         """The parameter dict for ``xgboost.train``."""
@@ -639,21 +646,12 @@ class XGBCostModel(CostModel):
         to pack-sum while no two programs of a task differ beyond the noise)."""
         if self._config.objective == "rank":
             from .metrics import NOISE_FLOOR
-            from .ranking import pairwise_rank_gradient, pairwise_rank_loss, ranking_pairs
+            from .ranking import rank_objective, ranking_pairs
 
-            n = len(data.y)
             pairs = ranking_pairs(data.y, data.group_ids, floor=NOISE_FLOOR, max_pairs=RANK_MAX_PAIRS,
                                   seed=self._config.seed)  # fmt: skip
             if len(pairs.weight):
-                total = float(pairs.weight.sum())
-
-                def rank_objective(row_preds: np.ndarray, _: xgb.DMatrix) -> tuple[np.ndarray, np.ndarray]:
-                    return pairwise_rank_gradient(row_preds, data.row_program, n, pairs)
-
-                def rank_metric(row_preds: np.ndarray, _: xgb.DMatrix) -> tuple[str, float]:
-                    return "rank-loss", pairwise_rank_loss(row_preds, data.row_program, n, pairs) / total
-
-                return rank_objective, rank_metric
+                return rank_objective(data.row_program, len(data.y), pairs)
 
         def objective(row_preds: np.ndarray, _: xgb.DMatrix) -> tuple[np.ndarray, np.ndarray]:
             return pack_sum_gradient(row_preds, data.row_program, data.y, data.w)
