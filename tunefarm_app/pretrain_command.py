@@ -11,7 +11,8 @@ datasets' provenance (their paths, digests and how each was made), so that a shi
 With held-out workloads (named, or a fraction chosen by a hash of the names), the model is
 trained without them and scored on them, per device class and task: pairwise accuracy
 beyond the measurement noise and recall@k. `--compare` trains and scores both objectives
-(the file is the `--objective` one's). Held out means by workload, never random rows.
+of the trees and the statement MLP (`statement_mlp.py`, with PyTorch installed) on the same
+split; the file is the `--objective` trees'. Held out means by workload, never random rows.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def add_command(sub) -> None:
                    help="workloads (or task keys) left out of training and scored")  # fmt: skip
     p.add_argument("--hold-out-fraction", type=float, default=0.0, metavar="F",
                    help="hold out about this fraction of the workloads, chosen by a hash of their names")  # fmt: skip
-    p.add_argument("--compare", action="store_true", help="train and score both objectives on the held-out workloads")
+    p.add_argument("--compare", action="store_true",
+                   help="train and score both objectives and the statement MLP on the held-out workloads")  # fmt: skip
     p.add_argument("--rounds", type=int, default=200, help="most trees (default 200)")
     p.add_argument("--max-depth", type=int, default=8, help="deepest tree (default 8)")
     p.add_argument("--threads", type=int, default=1, help="XGBoost threads (default 1)")
@@ -101,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         if objective == args.objective:
             chosen = result
     assert chosen is not None
+    if args.compare and test is not None:
+        results["statement_mlp"] = _score_statement_mlp(train, test, args.seed, say)
     provenance = {
         "command": command_line(),
         "datasets": [dataset_provenance(p) for p in args.datasets],
@@ -116,6 +120,25 @@ def run(args: argparse.Namespace) -> int:
     emit_json(args, {"file": str(out), "bytes": size, "family": programs.family, "training": summary,
                      "held_out_workloads": provenance["held_out_workloads"], "objectives": results})  # fmt: skip
     return 0
+
+
+def _score_statement_mlp(train, test, seed: int, say) -> dict[str, Any]:
+    """The statement MLP trained on `train`, scored on `test` as the trees are."""
+    from tunefarm.search.cost_model.pretrain import ranking_report
+    from tunefarm.search.cost_model.statement_mlp import MLPConfig, train_statement_mlp
+
+    try:
+        model = train_statement_mlp(train, MLPConfig(seed=seed))
+    except UsageError as exc:  # no PyTorch: the comparison says so and the trees are still written
+        say(f"{'mlp':<10} not trained: {exc}")
+        return {"error": str(exc)}
+    report = ranking_report(model.scores(test), test)
+    held = report.as_report()
+    say(f"{'mlp':<10} {model.epochs} epochs in {model.seconds:.1f} s; held out: pairwise {_pct(report.pairwise)} over "
+        f"{report.pairs} pairs beyond the noise ({report.dropped} within it), recall@{held['k']} {_pct(report.recall)}")
+    for cls, (pairwise, recall) in report.per_class.items():
+        say(f"           {cls}: pairwise {_pct(pairwise)}, recall {_pct(recall)}")
+    return {"epochs": model.epochs, "train_loss": model.train_loss, "seconds": round(model.seconds, 3), "held_out": held}
 
 
 def _check_args(args: argparse.Namespace) -> None:
