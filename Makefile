@@ -73,11 +73,14 @@ pretrained: setup
 	$(BIN)/tunefarm dataset $(PRETRAIN_WORK)/*.jsonl --out $(PRETRAIN_WORK)/x86.parquet
 	$(BIN)/tunefarm pretrain $(PRETRAIN_WORK)/x86.parquet --out tunefarm/search/cost_model/pretrained/x86.npz
 
-# New measurements for it, on this machine's CPU (about 25 minutes on a quiet 2-core
-# machine); gzip them into pretraining/x86/ and run `make pretrained`.
+# New measurements for it on this machine: its own CPU's class and AVX2 (haswell), the operators
+# and the example models' tasks (about 25 minutes each on a quiet 2-core machine), then SSE4.2
+# (x86-64-v2), the operators only (about 15 minutes); gzip the records into pretraining/x86/
+# and run `make pretrained`.
 pretraining-data: setup
-	$(BIN)/tunefarm build-dataset --out $(PRETRAIN_WORK)/measured --classes host --trials 48 --model-trials 10 \
+	$(BIN)/tunefarm build-dataset --out $(PRETRAIN_WORK)/measured --classes host,haswell --trials 48 --model-trials 10 \
 		--models small_cnn,bert_layer,mobilenet_v3,dbnet
+	$(BIN)/tunefarm build-dataset --out $(PRETRAIN_WORK)/measured --classes x86-64-v2 --trials 48 --models none
 
 lint: setup
 	$(BIN)/ruff check tunefarm services tests
