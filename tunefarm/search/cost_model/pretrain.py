@@ -50,7 +50,7 @@ from .base_trees import BaseTrees, row_values
 from .descriptor import DESCRIPTOR_VERSION, DESCRIPTOR_WIDTH, device_descriptor, device_family
 from .distinct_programs import distinct_programs, merged_cost
 from .metrics import NO_PAIRS, NOISE_FLOOR, PairCounts, pairwise_beyond_noise, recall_at_k
-from .ranking import affine_fit, rank_objective, ranking_pairs
+from .ranking import Pairs, affine_fit, rank_objective, ranking_pairs
 from .xgb import normalized_throughputs, pack_sum, pack_sum_gradient, weighted_p_rmse
 
 OBJECTIVES = ("squared", "rank")
@@ -273,17 +273,35 @@ class PretrainResult:
 
 
 @dataclass(frozen=True)
-class _Stacked:
+class StackedRows:
     rows: np.ndarray  # (R, F + D): rows with their program's descriptor appended
     row_program: np.ndarray
     counts: np.ndarray
 
 
-def _stack(programs: TrainingPrograms) -> _Stacked:
+def stack_rows(programs: TrainingPrograms) -> StackedRows:
     counts = np.array([f.shape[0] for f in programs.features], dtype=np.int64)
     row_program = np.repeat(np.arange(len(counts)), counts)
     rows = np.concatenate(programs.features, axis=0).astype(np.float32, copy=False)
-    return _Stacked(np.concatenate([rows, programs.descriptors[row_program]], axis=1), row_program, counts)
+    return StackedRows(np.concatenate([rows, programs.descriptors[row_program]], axis=1), row_program, counts)
+
+
+def task_labels(programs: TrainingPrograms) -> tuple[np.ndarray, np.ndarray]:
+    """(group index, label) of each program: its group (class + task) and its normalised
+    throughput within that group."""
+    group_names = sorted(set(programs.groups))
+    index = {g: i for i, g in enumerate(group_names)}
+    group_ids = np.array([index[g] for g in programs.groups], dtype=np.int64)
+    return group_ids, normalized_throughputs(programs.costs, group_ids, len(group_names))
+
+
+def task_pairs(programs: TrainingPrograms, group_ids: np.ndarray, y: np.ndarray, *, max_pairs: int, seed: int) -> Pairs:
+    """The ranking loss's pairs (`ranking.ranking_pairs`, beyond the noise). Raises
+    DatasetError when there is none."""
+    pairs = ranking_pairs(y, group_ids, noise=programs.noise, floor=NOISE_FLOOR, max_pairs=max_pairs, seed=seed)
+    if not len(pairs.weight):
+        raise DatasetError("no two programs of one task differ beyond the noise: nothing to rank")
+    return pairs
 
 
 def pretrain(programs: TrainingPrograms, config: PretrainConfig = PretrainConfig()) -> PretrainResult:
@@ -293,18 +311,12 @@ def pretrain(programs: TrainingPrograms, config: PretrainConfig = PretrainConfig
     if not len(programs):
         raise DatasetError("no program to train on")
     start = time.perf_counter()
-    group_names = sorted(set(programs.groups))
-    index = {g: i for i, g in enumerate(group_names)}
-    group_ids = np.array([index[g] for g in programs.groups], dtype=np.int64)
-    y = normalized_throughputs(programs.costs, group_ids, len(group_names))
+    group_ids, y = task_labels(programs)
     w = np.maximum(y, config.min_weight)
-    data = _stack(programs)
+    data = stack_rows(programs)
     n = len(programs)
     if config.objective == "rank":
-        pairs = ranking_pairs(y, group_ids, noise=programs.noise, floor=NOISE_FLOOR, max_pairs=config.max_pairs,
-                              seed=config.seed)  # fmt: skip
-        if not len(pairs.weight):
-            raise DatasetError("no two programs of one task differ beyond the noise: nothing to rank")
+        pairs = task_pairs(programs, group_ids, y, max_pairs=config.max_pairs, seed=config.seed)
         objective, metric = rank_objective(data.row_program, n, pairs)
     else:
 
@@ -364,7 +376,7 @@ class RankingReport:
 
 def base_scores(base: BaseTrees, programs: TrainingPrograms) -> np.ndarray:
     """The base's score of each program, with the descriptor of the program's own class."""
-    data = _stack(programs)
+    data = stack_rows(programs)
     values = row_values(base.booster, data.rows, data.row_program, data.counts, base.scale, base.offset)
     return pack_sum(values.astype(np.float64), data.row_program, len(programs))
 

@@ -3,7 +3,7 @@ pack-sum trees (TenSet's MLP cost model).
 
     score(P) = sum over P's stores s of  mlp(standardise(features(s) ++ descriptor))
 
-the same pack-sum over the same per-store rows the trees see (`pretrain._stack`: the
+the same pack-sum over the same per-store rows the trees see (`pretrain.stack_rows`: the
 Ansor features of each innermost store with the class's device descriptor appended), so
 the two differ only in the function of a row: a few fully connected ReLU layers instead
 of boosted trees. It is trained with the pairwise ranking loss of `ranking.py` on the
@@ -25,10 +25,8 @@ import numpy as np
 
 from tunefarm.errors import UsageError
 
-from .metrics import NOISE_FLOOR
-from .pretrain import DatasetError, TrainingPrograms, _stack
-from .ranking import ranking_pairs
-from .xgb import normalized_throughputs, pack_sum
+from .pretrain import DatasetError, TrainingPrograms, stack_rows, task_labels, task_pairs
+from .xgb import pack_sum
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,7 @@ class StatementMLP:
 
     def scores(self, programs: TrainingPrograms) -> np.ndarray:
         """Each program's score, with the descriptor of its own class."""
-        data = _stack(programs)
+        data = stack_rows(programs)
         return pack_sum(self.row_values(data.rows).astype(np.float64), data.row_program, len(programs))
 
 
@@ -81,15 +79,9 @@ def train_statement_mlp(programs: TrainingPrograms, config: MLPConfig = MLPConfi
     if not len(programs):
         raise DatasetError("no program to train on")
     start = time.perf_counter()
-    group_names = sorted(set(programs.groups))
-    index = {g: i for i, g in enumerate(group_names)}
-    group_ids = np.array([index[g] for g in programs.groups], dtype=np.int64)
-    y = normalized_throughputs(programs.costs, group_ids, len(group_names))
-    pairs = ranking_pairs(y, group_ids, noise=programs.noise, floor=NOISE_FLOOR, max_pairs=config.max_pairs,
-                          seed=config.seed)  # fmt: skip
-    if not len(pairs.weight):
-        raise DatasetError("no two programs of one task differ beyond the noise: nothing to rank")
-    data = _stack(programs)
+    group_ids, y = task_labels(programs)
+    pairs = task_pairs(programs, group_ids, y, max_pairs=config.max_pairs, seed=config.seed)
+    data = stack_rows(programs)
     mean = data.rows.mean(axis=0).astype(np.float32)
     std = data.rows.std(axis=0).astype(np.float32)
     scale = np.where(std > 1e-6, 1.0 / np.maximum(std, 1e-6), 0.0).astype(np.float32)
