@@ -279,9 +279,10 @@ def build_job(
     """Child side of `build_model_library`: plain arguments, plain result."""
     import tvm
 
-    from tunefarm import fastmath
+    from tunefarm import fastmath, hreduce
 
     fastmath.install()  # the same vectorizable exp/tanh/erf the tuned kernels were measured with
+    hreduce.register()  # and the same horizontal reductions (CPU targets)
     t0 = time.perf_counter()
     with open(mod_path) as f:
         fused = tvm.ir.load_json(f.read())
@@ -305,7 +306,8 @@ def build_job(
     target = _tvm_target(target_dict)
     try:
         with _lowering(target_dict, cuda_graph):
-            ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+            ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target),
+                             tir_pipeline="default" if is_gpu(target_dict) else hreduce.PIPELINE)
     except Exception as exc:
         raise ModelError(f"compiling failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
     try:
