@@ -137,3 +137,38 @@ def test_a_reduction_inside_a_vectorized_loop_is_left_to_tvm():
     sch.vectorize(j)
     body = _lowered_before_vectorize(sch.mod)["main"].body
     assert tvm_ffi.structural_equal(hreduce.rewrite(body), body)
+
+
+def _store(row_coeff: int, extent: int, *, outer_kind: str = "serial", write_uses_k: bool = False):
+    """A max over the innermost loop `k`: out[i] = max(out[i], x[i, row_coeff * k])."""
+    from tunefarm.search.space.dag import Affine, BufferSpec, OpCounts
+    from tunefarm.search.space.program import Access, Loop, Store
+
+    i, k = Loop("i", 64, False, outer_kind), Loop("k", extent, True)
+    x = BufferSpec("x", (64, extent * row_coeff), "float32", "input")
+    out = BufferSpec("out", (64, extent) if write_uses_k else (64,), "float32", "output")
+    write_ix = (Affine.var("i"), Affine.var("k")) if write_uses_k else (Affine.var("i"),)
+    return Store(
+        "out",
+        (i, k),
+        (Access(out, write_ix, True, True), Access(x, (Affine.var("i"), Affine.of({"k": row_coeff})), False, True)),
+        OpCounts(float_add_sub=1),
+        0,
+    )
+
+
+def test_the_features_count_a_horizontally_reduced_loop_as_vectorized():
+    from tunefarm.search import features
+
+    assert features.reduces_horizontally(_store(1, 16))
+    assert not features.reduces_horizontally(_store(2, 16))  # strided: stays a scalar chain
+    assert not features.reduces_horizontally(_store(1, 4))  # shorter than MIN_LANES
+    assert not features.reduces_horizontally(_store(1, 16, outer_kind="vectorized"))
+    assert not features.reduces_horizontally(_store(1, 16, write_uses_k=True))
+    # the same rows as a store whose loop is marked vectorized in the loop-nest model
+    from dataclasses import replace
+
+    store = _store(1, 16)
+    marked = replace(store, loops=(store.loops[0], replace(store.loops[1], kind="vectorized")))
+    rows = features._store_rows([store, marked])
+    np.testing.assert_array_equal(rows[0], rows[1])

@@ -29,8 +29,9 @@ import math
 
 import numpy as np
 
+from tunefarm import hreduce
 from tunefarm.gpu import GpuLimits
-from tunefarm.search.space.program import TENSORIZED, Access, Program, Store
+from tunefarm.search.space.program import BOUND_KINDS, TENSORIZED, Access, Program, Store
 
 CPU_FEATURE_VERSION = 1
 GPU_FEATURE_VERSION = 4
@@ -244,6 +245,9 @@ class _Batch:
         self.reduce[loop_store, loop_pos] = [lp.reduce for lp in loops]
         self.vec = np.zeros((S, L), dtype=bool)
         self.vec[loop_store, loop_pos] = [k == "vectorized" for k in kinds]
+        for si, st in enumerate(stores):  # compiled as a vector and a shuffle tree
+            if reduces_horizontally(st):
+                self.vec[si, len(st.loops) - 1] = True
         self.par = np.zeros((S, L), dtype=bool)
         self.par[loop_store, loop_pos] = [k == "parallel" for k in kinds]
         self.nloops = np.array(nloops, dtype=np.int64)
@@ -282,6 +286,28 @@ class _Batch:
         self.is_read = np.array([a.is_read for _, a, _ in accs], dtype=bool)
         self.is_write = np.array([a.is_write for _, a, _ in accs], dtype=bool)
         self.ndim = np.array([len(a.indices) for _, a, _ in accs], dtype=np.int64)
+
+
+def reduces_horizontally(store: Store) -> bool:
+    """Whether the store's innermost loop becomes vector code in a CPU build although it
+    is no vectorized loop: a serial reduction loop over `hreduce.MIN_LANES` to
+    `MAX_LANES` elements (even), that the written element does not depend on and that
+    every access depending on it walks with unit stride along the last dimension, inside
+    no vectorized loop (`tunefarm.hreduce`). The features then count it as vectorized."""
+    if not store.loops or store.is_init:
+        return False
+    inner = store.loops[-1]
+    if not inner.reduce or inner.kind != "serial" or any(lp.kind == "vectorized" or lp.kind in BOUND_KINDS for lp in store.loops):
+        return False
+    if not hreduce.MIN_LANES <= inner.extent <= hreduce.MAX_LANES or inner.extent % 2:
+        return False
+    for acc in store.accesses:
+        uses = [ix.coeff(inner.key) for ix in acc.indices]
+        if acc.is_write and any(uses):
+            return False
+        if any(uses) and (uses[-1] != 1 or any(uses[:-1])):
+            return False
+    return True
 
 
 def _store_rows(stores: list[Store]) -> np.ndarray:
