@@ -79,6 +79,8 @@ def _rewrite_loop(loop) -> Any | None:
 
     if loop.kind != tirx.ForKind.SERIAL or not _is_int(loop.min, 0) or not isinstance(loop.extent, tirx.IntImm):
         return None
+    if getattr(loop, "step", None) is not None and not _is_int(loop.step, 1):
+        return None
     lanes = int(loop.extent.value)
     if not MIN_LANES <= lanes <= MAX_LANES or _largest_power_of_two(lanes) < 2:
         return None
