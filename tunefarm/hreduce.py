@@ -30,6 +30,7 @@ tolerance; max and min are exact. Loops shorter than `MIN_LANES`, longer than
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 MIN_LANES = 8
@@ -276,10 +277,12 @@ _SPLIT_AT = "tirx.VectorizeLoop"
 """The pass of TVM's default TIR pipeline before which the rewrite runs."""
 
 
+@functools.cache
 def register() -> None:
-    """Register `PIPELINE`: TVM's default TIR pipeline with `horizontal_reductions()` run
-    just before it vectorizes loops. TVM's pipeline runs twice, each time with a pass
-    instrument that skips one side of `_SPLIT_AT` (its pass list stays TVM's)."""
+    """Register `PIPELINE` (once per process): TVM's default TIR pipeline with
+    `horizontal_reductions()` run just before it vectorizes loops. TVM's pipeline runs
+    twice, each time with a pass instrument that skips one side of `_SPLIT_AT` (its pass
+    list stays TVM's)."""
     import tvm
 
     default_pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
