@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from tvm.script import tirx as T  # noqa: E402
 
 from tunefarm.isolation import CallStatus, IsolatedWorker, summarize_error  # noqa: E402
 from tunefarm.measure.builder import LocalBuilder  # noqa: E402
-from tunefarm.measure.runner import LocalRunner, kernel_output_mismatch  # noqa: E402
+from tunefarm.measure.runner import LocalRunner, calls_per_flushed_repeat, kernel_output_mismatch  # noqa: E402
 from tunefarm.measure.task_data import add_expected_from, read_task_data, write_task_data  # noqa: E402
 from tunefarm.records import BuildInput, ErrorKind, RunInput, TimingConfig  # noqa: E402
 from tunefarm.target import host_target_dict  # noqa: E402
@@ -162,6 +163,32 @@ def test_slow_kernel_is_timed_once(gemm_built, runner):
     slow_cutoff = TimingConfig(repeat=3, min_repeat_ms=1.0, slow_cutoff_secs=0.0)
     (r,) = runner.run([run_input("naive", builds[0].artifact, task_data, wl, timing=slow_cutoff)])
     assert r.error_kind is ErrorKind.NONE and len(r.costs) == 1
+
+
+def test_flushing_before_every_call_gives_one_cost_per_repeat(gemm_built, runner):
+    wl, task_data, builds = gemm_built
+    flushed = TimingConfig(repeat=3, min_repeat_ms=1.0, flush_every_call=True, max_flushed_calls=4)
+    (r,) = runner.run([run_input("tiled", builds[1].artifact, task_data, wl, timing=flushed)])
+    assert r.error_kind is ErrorKind.NONE, r.error_msg
+    assert r.verified and len(r.costs) == 3 and all(c > 0 for c in r.costs)
+    assert r.flushed_calls
+    (warm,) = runner.run([run_input("tiled", builds[1].artifact, task_data, wl)])
+    assert not warm.flushed_calls
+
+
+def test_calls_per_flushed_repeat_fill_the_repeat_within_bounds():
+    timing = TimingConfig(min_repeat_ms=40.0, max_flushed_calls=64)
+    assert calls_per_flushed_repeat(timing, 0.010) == 4  # 40 ms of 10 ms calls
+    assert calls_per_flushed_repeat(timing, 1e-6) == 64  # capped
+    assert calls_per_flushed_repeat(timing, 2.0) == 1  # a slow kernel is called once
+    assert calls_per_flushed_repeat(replace(timing, max_flushed_calls=0), 1e-6) == 1
+
+
+def test_timing_reaches_an_agent_unchanged():
+    from services.protocol import wire
+
+    timing = TimingConfig(repeat=7, min_repeat_ms=12.5, flush_every_call=True, max_flushed_calls=9)
+    assert wire.timing_from_pb(wire.timing_to_pb(timing)) == timing
 
 
 def test_build_errors_do_not_spoil_the_batch(builder, target):

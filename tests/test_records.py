@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from tunefarm.errors import RecordError
-from tunefarm.records import Candidate, ErrorKind, MeasureRecord, median_cost
+from tunefarm.records import Candidate, ErrorKind, MeasureRecord, TimingConfig, median_cost
+from tunefarm.search.run import timed_like
 from tunefarm.store import JsonlRecordStore
 
 
@@ -40,6 +42,23 @@ def test_round_trip_keeps_every_field(tmp_path):
     assert records[0].cost == pytest.approx(1.5e-3) and records[0].is_valid
     assert math.isinf(records[1].cost) and not records[1].is_valid
     assert records[0].candidate == Candidate(0, records[0].decisions)
+
+
+def test_a_record_timed_flushed_before_every_call_says_so_and_others_do_not(tmp_path):
+    flushed = replace(rec(0), flushed_calls=True)
+    assert json.loads(flushed.to_json())["flushed_calls"] is True
+    assert "flushed_calls" not in json.loads(rec(1).to_json())
+    store = JsonlRecordStore(tmp_path / "r.jsonl")
+    store.append([flushed, rec(1)])
+    assert [r.flushed_calls for r in store.load()] == [True, False]
+
+
+def test_a_search_resumes_only_records_timed_as_it_times():
+    warm, flushed = rec(0), replace(rec(1), flushed_calls=True)
+    gpu = replace(rec(2), target={"kind": "cuda", "arch": "sm_90"})  # a GPU kernel is never flushed
+    assert timed_like([warm, flushed, gpu], TimingConfig()) == ([warm, gpu], 1)
+    assert timed_like([warm, flushed, gpu], TimingConfig(flush_every_call=True)) == ([flushed, gpu], 1)
+    assert timed_like([warm], TimingConfig(flush_every_call=True, flush_cache=False)) == ([warm], 0)
 
 
 def test_a_torn_line_is_skipped_and_later_appends_survive(tmp_path):

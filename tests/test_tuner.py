@@ -126,6 +126,29 @@ def test_tune_resume_and_apply_best(tmp_path, workers, host_target):
     np.testing.assert_allclose(c.numpy(), a @ b, rtol=1e-4, atol=1e-4)
 
 
+def test_a_run_timed_flushed_before_every_call_is_not_resumed_by_a_warm_one(tmp_path, host_target):
+    from tunefarm.tune import tune_workload
+
+    records, lines = tmp_path / "gemm.jsonl", []
+    flushed = replace(FAST, trials=6, timing=replace(FAST.timing, flush_every_call=True, max_flushed_calls=2))
+    first = tune_workload(gemm(), host_target, flushed, records=records, work_dir=tmp_path / "w1", pretrained=False,
+                          log=lines.append)  # fmt: skip
+    assert first.resumed == 0
+    assert all(r.flushed_calls for r in JsonlRecordStore(records).load())
+
+    again = tune_workload(gemm(), host_target, replace(flushed, trials=8), records=records, work_dir=tmp_path / "w2",
+                          pretrained=False, log=lines.append)  # fmt: skip
+    assert again.resumed == 6  # timed the same way: resumed
+
+    warm = replace(FAST, trials=6)
+    second = tune_workload(gemm(), host_target, warm, records=records, work_dir=tmp_path / "w3", pretrained=False,
+                           log=lines.append)  # fmt: skip
+    assert second.resumed == 0
+    assert any("left out 8 earlier measurements timed with the caches flushed before every call" in m for m in lines)
+    stored = JsonlRecordStore(records).load()
+    assert len(stored) == 14 and sum(not r.flushed_calls for r in stored) == 6
+
+
 class SabotagedRunner(LocalRunner):
     """Runs a crashing or a hanging kernel in place of some candidates."""
 

@@ -145,17 +145,30 @@ class TimingConfig:
     """How a runner times one kernel (TVM's time_evaluator underneath).
 
     One untimed warm-up run (which is also the run whose output is checked), then
-    `repeat` timed repeats, each at least `min_repeat_ms` long, with the CPU caches
-    flushed before each repeat. The cost of a repeat is its mean per-call time; the
-    record keeps all of them and reports their median.
+    `repeat` timed repeats, each at least `min_repeat_ms` long. The cost of a repeat is
+    its mean per-call time; the record keeps all of them and reports their median.
+
+    `flush_cache` (CPU kernels): every argument but the first (the weights and the
+    outputs; the first is the input, which a model's previous kernel has just written)
+    is flushed from the CPU caches before each repeat. With `flush_every_call` it is
+    flushed before every call instead, as it is in a model, where a kernel's weights
+    were last touched one inference ago: a repeat is then the mean of as many flushed
+    calls as fill `min_repeat_ms` of kernel time (at most `max_flushed_calls`), each
+    timed alone.
     """
 
     repeat: int = 5
     min_repeat_ms: float = 40.0
     flush_cache: bool = True
+    flush_every_call: bool = False
+    max_flushed_calls: int = 64
     # A kernel whose warm-up run already takes this long is timed once only: it cannot
     # be the best, and timing it properly would cost more than it tells.
     slow_cutoff_secs: float = 1.0
+
+    def flushes_every_call(self, *, on_gpu: bool) -> bool:
+        """Whether a kernel is timed with the caches flushed before every call (CPU only)."""
+        return self.flush_every_call and self.flush_cache and not on_gpu
 
 
 @dataclass(frozen=True)
@@ -188,6 +201,7 @@ class RunResult:
     verified: bool = False  # output was compared to the reference and matched
     digest: OutputDigest = ()  # fingerprint of the outputs of the warm-up run
     emulated: bool = False  # ran under an emulator: `costs` are the emulator's, not the device's
+    flushed_calls: bool = False  # timed with the caches flushed before every call (`TimingConfig.flush_every_call`)
 
     @property
     def median(self) -> float:
@@ -263,12 +277,16 @@ class MeasureRecord:
          "sketch": <int>, "sketch_sig": <str>, "decisions": {<slot>: int | [int...]},
          "trace": <TVM Trace.as_json()>, "costs": [seconds...], "error": <ErrorKind>,
          "error_msg": <str>, "build_secs": <float>, "run_secs": <float>,
-         "verified": <bool>, "time": <unix seconds>, "digest": [float...], "emulated": true}
+         "verified": <bool>, "time": <unix seconds>, "digest": [float...], "emulated": true,
+         "flushed_calls": true}
 
     `digest` (optional) fingerprints the kernel's outputs, so kernels can be checked
     against each other when a task has no reference. `emulated` (present only when true)
     says the kernel ran under an emulator (an agent under qemu-user): its output check
-    holds, its costs are the emulator's, not the device's.
+    holds, its costs are the emulator's, not the device's. `flushed_calls` (present only
+    when true) says its costs were timed with the caches flushed before every call
+    (`TimingConfig.flush_every_call`): such costs are higher than warm ones for the same
+    program, so a search compares only records timed the same way.
     """
 
     task: str
@@ -287,6 +305,7 @@ class MeasureRecord:
     timestamp: float
     digest: OutputDigest = ()
     emulated: bool = False
+    flushed_calls: bool = False
 
     @staticmethod
     def of(result: MeasureResult, *, workload: str, target: dict[str, Any], timestamp: float) -> MeasureRecord:
@@ -310,6 +329,7 @@ class MeasureRecord:
             timestamp=timestamp,
             digest=run.digest if run is not None else (),
             emulated=bool(run is not None and run.emulated),
+            flushed_calls=bool(run is not None and run.flushed_calls),
         )
 
     @property
@@ -349,6 +369,7 @@ class MeasureRecord:
                 "time": round(self.timestamp, 3),
                 **({"digest": list(self.digest)} if self.digest else {}),
                 **({"emulated": True} if self.emulated else {}),
+                **({"flushed_calls": True} if self.flushed_calls else {}),
             },
             separators=(",", ":"),
         )
@@ -375,4 +396,5 @@ class MeasureRecord:
             timestamp=float(d.get("time", 0.0)),
             digest=tuple(float(x) for x in d.get("digest", ())),
             emulated=bool(d.get("emulated", False)),
+            flushed_calls=bool(d.get("flushed_calls", False)),
         )

@@ -90,6 +90,7 @@ def _add_kernel_commands(sub) -> None:
     t.add_argument("--early-stopping", type=int, help="stop after this many trials without improvement")
     t.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
     t.add_argument("--no-progress", action="store_true", help="no live progress line")
+    model_commands.add_timing_args(t)
     model_commands.add_cost_model_args(t)
 
     a = sub.add_parser("apply-best", help="rebuild the best kernel of a records file, no search")
@@ -244,7 +245,8 @@ def _tune_op(args: argparse.Namespace) -> int:
     records = args.records or default_records_path(workload)
     if records.exists() and records.is_dir():
         raise UsageError(f"--records {records} is a directory")
-    config = TuneConfig(trials=args.trials, batch_size=args.batch_size, seed=args.seed, early_stopping=args.early_stopping)
+    config = TuneConfig(trials=args.trials, batch_size=args.batch_size, seed=args.seed, early_stopping=args.early_stopping,
+                        timing=model_commands.timing_config(args))  # fmt: skip
     callbacks = [] if args.no_progress else [ProgressView()]
     result = tune_workload(
         workload,

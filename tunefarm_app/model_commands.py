@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tunefarm.errors import ModelError, UsageError
+from tunefarm.records import TimingConfig
 from tunefarm_app.json_output import add_json_flag, emit_json, only_json
 
 
@@ -64,6 +65,7 @@ def add_commands(sub) -> None:
     )
     u.add_argument("--work-dir", type=Path, help="keep build artifacts and task data here")
     u.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live view")
+    add_timing_args(u)
     add_cost_model_args(u)
 
     r = sub.add_parser("run", help="run a tuned model and print its latency")
@@ -81,6 +83,21 @@ def add_commands(sub) -> None:
         "--no-peers", "--no-onnxruntime", dest="no_peers", action="store_true",
         help="do not time onnxruntime and OpenVINO on the model's reference.onnx",
     )
+
+
+def add_timing_args(p) -> None:
+    p.add_argument(
+        "--flush-every-call", action="store_true",
+        help="time each CPU kernel with its weights and outputs flushed from the caches before every call, as "
+        "they come in a model, each call timed alone (default: flushed before each repeat of many warm calls). "
+        "Estimates then match the model's latency more closely; earlier records timed the other way are not "
+        "resumed",
+    )
+
+
+def timing_config(args) -> TimingConfig:
+    """The kernels' timing that the command line asks for."""
+    return TimingConfig(flush_every_call=args.flush_every_call)
 
 
 def add_cost_model_args(p) -> None:
@@ -249,6 +266,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         algorithms=() if args.no_winograd else ALGORITHMS,
         precision=args.precision,
         final_rounds=args.final_rounds,
+        timing=timing_config(args),
     )
     report = result.report
     failed = False

@@ -121,6 +121,8 @@ def timing_to_pb(timing: TimingConfig) -> pb.Timing:
         min_repeat_ms=timing.min_repeat_ms,
         flush_cache=timing.flush_cache,
         slow_cutoff_secs=timing.slow_cutoff_secs,
+        flush_every_call=timing.flush_every_call,
+        max_flushed_calls=timing.max_flushed_calls,
     )
 
 
@@ -130,4 +132,6 @@ def timing_from_pb(msg: pb.Timing) -> TimingConfig:
         min_repeat_ms=msg.min_repeat_ms,
         flush_cache=msg.flush_cache,
         slow_cutoff_secs=msg.slow_cutoff_secs,
+        flush_every_call=msg.flush_every_call,
+        max_flushed_calls=msg.max_flushed_calls,
     )

@@ -20,7 +20,10 @@ What one run does (`run_kernel`), following `TimingConfig`:
 3. time with TVM's time_evaluator: `repeat` repeats of at least `min_repeat_ms` each,
    caches flushed before each (all arguments but the first; CPU kernels only); a kernel whose warm-up
    took longer than `slow_cutoff_secs` is timed once; `repeat` 0 times nothing (the
-   warm-up call's time is the only cost: runs that only produce outputs).
+   warm-up call's time is the only cost: runs that only produce outputs). With
+   `flush_every_call` the caches are flushed before every call instead, each call timed
+   alone, and a repeat is the mean of up to `max_flushed_calls` of them
+   (`calls_per_flushed_repeat`); the result then says `flushed_calls`.
 
 A CUDA kernel (`tunefarm.cuda` artifact) runs on the machine's GPU (`tvm.cuda(0)`): the
 inputs are copied to it, the library is loaded with the binary the build worker compiled
@@ -42,6 +45,7 @@ only the tuned model's own failure fails the run.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -370,7 +374,8 @@ def run_kernel(inp: RunInput) -> RunResult:
     if timing.repeat == 0:  # an output-only run (a reference): the warm-up is its only call
         return RunResult(inp.candidate_key, (warmup_secs,), time.perf_counter() - t0, verified=verified, digest=fingerprint)
     costs = _timed_costs(lib, dev, args, timing, on_gpu=on_gpu, warmup_secs=warmup_secs)
-    return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint)
+    return RunResult(inp.candidate_key, costs, time.perf_counter() - t0, verified=verified, digest=fingerprint,
+                     flushed_calls=timing.flushes_every_call(on_gpu=on_gpu))  # fmt: skip
 
 
 def _load_kernel(artifact: str, data: TaskData, *, on_gpu: bool) -> tuple[Any, Any, list[Any]]:
@@ -399,6 +404,8 @@ def _timed_costs(
     """The kernel's times (seconds per call) from TVM's time_evaluator, as `timing` asks: a
     kernel whose warm-up took longer than `slow_cutoff_secs` is timed once."""
     slow = warmup_secs > timing.slow_cutoff_secs
+    if timing.flushes_every_call(on_gpu=on_gpu) and not slow:
+        return _flushed_call_costs(lib, dev, args, timing, warmup_secs)
     evaluator = lib.time_evaluator(
         "main",
         dev,
@@ -409,6 +416,25 @@ def _timed_costs(
         f_preproc="cache_flush_cpu_non_first_arg" if timing.flush_cache and not on_gpu else "",
     )
     return tuple(float(c) for c in evaluator(*args).results)
+
+
+def _flushed_call_costs(lib, dev, args: list[Any], timing: TimingConfig, warmup_secs: float) -> tuple[float, ...]:
+    """`timing.repeat` costs, each the mean of `calls` single calls with the caches flushed
+    before every one (time_evaluator times each repeat alone: `number` 1)."""
+    calls = calls_per_flushed_repeat(timing, warmup_secs)
+    evaluator = lib.time_evaluator(
+        "main", dev, number=1, repeat=calls * timing.repeat, min_repeat_ms=0,
+        f_preproc="cache_flush_cpu_non_first_arg",
+    )  # fmt: skip
+    times = np.asarray(evaluator(*args).results, dtype=np.float64).reshape(timing.repeat, calls)
+    return tuple(float(c) for c in times.mean(axis=1))
+
+
+def calls_per_flushed_repeat(timing: TimingConfig, warmup_secs: float) -> int:
+    """How many flushed calls make one repeat: enough to fill `min_repeat_ms` at the
+    warm-up call's speed, at least 1 and at most `max_flushed_calls`."""
+    wanted = timing.min_repeat_ms / 1000.0 / max(warmup_secs, 1e-7)
+    return max(1, min(timing.max_flushed_calls, math.ceil(wanted)))
 
 
 def run_model_job(inp: ModelRunInput) -> None:

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tunefarm.gpu import is_gpu
 from tunefarm.measure import Measurer
-from tunefarm.records import MeasureRecord
+from tunefarm.records import MeasureRecord, TimingConfig
 from tunefarm.search.config import TuneConfig
 from tunefarm.search.cost_model import CostModel
 from tunefarm.search.session import SessionCallback, ShareBestPrograms, TuningSession
@@ -91,6 +92,13 @@ class Timeline(SessionCallback):
         )
 
 
+def timed_like(records: Sequence[MeasureRecord], timing: TimingConfig) -> tuple[list[MeasureRecord], int]:
+    """The records whose costs were timed as `timing` times (see `MeasureRecord.flushed_calls`),
+    and how many were not."""
+    same = [r for r in records if r.flushed_calls == timing.flushes_every_call(on_gpu=is_gpu(r.target))]
+    return same, len(records) - len(same)
+
+
 def build_session(
     tasks: Sequence[SearchTask],
     weights: Sequence[Mapping[str, int]],
@@ -111,7 +119,13 @@ def build_session(
     given, names the alternatives of one computation it belongs to) measured by
     `measurer`, resumed from `records` (this run's earlier measurements; any other task's
     seed the similar ones), its searches also seeded with `seeds` (another class's best
-    programs of these workloads); `max_in_flight` rounds out at once (`TuningSession`)."""
+    programs of these workloads); `max_in_flight` rounds out at once (`TuningSession`).
+    Records timed otherwise than `config.timing` (with or without the caches flushed
+    before every call) are left out: their costs do not compare with this run's."""
+    records, other_timing = timed_like(records, config.timing)
+    if other_timing:  # only CPU records are ever timed flushed
+        how = "with the caches warm" if config.timing.flush_every_call else "with the caches flushed before every call"
+        log(f"left out {other_timing} earlier measurements timed {how}: their costs do not compare with this run's")
     measure_tasks = measurer.prepare_all([(t.workload, t.key, t.target) for t in tasks])
     pace = SearchPace()
     similar = SimilarPrograms()  # each task's best, for its similar tasks to start from

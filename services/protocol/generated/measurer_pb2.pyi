@@ -191,16 +191,20 @@ class ArtifactRef(_message.Message):
     def __init__(self, kind: _Optional[_Union[ArtifactKind, str]] = ..., id: _Optional[int] = ..., file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., size: _Optional[int] = ..., signature: _Optional[bytes] = ..., signed_as: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("repeat", "min_repeat_ms", "flush_cache", "slow_cutoff_secs")
+    __slots__ = ("repeat", "min_repeat_ms", "flush_cache", "slow_cutoff_secs", "flush_every_call", "max_flushed_calls")
     REPEAT_FIELD_NUMBER: _ClassVar[int]
     MIN_REPEAT_MS_FIELD_NUMBER: _ClassVar[int]
     FLUSH_CACHE_FIELD_NUMBER: _ClassVar[int]
     SLOW_CUTOFF_SECS_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_EVERY_CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_FLUSHED_CALLS_FIELD_NUMBER: _ClassVar[int]
     repeat: int
     min_repeat_ms: float
     flush_cache: bool
     slow_cutoff_secs: float
-    def __init__(self, repeat: _Optional[int] = ..., min_repeat_ms: _Optional[float] = ..., flush_cache: _Optional[bool] = ..., slow_cutoff_secs: _Optional[float] = ...) -> None: ...
+    flush_every_call: bool
+    max_flushed_calls: int
+    def __init__(self, repeat: _Optional[int] = ..., min_repeat_ms: _Optional[float] = ..., flush_cache: _Optional[bool] = ..., slow_cutoff_secs: _Optional[float] = ..., flush_every_call: _Optional[bool] = ..., max_flushed_calls: _Optional[int] = ...) -> None: ...
 
 class LeasedCandidate(_message.Message):
     __slots__ = ("batch_candidate_id", "candidate_key", "kernel")
