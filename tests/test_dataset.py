@@ -24,11 +24,14 @@ def test_records_become_a_dataset_with_features_noise_and_provenance(tmp_path, c
     measured = store.load()
     good = [r for r in measured if not r.error_kind.is_error]
     assert good
-    # one emulated and one failed measurement more: never rows (the failed one on request)
+    # one emulated and one failed measurement more: never rows (the failed one on request);
+    # one timed with the caches flushed before every call: a row that says so
     store.append([dataclasses.replace(good[0], emulated=True),
-                  dataclasses.replace(good[0], costs=(), error_kind=ErrorKind.RUN_ERROR, error_msg="boom")])  # fmt: skip
+                  dataclasses.replace(good[0], costs=(), error_kind=ErrorKind.RUN_ERROR, error_msg="boom"),
+                  dataclasses.replace(good[0], flushed_calls=True)])  # fmt: skip
     rows, counts = export_records([records], device_class="avx512-test")
-    assert counts.rows == len(good) == len(rows) and counts.skipped_emulated == 1 and counts.skipped_errors >= 1
+    assert counts.rows == len(good) + 1 == len(rows) and counts.skipped_emulated == 1 and counts.skipped_errors >= 1
+    assert [r.flushed_calls for r in rows].count(True) == 1
     row = rows[0]
     assert row.device_class == "avx512-test" and json.loads(row.target) == good[0].target
     assert row.feature_version == 1 and all(len(f) == feature_width(1) for f in row.features) and row.features
@@ -37,13 +40,14 @@ def test_records_become_a_dataset_with_features_noise_and_provenance(tmp_path, c
     out = write_dataset(rows, tmp_path / "ds" / "mm.parquet", provenance={"command": "test", **counts.as_report()})
     back = read_dataset(out)
     assert len(back) == len(rows) and back[0]["task"] == row.task and back[0]["features"][0] == pytest.approx(row.features[0])
+    assert [r["flushed_calls"] for r in back] == [r.flushed_calls for r in rows]
     made = json.loads((tmp_path / "ds" / "mm.parquet.json").read_text())
     assert made["rows"] == len(rows) and made["command"] == "test" and made["skipped_emulated"] == 1
     with_errors, _ = export_records([records], include_errors=True)
     assert any(r.error == "run_error" for r in with_errors)
     capsys.readouterr()
     assert main(["dataset", str(records), "--out", str(tmp_path / "cli.parquet")]) == 0
-    assert f"{len(good)} measurements of 1 tasks" in capsys.readouterr().out
+    assert f"{len(good) + 1} measurements of 1 tasks" in capsys.readouterr().out
 
 
 def test_a_missing_records_file_is_one_line(tmp_path, capsys):

@@ -396,7 +396,7 @@ def _dataset(tmp_path, workloads=range(6)):
         rows.append(DatasetRow(
             device_class=r["device_class"], target=r["target"], task=r["task"], workload=r["workload"], flops=1e6,
             sketch_sig="s", candidate="c", decisions="{}", feature_version=1, features=r["features"], cost=r["cost"],
-            costs=[r["cost"]], noise=r["noise"], error="none", verified=True, timestamp=0.0, tvm_version="0.27.0",
+            costs=[r["cost"]], noise=r["noise"], flushed_calls=False, error="none", verified=True, timestamp=0.0, tvm_version="0.27.0",
             tunefarm_version="0.1.0", cpu_model="synthetic", cores=4, host="h", source="synthetic",
         ))  # fmt: skip
     return write_dataset(rows, tmp_path / "ds.parquet", provenance={"command": "synthetic"})

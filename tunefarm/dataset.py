@@ -5,7 +5,8 @@ One row per measured program (`DatasetRow`): the device class and target it was 
 for, the task and workload, the program (sketch, decisions) and its features (the
 per-store matrix the cost model reads, `tunefarm.search.features`, with its version),
 the measured time (median seconds and every repeat), its noise (the repeats' relative
-spread), whether the output was checked, and the environment it was measured in (TVM
+spread), how it was timed (warm, or with the caches flushed before every call), whether
+the output was checked, and the environment it was measured in (TVM
 and tunefarm versions, CPU model, cores, host). Emulated timings (an agent under
 qemu-user) are never rows: they are an emulator's, not a device's. Failed measurements
 are left out unless asked for (their time is none).
@@ -79,6 +80,7 @@ class DatasetRow:
     cost: float  # median seconds (inf for a failed measurement)
     costs: list[float]
     noise: float  # the repeats' standard deviation over their median (0 for fewer than 2)
+    flushed_calls: bool  # timed with the caches flushed before every call, not warm (`TimingConfig`)
     error: str
     verified: bool
     timestamp: float
@@ -205,6 +207,7 @@ def _task_rows(measured: MeasuredTask, records: list[MeasureRecord], counts: Exp
                 cost=r.cost,
                 costs=[float(c) for c in r.costs],
                 noise=_noise(r.costs),
+                flushed_calls=r.flushed_calls,
                 error=str(r.error_kind),
                 verified=r.verified,
                 timestamp=r.timestamp,
@@ -264,7 +267,7 @@ def _schema(pa) -> Any:
         ("device_class", pa.string()), ("target", pa.string()), ("task", pa.string()), ("workload", pa.string()),
         ("flops", pa.float64()), ("sketch_sig", pa.string()), ("candidate", pa.string()), ("decisions", pa.string()),
         ("feature_version", pa.int32()), ("features", pa.list_(pa.list_(pa.float32()))), ("cost", pa.float64()),
-        ("costs", pa.list_(pa.float64())), ("noise", pa.float64()), ("error", pa.string()), ("verified", pa.bool_()),
+        ("costs", pa.list_(pa.float64())), ("noise", pa.float64()), ("flushed_calls", pa.bool_()), ("error", pa.string()), ("verified", pa.bool_()),
         ("timestamp", pa.float64()), ("tvm_version", pa.string()), ("tunefarm_version", pa.string()),
         ("cpu_model", pa.string()), ("cores", pa.int32()), ("host", pa.string()), ("source", pa.string()),
     ])  # fmt: skip
