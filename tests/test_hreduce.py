@@ -11,7 +11,7 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 
 from tvm import te, tirx, topi  # noqa: E402
 
-from tunefarm import hreduce  # noqa: E402
+from tunefarm import hreduce, tir_pipeline  # noqa: E402
 
 TARGET = {"kind": "llvm", "num-cores": 2}
 
@@ -20,7 +20,7 @@ def _lowered_before_vectorize(mod):
     """`mod` through TVM's default pipeline up to the pass before which the rewrite runs."""
     pipeline, _, _ = tvm.tirx.get_tir_pipeline("default")
     mod = tvm.tirx.transform.BindTarget(tvm.target.Target(TARGET))(mod)
-    return hreduce._run_part(pipeline, mod, before_split=True)
+    return tir_pipeline.run_part(pipeline, mod, before_split=True)
 
 
 def _shuffles(body) -> int:
@@ -61,7 +61,7 @@ def _row_softmax(rows: int, n: int, decompose: bool):
 
 
 def _run(mod, *arrays, out_shape, pipeline):
-    hreduce.register()
+    tir_pipeline.register()
     lib = tvm.compile(mod, target=tvm.target.Target(TARGET), tir_pipeline=pipeline).jit()
     dev = tvm.cpu(0)
     out = tvm.runtime.empty(out_shape, "float32", dev)
@@ -88,7 +88,7 @@ def test_a_softmax_compiled_through_the_pipeline_matches_numpy(n, decompose):
     x = rng.standard_normal((64, n)).astype("float32") * 4
     ref = np.exp(x - x.max(-1, keepdims=True))
     ref /= ref.sum(-1, keepdims=True)
-    out = _run(_row_softmax(64, n, decompose), x, out_shape=x.shape, pipeline=hreduce.PIPELINE)
+    out = _run(_row_softmax(64, n, decompose), x, out_shape=x.shape, pipeline=tir_pipeline.PIPELINE)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-7)
 
 
@@ -106,7 +106,7 @@ def test_a_reduction_of_an_expression_of_the_row_is_rewritten_and_exact_within_r
     body = _lowered_before_vectorize(mod)["main"].body
     assert _shuffles(hreduce.rewrite(body)) > 0
     x = np.random.default_rng(0).standard_normal((32, 48)).astype("float32")
-    out = _run(mod, x, out_shape=(32,), pipeline=hreduce.PIPELINE)
+    out = _run(mod, x, out_shape=(32,), pipeline=tir_pipeline.PIPELINE)
     np.testing.assert_allclose(out, ((x - mean) ** 2).sum(-1), rtol=1e-5)
 
 

@@ -11,7 +11,7 @@ most x86 cores and very slow under the gather-data-sampling mitigation. A softma
 rows of 16 (a YOLOv8 DFL head, 8400 rows) ran 64 gathers per 16 rows.
 
 What: `horizontal_reductions()` is a TIR pass, run after buffers are flattened and before
-TVM vectorizes and unrolls loops (`tir_pipeline`). It rewrites
+TVM vectorizes and unrolls loops (`tunefarm.tir_pipeline`). It rewrites
 
     for k in range(L):                        # serial, innermost
         C[i] = C[i] <op> f(A[a + k], B[j], ...)
@@ -30,7 +30,6 @@ tolerance; max and min are exact. Loops shorter than `MIN_LANES`, longer than
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 MIN_LANES = 8
@@ -268,56 +267,3 @@ def _same(a, b) -> bool:
     import tvm_ffi
 
     return a.same_as(b) or tvm_ffi.structural_equal(a, b)
-
-
-PIPELINE = "tunefarm"
-"""The name `tvm.compile(..., tir_pipeline=PIPELINE)` takes once `register()` ran."""
-
-_SPLIT_AT = "tirx.VectorizeLoop"
-"""The pass of TVM's default TIR pipeline before which the rewrite runs."""
-
-
-@functools.cache
-def register() -> None:
-    """Register `PIPELINE` (once per process): TVM's default TIR pipeline with
-    `horizontal_reductions()` run just before it vectorizes loops. TVM's pipeline runs
-    twice, each time with a pass instrument that skips one side of `_SPLIT_AT` (its pass
-    list stays TVM's)."""
-    import tvm
-
-    default_pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
-
-    @tvm.transform.module_pass(opt_level=0, name="tunefarm.TirPipeline")
-    def pipeline(mod, _ctx):
-        mod = _run_part(default_pipeline, mod, before_split=True)
-        mod = horizontal_reductions()(mod)
-        return _run_part(default_pipeline, mod, before_split=False)
-
-    tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, lambda: (pipeline, finalize_host, finalize_device))
-
-
-def _run_part(pipeline, mod, *, before_split: bool):
-    """`pipeline` on `mod` with only the passes before `_SPLIT_AT` (or only it and those after)."""
-    import tvm
-
-    @tvm.instrument.pass_instrument
-    class _Half:
-        def __init__(self):
-            self.reached = False
-
-        def should_run(self, _mod, info):
-            if info.name == _SPLIT_AT:
-                self.reached = True
-            if info.name in _CONTAINERS:
-                return True
-            return self.reached != before_split
-
-    current = tvm.transform.PassContext.current()
-    with tvm.transform.PassContext(opt_level=current.opt_level, config=dict(current.config),
-                                   required_pass=list(current.required_pass), disabled_pass=list(current.disabled_pass),
-                                   instruments=[*current.instruments, _Half()]):
-        return pipeline(mod)
-
-
-_CONTAINERS = frozenset({"_pipeline", "sequential", "tvm.transform.Sequential"})
-"""Passes that only hold others (TVM's pipeline pass and its Sequential): always entered."""

@@ -149,13 +149,13 @@ def build_module(workload: str, trace: TraceJSON | None, target: dict[str, Any],
     """
     import tvm
 
-    from tunefarm import fastmath, hreduce, layout
+    from tunefarm import fastmath, layout, tir_pipeline
 
-    # Vectorizable exp/tanh/erf and horizontal reductions for scheduled programs; the
+    # Vectorizable exp/tanh/erf, whole vectors and horizontal reductions for scheduled programs; the
     # unscheduled program (a reference) keeps libm's and TVM's own lowering.
     if trace is not None:
         fastmath.install()
-        hreduce.register()
+        tir_pipeline.register()
     else:
         fastmath.uninstall()
     t0 = time.perf_counter()
@@ -181,7 +181,7 @@ def build_module(workload: str, trace: TraceJSON | None, target: dict[str, Any],
             ex = _step("compiling", tvm.compile, mod, target=tvm_target)
     else:
         tvm_target = _step("making the target", tvm.target.Target, target)
-        pipeline = hreduce.PIPELINE if trace is not None else "default"
+        pipeline = tir_pipeline.PIPELINE if trace is not None else "default"
         ex = _step("compiling", tvm.compile, mod, target=tvm_target, tir_pipeline=pipeline)
     _step("exporting the library", export_library, ex, out_path, target)
     return time.perf_counter() - t0

@@ -279,10 +279,10 @@ def build_job(
     """Child side of `build_model_library`: plain arguments, plain result."""
     import tvm
 
-    from tunefarm import fastmath, hreduce
+    from tunefarm import fastmath, tir_pipeline
 
     fastmath.install()  # the same vectorizable exp/tanh/erf the tuned kernels were measured with
-    hreduce.register()  # and the same horizontal reductions (CPU targets)
+    tir_pipeline.register()  # and the same TIR rewrites (CPU targets)
     t0 = time.perf_counter()
     with open(mod_path) as f:
         fused = tvm.ir.load_json(f.read())
@@ -307,7 +307,7 @@ def build_job(
     try:
         with _lowering(target_dict, cuda_graph):
             ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target),
-                             tir_pipeline="default" if is_gpu(target_dict) else hreduce.PIPELINE)
+                             tir_pipeline="default" if is_gpu(target_dict) else tir_pipeline.PIPELINE)
     except Exception as exc:
         raise ModelError(f"compiling failed: {summarize_error(f'{type(exc).__name__}: {exc}')}") from None
     try:
