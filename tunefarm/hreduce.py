@@ -10,8 +10,8 @@ each vector lane from another row: a gather per step (`vgatherqps`), which is sl
 most x86 cores and very slow under the gather-data-sampling mitigation. A softmax over
 rows of 16 (a YOLOv8 DFL head, 8400 rows) ran 64 gathers per 16 rows.
 
-What: `horizontal_reductions()` is a TIR pass, run after buffers are flattened and before
-TVM vectorizes and unrolls loops (`tunefarm.tir_pipeline`). It rewrites
+What: `rewrite()`, run on each function's body after buffers are flattened and before
+TVM vectorizes and unrolls loops (`tunefarm.tir_pipeline`), rewrites
 
     for k in range(L):                        # serial, innermost
         C[i] = C[i] <op> f(A[a + k], B[j], ...)
@@ -39,17 +39,6 @@ MAX_LANES = 512
 """Longest loop rewritten (one vector expression of this many lanes)."""
 
 _COMBINERS = ("Add", "Max", "Min")
-
-
-def horizontal_reductions():
-    """The TIR pass (a `prim_func_pass`) described in the module docstring."""
-    import tvm
-
-    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tunefarm.HorizontalReductions")
-    def _pass(func, _mod, _ctx):
-        return func.with_body(rewrite(func.body))
-
-    return _pass
 
 
 def rewrite(body: Any) -> Any:

@@ -28,11 +28,14 @@ def register() -> None:
 
     default_pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
 
+    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tunefarm.Rewrites")
+    def rewrites(func, _mod, _ctx):
+        return func.with_body(hreduce.rewrite(vector_split.rewrite(func.body)))
+
     @tvm.transform.module_pass(opt_level=0, name="tunefarm.TirPipeline")
     def pipeline(mod, _ctx):
         mod = run_part(default_pipeline, mod, before_split=True)
-        mod = vector_split.whole_vectors()(mod)
-        mod = hreduce.horizontal_reductions()(mod)
+        mod = rewrites(mod)
         return run_part(default_pipeline, mod, before_split=False)
 
     tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, lambda: (pipeline, finalize_host, finalize_device))

@@ -11,8 +11,8 @@ AVX-512. Channel counts such as 24, 40, 48, 72, 96 or 120 (MobileNets, detector 
 make such vectors the natural tile, so the search met them and had to learn to avoid
 them. Split, 24 lanes are three 8-lane vectors and run as fast as 16 (184.7 GFLOPS).
 
-What: `whole_vectors()` is a TIR pass, run with `tunefarm.hreduce`'s rewrite before TVM
-vectorizes loops (`tunefarm.tir_pipeline`). It rewrites
+What: `rewrite()`, run on each function's body with `tunefarm.hreduce`'s before TVM
+vectorizes loops (`tunefarm.tir_pipeline`), rewrites
 
     for v in vectorized(L):            # L = m * w, w the largest power of two dividing L
         body(v)
@@ -34,17 +34,6 @@ from typing import Any
 MIN_LANES = 4
 """The shortest vector a loop is split into (4 floats: one SSE/NEON register); a loop
 whose power-of-two part is shorter is left whole."""
-
-
-def whole_vectors():
-    """The TIR pass (a `prim_func_pass`) described in the module docstring."""
-    import tvm
-
-    @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tunefarm.WholeVectors")
-    def _pass(func, _mod, _ctx):
-        return func.with_body(rewrite(func.body))
-
-    return _pass
 
 
 def rewrite(body: Any) -> Any:
